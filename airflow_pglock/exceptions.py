@@ -1,0 +1,56 @@
+"""Errors raised by airflow-pglock. Pure: no Airflow, no database driver."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from airflow_pglock.keys import InvalidLockKeyError
+
+if TYPE_CHECKING:
+    from airflow_pglock.hooks.advisory_lock import LockHolder
+    from airflow_pglock.keys import LockKey
+
+__all__ = [
+    "InvalidLockKeyError",
+    "LockBusyError",
+    "LockConfigurationError",
+    "LockConnectionError",
+    "LockLostError",
+    "PgLockError",
+    "UnsafeSetupError",
+]
+
+
+class PgLockError(Exception):
+    """Base class of every airflow-pglock error."""
+
+
+class LockConfigurationError(PgLockError, ValueError):
+    """A setting the DAG author or operator must fix (connection, parameter, key template)."""
+
+
+class UnsafeSetupError(PgLockError):
+    """The database set-up cannot give mutual exclusion (standby, pooler, not PostgreSQL)."""
+
+
+class LockConnectionError(PgLockError):
+    """The lock database could not be reached or refused the login."""
+
+
+class LockBusyError(PgLockError):
+    """Another session holds the key (or the bounded wait for it ran out)."""
+
+    def __init__(self, message: str, key: LockKey, holders: Sequence[LockHolder] = ()) -> None:
+        super().__init__(message)
+        self.key = key
+        self.holders = tuple(holders)
+
+
+class LockLostError(PgLockError):
+    """The lock was lost while the protected work ran: another worker may run it now."""
+
+    def __init__(self, message: str, key: LockKey, cause: str) -> None:
+        super().__init__(message)
+        self.key = key
+        self.cause = cause

@@ -1,0 +1,34 @@
+"""Provider metadata, read by Airflow through the ``apache_airflow_provider`` entry point."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from airflow_pglock import __version__
+
+
+def get_provider_info() -> dict[str, Any]:
+    return {
+        "package-name": "airflow-provider-pglock",
+        "name": "PostgreSQL advisory locks (pglock)",
+        "description": "Guard Airflow tasks with PostgreSQL advisory try-locks: one run at a time per key, "
+        "across DAG runs, DAGs and Airflow deployments; the others are skipped and told who holds the lock.",
+        "versions": [__version__],
+        "integrations": [
+            {
+                "integration-name": "PostgreSQL advisory locks",
+                "external-doc-url": "https://www.postgresql.org/docs/current/explicit-locking.html#ADVISORY-LOCKS",
+                "tags": ["software"],
+            }
+        ],
+        "hooks": [
+            {
+                "integration-name": "PostgreSQL advisory locks",
+                "python-modules": ["airflow_pglock.hooks.advisory_lock"],
+            }
+        ],
+        "connection-types": [],
+        "task-decorators": [
+            {"name": "advisory_lock", "class-name": "airflow_pglock.decorators.advisory_lock.advisory_lock_task"},
+        ],
+    }

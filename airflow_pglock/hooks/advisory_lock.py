@@ -1,0 +1,581 @@
+"""AdvisoryLockHook: the only place in airflow-pglock that speaks SQL.
+
+Every lock gets its own dedicated psycopg 3 connection, opened for it and closed after
+it (never a pooled one: ``pg_try_advisory_lock`` returns true again on a session that
+already holds the key, so a reused session would let two tasks "both" hold it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import psycopg
+from psycopg import sql
+from psycopg.rows import dict_row
+
+from airflow_pglock.compat import BaseHook
+from airflow_pglock.exceptions import (
+    LockConfigurationError,
+    LockConnectionError,
+    PgLockError,
+    UnsafeSetupError,
+)
+from airflow_pglock.keys import LockKey
+from airflow_pglock.liveness import Liveness
+
+Scope = Literal["session", "transaction"]
+
+DEFAULT_CONNECT_TIMEOUT = 10
+MIN_SERVER_VERSION = 120000  # tcp_user_timeout needs PostgreSQL 12
+POSTGRES_CONN_TYPES = frozenset({"postgres", "postgresql"})
+# PostgresHook extras that are not libpq parameters (it drops these too).
+_NON_LIBPQ_EXTRAS = frozenset({"cursor", "pool_mode"})
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What a lock connection found at the other end.
+
+    :param backend_pid: ``pg_backend_pid()`` of the lock session.
+    :param reported_pid: the backend pid the wire protocol reported; a pooler fakes it.
+    """
+
+    backend_pid: int
+    reported_pid: int
+    version_num: int
+    version: str
+    database: str
+    server_addr: str | None
+    server_port: int | None
+    in_recovery: bool
+    started_at: dt.datetime
+
+    @property
+    def behind_pooler(self) -> bool:
+        """True when a connection pooler (PgBouncer, Odyssey, RDS Proxy...) sits in between."""
+        return self.reported_pid != self.backend_pid
+
+    @property
+    def server(self) -> str:
+        if self.server_addr is None:
+            return "local socket"
+        return f"{self.server_addr}:{self.server_port}"
+
+
+@dataclass(frozen=True)
+class LockHolder:
+    """A session that holds or waits for a key, as ``pg_locks`` and ``pg_stat_activity`` see it.
+
+    ``since`` is when the holder's session started; airflow-pglock opens a session per lock,
+    so for its holders that is within milliseconds of the acquisition.
+    """
+
+    pid: int
+    granted: bool
+    mode: str
+    application_name: str | None
+    client_addr: str | None
+    since: dt.datetime | None
+    waiting_since: dt.datetime | None
+    transaction_start: dt.datetime | None
+    user: str | None
+    state: str | None
+
+    def describe(self, now: dt.datetime | None = None) -> str:
+        """``pid 123 (application_name 'x', client 10.0.0.5) holding since 12:00:00 (3.1 s)``."""
+        role = "holding" if self.granted else "waiting"
+        start = self.since if self.granted else self.waiting_since
+        since = ""
+        if start is not None:
+            since = f" since {start.isoformat(timespec='seconds')}"
+            if now is not None:
+                since += f" ({(now - start).total_seconds():.1f} s)"
+        app = repr(self.application_name) if self.application_name else "unknown (no privilege or not set)"
+        client = self.client_addr or "local socket or hidden"
+        return f"pid {self.pid} (application_name {app}, client {client}) {role} {self.mode}{since}"
+
+
+@dataclass
+class HeldLock:
+    """A lock held on its own dedicated connection. Release it (or let a context manager).
+
+    :param key: the key held.
+    :param shared: whether the lock is shared (readers) rather than exclusive.
+    :param scope: ``"session"`` or ``"transaction"``.
+    :param connection: the dedicated connection; in transaction scope, do your database
+        work on it: it runs inside the transaction that holds the lock.
+    """
+
+    key: LockKey
+    shared: bool
+    scope: Scope
+    connection: psycopg.Connection[Any]
+    server: ServerInfo
+    hook: AdvisoryLockHook
+    acquired_at: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.UTC))
+    acquired_monotonic: float = field(default_factory=time.monotonic)
+    released: bool = False
+
+    def is_held(self) -> bool:
+        """Ask the server whether this session still holds the key (a round trip)."""
+        return self.hook.is_held(self.connection, self.key, self.shared)
+
+    def release(self) -> bool:
+        """Release the lock and close its connection. Idempotent.
+
+        Returns whether the lock was really held until now (False when it had been lost,
+        e.g. the session was terminated, or when it was released already). A transaction
+        lock is released by the end of its transaction: here that is a rollback.
+        """
+        if self.released:
+            return False
+        self.released = True
+        was_held = False
+        try:
+            if self.scope == "session" and not self.connection.closed:
+                was_held = self.hook.unlock(self.connection, self.key, shared=self.shared)
+            elif self.scope == "transaction" and not self.connection.closed:
+                was_held = self.hook.is_held(self.connection, self.key, self.shared)
+        except psycopg.Error:
+            was_held = False  # the connection broke: the server has dropped the lock with it
+        finally:
+            self.connection.close()
+        return was_held
+
+    @property
+    def held_seconds(self) -> float:
+        return time.monotonic() - self.acquired_monotonic
+
+
+class AdvisoryLockHook(BaseHook):
+    """PostgreSQL advisory locks on dedicated connections, read from an Airflow connection.
+
+    Reads a standard Airflow Postgres connection (host, port, schema = database, login,
+    password and libpq extras such as ``sslmode``, ``sslrootcert``, ``options``; IAM
+    tokens as ``PostgresHook`` does). Each lock connection differs from PostgresHook's in
+    three ways, each needed for a correct lock: autocommit (an aborted transaction can
+    never block the unlock), an ``application_name`` naming the holder, and liveness
+    settings that bound how long a dead holder keeps the lock.
+
+    :param postgres_conn_id: the Airflow connection id (conn type ``postgres``).
+    :param dsn: a libpq connection string or URI to use instead of an Airflow connection.
+    :param connect_timeout: seconds to wait for a connection (default 10; the
+        connection's own ``connect_timeout`` extra wins).
+    :param liveness: lease-derived liveness settings (default: a 30 s lease).
+    """
+
+    conn_name_attr = "postgres_conn_id"
+    default_conn_name = "postgres_default"
+    conn_type = "postgres"
+    hook_name = "PostgreSQL advisory lock"
+
+    def __init__(
+        self,
+        postgres_conn_id: str = default_conn_name,
+        *,
+        dsn: str | None = None,
+        connect_timeout: int = DEFAULT_CONNECT_TIMEOUT,
+        liveness: Liveness | None = None,
+    ) -> None:
+        super().__init__()
+        if dsn is None and (not isinstance(postgres_conn_id, str) or not postgres_conn_id.strip()):
+            raise LockConfigurationError(f"postgres_conn_id must be a non-empty string, got {postgres_conn_id!r}")
+        if isinstance(connect_timeout, bool) or not isinstance(connect_timeout, int) or connect_timeout < 1:
+            raise LockConfigurationError(
+                f"connect_timeout must be a whole number of seconds >= 1, got {connect_timeout!r}"
+            )
+        self.postgres_conn_id = postgres_conn_id
+        self.dsn = dsn
+        self.connect_timeout = connect_timeout
+        self.liveness = liveness or Liveness()
+        self._declared_pool_mode: str | None = None
+
+    # ----------------------------------------------------------------- connections
+
+    def connection_kwargs(self) -> dict[str, Any]:
+        """libpq parameters of the configured connection (no liveness, no app name)."""
+        if self.dsn is not None:
+            try:
+                return dict(psycopg.conninfo.conninfo_to_dict(self.dsn))
+            except psycopg.ProgrammingError as error:
+                raise LockConfigurationError(f"invalid DSN for the lock database: {error}") from None
+        return self._airflow_connection_kwargs()
+
+    def _airflow_connection_kwargs(self) -> dict[str, Any]:
+        from airflow.providers.postgres.hooks.postgres import PostgresHook
+
+        try:
+            airflow_conn = self.get_connection(self.postgres_conn_id)
+        except Exception as error:  # Airflow raises its own NotFound types, which differ by version
+            raise LockConfigurationError(
+                f"Airflow connection {self.postgres_conn_id!r} was not found ({type(error).__name__}: {error}); "
+                "create a connection of type 'postgres' with that id in the Airflow UI or as "
+                f"AIRFLOW_CONN_{self.postgres_conn_id.upper()}"
+            ) from None
+        conn_type = (airflow_conn.conn_type or "").lower()
+        if conn_type not in POSTGRES_CONN_TYPES:
+            raise LockConfigurationError(
+                f"Airflow connection {self.postgres_conn_id!r} has conn_type {airflow_conn.conn_type!r}; "
+                "advisory locks need a PostgreSQL connection (conn_type 'postgres')"
+            )
+        self._declared_pool_mode = airflow_conn.extra_dejson.get("pool_mode")
+
+        captured: dict[str, Any] = {}
+
+        class _ConnArgsOnly(PostgresHook):
+            # PostgresHook.get_conn() resolves extras and IAM tokens, then hands the libpq
+            # arguments to _create_connection: keep them, open nothing.
+            def _create_connection(self, conn_args: dict[str, Any]) -> Any:
+                captured.update(conn_args)
+                return None
+
+        postgres_hook = _ConnArgsOnly(postgres_conn_id=self.postgres_conn_id)
+        postgres_hook.connection = airflow_conn
+        postgres_hook.get_conn()
+        return {k: v for k, v in captured.items() if v is not None and k not in _NON_LIBPQ_EXTRAS}
+
+    def connect(self, application_name: str | None = None) -> psycopg.Connection[Any]:
+        """Open a new dedicated autocommit connection for one lock.
+
+        :param application_name: names the holder in ``pg_stat_activity``.
+        """
+        kwargs = self.connection_kwargs()
+        kwargs.setdefault("connect_timeout", self.connect_timeout)
+        for name, value in self.liveness.client_settings().items():
+            kwargs.setdefault(name, value)
+        if application_name:
+            kwargs["application_name"] = application_name
+        where = self.describe_target(kwargs)
+        try:
+            return psycopg.Connection.connect(autocommit=True, **kwargs)
+        except psycopg.ProgrammingError as error:
+            raise LockConfigurationError(
+                f"invalid connection settings for the lock database {where}: {error}"
+            ) from None
+        except psycopg.Error as error:
+            raise LockConnectionError(f"cannot connect to the lock database {where}: {error}".strip()) from error
+
+    def describe_target(self, kwargs: Mapping[str, Any] | None = None) -> str:
+        """``'db' on host:port as user (conn id 'x')``; never the password."""
+        kwargs = kwargs if kwargs is not None else self.connection_kwargs()
+        source = "DSN" if self.dsn is not None else f"conn id {self.postgres_conn_id!r}"
+        host = kwargs.get("host") or "local socket"
+        port = kwargs.get("port") or 5432
+        database = kwargs.get("dbname") or "(default database)"
+        user = kwargs.get("user") or "(default user)"
+        return f"{database!r} on {host}:{port} as {user!r} ({source})"
+
+    def server_started_at(self) -> dt.datetime | None:
+        """``pg_postmaster_start_time()`` on a fresh short connection; None if unreachable."""
+        try:
+            with psycopg.Connection.connect(
+                autocommit=True, **{**self.connection_kwargs(), "connect_timeout": 2}
+            ) as conn:
+                row = conn.execute("SELECT pg_postmaster_start_time()").fetchone()
+                return row[0] if row else None
+        except (psycopg.Error, PgLockError):
+            return None
+
+    def inspect_server(self, conn: psycopg.Connection[Any]) -> ServerInfo:
+        """Read what is at the other end of a lock connection, in one round trip."""
+        try:
+            row = conn.execute(
+                "SELECT pg_backend_pid(), current_setting('server_version_num')::int, version(),"
+                " current_database(), host(inet_server_addr()), inet_server_port(), pg_is_in_recovery(),"
+                " pg_postmaster_start_time()"
+            ).fetchone()
+        except psycopg.errors.UndefinedFunction as error:
+            raise UnsafeSetupError(f"the lock database does not look like PostgreSQL: {error}") from None
+        assert row is not None
+        return ServerInfo(
+            backend_pid=row[0],
+            reported_pid=conn.info.backend_pid,
+            version_num=row[1],
+            version=row[2],
+            database=row[3],
+            server_addr=row[4],
+            server_port=row[5],
+            in_recovery=row[6],
+            started_at=row[7],
+        )
+
+    def check_server(self, info: ServerInfo, scope: Scope) -> None:
+        """Refuse set-ups where an advisory lock would exclude nobody."""
+        if not info.version.startswith("PostgreSQL") or any(
+            fork in info.version for fork in ("Redshift", "CockroachDB", "YugabyteDB")
+        ):
+            raise UnsafeSetupError(
+                f"the lock database is not PostgreSQL ({info.version!r}); "
+                f"advisory locks need PostgreSQL {MIN_SERVER_VERSION // 10000}+"
+            )
+        if info.version_num < MIN_SERVER_VERSION:
+            raise UnsafeSetupError(
+                f"PostgreSQL {info.version_num} is too old; "
+                f"airflow-pglock needs PostgreSQL {MIN_SERVER_VERSION // 10000} or newer"
+            )
+        if info.in_recovery:
+            raise UnsafeSetupError(
+                f"the lock database {info.database!r} at {info.server} is a standby in recovery: advisory locks "
+                "are not replicated, so a lock taken there excludes nobody. Point the connection at the primary "
+                "(with libpq, target_session_attrs=read-write)"
+            )
+        if scope == "session" and info.behind_pooler and self._declared_pool_mode != "session":
+            raise UnsafeSetupError(
+                f"the lock connection goes through a connection pooler (the pooler reported backend pid "
+                f"{info.reported_pid}, the server says {info.backend_pid}). A session-level advisory lock is unsafe "
+                "under transaction pooling (PgBouncer's pool_mode=transaction): the next statement may run on "
+                "another server session. Use mode='transaction' (transaction-level locks work through PgBouncer), "
+                "connect directly to PostgreSQL, or, if the pooler really runs in session pooling, set the "
+                'connection extra {"pool_mode": "session"}'
+            )
+
+    def apply_liveness(self, conn: psycopg.Connection[Any], *, local: bool) -> None:
+        """Set the server-side liveness settings; ``local`` = for the current transaction only."""
+        settings = self.liveness.server_settings(transaction=local)
+        selects = sql.SQL(", ").join(
+            sql.SQL("set_config({}, {}, {})").format(sql.Literal(name), sql.Placeholder(), sql.Literal(local))
+            for name in settings
+        )
+        conn.execute(sql.SQL("SELECT {}").format(selects), list(settings.values()))
+
+    def open_lock_session(
+        self, application_name: str | None, scope: Scope
+    ) -> tuple[psycopg.Connection[Any], ServerInfo]:
+        """Connect, check the server and set liveness; on any error nothing is left open."""
+        conn = self.connect(application_name)
+        try:
+            info = self.inspect_server(conn)
+            self.check_server(info, scope)
+            if scope == "session":
+                self.apply_liveness(conn, local=False)
+            return conn, info
+        except BaseException:
+            conn.close()
+            raise
+
+    # ------------------------------------------------------------------ primitives
+
+    @staticmethod
+    def _call(function: str, key: LockKey) -> sql.Composed:
+        casts = [sql.SQL("%s::bigint")] if not key.is_pair else [sql.SQL("%s::integer")] * 2
+        return sql.SQL("SELECT {}({})").format(sql.Identifier(function), sql.SQL(", ").join(casts))
+
+    @staticmethod
+    def _function(base: str, shared: bool) -> str:
+        return f"{base}_shared" if shared else base
+
+    def try_lock(
+        self, conn: psycopg.Connection[Any], key: LockKey, *, shared: bool = False, scope: Scope = "session"
+    ) -> bool:
+        """One ``pg_try_advisory[_xact]_lock[_shared]`` on ``conn``; True if taken."""
+        base = "pg_try_advisory_lock" if scope == "session" else "pg_try_advisory_xact_lock"
+        row = conn.execute(self._call(self._function(base, shared), key), key.numbers).fetchone()
+        return bool(row and row[0])
+
+    def wait_lock(
+        self,
+        conn: psycopg.Connection[Any],
+        key: LockKey,
+        timeout: float,
+        *,
+        shared: bool = False,
+        scope: Scope = "session",
+    ) -> bool:
+        """Wait at most ``timeout`` seconds for the key, enforced by the server (``lock_timeout``).
+
+        Returns False when the wait timed out; a timed-out wait holds nothing.
+        """
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+            raise LockConfigurationError(f"wait timeout must be a positive number of seconds, got {timeout!r}")
+        base = "pg_advisory_lock" if scope == "session" else "pg_advisory_xact_lock"
+        statement = self._call(self._function(base, shared), key)
+        timeout_ms = f"{max(1, round(timeout * 1000))}ms"
+        set_timeout = "SELECT set_config('lock_timeout', %s, true)"
+        try:
+            if scope == "session":
+                # SET LOCAL in a short transaction: the session lock outlives the commit, the timeout doesn't.
+                with conn.transaction():
+                    conn.execute(set_timeout, [timeout_ms])
+                    conn.execute(statement, key.numbers)
+            else:
+                with conn.transaction(savepoint_name="pglock_wait"):
+                    conn.execute(set_timeout, [timeout_ms])
+                    conn.execute(statement, key.numbers)
+                conn.execute("SELECT set_config('lock_timeout', '0', true)")
+        except psycopg.errors.LockNotAvailable:
+            return False
+        return True
+
+    @staticmethod
+    def commit(conn: psycopg.Connection[Any]) -> None:
+        """COMMIT, and fail loudly if PostgreSQL rolled back instead (an aborted transaction)."""
+        status = conn.execute("COMMIT").statusmessage
+        if status != "COMMIT":
+            raise psycopg.errors.InFailedSqlTransaction(
+                f"the lock transaction was aborted by an earlier error, so PostgreSQL answered COMMIT with {status}: "
+                "nothing was committed"
+            )
+
+    def unlock(self, conn: psycopg.Connection[Any], key: LockKey, *, shared: bool = False) -> bool:
+        """``pg_advisory_unlock[_shared]``: True if this session held the key."""
+        row = conn.execute(self._call(self._function("pg_advisory_unlock", shared), key), key.numbers).fetchone()
+        return bool(row and row[0])
+
+    def is_held(self, conn: psycopg.Connection[Any], key: LockKey, shared: bool = False) -> bool:
+        """Whether this very session holds the key now (reads ``pg_locks``, takes nothing)."""
+        classid, objid, objsubid = key.pg_locks
+        row = conn.execute(
+            "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()"
+            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+            " AND classid = %s AND objid = %s AND objsubid = %s AND mode = %s AND granted)",
+            [classid, objid, objsubid, "ShareLock" if shared else "ExclusiveLock"],
+        ).fetchone()
+        return bool(row and row[0])
+
+    def holders_on(self, conn: psycopg.Connection[Any], key: LockKey) -> list[LockHolder]:
+        """Holders and waiters of ``key`` in the connection's database, holders first."""
+        classid, objid, objsubid = key.pg_locks
+        with conn.cursor(row_factory=dict_row) as cur:
+            rows = cur.execute(
+                "SELECT l.pid, l.granted, l.mode, a.application_name, host(a.client_addr) AS client_addr,"
+                " a.backend_start, l.waitstart, a.xact_start, a.usename, a.state"
+                " FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid"
+                " WHERE l.locktype = 'advisory'"
+                " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+                " AND l.classid = %s AND l.objid = %s AND l.objsubid = %s"
+                " ORDER BY l.granted DESC, l.waitstart NULLS FIRST, l.pid",
+                [classid, objid, objsubid],
+            ).fetchall()
+        return [
+            LockHolder(
+                pid=row["pid"],
+                granted=row["granted"],
+                mode=row["mode"],
+                application_name=row["application_name"],
+                client_addr=row["client_addr"],
+                since=row["backend_start"],
+                waiting_since=row["waitstart"],
+                transaction_start=row["xact_start"],
+                user=row["usename"],
+                state=row["state"],
+            )
+            for row in rows
+        ]
+
+    # --------------------------------------------------------------- lock objects
+
+    def holders(self, key: LockKey | str | int | tuple[int, int]) -> list[LockHolder]:
+        """Who holds or waits for ``key`` (pid, application_name, client, since), without touching it."""
+        lock_key = LockKey.coerce(key)
+        with self.connect("pglock inspect") as conn:
+            return self.holders_on(conn, lock_key)
+
+    def acquire_lock(
+        self,
+        key: LockKey | str | int | tuple[int, int],
+        *,
+        shared: bool,
+        scope: Scope,
+        timeout: float | None,
+        application_name: str | None,
+    ) -> HeldLock | None:
+        """Open a dedicated connection and take the lock on it; None (and no connection) if busy.
+
+        :param scope: ``"session"`` (autocommit; held until released) or ``"transaction"``
+            (a transaction is opened and stays open; the lock ends with it).
+        :param timeout: None to try once, or seconds to wait (enforced by the server).
+        """
+        lock_key = LockKey.coerce(key)
+        conn, info = self.open_lock_session(application_name, scope)
+        try:
+            if scope == "transaction":
+                conn.execute("BEGIN")
+                self.apply_liveness(conn, local=True)
+            if timeout is None:
+                acquired = self.try_lock(conn, lock_key, shared=shared, scope=scope)
+            else:
+                acquired = self.wait_lock(conn, lock_key, timeout, shared=shared, scope=scope)
+        except BaseException:
+            conn.close()
+            raise
+        if not acquired:
+            conn.close()
+            return None
+        return HeldLock(key=lock_key, shared=shared, scope=scope, connection=conn, server=info, hook=self)
+
+    def try_acquire(
+        self,
+        key: LockKey | str | int | tuple[int, int],
+        *,
+        shared: bool = False,
+        application_name: str | None = None,
+    ) -> HeldLock | None:
+        """Try once to take a session lock on a new dedicated connection; None if busy."""
+        return self.acquire_lock(key, shared=shared, scope="session", timeout=None, application_name=application_name)
+
+    def acquire(
+        self,
+        key: LockKey | str | int | tuple[int, int],
+        *,
+        timeout: float,
+        shared: bool = False,
+        application_name: str | None = None,
+    ) -> HeldLock | None:
+        """Wait at most ``timeout`` seconds (server-side) for a session lock; None if it ran out."""
+        return self.acquire_lock(
+            key, shared=shared, scope="session", timeout=timeout, application_name=application_name
+        )
+
+    @contextlib.contextmanager
+    def session_lock(
+        self,
+        key: LockKey | str | int | tuple[int, int],
+        *,
+        shared: bool = False,
+        timeout: float | None = None,
+        application_name: str | None = None,
+    ) -> Iterator[HeldLock | None]:
+        """Hold a session lock for the ``with`` block; yields None when the key is busy.
+
+        The lock is released and its connection closed when the block ends, however it ends.
+        """
+        held = self.acquire_lock(
+            key, shared=shared, scope="session", timeout=timeout, application_name=application_name
+        )
+        try:
+            yield held
+        finally:
+            if held is not None:
+                held.release()
+
+    @contextlib.contextmanager
+    def transaction_lock(
+        self,
+        key: LockKey | str | int | tuple[int, int],
+        *,
+        shared: bool = False,
+        timeout: float | None = None,
+        application_name: str | None = None,
+    ) -> Iterator[HeldLock | None]:
+        """Hold a transaction lock; do your database work on ``held.connection``.
+
+        The transaction commits when the block ends normally (releasing the lock with it)
+        and rolls back when it raises. Yields None when the key is busy.
+        """
+        held = self.acquire_lock(
+            key, shared=shared, scope="transaction", timeout=timeout, application_name=application_name
+        )
+        if held is None:
+            yield None
+            return
+        try:
+            yield held
+            self.commit(held.connection)
+        finally:
+            held.released = True
+            held.connection.close()  # closing an open transaction rolls it back

@@ -1,0 +1,157 @@
+"""Advisory lock keys: human names and numbers, mapped the same way everywhere.
+
+Pure module: no I/O, no Airflow. A key is one of
+
+* a *name* (any non-empty text) -> int64 = first 8 bytes of SHA-256(UTF-8 name),
+  big-endian, signed. PostgreSQL computes the same value with :data:`NAME_TO_KEY_SQL`.
+* an explicit int64, used unchanged (to share a lock with an application that already
+  uses numeric keys);
+* an (int32, int32) pair, used unchanged. PostgreSQL keeps the one-int64 and the
+  two-int32 key spaces apart, so ``(0, 5)`` and ``5`` are different locks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+INT32_MIN = -(2**31)
+INT32_MAX = 2**31 - 1
+
+#: SQL that computes a name's key in PostgreSQL; ``%s`` is the name (a bound parameter).
+NAME_TO_KEY_SQL = "('x' || left(encode(sha256(convert_to(%s, 'UTF8')), 'hex'), 16))::bit(64)::bigint"
+
+#: Separator between the parts of a derived name: DAG id, task id, tenant. Airflow ids
+#: never contain it, so ``dag/task`` cannot be confused with another DAG's task.
+NAME_SEPARATOR = "/"
+
+
+class InvalidLockKeyError(ValueError):
+    """A key (name, number or pair) that cannot be an advisory lock key."""
+
+
+def int64_from_name(name: str) -> int:
+    """The int64 of a name: first 8 bytes of SHA-256(UTF-8 name), big-endian, signed."""
+    digest = hashlib.sha256(name.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def _sql_literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+@dataclass(frozen=True)
+class LockKey:
+    """An advisory lock key: what a person calls it and what PostgreSQL calls it.
+
+    Build one with :meth:`from_name`, :meth:`from_int`, :meth:`from_pair` or
+    :meth:`coerce`; the constructor is not meant to be called directly.
+
+    :param name: the human name, or ``None`` for a bare numeric key.
+    :param numbers: the arguments of ``pg_*advisory*`` functions: ``(int64,)`` or
+        ``(int32, int32)``.
+    """
+
+    name: str | None
+    numbers: tuple[int] | tuple[int, int]
+
+    @classmethod
+    def from_name(cls, name: str) -> LockKey:
+        """A key from a human name (hashed with SHA-256, see the module docstring)."""
+        if not isinstance(name, str):
+            raise InvalidLockKeyError(f"lock key name must be a string, got {name!r} ({type(name).__name__})")
+        if not name.strip():
+            raise InvalidLockKeyError(f"lock key name must be non-empty text, got {name!r}")
+        if "\x00" in name:
+            raise InvalidLockKeyError(f"lock key name must not contain NUL characters, got {name!r}")
+        return cls(name=name, numbers=(int64_from_name(name),))
+
+    @classmethod
+    def from_int(cls, value: int, name: str | None = None) -> LockKey:
+        """An explicit int64 key, used unchanged."""
+        _check_int("int64 lock key", value, INT64_MIN, INT64_MAX)
+        return cls(name=name, numbers=(value,))
+
+    @classmethod
+    def from_pair(cls, first: int, second: int, name: str | None = None) -> LockKey:
+        """An explicit (int32, int32) key, used unchanged."""
+        _check_int("first int32 of the lock key pair", first, INT32_MIN, INT32_MAX)
+        _check_int("second int32 of the lock key pair", second, INT32_MIN, INT32_MAX)
+        return cls(name=name, numbers=(first, second))
+
+    @classmethod
+    def coerce(cls, value: Any) -> LockKey:
+        """A key from whatever a DAG author may pass: a LockKey, str, int or (int, int)."""
+        if isinstance(value, LockKey):
+            return value
+        if isinstance(value, str):
+            return cls.from_name(value)
+        if isinstance(value, bool):
+            raise InvalidLockKeyError(f"lock key must be a name, an int64 or an (int32, int32) pair, got {value!r}")
+        if isinstance(value, int):
+            return cls.from_int(value)
+        if isinstance(value, tuple | list) and len(value) == 2:
+            return cls.from_pair(value[0], value[1])
+        raise InvalidLockKeyError(
+            f"lock key must be a name (str), an int64 or an (int32, int32) pair, got {value!r} ({type(value).__name__})"
+        )
+
+    @classmethod
+    def for_task(cls, dag_id: str, task_id: str, tenant: str | None = None, base: str | None = None) -> LockKey:
+        """The key of a task: ``base`` (default ``dag_id/task_id``), then ``/tenant`` if any."""
+        name = base if base is not None else f"{dag_id}{NAME_SEPARATOR}{task_id}"
+        if tenant is not None:
+            tenant_text = str(tenant)
+            if not tenant_text.strip():
+                raise InvalidLockKeyError(f"tenant must be non-empty, got {tenant!r} for key {name!r}")
+            name = f"{name}{NAME_SEPARATOR}{tenant_text}"
+        return cls.from_name(name)
+
+    @property
+    def is_pair(self) -> bool:
+        return len(self.numbers) == 2
+
+    @property
+    def int64(self) -> int | None:
+        """The int64 key, or ``None`` for a pair."""
+        return None if self.is_pair else self.numbers[0]
+
+    @property
+    def pg_locks(self) -> tuple[int, int, int]:
+        """``(classid, objid, objsubid)`` of this key in ``pg_locks`` (unsigned oids)."""
+        if self.is_pair:
+            first, second = self.numbers  # type: ignore[misc]
+            return first & 0xFFFFFFFF, second & 0xFFFFFFFF, 2
+        value = self.numbers[0] & 0xFFFFFFFFFFFFFFFF
+        return value >> 32, value & 0xFFFFFFFF, 1
+
+    @property
+    def sql(self) -> str:
+        """A standalone SQL expression for this key's arguments (for docs and other apps)."""
+        if self.name is not None and not self.is_pair and self.numbers[0] == int64_from_name(self.name):
+            return NAME_TO_KEY_SQL.replace("%s", _sql_literal(self.name))
+        return ", ".join(str(number) for number in self.numbers)
+
+    @property
+    def numbers_text(self) -> str:
+        return ", ".join(str(number) for number in self.numbers)
+
+    def describe(self) -> str:
+        """``'name' (int64 N)`` or ``(int32 pair A, B)``: how logs and errors name a key."""
+        kind = "int32 pair" if self.is_pair else "int64"
+        if self.name is None:
+            return f"key ({kind} {self.numbers_text})"
+        return f"key {self.name!r} ({kind} {self.numbers_text})"
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+def _check_int(what: str, value: Any, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidLockKeyError(f"{what} must be an integer, got {value!r} ({type(value).__name__})")
+    if not low <= value <= high:
+        raise InvalidLockKeyError(f"{what} must be between {low} and {high}, got {value}")
