@@ -1,0 +1,111 @@
+"""Shared fixtures: a real PostgreSQL (PGLOCK_TEST_DSN or a throwaway cluster) and a real Airflow.
+
+Airflow reads AIRFLOW_HOME when it is first imported, so the throwaway Airflow home is
+set up here, at import time, before any test module imports airflow.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+AIRFLOW_HOME = Path(tempfile.mkdtemp(prefix="pglock-airflow-home-"))
+DAGS_FOLDER = AIRFLOW_HOME / "dags"
+DAGS_FOLDER.mkdir()
+os.environ.update(
+    {
+        "AIRFLOW_HOME": str(AIRFLOW_HOME),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS_FOLDER),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
+        "AIRFLOW__LOGGING__COLORED_CONSOLE_LOG": "False",
+    }
+)
+
+from devtools.pgcluster import Cluster  # noqa: E402
+from tests.helpers import TEST_CONN_ID, wait_until_no_sessions  # noqa: E402
+
+TEST_DATABASE = "pglock_tests"
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    shutil.rmtree(AIRFLOW_HOME, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[str]:
+    """DSN of a PostgreSQL server the tests may create databases on."""
+    configured = os.environ.get("PGLOCK_TEST_DSN")
+    if configured:
+        yield configured
+        return
+    cluster = Cluster().init().start()
+    try:
+        yield cluster.dsn
+    finally:
+        cluster.destroy()
+
+
+@pytest.fixture(scope="session")
+def dsn(pg_server: str) -> str:
+    """A fresh database for this test session; the Airflow connection TEST_CONN_ID points at it."""
+    import psycopg
+    from psycopg import sql
+
+    with psycopg.connect(pg_server, autocommit=True) as conn:
+        conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
+            [TEST_DATABASE],
+        )
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {}").format(sql.Identifier(TEST_DATABASE)))
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(TEST_DATABASE)))
+    info = psycopg.conninfo.conninfo_to_dict(pg_server)
+    info["dbname"] = TEST_DATABASE
+    test_dsn = psycopg.conninfo.make_conninfo(**info)
+    uri = "postgresql://{user}@{host}:{port}/{db}".format(
+        user=info.get("user", "postgres"), host=info.get("host", "127.0.0.1"), port=info.get("port", 5432), db=TEST_DATABASE
+    )
+    os.environ[f"AIRFLOW_CONN_{TEST_CONN_ID.upper()}"] = uri
+    os.environ["AIRFLOW_CONN_POSTGRES_DEFAULT"] = uri
+    return test_dsn
+
+
+@pytest.fixture
+def admin(dsn: str) -> Iterator[object]:
+    """An autocommit connection for assertions; after the test, no other session may remain."""
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True, application_name="pglock-tests admin") as conn:
+        yield conn
+        leftovers = wait_until_no_sessions(conn)
+        assert leftovers == [], f"sessions left open by the test: {leftovers}"
+
+
+@pytest.fixture
+def hook(dsn: str) -> object:
+    from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+
+    return AdvisoryLockHook(dsn=dsn)
+
+
+@pytest.fixture(scope="session")
+def airflow_db(dsn: str) -> Path:
+    """A migrated Airflow metadata DB (SQLite) in the throwaway AIRFLOW_HOME."""
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "airflow", "db", "migrate"], capture_output=True, text=True, env=os.environ.copy()
+    )
+    assert result.returncode == 0, f"airflow db migrate failed:\n{result.stdout}\n{result.stderr}"
+    assert time.monotonic() - started < 600
+    return AIRFLOW_HOME

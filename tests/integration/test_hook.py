@@ -1,0 +1,221 @@
+"""AdvisoryLockHook on a real PostgreSQL: exclusion, shared locks, bounded waits, release, holders."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import psycopg
+import pytest
+
+from airflow_pglock.exceptions import LockConnectionError, LockConfigurationError
+from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+from airflow_pglock.keys import NAME_TO_KEY_SQL, LockKey
+from tests.helpers import advisory_locks
+
+NAMES = ["refresh-forecasts", "daily-settlement", "tenant-export/Zürich", "北京/导出", "emoji 🚀 key", "it's"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_sql_expression_equals_python(admin: Any, name: str) -> None:
+    key = LockKey.from_name(name)
+    assert admin.execute(f"SELECT {NAME_TO_KEY_SQL}", [name]).fetchone()[0] == key.numbers[0]
+    assert admin.execute(f"SELECT {key.sql}").fetchone()[0] == key.numbers[0]
+
+
+@pytest.mark.parametrize("key", [LockKey.from_name("coords"), LockKey.from_int(-5), LockKey.from_pair(-1, 2)])
+def test_pg_locks_coordinates_match_the_server(hook: AdvisoryLockHook, admin: Any, key: LockKey) -> None:
+    with hook.session_lock(key) as held:
+        assert held is not None
+        [(pid, classid, objid, objsubid, granted)] = advisory_locks(admin)
+        assert (classid, objid, objsubid) == key.pg_locks
+        assert pid == held.server.backend_pid and granted
+
+
+def test_two_sessions_classic(hook: AdvisoryLockHook, admin: Any) -> None:
+    key = LockKey.from_name("classic")
+    first = hook.try_acquire(key, application_name="pglock test A")
+    assert first is not None
+    assert hook.try_acquire(key) is None  # B is refused while A holds it
+    assert first.release() is True
+    second = hook.try_acquire(key)
+    assert second is not None
+    assert second.release() is True
+    assert advisory_locks(admin) == []
+
+
+def test_transaction_lock_released_by_commit(hook: AdvisoryLockHook, admin: Any) -> None:
+    key = LockKey.from_pair(42, 1001)
+    with hook.transaction_lock(key) as held:
+        assert held is not None
+        assert hook.try_acquire(key) is None
+    again = hook.try_acquire(key)
+    assert again is not None and again.release()
+
+
+def test_shared_and_exclusive(hook: AdvisoryLockHook, admin: Any) -> None:
+    key = LockKey.from_name("readers-writer")
+    reader_a = hook.try_acquire(key, shared=True)
+    reader_b = hook.try_acquire(key, shared=True)
+    assert reader_a is not None and reader_b is not None
+    assert hook.try_acquire(key) is None  # a writer waits for the readers
+    assert reader_a.release() and reader_b.release()
+    writer = hook.try_acquire(key)
+    assert writer is not None
+    assert hook.try_acquire(key, shared=True) is None  # readers wait for the writer
+    assert writer.release()
+
+
+def test_bounded_wait_times_out_and_leaves_nothing(hook: AdvisoryLockHook, admin: Any) -> None:
+    key = LockKey.from_name("bounded-wait")
+    holder = hook.try_acquire(key)
+    assert holder is not None
+    started = time.monotonic()
+    assert hook.acquire(key, timeout=0.3) is None
+    assert 0.25 <= time.monotonic() - started < 5
+    # Only the holder's lock remains: the timed-out waiter left no lock and no waiting entry.
+    assert [(pid, granted) for pid, *_, granted in advisory_locks(admin)] == [(holder.server.backend_pid, True)]
+    assert holder.release()
+
+
+def test_bounded_wait_succeeds_when_released_in_time(hook: AdvisoryLockHook, admin: Any) -> None:
+    key = LockKey.from_name("wait-then-get")
+    holder = hook.try_acquire(key)
+    assert holder is not None
+    timer = threading.Timer(0.3, holder.release)
+    timer.start()
+    waited = hook.acquire(key, timeout=10)
+    timer.join()
+    assert waited is not None
+    assert waited.is_held()
+    # lock_timeout was local to the acquiring transaction: the session keeps no timeout.
+    assert waited.connection.execute("SHOW lock_timeout").fetchone()[0] == "0"
+    assert waited.release()
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("inf") * 0, True])
+def test_wait_timeout_must_be_positive(hook: AdvisoryLockHook, admin: Any, bad: float) -> None:
+    with pytest.raises(LockConfigurationError, match="timeout"):
+        hook.acquire("x", timeout=bad)
+
+
+def test_release_is_idempotent_and_reports_whether_held(hook: AdvisoryLockHook, admin: Any) -> None:
+    held = hook.try_acquire("idempotent")
+    assert held is not None
+    assert held.release() is True
+    assert held.release() is False
+    assert held.connection.closed
+
+
+def test_release_after_the_connection_broke(hook: AdvisoryLockHook, admin: Any) -> None:
+    key = LockKey.from_name("broken")
+    held = hook.try_acquire(key)
+    assert held is not None
+    admin.execute("SELECT pg_terminate_backend(%s)", [held.server.backend_pid])
+    time.sleep(0.2)
+    assert held.release() is False  # it was not held any more; no exception
+    other = hook.try_acquire(key)
+    assert other is not None and other.release()
+
+
+def test_session_lock_context_releases_on_error(hook: AdvisoryLockHook, admin: Any) -> None:
+    key = LockKey.from_name("ctx-error")
+    with pytest.raises(RuntimeError), hook.session_lock(key) as held:
+        assert held is not None
+        raise RuntimeError("work failed")
+    assert advisory_locks(admin) == []
+    with hook.session_lock(key) as busy_free:
+        assert busy_free is not None
+        with hook.session_lock(key) as busy:
+            assert busy is None
+
+
+def test_transaction_lock_commits_and_rolls_back(hook: AdvisoryLockHook, admin: Any) -> None:
+    admin.execute("DROP TABLE IF EXISTS tx_work; CREATE TABLE tx_work (n int)")
+    with hook.transaction_lock("tx-work") as held:
+        assert held is not None
+        held.connection.execute("INSERT INTO tx_work VALUES (1)")
+    with pytest.raises(ValueError), hook.transaction_lock("tx-work") as held:
+        assert held is not None
+        held.connection.execute("INSERT INTO tx_work VALUES (2)")
+        raise ValueError("boom")
+    assert admin.execute("SELECT array_agg(n) FROM tx_work").fetchone()[0] == [1]
+    assert advisory_locks(admin) == []
+    admin.execute("DROP TABLE tx_work")
+
+
+def test_transaction_lock_refuses_to_pretend_an_aborted_commit_worked(hook: AdvisoryLockHook, admin: Any) -> None:
+    with pytest.raises(psycopg.errors.InFailedSqlTransaction, match="nothing was committed"):
+        with hook.transaction_lock("aborted") as held:
+            assert held is not None
+            with pytest.raises(psycopg.errors.DivisionByZero):
+                held.connection.execute("SELECT 1/0")
+
+
+def test_holders_names_pid_application_and_client(hook: AdvisoryLockHook, admin: Any) -> None:
+    key = LockKey.from_name("who-holds")
+    held = hook.try_acquire(key, application_name="pglock dag task run")
+    assert held is not None
+    before = advisory_locks(admin)
+    [holder] = hook.holders(key)
+    assert advisory_locks(admin) == before  # reading holders takes nothing
+    assert holder.pid == held.server.backend_pid
+    assert holder.application_name == "pglock dag task run"
+    assert holder.granted and holder.mode == "ExclusiveLock"
+    assert holder.client_addr == "127.0.0.1"
+    assert holder.since is not None
+    assert "pglock dag task run" in holder.describe()
+    held.release()
+    assert hook.holders(key) == []
+
+
+def test_lock_connection_settings(hook: AdvisoryLockHook, admin: Any) -> None:
+    held = hook.try_acquire("settings", application_name="pglock settings")
+    assert held is not None
+    conn = held.connection
+    assert conn.autocommit
+    assert conn.execute("SHOW application_name").fetchone()[0] == "pglock settings"
+    assert conn.execute("SHOW idle_session_timeout").fetchone()[0] == "30s"
+    assert conn.execute("SHOW tcp_user_timeout").fetchone()[0] == "30000"  # ms
+    held.release()
+
+
+def test_each_lock_has_its_own_connection(hook: AdvisoryLockHook, admin: Any) -> None:
+    first = hook.try_acquire("one")
+    second = hook.try_acquire("two")
+    assert first is not None and second is not None
+    assert first.server.backend_pid != second.server.backend_pid
+    first.release()
+    second.release()
+
+
+def test_unreachable_server_is_an_error_with_the_cause(admin: Any) -> None:
+    from devtools.pgcluster import free_port
+
+    hook = AdvisoryLockHook(dsn=f"postgresql://postgres@127.0.0.1:{free_port()}/postgres", connect_timeout=2)
+    with pytest.raises(LockConnectionError, match="cannot connect.*refused"):
+        hook.try_acquire("nowhere")
+
+
+def test_unknown_role_is_an_error(dsn: str, admin: Any) -> None:
+    info = psycopg.conninfo.conninfo_to_dict(dsn)
+    info["user"] = "no_such_role"
+    hook = AdvisoryLockHook(dsn=psycopg.conninfo.make_conninfo(**info))
+    with pytest.raises(LockConnectionError, match="no_such_role"):
+        hook.try_acquire("nobody")
+
+
+def test_dns_failure_is_an_error(admin: Any) -> None:
+    hook = AdvisoryLockHook(dsn="postgresql://postgres@no-such-host.invalid:5432/postgres", connect_timeout=2)
+    with pytest.raises(LockConnectionError, match="no-such-host.invalid"):
+        hook.try_acquire("dns")
+
+
+def test_password_never_in_errors(dsn: str, admin: Any) -> None:
+    from devtools.pgcluster import free_port
+
+    hook = AdvisoryLockHook(dsn=f"postgresql://postgres:s3cret-pw@127.0.0.1:{free_port()}/postgres", connect_timeout=2)
+    with pytest.raises(LockConnectionError) as error:
+        hook.try_acquire("secret")
+    assert "s3cret-pw" not in str(error.value)
