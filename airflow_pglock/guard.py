@@ -174,7 +174,8 @@ class LockGuard:
         try:
             self.held = self._acquire()
         except LockBusyError as busy:
-            self._log_outcome("skipped" if self.policy.on_busy != "fail" else "busy", detail=str(busy))
+            outcome = "failed" if self.policy.on_busy == "fail" else "skipped"
+            self._log_outcome(outcome, detail=f"busy: {busy}")
             raise
         except (PgLockError, psycopg.Error) as error:
             self._log_outcome("failed", detail=f"{type(error).__name__}: {error}")
@@ -379,7 +380,7 @@ class LockGuard:
         if detail:
             parts.append(f"- {detail}")
         line = " ".join(part for part in parts if part)
-        if (outcome in {"completed"} and not detail) or outcome in {"skipped", "busy"}:
+        if (outcome == "completed" and not detail) or outcome == "skipped":
             self.log.info(line)
         else:
             self.log.error(line) if outcome in {"failed", "lost"} else self.log.warning(line)
