@@ -1,0 +1,172 @@
+"""Bad input fails the task (never skips it), names the problem, and leaves nothing behind."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+from devtools.pgcluster import free_port
+from tests.helpers import advisory_locks, run_dag
+
+pytestmark = pytest.mark.airflow
+
+BAD_DAG = '''
+import pendulum
+from airflow.sdk import dag, task
+
+
+@dag(dag_id="bad_input", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False,
+     params={"empty": "", "tenant": ""})
+def bad_input():
+    @task.advisory_lock(postgres_conn_id="no_such_conn")
+    def unknown_conn():
+        raise AssertionError("must not run")
+
+    @task.advisory_lock(postgres_conn_id="not_pg")
+    def not_postgres():
+        raise AssertionError("must not run")
+
+    @task.advisory_lock(postgres_conn_id="unreachable")
+    def unreachable():
+        raise AssertionError("must not run")
+
+    @task.advisory_lock(postgres_conn_id="unreachable", on_error="skip")
+    def unreachable_but_skip_asked():
+        raise AssertionError("must not run")
+
+    @task.advisory_lock(postgres_conn_id="bad_role")
+    def wrong_credentials():
+        raise AssertionError("must not run")
+
+    @task.advisory_lock(postgres_conn_id="pglock_test", key="{{ params.empty }}")
+    def renders_empty():
+        raise AssertionError("must not run")
+
+    @task.advisory_lock(postgres_conn_id="pglock_test", tenant="{{ params.tenant }}")
+    def tenant_renders_empty():
+        raise AssertionError("must not run")
+
+    @task.advisory_lock(postgres_conn_id="pglock_test", key="{{ params.no_such_param }}")
+    def unknown_param():
+        raise AssertionError("must not run")
+
+    for t in (unknown_conn, not_postgres, unreachable, unreachable_but_skip_asked, wrong_credentials,
+              renders_empty, tenant_renders_empty, unknown_param):
+        t()
+
+
+bad_input_dag = bad_input()
+'''
+
+NATIVE_DAG = '''
+import pendulum
+from airflow.sdk import dag, task
+
+
+@dag(dag_id="bad_native_keys", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False,
+     render_template_as_native_obj=True, params={"big": 2 ** 63, "fraction": 3.5, "pair": [1, 2 ** 31]})
+def bad_native_keys():
+    @task.advisory_lock(postgres_conn_id="pglock_test", key="{{ params.big }}")
+    def int_out_of_range():
+        raise AssertionError("must not run")
+
+    @task.advisory_lock(postgres_conn_id="pglock_test", key="{{ params.fraction }}")
+    def wrong_type():
+        raise AssertionError("must not run")
+
+    @task.advisory_lock(postgres_conn_id="pglock_test", key="{{ params.pair }}")
+    def pair_out_of_range():
+        raise AssertionError("must not run")
+
+    int_out_of_range()
+    wrong_type()
+    pair_out_of_range()
+
+
+bad_native_keys_dag = bad_native_keys()
+'''
+
+
+@pytest.fixture
+def bad_connections(dsn: str) -> Any:
+    names = {
+        "AIRFLOW_CONN_NOT_PG": "mysql://user@127.0.0.1:3306/db",
+        "AIRFLOW_CONN_UNREACHABLE": f"postgresql://postgres@127.0.0.1:{free_port()}/postgres?connect_timeout=2",
+        "AIRFLOW_CONN_BAD_ROLE": os.environ["AIRFLOW_CONN_PGLOCK_TEST"].replace("postgres@", "no_such_role@"),
+    }
+    os.environ.update(names)
+    yield
+    for name in names:
+        os.environ.pop(name, None)
+
+
+def test_bad_input_fails_with_a_clear_message(airflow_db: Any, admin: Any, bad_connections: Any, capfd: Any) -> None:
+    result = run_dag(BAD_DAG, "bad_input")
+    log = "".join(capfd.readouterr())
+
+    expected_failures = [
+        "unknown_conn",
+        "not_postgres",
+        "unreachable",
+        "wrong_credentials",
+        "renders_empty",
+        "tenant_renders_empty",
+        "unknown_param",
+    ]
+    assert {task: result.state(task) for task in expected_failures} == dict.fromkeys(expected_failures, "failed")
+    assert result.state("unreachable_but_skip_asked") == "skipped"
+
+    assert "Airflow connection 'no_such_conn' was not found" in log
+    assert "has conn_type 'mysql'" in log
+    assert "cannot connect to the lock database" in log and "refused" in log
+    assert "on_error='skip'" in log
+    assert "no_such_role" in log
+    assert "rendered to an empty name" in log
+    assert "tenant of task 'tenant_renders_empty' rendered to an empty value" in log
+    assert "no_such_param" in log
+    assert advisory_locks(admin) == []
+
+
+def test_bad_native_keys_fail_naming_the_value(airflow_db: Any, admin: Any, capfd: Any) -> None:
+    result = run_dag(NATIVE_DAG, "bad_native_keys")
+    log = "".join(capfd.readouterr())
+    assert result.states == {
+        ("int_out_of_range", -1): "failed",
+        ("wrong_type", -1): "failed",
+        ("pair_out_of_range", -1): "failed",
+    }
+    assert str(2**63) in log and "between" in log
+    assert "3.5" in log and "(float)" in log
+    assert str(2**31) in log
+    assert advisory_locks(admin) == []
+
+
+@pytest.mark.parametrize(
+    ("options", "fragment"),
+    [
+        ({"on_busy": "sometimes"}, "on_busy must be one of 'skip', 'fail', 'wait'; got 'sometimes'"),
+        ({"mode": "global"}, "mode must be one of 'session', 'transaction'; got 'global'"),
+        ({"on_busy": "wait"}, "on_busy='wait' needs wait_timeout"),
+        ({"wait_timeout": 5}, "only applies with on_busy='wait'"),
+        ({"key": 2**63}, str(2**63)),
+        ({"key": 3.5}, "3.5"),
+        ({"key": (1, 2, 3)}, "(1, 2, 3)"),
+        ({"key": 7, "tenant": "acme"}, "cannot be combined with the numeric key 7"),
+        ({"tenant_arg": "customer"}, "tenant_arg='customer' is not an argument of work()"),
+        ({"lease": 1}, "lease must be at least"),
+        ({"postgres_conn_id": ""}, "postgres_conn_id must be a non-empty string"),
+        ({"shared": "yes"}, "shared must be True or False"),
+    ],
+)
+def test_bad_options_are_refused_when_the_dag_is_parsed(options: dict[str, Any], fragment: str) -> None:
+    from airflow.sdk import DAG, task
+
+    with DAG("parse_errors", schedule=None), pytest.raises(ValueError) as error:
+
+        @task.advisory_lock(**options)
+        def work(tenant_id: int = 0) -> None: ...
+
+        work()
+    assert fragment in str(error.value)
