@@ -8,19 +8,36 @@ AIRFLOW_VERSION: tuple[int, int] = tuple(int(part) for part in _version("apache-
 AIRFLOW_V_3_PLUS = AIRFLOW_VERSION >= (3, 0)
 
 if AIRFLOW_V_3_PLUS:
-    from airflow.sdk import BaseHook, BaseOperator, BaseSensorOperator, Context
+    from airflow.sdk import BaseHook, BaseOperator, BaseSensorOperator, Context, get_current_context
     from airflow.sdk.bases.decorator import DecoratedOperator, TaskDecorator, task_decorator_factory
-    from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
+    from airflow.sdk.configuration import conf
+    from airflow.sdk.definitions.mappedoperator import MappedOperator
+    from airflow.sdk.exceptions import (
+        AirflowFailException,
+        AirflowSensorTimeout,
+        AirflowSkipException,
+        TaskDeferred,
+    )
+    from airflow.triggers.base import BaseTrigger, TriggerEvent  # triggers stay in core: the triggerer runs them
 else:  # Airflow 2.x
+    from airflow.configuration import conf  # type: ignore[no-redef]
     from airflow.decorators.base import (  # type: ignore[no-redef]
         DecoratedOperator,
         TaskDecorator,
         task_decorator_factory,
     )
-    from airflow.exceptions import AirflowFailException, AirflowSkipException  # type: ignore[no-redef]
+    from airflow.exceptions import (  # type: ignore[no-redef]
+        AirflowFailException,
+        AirflowSensorTimeout,
+        AirflowSkipException,
+        TaskDeferred,
+    )
     from airflow.hooks.base import BaseHook  # type: ignore[no-redef]
     from airflow.models.baseoperator import BaseOperator  # type: ignore[no-redef]
+    from airflow.models.mappedoperator import MappedOperator  # type: ignore[no-redef]
+    from airflow.operators.python import get_current_context  # type: ignore[no-redef]
     from airflow.sensors.base import BaseSensorOperator  # type: ignore[no-redef]
+    from airflow.triggers.base import BaseTrigger, TriggerEvent  # type: ignore[no-redef]
     from airflow.utils.context import Context  # type: ignore[no-redef]
 
 try:
@@ -32,13 +49,20 @@ __all__ = [
     "AIRFLOW_VERSION",
     "AIRFLOW_V_3_PLUS",
     "AirflowFailException",
+    "AirflowSensorTimeout",
     "AirflowSkipException",
     "BaseHook",
     "BaseOperator",
     "BaseSensorOperator",
+    "BaseTrigger",
     "Context",
     "DecoratedOperator",
+    "MappedOperator",
     "PythonOperator",
     "TaskDecorator",
+    "TaskDeferred",
+    "TriggerEvent",
+    "conf",
+    "get_current_context",
     "task_decorator_factory",
 ]

@@ -12,7 +12,7 @@ import datetime as dt
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import psycopg
 from psycopg import sql
@@ -31,10 +31,24 @@ from airflow_pglock.liveness import Liveness
 Scope = Literal["session", "transaction"]
 
 DEFAULT_CONNECT_TIMEOUT = 10
+#: application_name of the short sessions that only read who holds a key.
+INSPECT_APPLICATION_NAME = "pglock inspect"
 MIN_SERVER_VERSION = 120000  # tcp_user_timeout needs PostgreSQL 12
 POSTGRES_CONN_TYPES = frozenset({"postgres", "postgresql"})
 # PostgresHook extras that are not libpq parameters (it drops these too).
 _NON_LIBPQ_EXTRAS = frozenset({"cursor", "pool_mode"})
+
+# Holders and waiters of one key in the current database, holders first. Reads pg_locks
+# and pg_stat_activity only: it takes no lock (a sensor must never make a contender skip).
+_HOLDERS_SQL = (
+    "SELECT l.pid, l.granted, l.mode, a.application_name, host(a.client_addr) AS client_addr,"
+    " a.backend_start, l.waitstart, a.xact_start, a.usename, a.state"
+    " FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid"
+    " WHERE l.locktype = 'advisory'"
+    " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+    " AND l.classid = %s AND l.objid = %s AND l.objsubid = %s"
+    " ORDER BY l.granted DESC, l.waitstart NULLS FIRST, l.pid"
+)
 
 
 @dataclass(frozen=True)
@@ -85,6 +99,22 @@ class LockHolder:
     transaction_start: dt.datetime | None
     user: str | None
     state: str | None
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> LockHolder:
+        """A holder from a row of the holders query (see ``AdvisoryLockHook.holders_on``)."""
+        return cls(
+            pid=row["pid"],
+            granted=row["granted"],
+            mode=row["mode"],
+            application_name=row["application_name"],
+            client_addr=row["client_addr"],
+            since=row["backend_start"],
+            waiting_since=row["waitstart"],
+            transaction_start=row["xact_start"],
+            user=row["usename"],
+            state=row["state"],
+        )
 
     def describe(self, now: dt.datetime | None = None) -> str:
         """``pid 123 (application_name 'x', client 10.0.0.5) holding since 12:00:00 (3.1 s)``."""
@@ -239,26 +269,52 @@ class AdvisoryLockHook(BaseHook):
         postgres_hook.get_conn()
         return {k: v for k, v in captured.items() if v is not None and k not in _NON_LIBPQ_EXTRAS}
 
-    def connect(self, application_name: str | None = None) -> psycopg.Connection[Any]:
-        """Open a new dedicated autocommit connection for one lock.
-
-        :param application_name: names the holder in ``pg_stat_activity``.
-        """
-        kwargs = self.connection_kwargs()
+    def _lock_connection_kwargs(self, base: dict[str, Any], application_name: str | None) -> dict[str, Any]:
+        kwargs = dict(base)
         kwargs.setdefault("connect_timeout", self.connect_timeout)
         for name, value in self.liveness.client_settings().items():
             kwargs.setdefault(name, value)
         if application_name:
             kwargs["application_name"] = application_name
-        where = self.describe_target(kwargs)
-        try:
-            return psycopg.Connection.connect(autocommit=True, **kwargs)
-        except psycopg.ProgrammingError as error:
+        return kwargs
+
+    @staticmethod
+    def _raise_connect_error(error: psycopg.Error, where: str) -> NoReturn:
+        if isinstance(error, psycopg.ProgrammingError):
             raise LockConfigurationError(
                 f"invalid connection settings for the lock database {where}: {error}"
             ) from None
+        raise LockConnectionError(f"cannot connect to the lock database {where}: {error}".strip()) from error
+
+    def connect(self, application_name: str | None = None) -> psycopg.Connection[Any]:
+        """Open a new dedicated autocommit connection for one lock.
+
+        :param application_name: names the holder in ``pg_stat_activity``.
+        """
+        kwargs = self._lock_connection_kwargs(self.connection_kwargs(), application_name)
+        where = self.describe_target(kwargs)
+        try:
+            return psycopg.Connection.connect(autocommit=True, **kwargs)
         except psycopg.Error as error:
-            raise LockConnectionError(f"cannot connect to the lock database {where}: {error}".strip()) from error
+            self._raise_connect_error(error, where)
+
+    async def aconnect(self, application_name: str | None = None) -> psycopg.AsyncConnection[Any]:
+        """Async :meth:`connect` (for triggers): same settings, same errors.
+
+        The Airflow connection is resolved in a worker thread (``sync_to_async``), as the
+        official providers' triggers do: reading it (and an IAM token) is blocking I/O.
+
+        :param application_name: names the session in ``pg_stat_activity``.
+        """
+        from asgiref.sync import sync_to_async
+
+        base = await sync_to_async(self.connection_kwargs)()
+        kwargs = self._lock_connection_kwargs(base, application_name)
+        where = self.describe_target(kwargs)
+        try:
+            return await psycopg.AsyncConnection.connect(autocommit=True, **kwargs)
+        except psycopg.Error as error:
+            self._raise_connect_error(error, where)
 
     def describe_target(self, kwargs: Mapping[str, Any] | None = None) -> str:
         """``'db' on host:port as user (conn id 'x')``; never the password."""
@@ -439,41 +495,30 @@ class AdvisoryLockHook(BaseHook):
 
     def holders_on(self, conn: psycopg.Connection[Any], key: LockKey) -> list[LockHolder]:
         """Holders and waiters of ``key`` in the connection's database, holders first."""
-        classid, objid, objsubid = key.pg_locks
         with conn.cursor(row_factory=dict_row) as cur:
-            rows = cur.execute(
-                "SELECT l.pid, l.granted, l.mode, a.application_name, host(a.client_addr) AS client_addr,"
-                " a.backend_start, l.waitstart, a.xact_start, a.usename, a.state"
-                " FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid"
-                " WHERE l.locktype = 'advisory'"
-                " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
-                " AND l.classid = %s AND l.objid = %s AND l.objsubid = %s"
-                " ORDER BY l.granted DESC, l.waitstart NULLS FIRST, l.pid",
-                [classid, objid, objsubid],
-            ).fetchall()
-        return [
-            LockHolder(
-                pid=row["pid"],
-                granted=row["granted"],
-                mode=row["mode"],
-                application_name=row["application_name"],
-                client_addr=row["client_addr"],
-                since=row["backend_start"],
-                waiting_since=row["waitstart"],
-                transaction_start=row["xact_start"],
-                user=row["usename"],
-                state=row["state"],
-            )
-            for row in rows
-        ]
+            rows = cur.execute(_HOLDERS_SQL, list(key.pg_locks)).fetchall()
+        return [LockHolder.from_row(row) for row in rows]
+
+    async def aholders_on(self, conn: psycopg.AsyncConnection[Any], key: LockKey) -> list[LockHolder]:
+        """Async :meth:`holders_on` (for triggers): reads ``pg_locks``, takes nothing."""
+        async with conn.cursor(row_factory=dict_row) as cur:
+            await cur.execute(_HOLDERS_SQL, list(key.pg_locks))
+            rows = await cur.fetchall()
+        return [LockHolder.from_row(row) for row in rows]
 
     # --------------------------------------------------------------- lock objects
 
     def holders(self, key: LockKey | str | int | tuple[int, int]) -> list[LockHolder]:
         """Who holds or waits for ``key`` (pid, application_name, client, since), without touching it."""
         lock_key = LockKey.coerce(key)
-        with self.connect("pglock inspect") as conn:
+        with self.connect(INSPECT_APPLICATION_NAME) as conn:
             return self.holders_on(conn, lock_key)
+
+    async def aholders(self, key: LockKey | str | int | tuple[int, int]) -> list[LockHolder]:
+        """Async :meth:`holders` on a short-lived connection of its own (closed even if cancelled)."""
+        lock_key = LockKey.coerce(key)
+        async with await self.aconnect(INSPECT_APPLICATION_NAME) as conn:
+            return await self.aholders_on(conn, lock_key)
 
     def acquire_lock(
         self,
