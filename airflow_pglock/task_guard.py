@@ -9,13 +9,16 @@ the author asked), lost -> failed.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Callable, Mapping
+import functools
+import inspect
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
+import jinja2
 import psycopg
 
-from airflow_pglock.compat import AirflowFailException, AirflowSkipException
+from airflow_pglock.compat import AirflowFailException, AirflowSkipException, get_current_context
 from airflow_pglock.exceptions import (
     InvalidLockKeyError,
     LockBusyError,
@@ -160,12 +163,17 @@ def run_guarded(
     except LockLostError:
         raise
     except (InvalidLockKeyError, LockConfigurationError, UnsafeSetupError) as error:
-        _skip_if_asked(spec, error, logger)
-        raise AirflowFailException(f"{type(error).__name__}: {error}") from error
+        fail_for_configuration(spec, error, logger)
     except (PgLockError, psycopg.OperationalError) as error:
         if guard is None or guard.held is None:  # the lock could not be taken: the lock database is the problem
             _skip_if_asked(spec, error, logger)
         raise
+
+
+def fail_for_configuration(spec: LockSpec, error: BaseException, logger: Any) -> NoReturn:
+    """A setting to fix (bad key, connection, unsafe set-up): fail without retrying (or skip if asked)."""
+    _skip_if_asked(spec, error, logger)
+    raise AirflowFailException(f"{type(error).__name__}: {error}") from error
 
 
 def _skip_if_asked(spec: LockSpec, error: BaseException, logger: Any) -> None:
@@ -174,3 +182,123 @@ def _skip_if_asked(spec: LockSpec, error: BaseException, logger: Any) -> None:
             "pglock on_error='skip': skipping instead of failing because of %s: %s", type(error).__name__, error
         )
         raise AirflowSkipException(f"skipped because of an error (on_error='skip'): {error}") from error
+
+
+# ------------------------------------------------------------ guarded Python callables
+# Shared by @task.advisory_lock and the composable @advisory_lock decorator.
+
+
+def check_callable(python_callable: Callable[..., Any], *, tenant: Any, tenant_arg: str | None) -> bool:
+    """Parse-time checks of a guarded function's options; True if it takes the lock handle.
+
+    :param python_callable: the function to guard.
+    :param tenant: the ``tenant`` option (exclusive with ``tenant_arg``).
+    :param tenant_arg: name of the function argument holding the tenant, or None.
+    """
+    parameters = inspect.signature(python_callable).parameters
+    if tenant_arg is not None:
+        name = getattr(python_callable, "__name__", repr(python_callable))
+        if tenant is not None:
+            raise LockConfigurationError(f"give either tenant={tenant!r} or tenant_arg={tenant_arg!r}, not both")
+        if tenant_arg not in parameters:
+            raise LockConfigurationError(
+                f"tenant_arg={tenant_arg!r} is not an argument of {name}(); its arguments are {list(parameters)}"
+            )
+    return LOCK_HANDLE_PARAM in parameters
+
+
+def tenant_from_arguments(
+    python_callable: Callable[..., Any], tenant_arg: str, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> Any:
+    """The value of argument ``tenant_arg`` in one call of ``python_callable``."""
+    bound = inspect.signature(python_callable).bind_partial(*args, **kwargs)
+    value = bound.arguments.get(tenant_arg)
+    if value is None:
+        raise LockConfigurationError(f"tenant_arg {tenant_arg!r} has no value in this task instance (got None)")
+    return value
+
+
+def render_lock_option(value: Any, context: Mapping[str, Any], *, option: str) -> Any:
+    """Render a string ``key``/``tenant`` option with the task's Jinja environment.
+
+    Used where the option is not one of the operator's ``template_fields`` (guarded
+    operators, the composable decorator). Rendered from a string, never loaded as a
+    template file, whatever the operator's ``template_ext`` says.
+
+    :param value: the option as the DAG author wrote it.
+    :param context: the task's template context.
+    :param option: ``"key"`` or ``"tenant"`` (for the error message).
+    """
+    if not isinstance(value, str):
+        return value
+    task = context["task"]
+    try:
+        return task.get_template_env().from_string(value).render(context)
+    except jinja2.TemplateError as error:
+        raise LockConfigurationError(
+            f"the {option} template {value!r} of task {task.task_id!r} cannot be rendered: "
+            f"{type(error).__name__}: {error}"
+        ) from None
+
+
+def guard_callable(
+    python_callable: Callable[..., T], spec: LockSpec, *, key: KeySpec = None, tenant: Any = None
+) -> Callable[..., T]:
+    """Wrap a Python callable so that each call runs while holding its advisory lock.
+
+    The wrapper finds its task instance with ``get_current_context()`` when called, so
+    it composes with any in-process task flavour (``@task``, ``@task.branch``,
+    ``@task.short_circuit``...). Key, tenant and outcomes are those of
+    ``@task.advisory_lock``: both go through :func:`run_guarded`.
+
+    :param python_callable: the function to guard.
+    :param spec: the lock options (from :meth:`LockSpec.build`).
+    :param key: the key option (a Jinja template string is rendered at run time).
+    :param tenant: the tenant option (rendered at run time).
+    """
+    check_key_spec(key, tenant)
+    wants_handle = check_callable(python_callable, tenant=tenant, tenant_arg=spec.tenant_arg)
+    name = getattr(python_callable, "__name__", repr(python_callable))
+    signature = inspect.signature(python_callable)
+
+    @functools.wraps(python_callable)
+    def guarded_call(*args: Any, **kwargs: Any) -> T:
+        if wants_handle and LOCK_HANDLE_PARAM in kwargs:
+            raise LockConfigurationError(
+                f"{name}() argument {LOCK_HANDLE_PARAM!r} receives the held lock; do not pass it yourself"
+            )
+        context = _current_context(name)
+        task = context["task"]
+        try:
+            rendered_key = render_lock_option(key, context, option="key")
+            if spec.tenant_arg is not None:
+                rendered_tenant = tenant_from_arguments(python_callable, spec.tenant_arg, args, kwargs)
+            else:
+                rendered_tenant = render_lock_option(tenant, context, option="tenant")
+        except LockConfigurationError as error:
+            fail_for_configuration(spec, error, task.log)
+
+        def work(handle: LockHandle) -> T:
+            if wants_handle:
+                return python_callable(*args, **{**kwargs, LOCK_HANDLE_PARAM: handle})
+            return python_callable(*args, **kwargs)
+
+        return run_guarded(spec, context, work, task.log, key=rendered_key, tenant=rendered_tenant)
+
+    if wants_handle:  # the task flavour on top must not ask for (or inject into) the lock argument
+        guarded_call.__signature__ = signature.replace(  # type: ignore[attr-defined]
+            parameters=[p for p in signature.parameters.values() if p.name != LOCK_HANDLE_PARAM]
+        )
+    return guarded_call
+
+
+def _current_context(name: str) -> Mapping[str, Any]:
+    try:
+        return get_current_context()  # type: ignore[no-any-return]
+    except Exception as error:  # Airflow raises a RuntimeError-like error whose type differs by version
+        raise LockConfigurationError(
+            f"{name}() is guarded by @advisory_lock but was called outside a running Airflow task "
+            f"({type(error).__name__}: {error}). Put a task decorator that runs the function in the worker "
+            "process on top of it (@task, @task.branch, @task.short_circuit); for @task.virtualenv, "
+            "@task.docker and other out-of-process flavours, guard the task with @task.advisory_lock instead"
+        ) from None

@@ -12,7 +12,16 @@ from airflow_pglock.exceptions import LockConfigurationError
 from airflow_pglock.guard import LockHandle, OnBusy, OnError, OnLost
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook, Scope
 from airflow_pglock.liveness import DEFAULT_LEASE_SECONDS
-from airflow_pglock.task_guard import LOCK_HANDLE_PARAM, KeySpec, LockSpec, check_key_spec, run_guarded
+from airflow_pglock.task_guard import (
+    LOCK_HANDLE_PARAM,
+    KeySpec,
+    LockSpec,
+    check_callable,
+    check_key_spec,
+    guard_callable,
+    run_guarded,
+    tenant_from_arguments,
+)
 
 
 def _signature_parameters(python_callable: Callable[..., Any]) -> Mapping[str, inspect.Parameter]:
@@ -71,17 +80,9 @@ class _AdvisoryLockDecoratedOperator(DecoratedOperator, PythonOperator):
             tenant_arg=tenant_arg,
         )
         check_key_spec(key, tenant)
-        parameters = _signature_parameters(python_callable)
         name = getattr(python_callable, "__name__", repr(python_callable))
-        if tenant_arg is not None:
-            if tenant is not None:
-                raise LockConfigurationError(f"give either tenant={tenant!r} or tenant_arg={tenant_arg!r}, not both")
-            if tenant_arg not in parameters:
-                raise LockConfigurationError(
-                    f"tenant_arg={tenant_arg!r} is not an argument of {name}(); its arguments are {list(parameters)}"
-                )
         op_kwargs = dict(op_kwargs or {})
-        if LOCK_HANDLE_PARAM in parameters:
+        if check_callable(python_callable, tenant=tenant, tenant_arg=tenant_arg):
             if LOCK_HANDLE_PARAM in op_kwargs:
                 raise LockConfigurationError(
                     f"{name}() argument {LOCK_HANDLE_PARAM!r} receives the held lock; do not pass it yourself"
@@ -101,11 +102,7 @@ class _AdvisoryLockDecoratedOperator(DecoratedOperator, PythonOperator):
     def _tenant_from_args(self) -> Any:
         tenant_arg = self.lock_spec.tenant_arg
         assert tenant_arg is not None
-        bound = inspect.signature(self.python_callable).bind_partial(*self.op_args, **self.op_kwargs)
-        value = bound.arguments.get(tenant_arg)
-        if value is None:
-            raise LockConfigurationError(f"tenant_arg {tenant_arg!r} has no value in this task instance (got None)")
-        return value
+        return tenant_from_arguments(self.python_callable, tenant_arg, self.op_args, self.op_kwargs)
 
     def execute(self, context: Context) -> Any:
         tenant = self.lock_tenant if self.lock_spec.tenant_arg is None else self._tenant_from_args()
@@ -151,3 +148,67 @@ def advisory_lock_task(
         decorated_operator_class=_AdvisoryLockDecoratedOperator,
         **kwargs,
     )
+
+
+def advisory_lock(
+    python_callable: Callable[..., Any] | None = None,
+    *,
+    key: KeySpec = None,
+    tenant: Any = None,
+    tenant_arg: str | None = None,
+    postgres_conn_id: str = AdvisoryLockHook.default_conn_name,
+    mode: Scope = "session",
+    shared: bool = False,
+    on_busy: OnBusy = "skip",
+    wait_timeout: float | dt.timedelta | None = None,
+    on_lost: OnLost = "fail",
+    on_error: OnError = "fail",
+    lease: float | dt.timedelta = DEFAULT_LEASE_SECONDS,
+) -> Any:
+    """``@advisory_lock(...)``: guard a function that another task flavour runs.
+
+    Put it *under* ``@task``, ``@task.branch``, ``@task.short_circuit`` (any flavour that
+    runs the function in the worker process)::
+
+        @task.branch
+        @advisory_lock(key="nightly-export")
+        def choose(): ...
+
+    Same options, key rendering, outcome lines and busy/error mapping as
+    ``@task.advisory_lock`` (one code path: ``task_guard.run_guarded``). ``key`` and
+    ``tenant`` may be Jinja templates, rendered with the task's context at run time.
+
+    :param python_callable: the function (when used as ``@advisory_lock`` without arguments).
+    :param key: the lock key: a name, an int64 or an (int32, int32) pair. Default: ``<dag_id>/<task_id>``.
+    :param tenant: a tenant appended to the key name: ``<key>/<tenant>``.
+    :param tenant_arg: name of the function argument that holds the tenant.
+    :param postgres_conn_id: the Airflow Postgres connection of the lock database.
+    :param mode: ``"session"`` (default) or ``"transaction"``.
+    :param shared: take a shared lock instead of an exclusive one.
+    :param on_busy: ``"skip"`` (default), ``"fail"`` or ``"wait"`` (then ``wait_timeout``).
+    :param wait_timeout: seconds (or timedelta) to wait with ``on_busy="wait"``.
+    :param on_lost: ``"fail"`` (default) or ``"warn"`` when the lock is lost mid-run.
+    :param on_error: ``"fail"`` (default) or ``"skip"`` when the lock database cannot be used.
+    :param lease: seconds (or timedelta) a dead holder may keep the lock (default 30).
+    """
+    spec = LockSpec.build(
+        postgres_conn_id=postgres_conn_id,
+        mode=mode,
+        shared=shared,
+        on_busy=on_busy,
+        wait_timeout=wait_timeout,
+        on_lost=on_lost,
+        on_error=on_error,
+        lease=lease,
+        tenant_arg=tenant_arg,
+    )
+
+    def decorate(function: Callable[..., Any]) -> Callable[..., Any]:
+        if hasattr(function, "operator_class") or not callable(function):  # a @task-decorated function
+            raise LockConfigurationError(
+                f"@advisory_lock must be applied to a plain function, below the @task decorator "
+                f"(@task... on top, @advisory_lock(...) under it), got {function!r}"
+            )
+        return guard_callable(function, spec, key=key, tenant=tenant)
+
+    return decorate if python_callable is None else decorate(python_callable)
