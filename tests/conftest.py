@@ -74,7 +74,10 @@ def dsn(pg_server: str) -> str:
     info["dbname"] = TEST_DATABASE
     test_dsn = psycopg.conninfo.make_conninfo(**info)
     uri = "postgresql://{user}@{host}:{port}/{db}".format(
-        user=info.get("user", "postgres"), host=info.get("host", "127.0.0.1"), port=info.get("port", 5432), db=TEST_DATABASE
+        user=info.get("user", "postgres"),
+        host=info.get("host", "127.0.0.1"),
+        port=info.get("port", 5432),
+        db=TEST_DATABASE,
     )
     os.environ[f"AIRFLOW_CONN_{TEST_CONN_ID.upper()}"] = uri
     os.environ["AIRFLOW_CONN_POSTGRES_DEFAULT"] = uri

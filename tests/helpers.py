@@ -69,10 +69,15 @@ def run_dag(source: str, dag_id: str, conf: dict[str, Any] | None = None) -> Dag
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     spec.loader.exec_module(module)
-    dags = [value for value in vars(module).values() if getattr(value, "dag_id", None) == dag_id and hasattr(value, "test")]
+    dags = [
+        value for value in vars(module).values() if getattr(value, "dag_id", None) == dag_id and hasattr(value, "test")
+    ]
     assert dags, f"no DAG {dag_id!r} in {path}"
     dag_run = dags[0].test(run_conf=conf)
-    states = {(ti.task_id, ti.map_index): str(ti.state.value if hasattr(ti.state, "value") else ti.state) for ti in dag_run.get_task_instances()}
+    states = {
+        (ti.task_id, ti.map_index): str(ti.state.value if hasattr(ti.state, "value") else ti.state)
+        for ti in dag_run.get_task_instances()
+    }
     return DagResult(states=states, run_id=dag_run.run_id)
 
 

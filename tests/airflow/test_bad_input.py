@@ -12,7 +12,7 @@ from tests.helpers import advisory_locks, run_dag
 
 pytestmark = pytest.mark.airflow
 
-BAD_DAG = '''
+BAD_DAG = """
 import pendulum
 from airflow.sdk import dag, task
 
@@ -58,9 +58,9 @@ def bad_input():
 
 
 bad_input_dag = bad_input()
-'''
+"""
 
-NATIVE_DAG = '''
+NATIVE_DAG = """
 import pendulum
 from airflow.sdk import dag, task
 
@@ -86,7 +86,7 @@ def bad_native_keys():
 
 
 bad_native_keys_dag = bad_native_keys()
-'''
+"""
 
 
 @pytest.fixture

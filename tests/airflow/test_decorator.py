@@ -17,7 +17,7 @@ from tests.helpers import advisory_locks, run_dag
 
 pytestmark = pytest.mark.airflow
 
-GUARDED_DAG = '''
+GUARDED_DAG = """
 import threading
 import time
 
@@ -116,7 +116,7 @@ def guarded():
 
 
 guarded_dag = guarded()
-'''
+"""
 
 
 @pytest.fixture

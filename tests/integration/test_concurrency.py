@@ -17,8 +17,7 @@ PROCESSES = 8
 ROUNDS = 200
 FREE_RUNNING_ATTEMPTS = 150
 OVERLAP_SQL = (
-    "SELECT count(*) FROM protected a JOIN protected b ON a.id < b.id"
-    " AND a.entered < b.exited AND b.entered < a.exited"
+    "SELECT count(*) FROM protected a JOIN protected b ON a.id < b.id AND a.entered < b.exited AND b.entered < a.exited"
 )
 
 

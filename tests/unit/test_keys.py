@@ -78,7 +78,7 @@ def test_task_keys() -> None:
 
 def test_describe_and_sql() -> None:
     key = LockKey.from_name("it's")
-    assert key.describe() == f"key \"it's\" (int64 {key.numbers[0]})"
+    assert key.describe() == f'key "it\'s" (int64 {key.numbers[0]})'
     assert "'it''s'" in key.sql
     assert LockKey.from_pair(1, 2).sql == "1, 2"
     assert LockKey.from_int(5).describe() == "key (int64 5)"

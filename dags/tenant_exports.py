@@ -1,0 +1,49 @@
+"""Per-tenant exports: one lock per tenant, so tenants run in parallel but never twice at once.
+
+``tenant_arg="tenant_id"`` adds the mapped argument to the key
+(``tenant_exports/export_tenant/<tenant_id>``): if another deployment is still exporting
+tenant 7, only tenant 7 is skipped here. The export file name is deterministic, so a
+retry after a crash overwrites instead of duplicating (a lock is not exactly-once).
+
+    airflow dags test tenant_exports
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import pendulum
+from airflow.sdk import dag, task
+
+EXPORT_DIR = Path(os.environ.get("PGLOCK_EXPORT_DIR", Path(tempfile.gettempdir()) / "pglock-exports"))
+
+
+@dag(
+    dag_id="tenant_exports",
+    schedule="@daily",
+    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    catchup=False,
+    params={"tenants": [1, 2, 3, 4, 5, 6, 7, 8], "work_seconds": 1},
+    tags=["pglock", "example"],
+)
+def tenant_exports() -> None:
+    @task
+    def list_tenants(params: dict | None = None) -> list[int]:
+        return [int(tenant) for tenant in (params or {}).get("tenants", [])]
+
+    @task.advisory_lock(tenant_arg="tenant_id")
+    def export_tenant(tenant_id: int, ds: str | None = None, params: dict | None = None) -> str:
+        time.sleep(float((params or {}).get("work_seconds", 1)))
+        EXPORT_DIR.mkdir(parents=True, exist_ok=True)
+        target = EXPORT_DIR / f"tenant-{tenant_id}-{ds}.json"  # deterministic: retries overwrite
+        target.write_text(json.dumps({"tenant": tenant_id, "day": ds}))
+        return str(target)
+
+    export_tenant.expand(tenant_id=list_tenants())
+
+
+tenant_exports()
