@@ -9,7 +9,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from airflow_pglock.exceptions import LockConnectionError, LockConfigurationError
+from airflow_pglock.exceptions import LockConfigurationError, LockConnectionError
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 from airflow_pglock.keys import NAME_TO_KEY_SQL, LockKey
 from tests.helpers import advisory_locks
@@ -146,11 +146,13 @@ def test_transaction_lock_commits_and_rolls_back(hook: AdvisoryLockHook, admin: 
 
 
 def test_transaction_lock_refuses_to_pretend_an_aborted_commit_worked(hook: AdvisoryLockHook, admin: Any) -> None:
-    with pytest.raises(psycopg.errors.InFailedSqlTransaction, match="nothing was committed"):
-        with hook.transaction_lock("aborted") as held:
-            assert held is not None
-            with pytest.raises(psycopg.errors.DivisionByZero):
-                held.connection.execute("SELECT 1/0")
+    with (
+        pytest.raises(psycopg.errors.InFailedSqlTransaction, match="nothing was committed"),
+        hook.transaction_lock("aborted") as held,
+    ):
+        assert held is not None
+        with pytest.raises(psycopg.errors.DivisionByZero):
+            held.connection.execute("SELECT 1/0")
 
 
 def test_holders_names_pid_application_and_client(hook: AdvisoryLockHook, admin: Any) -> None:
@@ -194,7 +196,7 @@ def test_unreachable_server_is_an_error_with_the_cause(admin: Any) -> None:
     from devtools.pgcluster import free_port
 
     hook = AdvisoryLockHook(dsn=f"postgresql://postgres@127.0.0.1:{free_port()}/postgres", connect_timeout=2)
-    with pytest.raises(LockConnectionError, match="cannot connect.*refused"):
+    with pytest.raises(LockConnectionError, match=r"cannot connect.*refused"):
         hook.try_acquire("nowhere")
 
 
@@ -208,7 +210,7 @@ def test_unknown_role_is_an_error(dsn: str, admin: Any) -> None:
 
 def test_dns_failure_is_an_error(admin: Any) -> None:
     hook = AdvisoryLockHook(dsn="postgresql://postgres@no-such-host.invalid:5432/postgres", connect_timeout=2)
-    with pytest.raises(LockConnectionError, match="no-such-host.invalid"):
+    with pytest.raises(LockConnectionError, match=r"no-such-host\.invalid"):
         hook.try_acquire("dns")
 
 

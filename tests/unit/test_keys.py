@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from airflow_pglock.keys import INT32_MAX, INT32_MIN, INT64_MAX, INT64_MIN, LockKey, int64_from_name
 from airflow_pglock.exceptions import InvalidLockKeyError
+from airflow_pglock.keys import INT32_MAX, INT32_MIN, INT64_MAX, INT64_MIN, LockKey, int64_from_name
 
 # Computed independently with: printf %s NAME | sha256sum, first 16 hex digits as signed int64.
 GOLDEN = {
@@ -23,7 +23,7 @@ def test_golden_vectors(name: str, expected: int) -> None:
 def test_name_hash_is_sha256_prefix_big_endian_signed() -> None:
     import hashlib
 
-    digest = hashlib.sha256("tenant/42".encode()).hexdigest()[:16]
+    digest = hashlib.sha256(b"tenant/42").hexdigest()[:16]
     unsigned = int(digest, 16)
     signed = unsigned - 2**64 if unsigned >= 2**63 else unsigned
     assert int64_from_name("tenant/42") == signed
