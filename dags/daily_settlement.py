@@ -50,4 +50,4 @@ def daily_settlement() -> None:
     settle()
 
 
-daily_settlement()
+daily_settlement_dag = daily_settlement()

@@ -40,4 +40,4 @@ def forecast_refresh() -> None:
     publish(refresh_forecasts())
 
 
-forecast_refresh()
+forecast_refresh_dag = forecast_refresh()

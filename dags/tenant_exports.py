@@ -46,4 +46,4 @@ def tenant_exports() -> None:
     export_tenant.expand(tenant_id=list_tenants())
 
 
-tenant_exports()
+tenant_exports_dag = tenant_exports()

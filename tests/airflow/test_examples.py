@@ -1,0 +1,56 @@
+"""The example DAGs in dags/ import cleanly and run as they are."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import advisory_locks, run_dag
+
+pytestmark = pytest.mark.airflow
+DAGS = Path(__file__).resolve().parents[2] / "dags"
+ROOT = DAGS.parent
+
+
+def test_example_dags_import_without_errors() -> None:
+    from airflow.dag_processing.dagbag import DagBag
+
+    bag = DagBag(dag_folder=str(DAGS))
+    assert bag.import_errors == {}
+    assert {"forecast_refresh", "daily_settlement", "tenant_exports"} <= set(bag.dag_ids)
+
+
+def test_settlement_and_exports_run(airflow_db: Any, admin: Any, tmp_path: Path) -> None:
+    os.environ["PGLOCK_EXPORT_DIR"] = str(tmp_path)
+    admin.execute("DROP TABLE IF EXISTS settlements")
+    settlement = run_dag((DAGS / "daily_settlement.py").read_text(), "daily_settlement")
+    assert settlement.state("settle") == "success"
+    processed = admin.execute("SELECT count(*) FROM settlements WHERE status = 'processed'").fetchone()[0]
+    assert processed == 25
+
+    exports = run_dag(
+        (DAGS / "tenant_exports.py").read_text(), "tenant_exports", conf={"tenants": [3, 4], "work_seconds": 0}
+    )
+    assert exports.state("export_tenant", 0) == exports.state("export_tenant", 1) == "success"
+    assert sorted(p.name.split("-")[1] for p in tmp_path.iterdir()) == ["3", "4"]
+    assert advisory_locks(admin) == []
+    admin.execute("DROP TABLE settlements")
+
+
+@pytest.mark.slow
+def test_the_demo_command(tmp_path: Path) -> None:
+    """The README's demo: two deployments, one runs forecast_refresh, the other skips."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "PGLOCK_TEST"))}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "devtools" / "demo.py")], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = result.stdout
+    assert "starting an embedded PostgreSQL" in out
+    assert "forecast_refresh ran 1 time(s) across 2 deployments" in out
+    assert "SKIPPED  key 'refresh-forecasts'" in out and "is held by pid" in out
