@@ -1,0 +1,169 @@
+"""AdvisoryLockSensor: wait until an advisory lock key is free, without ever taking it.
+
+A sensor that tried the lock to see whether it is free would, for that instant, hold it,
+and a real contender trying at the same instant would skip. So this sensor only reads
+``pg_locks`` (who holds the key, since when), in every mode: poke, reschedule, deferrable.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from airflow_pglock.compat import (
+    AirflowFailException,
+    AirflowSensorTimeout,
+    AirflowSkipException,
+    BaseSensorOperator,
+    Context,
+    conf,
+)
+from airflow_pglock.exceptions import (
+    InvalidLockKeyError,
+    LockConfigurationError,
+    LockConnectionError,
+    PgLockError,
+    UnsafeSetupError,
+)
+from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook, LockHolder
+from airflow_pglock.keys import LockKey
+from airflow_pglock.task_guard import KeySpec, check_key_spec, resolve_key
+from airflow_pglock.triggers.advisory_lock import ERROR, FREE, TIMEOUT, AdvisoryLockTrigger, describe_holders
+
+_ERRORS: dict[str, type[Exception]] = {
+    cls.__name__: cls for cls in (LockConfigurationError, LockConnectionError, UnsafeSetupError, InvalidLockKeyError)
+}
+
+
+class AdvisoryLockSensor(BaseSensorOperator):
+    """Succeed when no session holds ``key``; while it is held, log who holds it and for how long.
+
+    The sensor never takes the key, not even for an instant (it reads ``pg_locks``), so it
+    cannot make a task that wants the key skip. Modes: ``poke`` (default), ``reschedule``
+    (frees the worker slot between checks) and ``deferrable=True`` (waits in the
+    triggerer). ``soft_fail=True`` turns a timeout into a skip, in every mode; an error
+    (unreachable database, missing connection, bad key) fails the task even then.
+
+    :param key: the key to wait for (templated): a name, an int64 or an (int32, int32)
+        pair. The key of a ``@task.advisory_lock`` task with the default key is
+        ``"<dag_id>/<task_id>"``.
+    :param tenant: a tenant appended to the key name (templated): ``<key>/<tenant>``.
+    :param postgres_conn_id: the Airflow Postgres connection of the lock database.
+    :param deferrable: wait in the triggerer instead of a worker slot.
+    """
+
+    template_fields: Sequence[str] = ("key", "tenant")
+    template_fields_renderers = {"key": "py", "tenant": "py"}
+    ui_color = "#c6e0f5"
+
+    def __init__(
+        self,
+        *,
+        key: KeySpec,
+        tenant: Any = None,
+        postgres_conn_id: str = AdvisoryLockHook.default_conn_name,
+        deferrable: bool = conf.getboolean("operators", "default_deferrable", fallback=False),
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if key is None:
+            raise LockConfigurationError(
+                f"AdvisoryLockSensor {self.task_id!r} needs key=: the key to wait for (a name, an int64 or an "
+                "(int32, int32) pair); a @task.advisory_lock task with the default key uses '<dag_id>/<task_id>'"
+            )
+        check_key_spec(key, tenant)
+        if not isinstance(postgres_conn_id, str) or not postgres_conn_id.strip():
+            raise LockConfigurationError(f"postgres_conn_id must be a non-empty string, got {postgres_conn_id!r}")
+        self.key = key
+        self.tenant = tenant
+        self.postgres_conn_id = postgres_conn_id
+        self.deferrable = deferrable
+        self._lock_key: LockKey | None = None
+        self._last_holders: str | None = None
+
+    # ------------------------------------------------------------------ checks
+
+    def lock_key(self) -> LockKey:
+        """The key of this task instance, from the rendered ``key`` and ``tenant``."""
+        if self._lock_key is None:
+            if self.key is None:
+                raise InvalidLockKeyError(f"the key template of task {self.task_id!r} rendered to None")
+            self._lock_key = resolve_key(self.key, self.tenant, self.dag_id, self.task_id)
+        return self._lock_key
+
+    def poke(self, context: Context) -> bool:
+        key = self.lock_key()
+        holders = AdvisoryLockHook(self.postgres_conn_id).holders(key)
+        return self._free(key, holders)
+
+    def _free(self, key: LockKey, holders: Sequence[LockHolder]) -> bool:
+        if not any(holder.granted for holder in holders):
+            self.log.info("pglock sensor: %s is free", key.describe())
+            return True
+        self._last_holders = describe_holders(holders, dt.datetime.now(dt.UTC))
+        self.log.info("pglock waiting: %s is held by %s", key.describe(), self._last_holders)
+        return False
+
+    # --------------------------------------------------------------- execution
+
+    def execute(self, context: Context) -> Any:
+        try:
+            key = self.lock_key()
+        except (InvalidLockKeyError, LockConfigurationError) as error:
+            # Outside poke(): a bad key fails the task, soft_fail or not (soft_fail is for timeouts).
+            raise AirflowFailException(f"{type(error).__name__}: {error}") from error
+        if self.deferrable:
+            return self._execute_deferrable(context, key)
+        try:
+            return super().execute(context)
+        except AirflowSensorTimeout as timeout:
+            raise AirflowSensorTimeout(self._timeout_message(key, timeout)) from timeout
+        except AirflowSkipException as skip:
+            if self._last_holders is None or "timed out" not in str(skip):
+                raise
+            raise AirflowSkipException(self._timeout_message(key, skip) + " (soft_fail=True)") from skip
+
+    def _timeout_message(self, key: LockKey, error: BaseException) -> str:
+        return f"{key.describe()} is still held by {self._last_holders} after the sensor's timeout: {error}"
+
+    def _execute_deferrable(self, context: Context, key: LockKey) -> None:
+        if self.poke(context):
+            return None
+        trigger = AdvisoryLockTrigger.for_key(
+            key,
+            postgres_conn_id=self.postgres_conn_id,
+            poll_interval=self.poke_interval,
+            deadline=time.time() + self.timeout,
+        )
+        # No Airflow deferral timeout: it would fail the task even with soft_fail; the
+        # trigger's own deadline ends the wait with an event execute_complete maps.
+        self.defer(trigger=trigger, method_name="execute_complete")
+
+    def resume_execution(self, next_method: str, next_kwargs: dict[str, Any] | None, context: Context) -> Any:
+        if next_method == "execute_complete":
+            # BaseSensorOperator.resume_execution would replace our skip reason (key, holder)
+            # by "Skipping due to soft_fail", and turn errors into skips under soft_fail.
+            return self.execute_complete(context, **(next_kwargs or {}))
+        return super().resume_execution(next_method, next_kwargs, context)
+
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> None:
+        """Map the trigger's event: free -> success, timeout -> failed or skipped, error -> failed.
+
+        :param context: the task context.
+        :param event: the trigger's event payload.
+        """
+        status, message = event.get("status"), str(event.get("message", event))
+        if status == FREE:
+            self.log.info("pglock sensor: %s", message)
+            return
+        if status == TIMEOUT:
+            message = f"{message} (timeout {self.timeout:g} s)"
+            if self.soft_fail:
+                raise AirflowSkipException(f"{message} (soft_fail=True)")
+            raise AirflowSensorTimeout(message)
+        # An error fails the task even with soft_fail (that is for timeouts), as in poke mode.
+        default: type[Exception] = LockConnectionError if status == ERROR else PgLockError
+        error_class = _ERRORS.get(str(event.get("error_type")), default)
+        raise error_class(f"AdvisoryLockSensor {self.task_id!r}: {message}")

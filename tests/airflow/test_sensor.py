@@ -1,0 +1,344 @@
+"""AdvisoryLockSensor and AdvisoryLockTrigger in a real Airflow 3 against a real PostgreSQL.
+
+One dag.test() run exercises every mode (poke, reschedule, deferrable with the trigger run
+inline) and the timeouts; the tasks are chained so that a key released by a
+threading.Timer is still held when its sensor starts. The trigger and the race between a
+polling sensor and a real contender are also driven directly, on real PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from airflow_pglock.exceptions import LockConnectionError
+from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+from airflow_pglock.keys import LockKey
+from devtools.pgcluster import free_port
+from tests.helpers import TEST_CONN_ID, advisory_locks, run_dag
+
+pytestmark = pytest.mark.airflow
+
+SENSOR_DAG = '''
+import threading
+
+import pendulum
+from airflow.sdk import dag, task, chain
+
+from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+from airflow_pglock.sensors.advisory_lock import AdvisoryLockSensor
+
+CONN = "pglock_test"
+DONE = "all_done"
+
+
+def hold_for(name, seconds):
+    """Another session takes the key now; a threading.Timer releases it after `seconds`."""
+    held = AdvisoryLockHook(CONN).try_acquire(name, application_name="maintenance holder")
+    assert held is not None, name
+    threading.Timer(seconds, held.release).start()
+
+
+@dag(dag_id="sensors", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False,
+     params={"tenant": "acme"})
+def sensors():
+    @task
+    def hold_poke_key():
+        hold_for("maint/poke", 1.5)
+
+    @task(trigger_rule=DONE)
+    def hold_reschedule_key():
+        hold_for("maint/reschedule", 1.5)
+
+    @task(trigger_rule=DONE)
+    def hold_deferred_key():
+        hold_for("maint/deferred", 1.5)
+
+    common = dict(postgres_conn_id=CONN, trigger_rule=DONE)
+    chain(
+        hold_poke_key(),
+        AdvisoryLockSensor(task_id="wait_poke", key="maint/poke", poke_interval=0.2, timeout=60, **common),
+        hold_reschedule_key(),
+        AdvisoryLockSensor(task_id="wait_reschedule", key="maint/reschedule", mode="reschedule",
+                           poke_interval=1, timeout=60, **common),
+        hold_deferred_key(),
+        AdvisoryLockSensor(task_id="wait_deferred", key="maint/deferred", deferrable=True, poke_interval=0.2,
+                           timeout=60, **common),
+        AdvisoryLockSensor(task_id="soft_poke", key="maint/held", poke_interval=0.2, timeout=1, soft_fail=True,
+                           **common),
+        AdvisoryLockSensor(task_id="soft_deferred", key="maint/held", deferrable=True, poke_interval=0.2,
+                           timeout=1, soft_fail=True, **common),
+        AdvisoryLockSensor(task_id="hard_deferred", key="maint/held", deferrable=True, poke_interval=0.2,
+                           timeout=1, **common),
+        AdvisoryLockSensor(task_id="free_pair", key=(7, 99), **common),
+        AdvisoryLockSensor(task_id="free_tenant", key="maint", tenant="{{ params.tenant }}", **common),
+        AdvisoryLockSensor(task_id="unknown_param", key="{{ params.no_such_param }}", soft_fail=True, **common),
+        AdvisoryLockSensor(task_id="unreachable", key="maint/held", postgres_conn_id="pglock_unreachable",
+                           soft_fail=True, timeout=30, trigger_rule=DONE),
+        AdvisoryLockSensor(task_id="unreachable_deferred", key="maint/held", postgres_conn_id="pglock_unreachable",
+                           deferrable=True, soft_fail=True, timeout=30, trigger_rule=DONE),
+    )
+
+
+sensors_dag = sensors()
+'''
+
+
+@pytest.fixture
+def unreachable_conn() -> Any:
+    name = "AIRFLOW_CONN_PGLOCK_UNREACHABLE"
+    os.environ[name] = f"postgresql://postgres@127.0.0.1:{free_port()}/postgres?connect_timeout=2"
+    yield "pglock_unreachable"
+    os.environ.pop(name, None)
+
+
+def _reschedules(run_id: str, task_id: str) -> int:
+    from airflow.models.taskinstance import TaskInstance
+    from airflow.models.taskreschedule import TaskReschedule
+    from airflow.utils.session import create_session
+    from sqlalchemy import func, select
+
+    with create_session() as session:
+        query = (
+            select(func.count())
+            .select_from(TaskReschedule)
+            .join(TaskInstance, TaskInstance.id == TaskReschedule.ti_id)
+            .where(TaskInstance.run_id == run_id, TaskInstance.task_id == task_id)
+        )
+        return int(session.scalar(query) or 0)
+
+
+def test_sensor_modes_timeouts_and_errors(
+    airflow_db: Any, hook: AdvisoryLockHook, admin: Any, unreachable_conn: str, capfd: Any, caplog: Any
+) -> None:
+    held = hook.try_acquire("maint/held", application_name="nightly maintenance")
+    assert held is not None
+    try:
+        result = run_dag(SENSOR_DAG, "sensors")
+    finally:
+        held.release()
+    log = "".join(capfd.readouterr()) + caplog.text
+
+    assert result.states == {
+        ("hold_poke_key", -1): "success",
+        ("wait_poke", -1): "success",
+        ("hold_reschedule_key", -1): "success",
+        ("wait_reschedule", -1): "success",
+        ("hold_deferred_key", -1): "success",
+        ("wait_deferred", -1): "success",
+        ("soft_poke", -1): "skipped",
+        ("soft_deferred", -1): "skipped",
+        ("hard_deferred", -1): "failed",
+        ("free_pair", -1): "success",
+        ("free_tenant", -1): "success",
+        ("unknown_param", -1): "failed",  # an error fails the task even with soft_fail
+        ("unreachable", -1): "failed",
+        ("unreachable_deferred", -1): "failed",
+    }, log[-5000:]
+
+    # Each waiting sensor saw the key held (naming the key, its numbers and the holder) and then free.
+    for name in ("maint/poke", "maint/reschedule", "maint/deferred"):
+        key = LockKey.from_name(name)
+        waiting = re.search(
+            rf"pglock waiting: key '{name}' \(int64 {key.numbers[0]}\) is held by pid \d+ "
+            r"\(application_name 'maintenance holder', client [^)]*\) holding ExclusiveLock since \S+ \(\d+\.\d s\)",
+            log,
+        )
+        assert waiting, f"no waiting line for {name}"
+        assert f"key '{name}' (int64 {key.numbers[0]}) is free" in log[waiting.end() :]
+    assert _reschedules(result.run_id, "wait_reschedule") >= 1
+    assert "[DAG TEST] running trigger in line" in log
+    assert re.search(r"pglock waiting: key 'maint/deferred' .*AdvisoryLockTrigger", log), "the trigger did not wait"
+
+    # Timeouts name the key and the holder; soft_fail turns them into skips in both modes.
+    held_key = LockKey.from_name("maint/held")
+    timeouts = [line for line in log.splitlines() if "is still held by" in line]
+    assert any("soft_fail=True" in line and "after the sensor's timeout" in line for line in timeouts), timeouts
+    assert any("at the sensor's deadline (timeout 1 s) (soft_fail=True)" in line for line in timeouts), timeouts
+    assert any("AirflowSensorTimeout" in line and "at the sensor's deadline" in line for line in timeouts)
+    assert all(f"(int64 {held_key.numbers[0]})" in line and "'nightly maintenance'" in line for line in timeouts)
+
+    assert "key 'maint/acme'" in log and "int32 pair 7, 99" in log
+    assert "no_such_param" in log
+    assert "cannot connect to the lock database 'postgres' on 127.0.0.1" in log and "refused" in log
+    assert advisory_locks(admin) == []
+
+
+# ------------------------------------------------------------------ the trigger
+
+
+def _run_trigger(trigger: Any) -> Any:
+    async def first_event() -> Any:
+        return await anext(trigger.run())
+
+    return asyncio.run(first_event())
+
+
+def test_trigger_serializes_without_secrets_and_round_trips(dsn: str) -> None:
+    from airflow.sdk.serde import deserialize, serialize
+
+    from airflow_pglock.triggers.advisory_lock import AdvisoryLockTrigger
+
+    os.environ["AIRFLOW_CONN_PGLOCK_SECRET"] = "postgresql://postgres:s3cret-pw@127.0.0.1:5432/x"
+    try:
+        for key in (LockKey.from_name("maint/held"), LockKey.from_int(-5), LockKey.from_pair(7, -99)):
+            trigger = AdvisoryLockTrigger.for_key(
+                key, postgres_conn_id="pglock_secret", poll_interval=5, deadline=1.5e9
+            )
+            classpath, kwargs = trigger.serialize()
+            assert classpath == "airflow_pglock.triggers.advisory_lock.AdvisoryLockTrigger"
+            assert "s3cret" not in repr(kwargs) and "password" not in repr(kwargs).lower()
+            rebuilt = AdvisoryLockTrigger(**deserialize(serialize(kwargs)))  # what the triggerer does
+            assert rebuilt.serialize() == (classpath, kwargs)
+            assert rebuilt.key == key
+    finally:
+        os.environ.pop("AIRFLOW_CONN_PGLOCK_SECRET")
+
+
+def test_trigger_is_safe_to_run_twice_and_keeps_its_deadline(dsn: str, hook: AdvisoryLockHook, admin: Any) -> None:
+    from airflow_pglock.triggers.advisory_lock import AdvisoryLockTrigger
+
+    held = hook.try_acquire("maint/twice", application_name="nightly maintenance")
+    assert held is not None
+    kwargs = AdvisoryLockTrigger.for_key(
+        held.key, postgres_conn_id=TEST_CONN_ID, poll_interval=0.05, deadline=time.time() + 60
+    ).serialize()[1]
+    timer = threading.Timer(0.5, held.release)
+    timer.start()
+
+    async def two_copies() -> list[Any]:
+        return list(await asyncio.gather(*(anext(AdvisoryLockTrigger(**kwargs).run()) for _ in range(2))))
+
+    try:
+        events = asyncio.run(two_copies())
+    finally:
+        timer.join()
+    assert [event.payload["status"] for event in events] == ["free", "free"]
+    assert advisory_locks(admin) == []  # the two waiting copies took nothing
+
+    # A trigger rebuilt after its deadline (triggerer restart) does not wait again.
+    held = hook.try_acquire("maint/twice", application_name="nightly maintenance")
+    assert held is not None
+    try:
+        late = AdvisoryLockTrigger.for_key(held.key, postgres_conn_id=TEST_CONN_ID, poll_interval=30, deadline=1.0)
+        started = time.monotonic()
+        event = _run_trigger(late)
+        assert time.monotonic() - started < 25  # answered at once, not after a poll interval
+    finally:
+        held.release()
+    assert event.payload["status"] == "timeout"
+    assert "'nightly maintenance'" in event.payload["message"] and "maint/twice" in event.payload["message"]
+
+
+def test_trigger_connection_error_is_a_clear_failure_even_with_soft_fail(
+    dsn: str, unreachable_conn: str, airflow_db: Any
+) -> None:
+    from airflow_pglock.sensors.advisory_lock import AdvisoryLockSensor
+    from airflow_pglock.triggers.advisory_lock import AdvisoryLockTrigger
+
+    key = LockKey.from_name("maint/held")
+    event = _run_trigger(
+        AdvisoryLockTrigger.for_key(key, postgres_conn_id=unreachable_conn, poll_interval=1, deadline=None)
+    )
+    assert event.payload["status"] == "error"
+    assert event.payload["error_type"] == "LockConnectionError"
+    message = event.payload["message"]
+    assert "maint/held" in message and "cannot connect to the lock database" in message
+
+    sensor = AdvisoryLockSensor(task_id="s", key="maint/held", postgres_conn_id=unreachable_conn, soft_fail=True)
+    with pytest.raises(LockConnectionError, match="cannot connect to the lock database"):
+        sensor.execute_complete({}, event.payload)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------- invariant 5
+
+
+def test_a_polling_sensor_never_makes_a_contender_skip(dsn: str, hook: AdvisoryLockHook, admin: Any) -> None:
+    """A contender takes and releases the key in a tight loop while the sensor's poke() and the
+    trigger poll it as fast as they can: the contender must get the key every single time."""
+    import psycopg
+
+    from airflow_pglock.sensors.advisory_lock import AdvisoryLockSensor
+    from airflow_pglock.triggers.advisory_lock import AdvisoryLockTrigger
+
+    key = LockKey.from_name("maint/race")
+    sensor = AdvisoryLockSensor(task_id="race", key=key.name, postgres_conn_id=TEST_CONN_ID)
+    stop = threading.Event()
+    seen: dict[str, list[bool]] = {"poke": [], "trigger": []}
+
+    def poke_loop() -> None:
+        while not stop.is_set():
+            seen["poke"].append(sensor.poke({}))  # type: ignore[arg-type]
+
+    def trigger_loop() -> None:
+        async def loop() -> None:
+            while not stop.is_set():
+                trigger = AdvisoryLockTrigger.for_key(
+                    key, postgres_conn_id=TEST_CONN_ID, poll_interval=1, deadline=time.time() - 1
+                )
+                event = await anext(trigger.run())
+                seen["trigger"].append(event.payload["status"] == "free")
+
+        asyncio.run(loop())
+
+    pollers = [threading.Thread(target=poke_loop), threading.Thread(target=trigger_loop)]
+    rounds = missed = 0
+    with psycopg.connect(dsn, autocommit=True, application_name="contender") as contender:
+        for thread in pollers:
+            thread.start()
+        try:
+            deadline = time.monotonic() + 4
+            while time.monotonic() < deadline or min(len(v) for v in seen.values()) < 50:
+                if hook.try_lock(contender, key):
+                    time.sleep(0.0005)  # the "work": long enough for the pollers to see it held
+                    assert hook.unlock(contender, key)
+                else:
+                    missed += 1
+                rounds += 1
+        finally:
+            stop.set()
+            for thread in pollers:
+                thread.join()
+    assert missed == 0, f"the contender found the key busy {missed} times in {rounds} rounds"
+    # The pollers really raced the contender: they saw the key both held and free.
+    for name, results in seen.items():
+        assert True in results and False in results, (name, len(results), sum(results))
+    assert advisory_locks(admin) == []
+
+
+def test_the_race_test_detects_a_checker_that_takes_the_lock(dsn: str, hook: AdvisoryLockHook, admin: Any) -> None:
+    """Control for the test above: a checker that *tries the lock* to see whether it is free
+    (what the sensor must not do) does make the contender skip under the same race."""
+    import psycopg
+
+    key = LockKey.from_name("maint/race-control")
+    stop = threading.Event()
+
+    def lock_taking_checker() -> None:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            while not stop.is_set():
+                if hook.try_lock(conn, key):
+                    hook.unlock(conn, key)
+
+    checker = threading.Thread(target=lock_taking_checker)
+    missed = 0
+    with psycopg.connect(dsn, autocommit=True, application_name="contender") as contender:
+        checker.start()
+        try:
+            deadline = time.monotonic() + 10
+            while missed == 0 and time.monotonic() < deadline:
+                if hook.try_lock(contender, key):
+                    assert hook.unlock(contender, key)
+                else:
+                    missed += 1
+        finally:
+            stop.set()
+            checker.join()
+    assert missed > 0
+    assert advisory_locks(admin) == []
