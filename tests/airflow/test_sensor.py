@@ -20,6 +20,7 @@ import pytest
 from airflow_pglock.exceptions import LockConnectionError
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 from airflow_pglock.keys import LockKey
+from airflow_pglock.liveness import Liveness
 from devtools.pgcluster import free_port
 from tests.helpers import TEST_CONN_ID, advisory_locks, run_dag
 
@@ -117,7 +118,9 @@ def _reschedules(run_id: str, task_id: str) -> int:
 def test_sensor_modes_timeouts_and_errors(
     airflow_db: Any, hook: AdvisoryLockHook, admin: Any, unreachable_conn: str, capfd: Any, caplog: Any
 ) -> None:
-    held = hook.try_acquire("maint/held", application_name="nightly maintenance")
+    # A long lease: this holder sends no heartbeat, and the run may take longer than the default 30 s.
+    holder = AdvisoryLockHook(dsn=hook.dsn, liveness=Liveness(lease=600))
+    held = holder.try_acquire("maint/held", application_name="nightly maintenance")
     assert held is not None
     try:
         result = run_dag(SENSOR_DAG, "sensors")
