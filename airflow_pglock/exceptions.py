@@ -17,6 +17,7 @@ __all__ = [
     "LockConfigurationError",
     "LockConnectionError",
     "LockLostError",
+    "LockLostInterrupt",
     "PgLockError",
     "UnsafeSetupError",
 ]
@@ -54,3 +55,13 @@ class LockLostError(PgLockError):
         super().__init__(message)
         self.key = key
         self.cause = cause
+
+
+class LockLostInterrupt(BaseException):
+    """Raised *inside* the protected work when its lock is lost (``on_lost="fail"``).
+
+    A BaseException, like KeyboardInterrupt, so that ``except Exception`` in the work does
+    not swallow it. When the work ends, the guard replaces it by :class:`LockLostError`
+    (the task fails, even if the work caught the interruption). Catch it only to clean up,
+    then re-raise it; the lock is no longer held when it is raised.
+    """

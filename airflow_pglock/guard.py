@@ -16,15 +16,22 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import TracebackType
-from typing import Any, Literal
+from types import FrameType, TracebackType
+from typing import Any, Literal, TypeVar
 
 import psycopg
 
-from airflow_pglock.exceptions import LockBusyError, LockConfigurationError, LockLostError, PgLockError
+from airflow_pglock.exceptions import (
+    LockBusyError,
+    LockConfigurationError,
+    LockLostError,
+    LockLostInterrupt,
+    PgLockError,
+)
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook, HeldLock, LockHolder, Scope
 from airflow_pglock.keys import LockKey
 
+T = TypeVar("T")
 OnBusy = Literal["skip", "fail", "wait"]
 OnLost = Literal["fail", "warn"]
 OnError = Literal["fail", "skip"]
@@ -39,6 +46,8 @@ log = logging.getLogger("airflow_pglock")
 # Delivered to the guarded thread when its lock is lost; Airflow's supervisor uses
 # SIGUSR2, so pick a real-time signal where the platform has one.
 LOST_SIGNAL: int = getattr(signal, "SIGRTMIN", signal.SIGUSR1) + (7 if hasattr(signal, "SIGRTMIN") else 0)
+# Errors with which the server ends a session (its locks end with it).
+_SESSION_ENDED_STATES = frozenset({"57P01", "57P02", "57P03", "57P05", "25P03"})
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -120,10 +129,6 @@ class LockHandle:
         return f"LockHandle({self.key.describe()}, mode={self.mode}, shared={self.shared})"
 
 
-class _LostInterrupt(Exception):  # noqa: N818 - raised asynchronously, carries no message
-    """Raised inside the guarded thread when its lock is lost (replaced by LockLostError)."""
-
-
 class LockGuard:
     """Hold ``key`` around a ``with`` block according to ``policy``.
 
@@ -132,6 +137,11 @@ class LockGuard:
     heartbeat, releases (or commits / rolls back in transaction mode), closes the
     connection and logs exactly one outcome line. A lock lost during the block raises
     LockLostError (``on_lost="fail"``), also when the block itself succeeded.
+
+    While the block runs, a heartbeat thread probes the lock every ``lease / 3`` s. With
+    ``on_lost="fail"`` a loss interrupts the block: :class:`LockLostInterrupt` is raised in
+    the guarded thread (at once in the main thread, via a signal; at its next Python
+    bytecode in another thread). :meth:`run` is the airtight form of the ``with`` block.
 
     :param hook: the hook that opens the dedicated connection.
     :param key: the key to hold.
@@ -160,10 +170,10 @@ class LockGuard:
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self._state_lock = threading.Lock()
-        self._interruptible = False
+        self._armed = False  # the work runs and may be interrupted
         self._interrupt_sent = False
+        self._interrupt_delivered = False
         self._guarded_thread: threading.Thread | None = None
-        self._previous_handler: Any = None
         self._started = 0.0
         self._wait_seconds = 0.0
 
@@ -229,128 +239,256 @@ class LockGuard:
     def _start_heartbeat(self) -> None:
         assert self.held is not None
         self._guarded_thread = threading.current_thread()
-        if self.policy.on_lost == "fail" and self._guarded_thread is threading.main_thread():
-            self._previous_handler = signal.signal(LOST_SIGNAL, self._on_lost_signal)
-        self._interruptible = True
+        if self.policy.on_lost == "fail":
+            with self._state_lock:
+                self._armed = True
+            if self._guarded_thread is threading.main_thread():
+                _arm_main_thread(self)
         self._heartbeat = threading.Thread(
             target=self._heartbeat_loop, name=f"pglock-heartbeat-{self.held.server.backend_pid}", daemon=True
         )
         self._heartbeat.start()
 
     def _heartbeat_loop(self) -> None:
-        assert self.held is not None
-        interval = self.hook.liveness.heartbeat_interval
-        while not self._stop.wait(interval):
-            reason = self._check_once()
-            if reason is not None:
-                self._on_lost(reason)
+        """Probe every ``lease / 3`` s; on loss, interrupt the work (``on_lost="fail"``) and stop.
+
+        A probe must be answered within ``2 * lease / 3`` s of the last confirmed one (or
+        within a short grace when this process itself stalled past that), so the holder
+        gives its lock up for lost before the server can release it (``lease`` s of silence).
+        """
+        held = self.held
+        assert held is not None
+        liveness = self.hook.liveness
+        interval = liveness.heartbeat_interval
+        grace = min(interval, 1.0)
+        confirmed = held.acquired_monotonic  # the lock statement was answered: the session is not idle before
+        while not self._stop.wait(max(0.0, confirmed + interval - time.monotonic())):
+            started = time.monotonic()
+            budget = max(confirmed + liveness.loss_deadline - started, grace)
+            try:
+                result = self.hook.probe(held.connection, self.key, self.policy.shared, budget)
+            except psycopg.Error as error:
+                if not held.connection.closed and self._is_ordinary_error(error):
+                    confirmed = started  # the session answered (e.g. the work's transaction is aborted): alive
+                    continue
+                reason, ask_server = self._describe_error(error)
+                self._lose(reason, ask_server=ask_server)
+                return
+            except Exception as error:  # never let the heartbeat die silently: a silent heartbeat loses the lock
+                self._lose(f"the heartbeat failed ({type(error).__name__}: {error})", ask_server=False)
+                return
+            if result == "held":
+                confirmed = started
+            elif result == "busy":
+                confirmed = time.monotonic()  # the work is running a statement on it: the session is not idle
+            elif result == "not held":
+                self._lose(self._not_held_reason(), ask_server=False)
+                return
+            else:
+                silent = time.monotonic() - confirmed
+                self._lose(
+                    f"no answer from the lock database for {silent:.1f} s (the network to {held.server.server} is "
+                    "cut, or the server or this process was frozen); the server releases the lock of a session "
+                    f"silent for the lease ({liveness.lease:g} s), so it is given up for lost now",
+                    ask_server=False,
+                )
                 return
 
-    def _check_once(self) -> str | None:
-        """None while the lock is held; otherwise why it is not."""
-        assert self.held is not None
-        try:
-            if self.hook.is_held(self.held.connection, self.key, self.policy.shared):
-                return None
-            return "the lock is no longer held by this session (released by another statement on it)"
-        except psycopg.errors.InFailedSqlTransaction:
-            return None  # transaction mode: the work's own statement failed; the lock is still there
-        except psycopg.errors.AdminShutdown:
-            if self._server_restarted():
-                return "the PostgreSQL server restarted"
-            return "the session was terminated (pg_terminate_backend or a server shutdown)"
-        except psycopg.errors.IdleSessionTimeout:
-            return "the server ended the idle session (idle_session_timeout): the heartbeat was late"
-        except psycopg.errors.IdleInTransactionSessionTimeout:
-            return "the server ended the idle transaction (idle_in_transaction_session_timeout)"
-        except psycopg.Error as error:
-            if self._stop.is_set():
-                return None
-            if self._server_restarted():
-                return "the PostgreSQL server restarted"
-            return f"the connection to the lock database broke ({type(error).__name__}: {str(error).strip()})"
+    @staticmethod
+    def _is_ordinary_error(error: psycopg.Error) -> bool:
+        """An error the session survives, with its locks (e.g. a statement in an aborted transaction)."""
+        state = getattr(error, "sqlstate", None) or ""
+        return bool(state) and state[:2] != "08" and state not in _SESSION_ENDED_STATES
 
-    def _server_restarted(self) -> bool:
+    def _describe_error(self, error: psycopg.Error) -> tuple[str, bool]:
+        """Why the session ended, as far as the error tells; and whether asking the server may tell more."""
+        state = getattr(error, "sqlstate", None) or ""
+        text = str(error).strip().splitlines()
+        detail = text[0] if text else type(error).__name__
+        lease = self.hook.liveness.lease
+        if state == "57P01":
+            return "the session was terminated (pg_terminate_backend() or a server shutdown)", True
+        if state in {"57P02", "57P03"}:
+            return f"the PostgreSQL server is shutting down or crashed ({detail})", True
+        if state == "57P05":
+            return (
+                f"the server ended the session after the lease ({lease:g} s) without a heartbeat "
+                "(idle_session_timeout): this process was frozen, stalled or cut off from the server for longer "
+                "than the lease",
+                False,
+            )
+        if state == "25P03":
+            return (
+                f"the server ended the session after the lease ({lease:g} s) idle in its transaction "
+                "(idle_in_transaction_session_timeout): this process was frozen, stalled or cut off for longer "
+                "than the lease",
+                False,
+            )
+        return f"the connection to the lock database broke ({type(error).__name__}: {detail})", True
+
+    def _not_held_reason(self) -> str:
+        if self.policy.mode == "transaction":
+            return (
+                "the transaction holding the lock ended while the work ran (a COMMIT or ROLLBACK on the lock's "
+                "connection releases a transaction-level lock)"
+            )
+        return "the session is alive but no longer holds the key (something on this connection unlocked it)"
+
+    def _explain_with_server(self, reason: str) -> str:
+        """Refine a vague loss reason by asking the server (fresh connection, 2 s connect timeout)."""
         assert self.held is not None
         started = self.hook.server_started_at()
-        return started is not None and started > self.held.server.started_at
+        if started is None:
+            return (
+                "the PostgreSQL server shut down, crashed or is restarting: it does not accept connections now "
+                f"(the lock session ended with: {reason})"
+            )
+        if started > self.held.server.started_at:
+            when = started.isoformat(timespec="seconds")
+            return f"the PostgreSQL server restarted at {when} (the lock session ended with it)"
+        if reason.startswith("the session was terminated"):
+            return (
+                "the session was terminated by pg_terminate_backend() (an administrator or a tool ended it; "
+                "the server did not restart)"
+            )
+        return reason
+
+    def _lose(self, reason: str, *, ask_server: bool) -> None:
+        """Record the loss and interrupt the work at once; then refine the reason if the server can tell more."""
+        self._on_lost(reason)
+        if ask_server:
+            refined = self._explain_with_server(reason)
+            with self._state_lock:
+                self._lost = refined
+        self.log.error("pglock LOST %s: %s", self.key.describe(), self._lost)
 
     def _on_lost(self, reason: str) -> None:
         with self._state_lock:
-            self._lost = reason
-            self.log.error("pglock LOST %s: %s", self.key.describe(), reason)
-            if self.policy.on_lost != "fail" or not self._interruptible or self._guarded_thread is None:
+            if self._lost is None:
+                self._lost = reason
+            if not self._armed or self._interrupt_sent or self._guarded_thread is None:
                 return
             self._interrupt_sent = True
+            ident = self._guarded_thread.ident or 0
             if self._guarded_thread is threading.main_thread():
-                signal.pthread_kill(self._guarded_thread.ident or 0, LOST_SIGNAL)
+                signal.pthread_kill(ident, LOST_SIGNAL)
             else:
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                    ctypes.c_ulong(self._guarded_thread.ident or 0), ctypes.py_object(_LostInterrupt)
-                )
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(LockLostInterrupt))
 
-    def _on_lost_signal(self, signum: int, frame: Any) -> None:
-        if self._interruptible and self._lost is not None:
-            raise _LostInterrupt()
+    def _take_interrupt(self) -> str | None:
+        """Called by the signal handler in the guarded (main) thread: the reason to raise, once."""
+        if not self._armed or self._lost is None or self._interrupt_delivered:
+            return None
+        self._interrupt_delivered = True
+        return self._lost
+
+    def _disarm(self) -> None:
+        """No interruption from now on (idempotent); an undelivered one is cancelled."""
+        with self._state_lock:
+            if not self._armed:
+                return
+            self._armed = False
+            if self._interrupt_sent and self._guarded_thread is not threading.main_thread():
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._guarded_thread.ident or 0), None)  # type: ignore[union-attr]
+        _disarm_main_thread(self)
+
+    def _disarm_absorbing(self) -> None:
+        # An interruption raised while disarming (it may land at any bytecode until then) is absorbed.
+        while True:
+            try:
+                self._disarm()
+                return
+            except LockLostInterrupt:
+                continue
 
     def _stop_heartbeat(self) -> None:
-        with self._state_lock:
-            self._interruptible = False
-            if self._interrupt_sent and self._guarded_thread is not threading.main_thread() and self._guarded_thread:
-                # An asynchronous exception not yet delivered must not fire during clean-up.
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._guarded_thread.ident or 0), None)
         self._stop.set()
-        if self._previous_handler is not None:
-            signal.signal(LOST_SIGNAL, self._previous_handler)
-            self._previous_handler = None
-        if self._heartbeat is not None and self._heartbeat is not threading.current_thread():
-            # A heartbeat blocked on a dead network returns after tcp_user_timeout at most;
-            # closing the connection below unblocks it sooner.
-            self._heartbeat.join(timeout=0.5)
+        heartbeat = self._heartbeat
+        if heartbeat is not None and heartbeat is not threading.current_thread():
+            # Every step of the heartbeat is bounded: a probe by the loss deadline, a server
+            # check by its 2 s connect timeout.
+            heartbeat.join(timeout=self.hook.liveness.loss_deadline + 5)
 
     # ----------------------------------------------------------------- release
+
+    def run(self, work: Callable[[LockHandle], T]) -> T:
+        """Hold the lock around ``work(handle)``: the airtight form of the ``with`` block.
+
+        Same outcomes as ``with guard as handle: work(handle)``; in addition, an
+        interruption that lands between the end of ``work`` and the release is absorbed
+        here rather than escaping the clean-up.
+
+        :param work: the protected function; it receives the :class:`LockHandle`.
+        """
+        handle = self.__enter__()
+        error: BaseException | None = None
+        try:
+            result = work(handle)
+        except BaseException as raised:
+            error = raised
+        while True:
+            try:
+                self._disarm()
+                break
+            except LockLostInterrupt as late:
+                error = error or late
+        if error is not None:
+            self.__exit__(type(error), error, error.__traceback__)
+            raise error
+        self.__exit__(None, None, None)
+        return result
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> None:
+        self._disarm_absorbing()
         self._stop_heartbeat()
         held = self.held
         assert held is not None
         lost = self._lost
         commit_error: BaseException | None = None
         try:
-            if lost is None and exc_type is None and held.scope == "transaction":
+            if held.scope == "transaction":
+                if lost is None and exc_type is None:
+                    try:
+                        self.hook.commit(held.connection)
+                    except psycopg.Error as error:
+                        commit_error = error
+            elif lost is None and not held.connection.closed:
                 try:
-                    self.hook.commit(held.connection)
+                    still_held = self.hook.unlock(held.connection, self.key, shared=self.policy.shared)
                 except psycopg.Error as error:
-                    commit_error = error
-            was_held = held.release() if held.scope == "session" else False
-            if held.scope == "session" and lost is None and not was_held and exc_type is None:
-                lost = "the lock was no longer held at release"
-                self._lost = lost
+                    still_held = False
+                    lost = self._describe_error(error)[0]
+                if not still_held:
+                    lost = f"found at release: {lost or 'the session no longer held the key'}"
+            elif lost is None:
+                lost = "found at release: the lock connection was closed"
         finally:
             held.released = True
-            held.connection.close()
-            if self._heartbeat is not None:
-                self._heartbeat.join(timeout=5)
+            held.connection.close()  # also rolls back a transaction lock's open transaction
+        if lost is not None:
+            with self._state_lock:
+                self._lost = lost
         held_for = held.held_seconds
         if lost is not None:
-            self._log_outcome("lost", detail=lost, held=held_for)
             if self.policy.on_lost == "fail":
+                self._log_outcome("lost", detail=lost, held=held_for)
                 message = (
                     f"lost {self.key.describe()} while the task ran: {lost}. Another worker may now run the same "
                     "work; this run is marked failed instead of successful"
                 )
-                raise LockLostError(message, self.key, lost) from (exc if exc_type is not _LostInterrupt else None)
+                raise LockLostError(message, self.key, lost) from exc
+            warned = f"{lost} (on_lost='warn': the work went on without the lock)"
+            self._log_outcome("lost", detail=warned, held=held_for)
+            return
         if commit_error is not None:
             self._log_outcome("failed", detail=f"commit failed: {commit_error}", held=held_for)
             raise commit_error
         if exc_type is not None:
             self._log_outcome("failed", detail=f"{exc_type.__name__}: {exc}", held=held_for)
-        elif lost is None:
-            self._log_outcome("completed", held=held_for)
         else:
-            self._log_outcome("completed", detail=f"on_lost='warn': lock lost during the run: {lost}", held=held_for)
+            self._log_outcome("completed", held=held_for)
 
     # ----------------------------------------------------------------- logging
 
@@ -384,3 +522,49 @@ class LockGuard:
             self.log.info(line)
         else:
             self.log.error(line) if outcome in {"failed", "lost"} else self.log.warning(line)
+
+
+# ------------------------------------------------------- interrupting the main thread
+# One handler for LOST_SIGNAL, installed the first time a guard is armed in the main
+# thread and left in place (it does nothing when no guard claims the signal; restoring
+# SIG_DFL could let a late signal kill the process). Guards may nest: each armed guard is
+# on this stack; a lost one raises LockLostInterrupt in whatever the main thread runs,
+# except inside the guard's own clean-up.
+_armed_in_main: list[LockGuard] = []
+_chained_handler: Any = None
+_handler_installed = False
+
+
+def _lost_signal_handler(signum: int, frame: FrameType | None) -> None:
+    if frame is not None and frame.f_code in _NO_INTERRUPT_CODE:
+        return
+    for guard in reversed(_armed_in_main):
+        reason = guard._take_interrupt()
+        if reason is not None:
+            raise LockLostInterrupt(f"lost {guard.key.describe()}: {reason}")
+    if callable(_chained_handler):
+        _chained_handler(signum, frame)
+
+
+def _arm_main_thread(guard: LockGuard) -> None:
+    global _chained_handler, _handler_installed
+    if not _handler_installed:
+        _chained_handler = signal.signal(LOST_SIGNAL, _lost_signal_handler)
+        _handler_installed = True
+    _armed_in_main.append(guard)
+
+
+def _disarm_main_thread(guard: LockGuard) -> None:
+    if guard in _armed_in_main:
+        _armed_in_main.remove(guard)
+
+
+_NO_INTERRUPT_CODE = frozenset(
+    function.__code__
+    for function in (
+        LockGuard.__exit__,
+        LockGuard._disarm,
+        LockGuard._disarm_absorbing,
+        _disarm_main_thread,
+    )
+)

@@ -1,18 +1,24 @@
 """Liveness settings of a lock connection: how long a dead holder can keep a lock.
 
-Pure module. One number, the *lease*, sets all of them:
+Pure module. One number, the *lease* ``L`` (seconds, default 30, at least 3), sets all of them:
 
-* the server ends a session that has been idle for ``lease`` seconds
-  (``idle_session_timeout``; ``idle_in_transaction_session_timeout`` in transaction
-  mode), releasing its advisory locks; a healthy holder's heartbeat runs every
-  ``lease / 3`` seconds, so it is never idle that long;
-* the server's TCP keepalives probe a silent client after ``lease / 3`` s, every
-  ``lease / 9`` s, 3 times, and ``tcp_user_timeout`` drops a connection whose sent data
-  stays unacknowledged for ``lease`` s; the client side uses the same values.
+* **server side, the lease itself**: the server ends a lock session that has been idle for
+  ``L`` seconds (``idle_session_timeout``; ``idle_in_transaction_session_timeout`` in
+  transaction mode), which releases its advisory locks. A healthy holder's heartbeat runs a
+  statement every ``L / 3`` s, so its session is never idle that long;
+* **holder side, loss detection**: a heartbeat that has no answer ``2L / 3`` s after the
+  last confirmed one makes the holder consider its lock lost (and interrupt the protected
+  work) a full heartbeat interval *before* the server may release it;
+* **TCP, belt and braces**: keepalives probe a silent peer after ``L / 3`` s, every ``L / 9``
+  s, at most 3 times (so a dead peer is noticed within ``L``), ``tcp_user_timeout`` drops a
+  connection whose sent data stays unacknowledged for ``L`` s, on both ends; and
+  ``client_connection_check_interval`` (PostgreSQL 14+) lets the server notice a vanished
+  client while a statement of the protected work still runs (transaction mode).
 
 Hence: a holder that freezes, crashes or drops off the network loses its lock on the
-server at most ``lease`` seconds after its last heartbeat (plus the server's timer
-granularity, well under a second), instead of after the OS keepalive default of ~2 h.
+server at most ``L`` seconds after its last heartbeat (plus the server's timer granularity,
+well under a second), instead of after the OS keepalive default of about two hours; and it
+stops its protected work before that.
 """
 
 from __future__ import annotations
@@ -22,13 +28,15 @@ from dataclasses import dataclass
 
 DEFAULT_LEASE_SECONDS = 30.0
 MIN_LEASE_SECONDS = 3.0
+#: ``idle_session_timeout`` and ``client_connection_check_interval`` appeared in PostgreSQL 14.
+IDLE_SESSION_TIMEOUT_VERSION = 140000
 
 
 @dataclass(frozen=True)
 class Liveness:
     """Server- and client-side liveness settings derived from one lease.
 
-    :param lease: seconds a silent holder may keep its lock on the server (default 30).
+    :param lease: seconds a silent holder may keep its lock on the server (default 30, min 3).
     """
 
     lease: float = DEFAULT_LEASE_SECONDS
@@ -41,8 +49,14 @@ class Liveness:
 
     @property
     def heartbeat_interval(self) -> float:
-        """Seconds between two heartbeats of a healthy holder."""
+        """Seconds between two heartbeats of a healthy holder (``lease / 3``)."""
         return self.lease / 3
+
+    @property
+    def loss_deadline(self) -> float:
+        """Seconds after the last confirmed heartbeat at which the holder gives its lock up
+        for lost when no newer heartbeat was answered (``2 * lease / 3``)."""
+        return 2 * self.heartbeat_interval
 
     @property
     def lease_ms(self) -> int:
@@ -50,24 +64,46 @@ class Liveness:
 
     @property
     def keepalive_idle(self) -> int:
+        """Seconds of silence before the first TCP keepalive probe."""
         return max(1, int(self.lease / 3))
 
     @property
     def keepalive_interval(self) -> int:
+        """Seconds between two unanswered TCP keepalive probes."""
         return max(1, int(self.lease / 9))
 
-    keepalive_count = 3
+    @property
+    def keepalive_count(self) -> int:
+        """Unanswered probes before the peer counts as dead (idle + interval * count <= lease)."""
+        return max(1, min(3, int((self.lease - self.keepalive_idle) // self.keepalive_interval)))
 
-    def server_settings(self, transaction: bool) -> dict[str, str]:
-        """``set_config`` name -> value for the lock's session (or transaction)."""
-        idle_setting = "idle_in_transaction_session_timeout" if transaction else "idle_session_timeout"
-        return {
-            idle_setting: f"{self.lease_ms}ms",
-            "tcp_keepalives_idle": str(self.keepalive_idle),
-            "tcp_keepalives_interval": str(self.keepalive_interval),
-            "tcp_keepalives_count": str(self.keepalive_count),
-            "tcp_user_timeout": str(self.lease_ms),
-        }
+    def server_settings(
+        self, transaction: bool, server_version_num: int = IDLE_SESSION_TIMEOUT_VERSION
+    ) -> dict[str, str]:
+        """``set_config`` name -> value for the lock's session (or transaction).
+
+        :param transaction: settings for a transaction-level lock (``SET LOCAL``) rather
+            than for the session.
+        :param server_version_num: the server's ``server_version_num``; settings it does
+            not know are left out (the caller refuses set-ups that need them).
+        """
+        modern = server_version_num >= IDLE_SESSION_TIMEOUT_VERSION
+        settings: dict[str, str] = {}
+        if transaction:
+            settings["idle_in_transaction_session_timeout"] = f"{self.lease_ms}ms"
+        elif modern:
+            settings["idle_session_timeout"] = f"{self.lease_ms}ms"
+        settings.update(
+            {
+                "tcp_keepalives_idle": str(self.keepalive_idle),
+                "tcp_keepalives_interval": str(self.keepalive_interval),
+                "tcp_keepalives_count": str(self.keepalive_count),
+                "tcp_user_timeout": str(self.lease_ms),
+            }
+        )
+        if modern:
+            settings["client_connection_check_interval"] = f"{self.keepalive_interval * 1000}ms"
+        return settings
 
     def client_settings(self) -> dict[str, str | int]:
         """libpq connection parameters for the client end of the socket."""

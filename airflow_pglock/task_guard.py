@@ -154,8 +154,7 @@ def run_guarded(
         guard = LockGuard(
             spec.hook(), lock_key, spec.policy, application_name=identity.application_name(), logger=logger
         )
-        with guard as handle:
-            return work(handle)
+        return guard.run(work)  # the airtight form of `with guard as handle: work(handle)`
     except LockBusyError as busy:
         if spec.policy.on_busy == "fail":
             raise AirflowFailException(f"{busy} (on_busy='fail')") from busy

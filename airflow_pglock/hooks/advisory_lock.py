@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import select
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from airflow_pglock.exceptions import (
     UnsafeSetupError,
 )
 from airflow_pglock.keys import LockKey
-from airflow_pglock.liveness import Liveness
+from airflow_pglock.liveness import IDLE_SESSION_TIMEOUT_VERSION, Liveness
 
 Scope = Literal["session", "transaction"]
 
@@ -35,6 +36,23 @@ DEFAULT_CONNECT_TIMEOUT = 10
 INSPECT_APPLICATION_NAME = "pglock inspect"
 MIN_SERVER_VERSION = 120000  # tcp_user_timeout needs PostgreSQL 12
 POSTGRES_CONN_TYPES = frozenset({"postgres", "postgresql"})
+#: What a heartbeat found: the key is held; it is not; the protected work is using the
+#: connection (transaction mode: the session is busy, hence not idle); no answer in time.
+ProbeResult = Literal["held", "not held", "busy", "no answer"]
+# Whether this very session holds a key: pg_locks, filtered to our pid and database.
+_HELD_SQL = (
+    "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()"
+    " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+    " AND classid = {0}::oid AND objid = {1}::oid AND objsubid = {2}::int2 AND mode = {3} AND granted)"
+)
+# The errors a server that only looks like PostgreSQL (PgBouncer's admin console, other
+# wire-compatible systems) answers to the inspection query.
+_NOT_POSTGRES_ERRORS: tuple[type[psycopg.Error], ...] = (
+    psycopg.errors.UndefinedFunction,
+    psycopg.errors.ProtocolViolation,
+    psycopg.errors.FeatureNotSupported,
+    psycopg.errors.SyntaxError,
+)
 # PostgresHook extras that are not libpq parameters (it drops these too).
 _NON_LIBPQ_EXTRAS = frozenset({"cursor", "pool_mode"})
 
@@ -292,6 +310,9 @@ class AdvisoryLockHook(BaseHook):
         :param application_name: names the holder in ``pg_stat_activity``.
         """
         kwargs = self._lock_connection_kwargs(self.connection_kwargs(), application_name)
+        # Kept for server_started_at(), which the heartbeat thread calls: it must not ask
+        # Airflow for the connection again (the task's channel to Airflow is not thread-safe).
+        self._resolved_kwargs = kwargs
         where = self.describe_target(kwargs)
         try:
             return psycopg.Connection.connect(autocommit=True, **kwargs)
@@ -327,11 +348,15 @@ class AdvisoryLockHook(BaseHook):
         return f"{database!r} on {host}:{port} as {user!r} ({source})"
 
     def server_started_at(self) -> dt.datetime | None:
-        """``pg_postmaster_start_time()`` on a fresh short connection; None if unreachable."""
+        """``pg_postmaster_start_time()`` on a fresh short connection; None if unreachable.
+
+        Reuses the settings of the last :meth:`connect` (never asks Airflow again: it is
+        called from the heartbeat thread), with a 2 s connect timeout.
+        """
         try:
-            with psycopg.Connection.connect(
-                autocommit=True, **{**self.connection_kwargs(), "connect_timeout": 2}
-            ) as conn:
+            kwargs = getattr(self, "_resolved_kwargs", None) or self.connection_kwargs()
+            kwargs = {**kwargs, "connect_timeout": 2, "application_name": INSPECT_APPLICATION_NAME}
+            with psycopg.Connection.connect(autocommit=True, **kwargs) as conn:
                 row = conn.execute("SELECT pg_postmaster_start_time()").fetchone()
                 return row[0] if row else None
         except (psycopg.Error, PgLockError):
@@ -345,8 +370,13 @@ class AdvisoryLockHook(BaseHook):
                 " current_database(), host(inet_server_addr()), inet_server_port(), pg_is_in_recovery(),"
                 " pg_postmaster_start_time()"
             ).fetchone()
-        except psycopg.errors.UndefinedFunction as error:
-            raise UnsafeSetupError(f"the lock database does not look like PostgreSQL: {error}") from None
+        except _NOT_POSTGRES_ERRORS as error:
+            claims = conn.info.parameter_status("server_version") or "unknown"
+            raise UnsafeSetupError(
+                f"the lock database does not look like PostgreSQL (it reports server_version {claims!r} and "
+                f"answered the inspection query with: {str(error).strip()}); advisory locks need a PostgreSQL "
+                "server (directly, or through PgBouncer to a real database, not its admin console)"
+            ) from None
         assert row is not None
         return ServerInfo(
             backend_pid=row[0],
@@ -374,6 +404,12 @@ class AdvisoryLockHook(BaseHook):
                 f"PostgreSQL {info.version_num} is too old; "
                 f"airflow-pglock needs PostgreSQL {MIN_SERVER_VERSION // 10000} or newer"
             )
+        if scope == "session" and info.version_num < IDLE_SESSION_TIMEOUT_VERSION:
+            raise UnsafeSetupError(
+                f"PostgreSQL {info.version_num} has no idle_session_timeout (it appeared in PostgreSQL 14), so a "
+                "frozen holder would keep a session lock until TCP keepalives give up, if ever. Use mode='transaction' "
+                "(bounded by idle_in_transaction_session_timeout) or PostgreSQL 14+"
+            )
         if info.in_recovery:
             raise UnsafeSetupError(
                 f"the lock database {info.database!r} at {info.server} is a standby in recovery: advisory locks "
@@ -390,9 +426,14 @@ class AdvisoryLockHook(BaseHook):
                 'connection extra {"pool_mode": "session"}'
             )
 
-    def apply_liveness(self, conn: psycopg.Connection[Any], *, local: bool) -> None:
-        """Set the server-side liveness settings; ``local`` = for the current transaction only."""
-        settings = self.liveness.server_settings(transaction=local)
+    def apply_liveness(
+        self, conn: psycopg.Connection[Any], *, local: bool, server_version_num: int = IDLE_SESSION_TIMEOUT_VERSION
+    ) -> None:
+        """Set the server-side liveness settings; ``local`` = for the current transaction only.
+
+        :param server_version_num: settings this server version lacks are left out.
+        """
+        settings = self.liveness.server_settings(transaction=local, server_version_num=server_version_num)
         selects = sql.SQL(", ").join(
             sql.SQL("set_config({}, {}, {})").format(sql.Literal(name), sql.Placeholder(), sql.Literal(local))
             for name in settings
@@ -407,8 +448,12 @@ class AdvisoryLockHook(BaseHook):
         try:
             info = self.inspect_server(conn)
             self.check_server(info, scope)
+            if info.behind_pooler:
+                # Through PgBouncer, a server-side prepared statement may outlive the transaction on a
+                # server session another client gets next: never prepare on a lock connection.
+                conn.prepare_threshold = None
             if scope == "session":
-                self.apply_liveness(conn, local=False)
+                self.apply_liveness(conn, local=False, server_version_num=info.version_num)
             return conn, info
         except BaseException:
             conn.close()
@@ -486,12 +531,82 @@ class AdvisoryLockHook(BaseHook):
         """Whether this very session holds the key now (reads ``pg_locks``, takes nothing)."""
         classid, objid, objsubid = key.pg_locks
         row = conn.execute(
-            "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()"
-            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
-            " AND classid = %s AND objid = %s AND objsubid = %s AND mode = %s AND granted)",
+            _HELD_SQL.format("%s", "%s", "%s", "%s"),
             [classid, objid, objsubid, "ShareLock" if shared else "ExclusiveLock"],
         ).fetchone()
         return bool(row and row[0])
+
+    def probe(self, conn: psycopg.Connection[Any], key: LockKey, shared: bool, timeout: float) -> ProbeResult:
+        """The heartbeat: does this session still hold ``key``? Never blocks much longer than ``timeout``.
+
+        Unlike :meth:`is_held`, it cannot hang on a dead network or a frozen server: when no
+        answer has arrived after ``timeout`` seconds, it closes the connection (so the server
+        drops the session as soon as it hears from it again) and returns ``"no answer"``.
+        When the protected work is using the connection for that long (transaction mode),
+        it returns ``"busy"``: a session running a statement is not idle, so the server keeps
+        its lock. A session that ended raises the server's error (``AdminShutdown``,
+        ``IdleSessionTimeout``...) or ``OperationalError`` when the connection broke.
+
+        :param conn: the lock's own connection.
+        :param key: the key it should hold.
+        :param shared: whether it holds the key in shared mode.
+        :param timeout: seconds to wait for the connection and the answer together.
+        """
+        deadline = time.monotonic() + max(0.0, timeout)
+        lock = conn.lock  # psycopg serialises the use of a connection with this lock
+        if not lock.acquire(timeout=max(0.0, timeout)):
+            return "busy"
+        try:
+            if conn.closed:
+                raise psycopg.OperationalError("the lock connection is closed")
+            pgconn = conn.pgconn
+            classid, objid, objsubid = key.pg_locks
+            params = [str(classid), str(objid), str(objsubid), "ShareLock" if shared else "ExclusiveLock"]
+            pgconn.send_query_params(
+                _HELD_SQL.format("$1", "$2", "$3", "$4").encode(), [value.encode() for value in params]
+            )
+            results = self._results_before(pgconn, deadline)
+            if results is None:
+                conn.close()  # the query is still in flight: this connection can never be used again
+                return "no answer"
+        finally:
+            lock.release()
+        for result in results:
+            if result.status != psycopg.pq.ExecStatus.TUPLES_OK:
+                raise psycopg.errors.error_from_result(result, encoding=conn.info.encoding)
+        return "held" if results and results[-1].get_value(0, 0) == b"t" else "not held"
+
+    @staticmethod
+    def _results_before(pgconn: psycopg.pq.abc.PGconn, deadline: float) -> list[psycopg.pq.abc.PGresult] | None:
+        """Every result of the query just sent on ``pgconn``; None if the deadline passed first."""
+
+        def ready(events: int) -> bool:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            poller = select.poll()
+            poller.register(pgconn.socket, events)
+            return bool(poller.poll(remaining * 1000))
+
+        while pgconn.flush() != 0:
+            if not ready(select.POLLOUT):
+                return None
+        results: list[psycopg.pq.abc.PGresult] = []
+        while True:
+            while pgconn.is_busy():
+                if not ready(select.POLLIN):
+                    return None
+                try:
+                    pgconn.consume_input()
+                except psycopg.OperationalError:
+                    # The server sent its reason (e.g. FATAL: terminating connection) and hung up.
+                    if any(r.status == psycopg.pq.ExecStatus.FATAL_ERROR for r in results):
+                        return results
+                    raise
+            result = pgconn.get_result()
+            if result is None:
+                return results
+            results.append(result)
 
     def holders_on(self, conn: psycopg.Connection[Any], key: LockKey) -> list[LockHolder]:
         """Holders and waiters of ``key`` in the connection's database, holders first."""
@@ -540,7 +655,7 @@ class AdvisoryLockHook(BaseHook):
         try:
             if scope == "transaction":
                 conn.execute("BEGIN")
-                self.apply_liveness(conn, local=True)
+                self.apply_liveness(conn, local=True, server_version_num=info.version_num)
             if timeout is None:
                 acquired = self.try_lock(conn, lock_key, shared=shared, scope=scope)
             else:

@@ -1,0 +1,177 @@
+"""A lock cannot outlive its holder, nor be lost in silence: faults injected into real
+processes and a real server, each asserting the outcome, its delay and that nothing is
+left behind (the ``fault_admin`` fixture checks sessions and locks after each test).
+
+Delays are measured with ``time.monotonic()`` in the test and in the holder process (one
+clock for the whole machine) and asserted against the documented bounds with a margin.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Any
+
+import pytest
+
+from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+from airflow_pglock.keys import LockKey
+from airflow_pglock.liveness import Liveness
+from devtools.holder import EXIT_COMPLETED, EXIT_LOST, Holder, HolderConfig
+from tests.faults.conftest import FaultServer, lock_holder_pids, wait_until_released
+
+pytestmark = [pytest.mark.faults, pytest.mark.slow]
+
+LEASE = 3.0
+INTERVAL = Liveness(LEASE).heartbeat_interval
+# Scheduling noise on a loaded 2-core machine; the bounds themselves come from the lease.
+MARGIN = 1.0
+
+
+def measured(name: str, seconds: float) -> None:
+    """Print a measurement (visible with ``pytest -s``; docs/failure-modes.md quotes them)."""
+    print(f"\nMEASURED {name}: {seconds:.3f} s")
+
+
+def contender_can_take(dsn: str, key: str) -> bool:
+    held = AdvisoryLockHook(dsn=dsn).try_acquire(LockKey.from_name(key), application_name="pglock contender")
+    if held is None:
+        return False
+    assert held.release() is True
+    return True
+
+
+def test_sigkill_holder_next_contender_acquires_within_2s(fault_server: FaultServer, fault_admin: Any) -> None:
+    key = "fault-sigkill"
+    with Holder(HolderConfig(fault_server.dsn, key, lease=LEASE)) as holder:
+        holder.wait_for("acquired", 30)
+        assert not contender_can_take(fault_server.dsn, key)
+        killed = holder.signal(signal.SIGKILL)
+        hook = AdvisoryLockHook(dsn=fault_server.dsn)
+        acquired_at = None
+        while time.monotonic() - killed < 5:
+            held = hook.try_acquire(LockKey.from_name(key), application_name="pglock contender")
+            if held is not None:
+                acquired_at = time.monotonic()
+                assert held.release()
+                break
+            time.sleep(0.01)
+        assert acquired_at is not None, "no contender got the lock within 5 s of SIGKILL"
+        measured("SIGKILL -> next contender acquires", acquired_at - killed)
+        assert acquired_at - killed < 2.0
+        assert holder.join(5) == -signal.SIGKILL
+
+
+@pytest.mark.parametrize("mode", ["session", "transaction"])
+def test_sigstop_holder_server_releases_within_the_lease(
+    fault_server: FaultServer, fault_admin: Any, mode: str
+) -> None:
+    key = f"fault-sigstop-{mode}"
+    with Holder(HolderConfig(fault_server.dsn, key, lease=LEASE, mode=mode)) as holder:
+        pid = holder.wait_for("acquired", 30)["backend_pid"]
+        time.sleep(INTERVAL * 1.5)  # let a heartbeat or two pass: the freeze lands between two of them
+        frozen = holder.signal(signal.SIGSTOP)
+        released = wait_until_released(fault_admin, pid, LEASE + 5)
+        assert released is not None, f"the server still holds the frozen holder's lock after {LEASE + 5} s"
+        measured(f"SIGSTOP ({mode}) -> server releases (lease {LEASE:g} s)", released - frozen)
+        assert released - frozen <= LEASE + MARGIN
+        assert contender_can_take(fault_server.dsn, key)
+        # Thawed, the holder learns that its session is gone and fails instead of succeeding.
+        holder.signal(signal.SIGCONT)
+        outcome = holder.wait_for("outcome", 10)
+        assert outcome["outcome"] == "lost", outcome
+        assert "lease" in outcome["cause"], outcome
+        assert holder.wait_for("interrupted", 1)
+        assert holder.join(10) == EXIT_LOST
+
+
+def test_terminated_session_fails_within_one_heartbeat(fault_server: FaultServer, fault_admin: Any) -> None:
+    key = "fault-terminate"
+    with Holder(HolderConfig(fault_server.dsn, key, lease=LEASE)) as holder:
+        pid = holder.wait_for("acquired", 30)["backend_pid"]
+        terminated = time.monotonic()
+        assert fault_admin.execute("SELECT pg_terminate_backend(%s)", [pid]).fetchone() == (True,)
+        interrupted = holder.wait_for("interrupted", INTERVAL + 5)
+        measured("pg_terminate_backend -> work interrupted", interrupted["t"] - terminated)
+        assert interrupted["t"] - terminated <= INTERVAL + MARGIN
+        outcome = holder.wait_for("outcome", 10)
+        assert outcome["outcome"] == "lost"
+        assert "terminated by pg_terminate_backend()" in outcome["cause"]
+        assert "Another worker may now run the same work" in outcome["error"]
+        assert holder.join(10) == EXIT_LOST
+        assert contender_can_take(fault_server.dsn, key)
+
+
+def test_terminated_session_interrupts_work_in_a_non_main_thread(fault_server: FaultServer, fault_admin: Any) -> None:
+    key = "fault-terminate-thread"
+    with Holder(HolderConfig(fault_server.dsn, key, lease=LEASE, in_thread=True)) as holder:
+        pid = holder.wait_for("acquired", 30)["backend_pid"]
+        terminated = time.monotonic()
+        fault_admin.execute("SELECT pg_terminate_backend(%s)", [pid])
+        interrupted = holder.wait_for("interrupted", INTERVAL + 5)
+        measured("pg_terminate_backend -> work interrupted (non-main thread)", interrupted["t"] - terminated)
+        assert interrupted["t"] - terminated <= INTERVAL + MARGIN
+        assert holder.wait_for("outcome", 10)["outcome"] == "lost"
+        assert holder.join(10) == EXIT_LOST
+
+
+def test_on_lost_warn_logs_and_lets_the_work_finish(fault_server: FaultServer, fault_admin: Any) -> None:
+    key = "fault-warn"
+    config = HolderConfig(fault_server.dsn, key, lease=LEASE, on_lost="warn", work_seconds=INTERVAL * 4)
+    with Holder(config) as holder:
+        pid = holder.wait_for("acquired", 30)["backend_pid"]
+        fault_admin.execute("SELECT pg_terminate_backend(%s)", [pid])
+        outcome = holder.wait_for("outcome", INTERVAL * 4 + 10)
+        assert outcome["outcome"] == "completed" and outcome["lost"] is True, outcome
+        assert not any(event["event"] == "interrupted" for event in holder.events)
+        assert holder.join(10) == EXIT_COMPLETED
+
+
+def test_postgres_restart_fails_the_task_and_says_so(fault_server: FaultServer, fault_admin: Any) -> None:
+    key = "fault-restart"
+    with Holder(HolderConfig(fault_server.dsn, key, lease=LEASE)) as holder:
+        holder.wait_for("acquired", 30)
+        restarting = time.monotonic()
+        fault_server.cluster.restart()
+        interrupted = holder.wait_for("interrupted", INTERVAL + 10)
+        measured("PostgreSQL restart (fast shutdown) -> work interrupted", interrupted["t"] - restarting)
+        outcome = holder.wait_for("outcome", 10)
+        assert outcome["outcome"] == "lost"
+        cause = outcome["cause"]
+        assert "restarted" in cause or "shut down" in cause, cause
+        assert holder.join(10) == EXIT_LOST
+    fault_server.wait_until_up()
+    assert contender_can_take(fault_server.dsn, key)
+
+
+def test_network_cut_server_releases_within_lease_and_holder_fails(fault_server: FaultServer, fault_admin: Any) -> None:
+    if fault_server.netns is None:
+        pytest.skip(f"no network namespace on this machine: {fault_server.netns_error}")
+    netns = fault_server.netns
+    key = "fault-netcut"
+    config = HolderConfig(fault_server.dsn_from_netns(), key, lease=LEASE, netns=netns.name)
+    with Holder(config) as holder:
+        pid = holder.wait_for("acquired", 30)["backend_pid"]
+        client = fault_admin.execute("SELECT host(client_addr) FROM pg_stat_activity WHERE pid = %s", [pid]).fetchone()
+        assert client == (netns.ns_addr,), "the holder must reach the server through the namespace"
+        time.sleep(INTERVAL * 1.5)
+        cut = time.monotonic()
+        netns.cut()
+        try:
+            interrupted = holder.wait_for("interrupted", LEASE + 5)
+            released = wait_until_released(fault_admin, pid, LEASE + 5)
+        finally:
+            netns.restore()
+        assert released is not None, "the server kept the cut-off holder's lock"
+        measured(f"network cut -> holder's work interrupted (lease {LEASE:g} s)", interrupted["t"] - cut)
+        measured(f"network cut -> server releases (lease {LEASE:g} s)", released - cut)
+        # The holder gives up before the server can let another worker in.
+        assert interrupted["t"] - cut <= Liveness(LEASE).loss_deadline + MARGIN
+        assert interrupted["t"] <= released
+        assert released - cut <= LEASE + MARGIN
+        outcome = holder.wait_for("outcome", 10)
+        assert outcome["outcome"] == "lost"
+        assert "no answer from the lock database" in outcome["cause"]
+        assert holder.join(10) == EXIT_LOST
+    assert lock_holder_pids(fault_admin) == []
+    assert contender_can_take(fault_server.dsn, key)

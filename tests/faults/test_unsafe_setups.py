@@ -1,0 +1,177 @@
+"""Set-ups where an advisory lock would exclude nobody are refused, never run unprotected:
+a session lock through PgBouncer's transaction pooling, a hot standby, a server that is
+not PostgreSQL. And through PgBouncer, transaction-level locks work and exclude."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import random
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from airflow_pglock.exceptions import LockBusyError, UnsafeSetupError
+from airflow_pglock.guard import LockGuard, LockPolicy
+from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+from airflow_pglock.keys import LockKey
+from airflow_pglock.liveness import Liveness
+from devtools.pgbouncer import PgBouncer, PgBouncerUnavailableError
+from devtools.standby import start_standby
+from tests.faults.conftest import FAULT_DATABASE, FaultServer
+
+pytestmark = [pytest.mark.faults, pytest.mark.slow]
+
+OVERLAP_SQL = (
+    "SELECT count(*) FROM bouncer_runs a JOIN bouncer_runs b ON a.id < b.id"
+    " AND a.entered < b.exited AND b.entered < a.exited"
+)
+
+
+def _bouncer(fault_server: FaultServer, pool_mode: str) -> Iterator[PgBouncer]:
+    try:
+        bouncer = PgBouncer(fault_server.cluster.port, pool_mode=pool_mode, pool_size=4)
+    except PgBouncerUnavailableError as error:
+        pytest.skip(f"PgBouncer is not available: {error}")
+    bouncer.start()
+    try:
+        yield bouncer
+    finally:
+        bouncer.stop()
+
+
+@pytest.fixture
+def bouncer(fault_server: FaultServer, fault_admin: Any) -> Iterator[PgBouncer]:
+    """PgBouncer in transaction pooling (stopped before fault_admin checks for leftovers)."""
+    yield from _bouncer(fault_server, "transaction")
+
+
+@pytest.fixture
+def session_bouncer(fault_server: FaultServer, fault_admin: Any) -> Iterator[PgBouncer]:
+    yield from _bouncer(fault_server, "session")
+
+
+def _guard(dsn: str, key: str, mode: str = "session") -> LockGuard:
+    hook = AdvisoryLockHook(dsn=dsn, liveness=Liveness(3))
+    return LockGuard(hook, LockKey.from_name(key), LockPolicy(mode=mode))  # type: ignore[arg-type]
+
+
+def test_session_lock_through_transaction_pooling_is_refused(bouncer: PgBouncer, fault_admin: Any) -> None:
+    guard = _guard(bouncer.dsn_for(FAULT_DATABASE), "bouncer-session")
+    with pytest.raises(UnsafeSetupError) as error, guard:
+        raise AssertionError("must not run")
+    message = str(error.value)
+    assert "connection pooler" in message and "mode='transaction'" in message and "pool_mode" in message
+    assert guard.outcome == "failed"
+    assert fault_admin.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'").fetchone() == (0,)
+
+
+def test_pgbouncer_admin_console_is_not_postgres(bouncer: PgBouncer) -> None:
+    guard = _guard(bouncer.dsn_for("pgbouncer"), "bouncer-admin", mode="transaction")
+    with pytest.raises(UnsafeSetupError, match="does not look like PostgreSQL") as error, guard:
+        raise AssertionError("must not run")
+    assert "bouncer" in str(error.value)  # names what answered: PgBouncer's server_version
+
+
+def test_session_pooling_declared_in_the_connection_extra_is_accepted(
+    session_bouncer: PgBouncer, fault_server: FaultServer
+) -> None:
+    """A pooler in session pooling is safe; the Airflow connection says so with an extra."""
+    conn_uri = {
+        "conn_type": "postgres",
+        "host": "127.0.0.1",
+        "port": session_bouncer.port,
+        "login": "postgres",
+        "schema": FAULT_DATABASE,
+    }
+    os.environ["AIRFLOW_CONN_PGLOCK_BOUNCER_UNDECLARED"] = json.dumps(conn_uri)
+    os.environ["AIRFLOW_CONN_PGLOCK_BOUNCER_SESSION"] = json.dumps({**conn_uri, "extra": {"pool_mode": "session"}})
+    try:
+        undeclared = LockGuard(AdvisoryLockHook("pglock_bouncer_undeclared"), LockKey.from_name("b"), LockPolicy())
+        with pytest.raises(UnsafeSetupError, match="connection pooler"), undeclared:
+            raise AssertionError("must not run")
+        declared = AdvisoryLockHook("pglock_bouncer_session", liveness=Liveness(3))
+        key = LockKey.from_name("bouncer-session-declared")
+        with LockGuard(declared, key, LockPolicy()) as handle:
+            assert handle.backend_pid > 0
+            with pytest.raises(LockBusyError), _guard(fault_server.dsn, "bouncer-session-declared"):
+                raise AssertionError("a direct contender must be refused while the pooled session holds the key")
+    finally:
+        os.environ.pop("AIRFLOW_CONN_PGLOCK_BOUNCER_UNDECLARED")
+        os.environ.pop("AIRFLOW_CONN_PGLOCK_BOUNCER_SESSION")
+
+
+def _bouncer_racer(bouncer_dsn: str, direct_dsn: str, worker: int, seconds: float) -> None:
+    """Transaction-mode guards through PgBouncer; records each protected section directly."""
+    rng = random.Random(worker)
+    hook = AdvisoryLockHook(dsn=bouncer_dsn, liveness=Liveness(3))
+    key = LockKey.from_name("bouncer-race")
+    with psycopg.connect(direct_dsn, autocommit=True) as log:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            try:
+                with LockGuard(hook, key, LockPolicy(mode="transaction")) as handle:
+                    assert handle.connection is not None
+                    row = log.execute(
+                        "INSERT INTO bouncer_runs (worker, entered) VALUES (%s, clock_timestamp()) RETURNING id",
+                        [worker],
+                    ).fetchone()
+                    # protected work on the lock's own transaction, through the pooler
+                    handle.connection.execute("SELECT pg_sleep(%s)", [rng.uniform(0.002, 0.02)])
+                    log.execute("UPDATE bouncer_runs SET exited = clock_timestamp() WHERE id = %s", [row[0]])
+            except LockBusyError:
+                time.sleep(rng.uniform(0.001, 0.005))
+
+
+def test_transaction_locks_through_pgbouncer_exclude(
+    bouncer: PgBouncer, fault_server: FaultServer, fault_admin: Any
+) -> None:
+    fault_admin.execute(
+        "DROP TABLE IF EXISTS bouncer_runs;"
+        " CREATE TABLE bouncer_runs (id serial PRIMARY KEY, worker int, entered timestamptz, exited timestamptz)"
+    )
+    bouncer_dsn = bouncer.dsn_for(FAULT_DATABASE)
+    # One long holder through the pooler: its heartbeat runs inside its transaction (lease 3 s,
+    # heartbeat every 1 s) and a contender, through the pooler too, is refused meanwhile.
+    with _guard(bouncer_dsn, "bouncer-long", mode="transaction") as handle:
+        time.sleep(2.5)
+        assert handle.lost is None
+        with pytest.raises(LockBusyError), _guard(bouncer_dsn, "bouncer-long", mode="transaction"):
+            raise AssertionError("must not run")
+    ctx = multiprocessing.get_context("fork")
+    workers = [ctx.Process(target=_bouncer_racer, args=(bouncer_dsn, fault_server.dsn, n, 3.0)) for n in range(4)]
+    for process in workers:
+        process.start()
+    for process in workers:
+        process.join(60)
+    assert [process.exitcode for process in workers] == [0] * 4
+    runs, workers_seen = fault_admin.execute("SELECT count(*), count(DISTINCT worker) FROM bouncer_runs").fetchone()
+    print(f"\nMEASURED PgBouncer transaction pooling: {runs} protected sections by {workers_seen} workers in 3 s")
+    assert runs > 20 and workers_seen >= 2
+    assert fault_admin.execute("SELECT count(*) FROM bouncer_runs WHERE exited IS NULL").fetchone() == (0,)
+    assert fault_admin.execute(OVERLAP_SQL).fetchone() == (0,), "two workers were inside at once through PgBouncer"
+    fault_admin.execute("DROP TABLE bouncer_runs")
+
+
+def test_standby_is_refused(fault_server: FaultServer, fault_admin: Any) -> None:
+    standby = start_standby(fault_server.cluster)
+    try:
+        dsn = standby.dsn_for(FAULT_DATABASE)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            assert conn.execute("SELECT pg_is_in_recovery()").fetchone() == (True,)
+        for mode in ("session", "transaction"):
+            with pytest.raises(UnsafeSetupError, match="standby in recovery") as error, _guard(dsn, "standby", mode):
+                raise AssertionError("must not run")
+            assert "primary" in str(error.value)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            sessions = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()"
+            ).fetchone()
+            assert sessions == (0,), "the refused lock connections were left open on the standby"
+    finally:
+        standby.destroy()
