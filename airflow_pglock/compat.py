@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from importlib.metadata import version as _version
+from typing import Any
 
 AIRFLOW_VERSION: tuple[int, int] = tuple(int(part) for part in _version("apache-airflow").split(".")[:2])  # type: ignore[assignment]
 AIRFLOW_V_3_PLUS = AIRFLOW_VERSION >= (3, 0)
@@ -45,6 +46,43 @@ try:
 except ImportError:  # Airflow 2.x without the standard provider
     from airflow.operators.python import PythonOperator  # type: ignore[no-redef]
 
+
+def get_stats() -> Any:
+    """Airflow's metrics facade (``incr`` / ``timing``), as the deployment configured it.
+
+    On Airflow 3 the task runner sets the Task SDK's Stats up from ``[metrics]``; where
+    nothing did (``dag.test()``, a plain script), it is set up here the same way, so
+    metrics go where the deployment's StatsD / OpenTelemetry settings say.
+    """
+    try:
+        from airflow.sdk._shared.observability.metrics import stats as sdk_stats
+        from airflow.sdk.observability.metrics import stats_utils
+    except ImportError:  # Airflow 2.x, 3.0, 3.1: core's Stats sets itself up lazily
+        from airflow.stats import Stats
+
+        return Stats
+    if getattr(sdk_stats, "_factory", None) is None:
+        sdk_stats.initialize(
+            factory=stats_utils.get_stats_factory(),
+            export_legacy_names=conf.getboolean("metrics", "legacy_names_on", fallback=True),
+        )
+    return sdk_stats.Stats
+
+
+def use_server_connections() -> None:
+    """Let connection look-ups outside a task also read the metadata database.
+
+    Outside a task the Task SDK reads connections from environment variables and secrets
+    backends only; Airflow's own ``airflow connections get`` declares the process a
+    "server" process so the metadata database is read too. The pglock CLI does the same
+    (only if nothing set the context already).
+    """
+    if AIRFLOW_V_3_PLUS:
+        import os
+
+        os.environ.setdefault("_AIRFLOW_PROCESS_CONTEXT", "server")
+
+
 __all__ = [
     "AIRFLOW_VERSION",
     "AIRFLOW_V_3_PLUS",
@@ -64,5 +102,7 @@ __all__ = [
     "TriggerEvent",
     "conf",
     "get_current_context",
+    "get_stats",
     "task_decorator_factory",
+    "use_server_connections",
 ]

@@ -31,4 +31,8 @@ def get_provider_info() -> dict[str, Any]:
         "task-decorators": [
             {"name": "advisory_lock", "class-name": "airflow_pglock.decorators.advisory_lock.advisory_lock_task"},
         ],
+        # `airflow pglock ...` (Airflow >= 3.2 reads "cli"; older versions ignore it).
+        "cli": ["airflow_pglock.cli.definition.get_pglock_cli_commands"],
+        # The "Advisory locks" UI page (Airflow >= 3.1); also an `airflow.plugins` entry point.
+        "plugins": [{"name": "pglock", "plugin-class": "airflow_pglock.plugins.lock_view.PgLockPlugin"}],
     }

@@ -30,6 +30,8 @@ from airflow_pglock.exceptions import (
 )
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook, HeldLock, LockHolder, Scope
 from airflow_pglock.keys import LockKey
+from airflow_pglock.metrics import metric_tags, record_outcome
+from airflow_pglock.registry import record_acquisition
 
 T = TypeVar("T")
 OnBusy = Literal["skip", "fail", "wait"]
@@ -202,6 +204,7 @@ class LockGuard:
             info.backend_pid,
             self._wait_seconds,
         )
+        record_acquisition(self.held, self.application_name, self.log)  # optional key-name registry
         self._start_heartbeat()
         return LockHandle(self.held, lambda: self._lost)
 
@@ -503,16 +506,17 @@ class LockGuard:
             return
         self.outcome = outcome
         parts = [f"pglock outcome={outcome}", self.key.describe(), f"mode={self.policy.mode}"]
+        waited = self._wait_seconds if self.held is not None else time.monotonic() - self._started
         if self.held is not None:
             parts += [
                 f"database={self.held.server.database!r}",
                 f"server={self.held.server.server}",
                 f"pid={self.held.server.backend_pid}",
-                f"waited={self._wait_seconds:.3f}s",
+                f"waited={waited:.3f}s",
             ]
         else:
             parts.append(f"target={self._target_text()}")
-            parts.append(f"waited={time.monotonic() - self._started:.3f}s")
+            parts.append(f"waited={waited:.3f}s")
         if held is not None:
             parts.append(f"held={held:.3f}s")
         if detail:
@@ -522,6 +526,19 @@ class LockGuard:
             self.log.info(line)
         else:
             self.log.error(line) if outcome in {"failed", "lost"} else self.log.warning(line)
+        busy = self.held is None and bool(detail and detail.startswith("busy"))
+        record_outcome(
+            "busy" if busy and outcome == "failed" else outcome,
+            acquired=self.held is not None,
+            waited=waited,
+            held=held,
+            tags=metric_tags(
+                application_name=self.application_name,
+                mode=self.policy.mode,
+                shared=self.policy.shared,
+                on_busy=self.policy.on_busy,
+            ),
+        )
 
 
 # ------------------------------------------------------- interrupting the main thread

@@ -1,0 +1,539 @@
+"""``airflow-pglock``: which jobs hold locks, what a key is, whether the set-up is safe.
+
+    airflow-pglock locks   [--dag DAG] [--key KEY] [--all-databases]
+    airflow-pglock key     [NAME] [--tenant T] [--dag D --task T] [--int N | --pair A B] [--verify]
+    airflow-pglock doctor  [--lease SECONDS] [--strict]
+    airflow-pglock init-db [--grant ROLE ...] [--status]
+
+Every command takes ``--conn-id ID`` (an Airflow connection, default ``postgres_default``)
+or ``--dsn DSN``, and ``--output table|json``. The same commands run as ``airflow pglock
+...`` on Airflow >= 3.2. This module only parses arguments and formats: the SQL is in the
+hook layer (``airflow_pglock.hooks``).
+
+Exit codes (see docs/operations.md):
+
+* 0 - done; ``doctor``: no problem (warnings allowed unless ``--strict``)
+* 1 - ``doctor`` found a problem (or a warning, with ``--strict``); ``key --verify``: the
+  server computed another key
+* 2 - usage error (unknown option, missing argument)
+* 3 - configuration error: bad DSN, unknown or non-Postgres conn id, invalid key
+* 4 - the database could not be reached or refused the work (login, privileges, SQL error)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
+
+EXIT_OK = 0
+EXIT_PROBLEM = 1
+EXIT_USAGE = 2
+EXIT_CONFIG = 3
+EXIT_DATABASE = 4
+
+DEFAULT_CONN_ID = "postgres_default"
+PROG = "airflow-pglock"
+
+# ------------------------------------------------------------------ arguments
+# One spec serves both parsers: argparse here, airflow.cli.cli_config.Arg in definition.py.
+
+ArgSpec = tuple[tuple[str, ...], dict[str, Any]]
+
+ARGS: dict[str, ArgSpec] = {
+    "conn_id": (
+        ("--conn-id",),
+        {
+            "help": f"Airflow connection of the lock database (default {DEFAULT_CONN_ID})",
+            "default": None,
+            "metavar": "ID",
+        },
+    ),
+    "dsn": (("--dsn",), {"help": "libpq connection string or URI instead of --conn-id", "metavar": "DSN"}),
+    "output": (
+        ("--output",),
+        {"help": "table (for people, default) or json (for scripts)", "choices": ("table", "json"), "default": "table"},
+    ),
+    "locks_dag": (
+        ("--dag",),
+        {"help": "only keys that a task of this DAG holds or awaits", "metavar": "DAG_ID", "dest": "dag"},
+    ),
+    "locks_key": (
+        ("--key",),
+        {"help": "only this key: a name, an int64, or A,B for an int32 pair", "metavar": "KEY", "dest": "key"},
+    ),
+    "all_databases": (
+        ("--all-databases",),
+        {"help": "list every database's advisory locks (keys are per database)", "action": "store_true"},
+    ),
+    "key_name": (("name",), {"help": "the key name (omit with --dag/--task, --int, --pair)", "nargs": "?"}),
+    "tenant": (("--tenant",), {"help": "tenant appended to the name: NAME/TENANT", "metavar": "TENANT"}),
+    "key_dag": (("--dag",), {"help": "DAG id: the default key of a task is DAG/TASK", "metavar": "DAG_ID"}),
+    "key_task": (("--task",), {"help": "task id (with --dag)", "metavar": "TASK_ID"}),
+    "int_key": (("--int",), {"help": "an explicit int64 key", "metavar": "N", "dest": "int_key"}),
+    "pair_key": (
+        ("--pair",),
+        {"help": "an explicit (int32, int32) key", "nargs": 2, "metavar": ("A", "B"), "dest": "pair_key"},
+    ),
+    "verify": (
+        ("--verify",),
+        {"help": "ask PostgreSQL to compute the key too and compare (uses the connection)", "action": "store_true"},
+    ),
+    "lease": (
+        ("--lease",),
+        {"help": "the lease the tasks use, in seconds (default 30)", "default": None, "metavar": "SECONDS"},
+    ),
+    "strict": (("--strict",), {"help": "exit 1 on warnings too", "action": "store_true"}),
+    "grant": (
+        ("--grant",),
+        {
+            "help": "let this role (the one tasks connect as) record and read key names; repeatable",
+            "action": "append",
+            "metavar": "ROLE",
+            "default": None,
+        },
+    ),
+    "status": (("--status",), {"help": "only show the schema version; change nothing", "action": "store_true"}),
+}
+
+COMMON = ("conn_id", "dsn", "output")
+
+COMMANDS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "locks": (
+        "every advisory lock held or awaited: key name and numbers, holder's DAG/task/run, pid, client, since, waiters",
+        ("locks_dag", "locks_key", "all_databases"),
+    ),
+    "key": (
+        "a key's int64 or pair, its pg_locks coordinates and the SQL that computes it",
+        ("key_name", "tenant", "key_dag", "key_task", "int_key", "pair_key", "verify"),
+    ),
+    "doctor": (
+        "connect as a task would and check server, standby, pooler, liveness, privileges, capacity, registry",
+        ("lease", "strict"),
+    ),
+    "init-db": (
+        "create or upgrade airflow-pglock's schema 'pglock' (key-name registry); idempotent",
+        ("grant", "status"),
+    ),
+}
+
+
+class CliError(Exception):
+    """An error the CLI reports on one line and turns into an exit code."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Operate PostgreSQL advisory locks taken by airflow-pglock (and anybody else).",
+        epilog="exit codes: 0 ok, 1 problem found, 2 usage, 3 configuration (DSN, conn id, key), 4 database",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (help_text, specific) in COMMANDS.items():
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        for arg in (*specific, *COMMON):
+            flags, kwargs = ARGS[arg]
+            sub.add_argument(*flags, **kwargs)
+        sub.set_defaults(handler=HANDLERS[name])
+    return parser
+
+
+def _version() -> str:
+    from airflow_pglock import __version__
+
+    return __version__
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _hook(args: argparse.Namespace, lease: float | None = None) -> Any:
+    from airflow_pglock.compat import use_server_connections
+    from airflow_pglock.exceptions import LockConfigurationError
+    from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+    from airflow_pglock.liveness import Liveness
+
+    if args.dsn is not None and args.conn_id is not None:
+        raise CliError("give either --conn-id or --dsn, not both", EXIT_USAGE)
+    liveness = None
+    if lease is not None:
+        try:
+            liveness = Liveness(lease)
+        except ValueError as error:
+            raise CliError(f"--lease: {error}", EXIT_CONFIG) from None
+    if args.dsn is not None:
+        if not args.dsn.strip():
+            raise CliError("--dsn is empty; give a libpq connection string or URI", EXIT_CONFIG)
+        hook = AdvisoryLockHook(dsn=args.dsn, liveness=liveness)
+    else:
+        use_server_connections()  # like `airflow connections get`: read the metadata database too
+        conn_id = args.conn_id or os.environ.get("PGLOCK_CONN_ID") or DEFAULT_CONN_ID
+        try:
+            hook = AdvisoryLockHook(conn_id, liveness=liveness)
+        except LockConfigurationError as error:
+            raise CliError(str(error), EXIT_CONFIG) from None
+    try:
+        hook.connection_kwargs()  # a bad DSN or an unknown conn id fails here, before any work
+    except LockConfigurationError as error:
+        raise CliError(str(error), EXIT_CONFIG) from None
+    return hook
+
+
+def _print_json(data: Any, out: TextIO) -> None:
+    json.dump(data, out, indent=2, sort_keys=False, default=str)
+    out.write("\n")
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], out: TextIO) -> None:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))
+    out.write(line.rstrip() + "\n")
+    for row in rows:
+        out.write("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() + "\n")
+
+
+def human_duration(seconds: float | None) -> str:
+    """``4.2s``, ``12m05s``, ``3h02m``, ``2d04h``: how long, at a glance."""
+    if seconds is None:
+        return "?"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours}h{minutes:02d}m"
+    days, hours = divmod(hours, 24)
+    return f"{days}d{hours:02d}h"
+
+
+# ------------------------------------------------------------------ locks
+
+
+def cmd_locks(args: argparse.Namespace, out: TextIO) -> int:
+    from airflow_pglock.lock_report import collect_lock_report
+
+    hook = _hook(args)
+    report = collect_lock_report(hook, dag=args.dag, key=args.key, all_databases=args.all_databases)
+    if args.output == "json":
+        _print_json(report.to_json(), out)
+        return EXIT_OK
+    where = "every database" if report.all_databases else f"database {report.database!r}"
+    filters = ", ".join(f"{k}={v!r}" for k, v in report.filters.items() if v is not None)
+    head = f"{len(report.entries)} advisory lock session(s) in {where} ({report.server})"
+    out.write(
+        f"{head}{' matching ' + filters if filters else ''}; key-name registry: {report.registry}; "
+        f"server time {report.taken_at.isoformat(timespec='seconds')}\n"
+    )
+    if not report.entries:
+        return EXIT_OK
+    rows = [_lock_row(e) + ([e.database] if report.all_databases else []) for e in report.entries]
+    headers = ["KEY", "NUMBERS", "STATE", "WAITERS", "HOLDER (DAG / TASK / RUN or application)", "PID", "CLIENT"]
+    headers += ["SINCE", "FOR"] + (["DATABASE"] if report.all_databases else [])
+    _table(headers, rows, out)
+    if any(e.since_basis and e.since_basis.startswith("session start") for e in report.entries):
+        out.write("~ = the session started then; the lock may be younger (not an airflow-pglock session)\n")
+    return EXIT_OK
+
+
+def _lock_row(e: Any) -> list[str]:
+    name = " | ".join(e.names) + (" (COLLISION)" if e.collision else "") if e.names else "?"
+    if e.airflow is not None:
+        mapped = f"[{e.airflow.map_index}]" if e.airflow.map_index >= 0 else ""
+        holder = f"{e.airflow.dag_id} / {e.airflow.task_id}{mapped} / {e.airflow.run_id}"
+    else:
+        holder = e.application_name or ("(hidden: no privilege)" if e.user is None else "(no application_name)")
+    since = "?" if e.since is None else e.since.isoformat(timespec="seconds")
+    if e.since_basis and e.since_basis.startswith("session start"):
+        since = "~" + since
+    if e.granted:
+        queue = str(e.waiters)
+    elif e.blocked_by:
+        queue = "behind " + ",".join(map(str, e.blocked_by))
+    else:
+        queue = "-"
+    return [
+        name,
+        e.key.numbers_text + (" (pair)" if e.key.is_pair else ""),
+        ("holding" if e.granted else "waiting") + (" shared" if e.shared else ""),
+        queue,
+        holder,
+        str(e.pid) if e.pid is not None else "prepared xact",
+        e.client_addr or ("local" if e.user else "?"),
+        since,
+        human_duration(e.seconds),
+    ]
+
+
+# ------------------------------------------------------------------ key
+
+
+def _parse_int(text: str, what: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise CliError(f"{what} must be an integer, got {text!r}", EXIT_CONFIG) from None
+
+
+def _key_from_args(args: argparse.Namespace) -> Any:
+    from airflow_pglock.keys import LockKey
+
+    numeric = args.int_key is not None or args.pair_key is not None
+    if args.int_key is not None and args.pair_key is not None:
+        raise CliError("give either --int or --pair, not both", EXIT_USAGE)
+    if numeric and (args.name or args.tenant or args.dag or args.task):
+        raise CliError("--int / --pair are keys on their own: no NAME, --tenant, --dag or --task with them", EXIT_USAGE)
+    if args.int_key is not None:
+        return LockKey.from_int(_parse_int(args.int_key, "--int"))
+    if args.pair_key is not None:
+        return LockKey.from_pair(_parse_int(args.pair_key[0], "--pair A"), _parse_int(args.pair_key[1], "--pair B"))
+    if (args.dag is None) != (args.task is None):
+        raise CliError("--dag and --task go together (the default key of a task is DAG/TASK)", EXIT_USAGE)
+    if args.name is not None and args.dag is not None:
+        raise CliError("give either NAME or --dag/--task (the task's default key), not both", EXIT_USAGE)
+    if args.name is None and args.dag is None:
+        raise CliError("give a key NAME, --dag D --task T, --int N or --pair A B", EXIT_USAGE)
+    if args.dag is not None:
+        return LockKey.for_task(args.dag, args.task, args.tenant)
+    return LockKey.for_task("", "", args.tenant, base=args.name)
+
+
+def key_description(key: Any) -> dict[str, Any]:
+    """What ``key`` prints: numbers, pg_locks coordinates and SQL for other applications."""
+    classid, objid, objsubid = key.pg_locks
+    args_sql = key.sql
+    holders_sql = (
+        "SELECT pid, granted, mode FROM pg_locks WHERE locktype = 'advisory' AND database = "
+        "(SELECT oid FROM pg_database WHERE datname = current_database()) "
+        f"AND classid = {classid} AND objid = {objid} AND objsubid = {objsubid}"
+    )
+    return {
+        "name": key.name,
+        "kind": "pair" if key.is_pair else "int64",
+        "numbers": list(key.numbers),
+        "pg_locks": {"classid": classid, "objid": objid, "objsubid": objsubid},
+        "sql": {
+            "key": args_sql,
+            "try_lock": f"SELECT pg_try_advisory_lock({args_sql})",
+            "unlock": f"SELECT pg_advisory_unlock({args_sql})",
+            "holders": holders_sql,
+        },
+    }
+
+
+def cmd_key(args: argparse.Namespace, out: TextIO) -> int:
+    from airflow_pglock.keys import InvalidLockKeyError
+
+    try:
+        key = _key_from_args(args)
+    except InvalidLockKeyError as error:
+        raise CliError(str(error), EXIT_CONFIG) from None
+    data = key_description(key)
+    data["verified"] = None
+    code = EXIT_OK
+    if args.verify:
+        from airflow_pglock.hooks.inspection import compute_name_key
+
+        hook = _hook(args)
+        if key.name is not None and not key.is_pair:
+            with hook.connect("pglock-cli key") as conn:
+                server_value = compute_name_key(conn, key.name)
+            matches = server_value == key.numbers[0]
+            data["verified"] = {"server_int64": server_value, "matches": matches}
+            code = EXIT_OK if matches else EXIT_PROBLEM
+        else:
+            data["verified"] = {"server_int64": None, "matches": True}  # numbers pass through unchanged
+    if args.output == "json":
+        _print_json(data, out)
+        return code
+    lines = [
+        ("name", repr(key.name) if key.name is not None else "(none: explicit numbers)"),
+        ("kind", "(int32, int32) pair" if key.is_pair else "int64"),
+        ("numbers", key.numbers_text),
+        (
+            "pg_locks",
+            f"classid={data['pg_locks']['classid']} objid={data['pg_locks']['objid']} "
+            f"objsubid={data['pg_locks']['objsubid']}",
+        ),
+        ("SQL key", data["sql"]["key"]),
+        ("take it", data["sql"]["try_lock"]),
+        ("release", data["sql"]["unlock"]),
+        ("who holds", data["sql"]["holders"]),
+    ]
+    if data["verified"] is not None and data["verified"]["server_int64"] is not None:
+        verdict = "matches" if data["verified"]["matches"] else "DIFFERS"
+        lines.append(("server", f"{data['verified']['server_int64']} ({verdict})"))
+    width = max(len(label) for label, _ in lines)
+    for label, value in lines:
+        out.write(f"{label.ljust(width)}  {value}\n")
+    return code
+
+
+# ------------------------------------------------------------------ doctor
+
+
+def cmd_doctor(args: argparse.Namespace, out: TextIO) -> int:
+    from airflow_pglock.doctor import run_doctor
+
+    lease = None
+    if args.lease is not None:
+        try:
+            lease = float(args.lease)
+        except ValueError:
+            raise CliError(f"--lease must be a number of seconds, got {args.lease!r}", EXIT_CONFIG) from None
+    report = run_doctor(_hook(args, lease=lease))
+    connected = not any(c.name == "connection" and c.status == "problem" for c in report.checks)
+    if args.output == "json":
+        _print_json(report.to_json(), out)
+    else:
+        out.write(f"airflow-pglock doctor: {report.target}\n")
+        for check in report.checks:
+            out.write(f"  [{check.status.upper():<7}] {check.name:<10} {check.summary}\n")
+            if check.fix and check.status != "ok":
+                out.write(f"  {'':9} {'':<10} fix: {check.fix}\n")
+        out.write(f"result: {report.status}\n")
+    if not connected:
+        return EXIT_DATABASE
+    if report.status == "problem" or (args.strict and report.status == "warning"):
+        return EXIT_PROBLEM
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------ init-db
+
+
+def cmd_init_db(args: argparse.Namespace, out: TextIO) -> int:
+    from airflow_pglock.hooks.schema import LATEST_VERSION, SCHEMA, grant_usage, migrate, schema_status
+
+    hook = _hook(args)
+    with hook.connect("pglock-cli init-db") as conn:
+        if args.status:
+            status = schema_status(conn)
+            data: dict[str, Any] = {
+                "schema": SCHEMA,
+                "installed": status.installed,
+                "latest": status.latest,
+                "pending": [{"version": m.version, "description": m.description} for m in status.pending],
+                "applied": [
+                    {"version": a.version, "description": a.description, "applied_at": a.applied_at.isoformat()}
+                    for a in status.applied
+                ],
+            }
+            if args.output == "json":
+                _print_json(data, out)
+            else:
+                installed = "not installed" if status.installed is None else f"version {status.installed}"
+                out.write(
+                    f"schema {SCHEMA}: {installed} (latest {LATEST_VERSION}); "
+                    f"{len(status.pending)} migration(s) pending\n"
+                )
+            return EXIT_OK
+        result = migrate(conn)
+        for role in args.grant or ():
+            grant_usage(conn, role)
+    data = {
+        "schema": SCHEMA,
+        "before": result.before,
+        "after": result.after,
+        "applied": [{"version": m.version, "description": m.description} for m in result.applied],
+        "granted": list(args.grant or ()),
+    }
+    if args.output == "json":
+        _print_json(data, out)
+        return EXIT_OK
+    if result.applied:
+        before = "nothing" if result.before is None else f"version {result.before}"
+        out.write(f"schema {SCHEMA}: {before} -> version {result.after}\n")
+        for migration in result.applied:
+            out.write(f"  applied {migration.version}: {migration.description}\n")
+    else:
+        out.write(f"schema {SCHEMA}: already at version {result.after} (nothing to do)\n")
+    for role in args.grant or ():
+        out.write(f"  granted USAGE, SELECT, INSERT on the key-name registry to {role}\n")
+    return EXIT_OK
+
+
+HANDLERS: dict[str, Callable[[argparse.Namespace, TextIO], int]] = {
+    "locks": cmd_locks,
+    "key": cmd_key,
+    "doctor": cmd_doctor,
+    "init-db": cmd_init_db,
+}
+
+
+# ------------------------------------------------------------------ entry points
+
+
+def run(handler: Callable[[argparse.Namespace, TextIO], int], args: argparse.Namespace, out: TextIO) -> int:
+    """Run one command; turn every expected error into one line on stderr and an exit code."""
+    import psycopg
+
+    from airflow_pglock.exceptions import LockConfigurationError, LockConnectionError, PgLockError
+    from airflow_pglock.keys import InvalidLockKeyError
+
+    try:
+        return handler(args, out)
+    except CliError as error:
+        _error(str(error))
+        return error.exit_code
+    except (LockConfigurationError, InvalidLockKeyError) as error:
+        _error(str(error))
+        return EXIT_CONFIG
+    except LockConnectionError as error:
+        _error(str(error))
+        return EXIT_DATABASE
+    except psycopg.errors.InsufficientPrivilege as error:
+        _error(f"the database refused: {str(error).strip()} (run it as a role with the privilege, e.g. the owner)")
+        return EXIT_DATABASE
+    except (psycopg.Error, PgLockError) as error:
+        _error(f"database error: {type(error).__name__}: {str(error).strip()}")
+        return EXIT_DATABASE
+
+
+def _error(message: str) -> None:
+    sys.stderr.write(f"{PROG}: error: {message}\n")
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
+    """The ``airflow-pglock`` console script.
+
+    :param argv: arguments (default: ``sys.argv[1:]``).
+    :param out: where results go (default: stdout); errors go to stderr.
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # argparse: --help / --version (0) or a usage error (2)
+        return int(exit_.code or 0)
+    return run(args.handler, args, out or sys.stdout)
+
+
+def airflow_command(name: str) -> Callable[[argparse.Namespace], None]:
+    """The function ``airflow pglock NAME`` calls: same handler, exit code through SystemExit."""
+
+    def command(args: argparse.Namespace) -> None:
+        code = run(HANDLERS[name], args, sys.stdout)
+        if code:
+            sys.exit(code)
+
+    command.__name__ = f"pglock_{name.replace('-', '_')}"
+    return command
+
+
+locks_command = airflow_command("locks")
+key_command = airflow_command("key")
+doctor_command = airflow_command("doctor")
+init_db_command = airflow_command("init-db")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,331 @@
+"""``airflow-pglock doctor``: connect the way a task does and say what is right and what is not.
+
+Each check ends as ``ok``, ``warning`` (works, but something an operator should know or
+fix) or ``problem`` (a guarded task would fail, or the lock would not exclude anybody),
+with the fix. No SQL here: the hook and ``hooks/inspection.py`` / ``hooks/schema.py`` read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import psycopg
+
+from airflow_pglock.exceptions import LockConnectionError, PgLockError, UnsafeSetupError
+from airflow_pglock.hooks.advisory_lock import MIN_SERVER_VERSION, AdvisoryLockHook, ServerInfo
+from airflow_pglock.hooks.inspection import PROBE_KEY, ServerFacts, probe_advisory_lock, server_facts
+from airflow_pglock.hooks.schema import (
+    SchemaStatus,
+    registry_collisions,
+    registry_privileges,
+    schema_status,
+)
+
+Status = Literal["ok", "warning", "problem"]
+STATUSES: tuple[Status, ...] = ("ok", "warning", "problem")  # from best to worst
+
+#: application_name of doctor's session (it looks like a lock session, holds nothing).
+DOCTOR_APPLICATION_NAME = "pglock-cli doctor"
+
+#: Share of the lock table in use from which doctor warns, and from which it calls it a problem.
+CAPACITY_WARNING = 0.5
+CAPACITY_PROBLEM = 0.8
+
+#: Below this server version pg_locks has no waitstart: ``locks`` cannot say since when a session waits.
+WAITSTART_VERSION = 140000
+
+
+@dataclass(frozen=True)
+class Check:
+    """One verdict.
+
+    :param name: short id of the check (stable: scripts may match on it).
+    :param status: ``ok``, ``warning`` or ``problem``.
+    :param summary: what was found, one line.
+    :param fix: what to do about it (None when there is nothing to do).
+    """
+
+    name: str
+    status: Status
+    summary: str
+    fix: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "status": self.status, "summary": self.summary, "fix": self.fix}
+
+
+@dataclass
+class DoctorReport:
+    """Every check, in the order they ran."""
+
+    target: str
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def status(self) -> Status:
+        return STATUSES[max((STATUSES.index(c.status) for c in self.checks), default=0)]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"target": self.target, "status": self.status, "checks": [c.to_json() for c in self.checks]}
+
+
+def run_doctor(hook: AdvisoryLockHook) -> DoctorReport:
+    """Connect as a guarded task would (same connection settings and liveness) and check.
+
+    Raises LockConfigurationError for a bad DSN or an unknown conn id (nothing to check).
+    A connection that fails is reported as a ``connection`` problem.
+
+    :param hook: the lock database, with the lease the tasks use.
+    """
+    target = hook.describe_target()
+    report = DoctorReport(target=target)
+    started = time.perf_counter()
+    try:
+        conn = hook.connect(DOCTOR_APPLICATION_NAME)
+    except LockConnectionError as error:
+        report.checks.append(
+            Check(
+                "connection",
+                "problem",
+                str(error),
+                "check host, port, database, user and password of the connection (and pg_hba.conf on the "
+                "server); tasks guarded by this connection fail until it connects",
+            )
+        )
+        return report
+    with conn:
+        elapsed = (time.perf_counter() - started) * 1000
+        report.checks.append(Check("connection", "ok", f"connected to {target} in {elapsed:.0f} ms"))
+        info = hook.inspect_server(conn)
+        report.checks.extend(_server_checks(hook, info))
+        report.checks.append(_guarded(conn, "liveness", lambda: _liveness_check(hook, conn, info)))
+        facts = server_facts(conn)
+        report.checks.append(_privileges_check(facts))
+        report.checks.append(_guarded(conn, "probe", lambda: _probe_check(conn)))
+        report.checks.append(_capacity_check(facts))
+        report.checks.extend(_registry_checks(conn, facts))
+    return report
+
+
+def _guarded(conn: psycopg.Connection[Any], name: str, check: Callable[[], Check]) -> Check:
+    try:
+        return check()
+    except (psycopg.Error, PgLockError) as error:
+        if conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR:
+            conn.rollback()
+        return Check(name, "problem", f"{type(error).__name__}: {str(error).strip()}", _FIXES.get(name))
+
+
+_FIXES = {
+    "liveness": "a lock session must be able to set idle_session_timeout (PostgreSQL 14+) and the TCP keepalive "
+    "settings; upgrade the server or remove what forbids SET for this role",
+    "probe": "the role must be allowed to call pg_try_advisory_lock (GRANT EXECUTE ON FUNCTION ... if it was revoked)",
+}
+
+
+def _server_checks(hook: AdvisoryLockHook, info: ServerInfo) -> list[Check]:
+    checks: list[Check] = []
+    version_ok = info.version.startswith("PostgreSQL") and info.version_num >= MIN_SERVER_VERSION
+    try:
+        hook.check_server(dataclasses.replace(info, in_recovery=False, reported_pid=info.backend_pid), "session")
+    except UnsafeSetupError as error:
+        checks.append(Check("server", "problem", info.version, str(error)))
+        version_ok = False
+    else:
+        if info.version_num < WAITSTART_VERSION:
+            checks.append(
+                Check(
+                    "server",
+                    "warning",
+                    info.version,
+                    "PostgreSQL 14+ records when a session started waiting (pg_locks.waitstart); "
+                    "before it, `airflow-pglock locks` cannot say since when a task waits",
+                )
+            )
+        elif version_ok:
+            checks.append(Check("server", "ok", info.version))
+    if info.in_recovery:
+        checks.append(
+            Check(
+                "recovery",
+                "problem",
+                f"{info.database!r} at {info.server} is a standby in recovery: advisory locks are not replicated, "
+                "so a lock taken there excludes nobody",
+                "point the connection at the primary; with several hosts use the libpq option "
+                "target_session_attrs=read-write (connection extra) so a failover lands on the new primary",
+            )
+        )
+    else:
+        checks.append(Check("recovery", "ok", f"{info.database!r} at {info.server} is a primary (not in recovery)"))
+    if not info.behind_pooler:
+        checks.append(
+            Check("pooler", "ok", f"direct connection: the server's backend pid {info.backend_pid} is the one reported")
+        )
+    elif version_ok:
+        try:
+            hook.check_server(dataclasses.replace(info, in_recovery=False), "session")
+        except UnsafeSetupError as error:
+            checks.append(
+                Check(
+                    "pooler",
+                    "problem",
+                    f"a connection pooler is in between (it reported backend pid {info.reported_pid}, "
+                    f"the server says {info.backend_pid})",
+                    str(error),
+                )
+            )
+        else:
+            checks.append(
+                Check(
+                    "pooler",
+                    "warning",
+                    f"a connection pooler is in between (reported pid {info.reported_pid}, server pid "
+                    f"{info.backend_pid}); the connection declares pool_mode=session",
+                    "make sure the pooler really runs session pooling for this database; in transaction pooling "
+                    "use mode='transaction' locks",
+                )
+            )
+    return checks
+
+
+def _liveness_check(hook: AdvisoryLockHook, conn: psycopg.Connection[Any], info: ServerInfo) -> Check:
+    hook.apply_liveness(conn, local=False, server_version_num=info.version_num)  # as a lock session does
+    expected = hook.liveness.server_settings(transaction=False, server_version_num=info.version_num)
+    facts = server_facts(conn, settings=list(expected))
+    over_tcp = not conn.info.host.startswith("/")  # a Unix socket's "host" is its directory
+    in_force: list[str] = []
+    wrong: list[str] = []
+    for name, wanted in expected.items():
+        if name not in facts.settings:
+            wrong.append(f"{name} unknown to the server")
+            continue
+        value, unit = facts.settings[name]
+        in_force.append(f"{name}={value}{unit or ''}")
+        wanted_value = int(wanted.removesuffix("ms"))
+        if value != wanted_value and not (name.startswith("tcp_") and value == 0 and not over_tcp):
+            wrong.append(f"{name} is {value}{unit or ''}, the lock session asked for {wanted}")
+    summary = f"lease {hook.liveness.lease:g} s: " + ", ".join(in_force)
+    if wrong:
+        return Check(
+            "liveness",
+            "warning",
+            summary + "; " + "; ".join(wrong),
+            "something between the task and the server (a pooler, a proxy, a role setting) overrides the lock "
+            "session's liveness settings: a dead holder may keep its lock longer than the lease",
+        )
+    if not over_tcp:
+        summary += " (Unix socket: the TCP settings do not apply)"
+    return Check("liveness", "ok", summary)
+
+
+def _privileges_check(facts: ServerFacts) -> Check:
+    if facts.superuser:
+        return Check("privileges", "ok", f"role {facts.user!r} is a superuser: `locks` sees every session")
+    if facts.reads_all_stats:
+        return Check(
+            "privileges", "ok", f"role {facts.user!r} has pg_read_all_stats: `locks` sees every holder's details"
+        )
+    return Check(
+        "privileges",
+        "warning",
+        f"role {facts.user!r} lacks pg_read_all_stats: for other roles' sessions `locks` and busy-skip messages "
+        "show no client address, session start or state",
+        f"GRANT pg_read_all_stats TO {facts.user};",
+    )
+
+
+def _probe_check(conn: psycopg.Connection[Any]) -> Check:
+    taken, seconds = probe_advisory_lock(conn)
+    if not taken:
+        return Check(
+            "probe",
+            "warning",
+            f"the test key {PROBE_KEY.describe()} is held by another session (another doctor running?)",
+            "run doctor again",
+        )
+    return Check("probe", "ok", f"took and released a transaction-level test lock in {seconds * 1000:.1f} ms")
+
+
+def _capacity_check(facts: ServerFacts) -> Check:
+    capacity = facts.lock_capacity
+    used = facts.lock_table_entries
+    share = used / capacity if capacity else 1.0
+    summary = (
+        f"{facts.advisory_locks} advisory lock(s); {used} of {capacity} shared lock-table entries in use "
+        f"({share:.0%}); capacity = max_locks_per_transaction {facts.max_locks_per_transaction} x "
+        f"(max_connections {facts.max_connections} + max_prepared_transactions {facts.max_prepared_transactions})"
+    )
+    fix = (
+        "when the lock table is full every new lock fails with 'out of shared memory': raise "
+        "max_locks_per_transaction (needs a restart), or find who holds so many locks (`airflow-pglock locks`)"
+    )
+    if share >= CAPACITY_PROBLEM:
+        return Check("capacity", "problem", summary, fix)
+    if share >= CAPACITY_WARNING:
+        return Check("capacity", "warning", summary, fix)
+    return Check("capacity", "ok", summary)
+
+
+def _registry_checks(conn: psycopg.Connection[Any], facts: ServerFacts) -> list[Check]:
+    privileges = registry_privileges(conn)  # None: not installed
+    if privileges is None:
+        return [
+            Check(
+                "registry",
+                "warning",
+                "the key-name registry is not installed: `locks` names only keys that a holder's DAG/task explains",
+                "airflow-pglock init-db (optional; creates schema pglock; see docs/operations.md)",
+            )
+        ]
+    missing = [p.upper() for p in ("usage", "select", "insert") if not privileges[p]]
+    lacking = Check(
+        "registry",
+        "warning",
+        f"role {facts.user!r} lacks {', '.join(missing)} on the key-name registry: names are not recorded or read",
+        f"airflow-pglock init-db --grant {facts.user}",
+    )
+    if not privileges["select"]:
+        return [lacking]  # cannot even read the schema version
+    checks = [_schema_check(schema_status(conn))]
+    if missing:
+        return [*checks, lacking]
+    collisions = registry_collisions(conn) or []
+    if collisions:
+        described = "; ".join(
+            f"{', '.join(repr(r.name) for r in group)} share one key (pg_locks {group[0].classid}, "
+            f"{group[0].objid}, {group[0].objsubid})"
+            for group in collisions
+        )
+        checks.append(
+            Check(
+                "registry",
+                "problem",
+                f"key collision: {described}",
+                "give one of the jobs another key name (or numeric key): today they exclude each other",
+            )
+        )
+    else:
+        checks.append(Check("registry", "ok", "key-name registry installed; no two names share a key"))
+    return checks
+
+
+def _schema_check(status: SchemaStatus) -> Check:
+    if status.newer_than_code:
+        return Check(
+            "schema",
+            "warning",
+            f"schema pglock is at version {status.installed}, newer than this airflow-pglock knows ({status.latest})",
+            "upgrade airflow-provider-pglock on this machine",
+        )
+    if status.pending:
+        return Check(
+            "schema",
+            "warning",
+            f"schema pglock is at version {status.installed}; {len(status.pending)} migration(s) pending",
+            "airflow-pglock init-db",
+        )
+    return Check("schema", "ok", f"schema pglock is at version {status.installed} (latest)")

@@ -1,0 +1,323 @@
+"""airflow-pglock's own tables: a versioned, forward-only schema in the ``pglock`` schema.
+
+Hook-level module: the SQL of ``airflow-pglock init-db`` and of the key-name registry.
+Nothing here is needed to take a lock; every table is optional and created only by an
+explicit ``airflow-pglock init-db``.
+
+Adding a table later (e.g. once-per-period records, fencing tokens) means appending a
+:class:`Migration` to :data:`MIGRATIONS` with the next version number. Never edit or
+reorder a released migration: databases that already applied it will not run it again.
+
+:func:`migrate` is idempotent and safe when run concurrently: it runs in one transaction
+that first takes a transaction-level advisory lock on :data:`MIGRATION_LOCK_KEY`, so a
+second ``init-db`` waits, then finds nothing left to do. A failure rolls everything back.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from airflow_pglock.hooks.ledger import MIGRATION_STATEMENTS as LEDGER_STATEMENTS
+from airflow_pglock.keys import LockKey
+
+SCHEMA = "pglock"
+VERSION_TABLE = "schema_version"
+REGISTRY_TABLE = "key_names"
+
+#: Serializes concurrent ``init-db`` runs (a transaction-level lock: gone at commit/rollback).
+MIGRATION_LOCK_KEY = LockKey.from_name("airflow-pglock/init-db")
+
+
+@dataclass(frozen=True)
+class Migration:
+    """One forward-only schema step.
+
+    :param version: its number; versions are applied in increasing order, each once.
+    :param description: one line saying what it adds (stored in the version table).
+    :param statements: SQL run in order, in the migration transaction. Schema-qualify
+        every object with ``pglock.``.
+    """
+
+    version: int
+    description: str
+    statements: tuple[str, ...]
+
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(
+        version=1,
+        description="key-name registry: which names were used for which advisory lock key",
+        statements=(
+            # objsubid/classid/objid are the key's pg_locks coordinates (objsubid 1 = int64 key,
+            # 2 = int32 pair), so `locks` can join pg_locks to names without arithmetic.
+            """
+            CREATE TABLE pglock.key_names (
+                objsubid smallint NOT NULL CHECK (objsubid IN (1, 2)),
+                classid bigint NOT NULL CHECK (classid BETWEEN 0 AND 4294967295),
+                objid bigint NOT NULL CHECK (objid BETWEEN 0 AND 4294967295),
+                name text NOT NULL CHECK (name <> ''),
+                first_recorded_at timestamptz NOT NULL DEFAULT now(),
+                first_recorded_by text,
+                PRIMARY KEY (objsubid, classid, objid, name)
+            )
+            """,
+            "COMMENT ON TABLE pglock.key_names IS 'airflow-pglock: names recorded for advisory lock keys "
+            "(two rows for one key = a collision: two names share one lock)'",
+        ),
+    ),
+    Migration(
+        version=2,
+        description="once_per / min_interval completions and fencing tokens (see hooks/ledger.py)",
+        statements=LEDGER_STATEMENTS,
+    ),
+)
+
+LATEST_VERSION = MIGRATIONS[-1].version
+
+
+@dataclass(frozen=True)
+class AppliedMigration:
+    """A row of ``pglock.schema_version``."""
+
+    version: int
+    description: str
+    applied_at: dt.datetime
+
+
+@dataclass(frozen=True)
+class SchemaStatus:
+    """What ``init-db`` has done on a database.
+
+    :param installed: the highest applied version, or None when ``init-db`` never ran.
+    :param latest: the highest version this airflow-pglock knows.
+    """
+
+    installed: int | None
+    latest: int
+    applied: tuple[AppliedMigration, ...]
+
+    @property
+    def pending(self) -> tuple[Migration, ...]:
+        current = self.installed or 0
+        return tuple(m for m in MIGRATIONS if m.version > current)
+
+    @property
+    def newer_than_code(self) -> bool:
+        return self.installed is not None and self.installed > self.latest
+
+
+@dataclass(frozen=True)
+class MigrationResult:
+    """What one :func:`migrate` call did.
+
+    :param before: the version found (None: no schema yet).
+    :param after: the version left.
+    :param applied: the migrations this call applied (empty when already up to date).
+    """
+
+    before: int | None
+    after: int | None
+    applied: tuple[Migration, ...]
+
+
+def _check_migrations(migrations: Sequence[Migration]) -> None:
+    versions = [m.version for m in migrations]
+    if versions != list(range(1, len(versions) + 1)):
+        raise RuntimeError(f"airflow-pglock migrations must be numbered 1, 2, 3, ... in order; got {versions}")
+
+
+def _version_table() -> sql.Composed:
+    return sql.SQL("{}.{}").format(sql.Identifier(SCHEMA), sql.Identifier(VERSION_TABLE))
+
+
+def _table_exists(conn: psycopg.Connection[Any], table: str) -> bool:
+    # The catalog, not to_regclass(): that raises when the role lacks USAGE on the schema.
+    row = conn.execute(
+        "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
+        " WHERE n.nspname = %s AND c.relname = %s)",
+        [SCHEMA, table],
+    ).fetchone()
+    return bool(row and row[0])
+
+
+def schema_status(conn: psycopg.Connection[Any]) -> SchemaStatus:
+    """Read the applied versions (no lock taken, nothing written)."""
+    if not _table_exists(conn, VERSION_TABLE):
+        return SchemaStatus(installed=None, latest=LATEST_VERSION, applied=())
+    rows = conn.execute(
+        sql.SQL("SELECT version, description, applied_at FROM {} ORDER BY version").format(_version_table())
+    ).fetchall()
+    applied = tuple(AppliedMigration(version=r[0], description=r[1], applied_at=r[2]) for r in rows)
+    installed = max((a.version for a in applied), default=None)
+    return SchemaStatus(installed=installed, latest=LATEST_VERSION, applied=applied)
+
+
+def migrate(conn: psycopg.Connection[Any], migrations: Sequence[Migration] = MIGRATIONS) -> MigrationResult:
+    """Apply the pending migrations in one transaction, serialized by an advisory lock.
+
+    :param conn: an autocommit connection (the transaction is opened here).
+    :param migrations: the migration list (the default is the real one).
+    """
+    _check_migrations(migrations)
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s::bigint)", MIGRATION_LOCK_KEY.numbers)
+        conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(SCHEMA)))
+        conn.execute(
+            sql.SQL(
+                "CREATE TABLE IF NOT EXISTS {} (version integer PRIMARY KEY, description text NOT NULL,"
+                " applied_at timestamptz NOT NULL DEFAULT now(), applied_by text NOT NULL DEFAULT current_user)"
+            ).format(_version_table())
+        )
+        row = conn.execute(sql.SQL("SELECT max(version) FROM {}").format(_version_table())).fetchone()
+        before: int | None = row[0] if row else None
+        pending = [m for m in migrations if m.version > (before or 0)]
+        for migration in pending:
+            for statement in migration.statements:
+                conn.execute(statement)  # type: ignore[arg-type]  # static SQL from this module
+            conn.execute(
+                sql.SQL("INSERT INTO {} (version, description) VALUES (%s, %s)").format(_version_table()),
+                [migration.version, migration.description],
+            )
+    after = pending[-1].version if pending else before
+    return MigrationResult(before=before, after=after, applied=tuple(pending))
+
+
+# ----------------------------------------------------------------- the key-name registry
+
+
+def _registry_table() -> sql.Composed:
+    return sql.SQL("{}.{}").format(sql.Identifier(SCHEMA), sql.Identifier(REGISTRY_TABLE))
+
+
+def registry_installed(conn: psycopg.Connection[Any]) -> bool:
+    """Whether ``pglock.key_names`` exists (whether this role may use it is another matter)."""
+    return _table_exists(conn, REGISTRY_TABLE)
+
+
+def record_key_name(conn: psycopg.Connection[Any], key: LockKey, recorded_by: str | None) -> list[str] | None:
+    """Record ``key.name`` for ``key``; return the *other* names recorded for the same key.
+
+    Returns None when the registry is not installed (nothing is written then). A non-empty
+    list is a collision: those names and this one share one lock. Inside an open
+    transaction (transaction-mode locks) the write runs in a savepoint, so an error here
+    never aborts the caller's transaction. Only the first use of a name writes a row.
+
+    :param conn: the lock's own connection (autocommit, or inside its transaction).
+    :param key: a key with a name (keys without one are not recorded: returns []).
+    :param recorded_by: who used it first (the lock connection's application_name).
+    """
+    if key.name is None:
+        return []
+    classid, objid, objsubid = key.pg_locks
+    statement = sql.SQL(
+        "WITH recorded AS (INSERT INTO {table} (objsubid, classid, objid, name, first_recorded_by)"
+        " VALUES (%(objsubid)s, %(classid)s, %(objid)s, %(name)s, %(by)s) ON CONFLICT DO NOTHING RETURNING 1)"
+        " SELECT name FROM {table} WHERE objsubid = %(objsubid)s AND classid = %(classid)s AND objid = %(objid)s"
+        " AND name <> %(name)s ORDER BY name"
+    ).format(table=_registry_table())
+    params = {"objsubid": objsubid, "classid": classid, "objid": objid, "name": key.name, "by": recorded_by}
+    in_transaction = conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
+    if in_transaction:
+        with conn.transaction(savepoint_name="pglock_registry"):
+            if not registry_installed(conn):
+                return None
+            rows = conn.execute(statement, params).fetchall()
+    else:
+        if not registry_installed(conn):
+            return None
+        rows = conn.execute(statement, params).fetchall()
+    return [row[0] for row in rows]
+
+
+@dataclass(frozen=True)
+class RegisteredName:
+    """A row of the registry: a name recorded for the key at pg_locks ``(classid, objid, objsubid)``."""
+
+    classid: int
+    objid: int
+    objsubid: int
+    name: str
+    first_recorded_at: dt.datetime
+    first_recorded_by: str | None
+
+
+def _registered(row: Sequence[Any]) -> RegisteredName:
+    return RegisteredName(
+        classid=row[0], objid=row[1], objsubid=row[2], name=row[3], first_recorded_at=row[4], first_recorded_by=row[5]
+    )
+
+
+def registered_names(
+    conn: psycopg.Connection[Any], coordinates: Sequence[tuple[int, int, int]] | None = None
+) -> list[RegisteredName] | None:
+    """Names recorded for the given pg_locks coordinates (all when None); None if no registry.
+
+    :param coordinates: ``(classid, objid, objsubid)`` triples to look up.
+    """
+    if not registry_installed(conn):
+        return None
+    query = sql.SQL("SELECT classid, objid, objsubid, name, first_recorded_at, first_recorded_by FROM {} r").format(
+        _registry_table()
+    )
+    params: list[Any] = []
+    if coordinates is not None:
+        if not coordinates:
+            return []
+        query = query + sql.SQL(
+            " WHERE (r.classid, r.objid, r.objsubid) IN"
+            " (SELECT * FROM unnest(%s::bigint[], %s::bigint[], %s::smallint[]))"
+        )
+        params = [[c[0] for c in coordinates], [c[1] for c in coordinates], [c[2] for c in coordinates]]
+    query = query + sql.SQL(" ORDER BY classid, objid, objsubid, name")
+    return [_registered(r) for r in conn.execute(query, params).fetchall()]
+
+
+def registry_collisions(conn: psycopg.Connection[Any]) -> list[list[RegisteredName]] | None:
+    """Every key recorded under two or more names (each a list of its rows); None if no registry."""
+    if not registry_installed(conn):
+        return None
+    rows = conn.execute(
+        sql.SQL(
+            "SELECT classid, objid, objsubid, name, first_recorded_at, first_recorded_by FROM {t}"
+            " WHERE (classid, objid, objsubid) IN (SELECT classid, objid, objsubid FROM {t}"
+            " GROUP BY classid, objid, objsubid HAVING count(*) > 1)"
+            " ORDER BY classid, objid, objsubid, name"
+        ).format(t=_registry_table())
+    ).fetchall()
+    groups: dict[tuple[int, int, int], list[RegisteredName]] = {}
+    for r in rows:
+        groups.setdefault((r[0], r[1], r[2]), []).append(_registered(r))
+    return list(groups.values())
+
+
+def registry_privileges(conn: psycopg.Connection[Any]) -> dict[str, bool] | None:
+    """Whether the current role may ``SELECT`` / ``INSERT`` the registry; None if no registry."""
+    if not registry_installed(conn):
+        return None
+    row = conn.execute(
+        # By oid: resolving the name 'pglock.key_names' would itself need USAGE on the schema.
+        "SELECT has_schema_privilege(n.oid, 'USAGE'), has_table_privilege(c.oid, 'SELECT'),"
+        " has_table_privilege(c.oid, 'INSERT')"
+        " FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
+        " WHERE n.nspname = %s AND c.relname = %s",
+        [SCHEMA, REGISTRY_TABLE],
+    ).fetchone()
+    assert row is not None
+    return {"usage": bool(row[0]), "select": bool(row[0] and row[1]), "insert": bool(row[0] and row[2])}
+
+
+def grant_usage(conn: psycopg.Connection[Any], role: str) -> None:
+    """Let ``role`` (the roles tasks connect as) use the registry: USAGE, SELECT, INSERT.
+
+    :param role: an existing role name (quoted as an identifier, never interpolated).
+    """
+    with conn.transaction():
+        conn.execute(sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(sql.Identifier(SCHEMA), sql.Identifier(role)))
+        conn.execute(sql.SQL("GRANT SELECT, INSERT ON {} TO {}").format(_registry_table(), sql.Identifier(role)))
+        conn.execute(sql.SQL("GRANT SELECT ON {} TO {}").format(_version_table(), sql.Identifier(role)))

@@ -1,0 +1,320 @@
+"""Every advisory lock in the database, named and explained: what ``locks`` and the UI page show.
+
+The hook reads raw rows (``hooks/inspection.py``) and the registry's names
+(``hooks/schema.py``); this module turns them into entries a person can act on
+(invariant 6): the key by its human name and numbers, the holder by DAG / task / run (from
+its ``application_name``), pid, client and since when, and how many wait behind it. It
+writes no SQL; :func:`collect_lock_report` only asks the hook.
+
+A key's name comes from, in order: the key-name registry (``airflow-pglock init-db``),
+or the default key of the DAG / task named by a holder's or waiter's application_name
+(``<dag_id>/<task_id>`` hashes to the key). Otherwise it is unknown (None).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from airflow_pglock.identity import parse_application_name
+from airflow_pglock.keys import INT32_MAX, INT64_MAX, NAME_SEPARATOR, LockKey
+
+if TYPE_CHECKING:
+    from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+    from airflow_pglock.hooks.inspection import AdvisoryLockRow, LockSnapshot
+    from airflow_pglock.hooks.schema import RegisteredName
+
+#: application_name of the sessions ``locks`` / the UI open to read (they hold no lock).
+INSPECT_APPLICATION_NAME = "pglock-cli locks"
+
+REGISTRY_INSTALLED = "installed"
+REGISTRY_MISSING = "not installed"
+REGISTRY_NO_ACCESS = "no access"
+
+
+def key_from_coordinates(classid: int, objid: int, objsubid: int) -> LockKey:
+    """The key whose ``pg_locks`` coordinates are these (the inverse of ``LockKey.pg_locks``)."""
+    if objsubid == 2:
+        first = classid - 2**32 if classid > INT32_MAX else classid
+        second = objid - 2**32 if objid > INT32_MAX else objid
+        return LockKey.from_pair(first, second)
+    if objsubid != 1:
+        raise ValueError(f"not an advisory lock key: objsubid {objsubid!r} (expected 1 or 2)")
+    value = (classid << 32) | objid
+    return LockKey.from_int(value - 2**64 if value > INT64_MAX else value)
+
+
+def parse_key_filter(text: str) -> list[LockKey]:
+    """The keys a ``--key`` value may mean: the name, and also the int64 or ``A,B`` pair it spells."""
+    candidates = [LockKey.from_name(text)]
+    stripped = text.strip()
+    try:
+        if "," in stripped:
+            first, second = (int(part) for part in stripped.split(","))
+            candidates.append(LockKey.from_pair(first, second))
+        else:
+            candidates.append(LockKey.from_int(int(stripped)))
+    except ValueError:  # not numbers (or out of range): a name only
+        pass
+    return candidates
+
+
+@dataclass(frozen=True)
+class AirflowHolder:
+    """The Airflow task instance a lock session's application_name names (``~`` = shortened)."""
+
+    dag_id: str
+    task_id: str
+    run_id: str
+    map_index: int
+
+
+@dataclass(frozen=True)
+class LockEntry:
+    """One session holding or waiting for one key, ready to show.
+
+    :param names: every name recorded or derived for the key (two or more: a collision).
+    :param since: holders: when the lock session started (airflow-pglock opens one per
+        lock) or, for other sessions, when the session started (the lock may be younger);
+        waiters: when the wait started (PostgreSQL 14+).
+    :param seconds: how long, on the server clock, up to the snapshot.
+    :param waiters: sessions waiting for the same key.
+    """
+
+    database: str
+    key: LockKey
+    names: tuple[str, ...]
+    name_source: str | None
+    granted: bool
+    shared: bool
+    pid: int | None
+    application_name: str | None
+    airflow: AirflowHolder | None
+    user: str | None
+    client_addr: str | None
+    client_port: int | None
+    backend_type: str | None
+    session_state: str | None
+    since: dt.datetime | None
+    since_basis: str | None
+    seconds: float | None
+    waiters: int
+    blocked_by: tuple[int, ...]
+
+    @property
+    def name(self) -> str | None:
+        return self.names[0] if self.names else None
+
+    @property
+    def collision(self) -> bool:
+        return len(self.names) > 1
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict; its keys are a stable interface (documented in docs/operations.md)."""
+        return {
+            "database": self.database,
+            "key": {
+                "name": self.name,
+                "names": list(self.names),
+                "name_source": self.name_source,
+                "collision": self.collision,
+                "kind": "pair" if self.key.is_pair else "int64",
+                "numbers": list(self.key.numbers),
+                "pg_locks": dict(zip(("classid", "objid", "objsubid"), self.key.pg_locks, strict=True)),
+            },
+            "state": "holding" if self.granted else "waiting",
+            "mode": "shared" if self.shared else "exclusive",
+            "pid": self.pid,
+            "application_name": self.application_name,
+            "airflow": None
+            if self.airflow is None
+            else {
+                "dag_id": self.airflow.dag_id,
+                "task_id": self.airflow.task_id,
+                "run_id": self.airflow.run_id,
+                "map_index": self.airflow.map_index,
+            },
+            "user": self.user,
+            "client_addr": self.client_addr,
+            "client_port": self.client_port,
+            "backend_type": self.backend_type,
+            "session_state": self.session_state,
+            "since": self.since.isoformat() if self.since else None,
+            "since_basis": self.since_basis,
+            "seconds": None if self.seconds is None else round(self.seconds, 3),
+            "waiters": self.waiters,
+            "blocked_by": list(self.blocked_by),
+        }
+
+
+@dataclass(frozen=True)
+class LockReport:
+    """A snapshot of every (matching) advisory lock.
+
+    :param registry: ``"installed"``, ``"not installed"`` or ``"no access"`` (the role
+        may not read ``pglock.key_names``).
+    """
+
+    database: str
+    server: str
+    taken_at: dt.datetime
+    all_databases: bool
+    registry: str
+    filters: Mapping[str, str | None]
+    entries: tuple[LockEntry, ...] = field(default_factory=tuple)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "database": self.database,
+            "server": self.server,
+            "server_time": self.taken_at.isoformat(),
+            "all_databases": self.all_databases,
+            "registry": self.registry,
+            "filters": dict(self.filters),
+            "locks": [entry.to_json() for entry in self.entries],
+        }
+
+
+def _airflow_holder(application_name: str | None) -> AirflowHolder | None:
+    parsed = parse_application_name(application_name)
+    if parsed is None:
+        return None
+    return AirflowHolder(parsed.dag_id, parsed.task_id, parsed.run_id, parsed.map_index)
+
+
+def _derived_name(key: LockKey, rows: Sequence[AdvisoryLockRow]) -> str | None:
+    for row in rows:
+        holder = _airflow_holder(row.application_name)
+        if holder is None:
+            continue
+        candidate = f"{holder.dag_id}{NAME_SEPARATOR}{holder.task_id}"
+        if LockKey.from_name(candidate).pg_locks == key.pg_locks:
+            return candidate
+    return None
+
+
+def _since(row: AdvisoryLockRow, holder: AirflowHolder | None) -> tuple[dt.datetime | None, str | None]:
+    if not row.granted:
+        return row.wait_started_at, "wait start" if row.wait_started_at else None
+    if row.backend_start is None:
+        return None, None
+    if holder is not None:
+        return row.backend_start, "lock session start"
+    return row.backend_start, "session start (the lock may be younger)"
+
+
+def build_entries(snapshot: LockSnapshot, registered: Sequence[RegisteredName] | None) -> tuple[LockEntry, ...]:
+    """Name and explain every row of ``snapshot``.
+
+    :param registered: the registry's names for the snapshot's keys (None: no registry).
+    """
+    by_key: dict[tuple[str, tuple[int, int, int]], list[AdvisoryLockRow]] = {}
+    for row in snapshot.rows:
+        by_key.setdefault((row.database, row.coordinates), []).append(row)
+    names_by_coordinates: dict[tuple[int, int, int], list[str]] = {}
+    for registered_name in registered or ():
+        coordinates = (registered_name.classid, registered_name.objid, registered_name.objsubid)
+        names_by_coordinates.setdefault(coordinates, []).append(registered_name.name)
+
+    entries: list[LockEntry] = []
+    for (database, coordinates), rows in by_key.items():
+        key = key_from_coordinates(*coordinates)
+        # The registry lives in one database: its names only describe that database's keys.
+        names = list(names_by_coordinates.get(coordinates, [])) if database == snapshot.database else []
+        source: str | None = "registry" if names else None
+        if not names:
+            derived = _derived_name(key, rows)
+            if derived is not None:
+                names, source = [derived], "application_name"
+        for row in rows:
+            holder = _airflow_holder(row.application_name)
+            since, basis = _since(row, holder)
+            entries.append(
+                LockEntry(
+                    database=database,
+                    key=key,
+                    names=tuple(names),
+                    name_source=source,
+                    granted=row.granted,
+                    shared=row.mode == "ShareLock",
+                    pid=row.pid,
+                    application_name=row.application_name,
+                    airflow=holder,
+                    user=row.user,
+                    client_addr=row.client_addr,
+                    client_port=row.client_port,
+                    backend_type=row.backend_type,
+                    session_state=row.state,
+                    since=since,
+                    since_basis=basis,
+                    seconds=None if since is None else max(0.0, (snapshot.taken_at - since).total_seconds()),
+                    waiters=row.waiters if row.granted else 0,
+                    blocked_by=row.blocked_by,
+                )
+            )
+    return tuple(entries)
+
+
+def filter_entries(
+    entries: Sequence[LockEntry], *, dag: str | None = None, key: str | None = None
+) -> tuple[LockEntry, ...]:
+    """Entries of keys that a session of DAG ``dag`` holds or awaits, and/or of key ``key``.
+
+    A key matches ``key`` when one of its names equals it, or when its numbers are what
+    the text means as a name, an int64 or an ``A,B`` pair. All sessions of a matching key
+    are kept (holders and waiters), so the answer shows who blocks whom.
+    """
+    selected = list(entries)
+    if key is not None:
+        wanted = {candidate.pg_locks for candidate in parse_key_filter(key)}
+        selected = [e for e in selected if e.key.pg_locks in wanted or key in e.names]
+    if dag is not None:
+        keys_of_dag = {(e.database, e.key.pg_locks) for e in selected if e.airflow and e.airflow.dag_id == dag}
+        selected = [e for e in selected if (e.database, e.key.pg_locks) in keys_of_dag]
+    return tuple(selected)
+
+
+def collect_lock_report(
+    hook: AdvisoryLockHook,
+    *,
+    dag: str | None = None,
+    key: str | None = None,
+    all_databases: bool = False,
+) -> LockReport:
+    """Open one short connection, read every advisory lock and the registry's names, close.
+
+    :param hook: where the lock database is.
+    :param dag: keep only keys that a task of this DAG holds or awaits.
+    :param key: keep only this key (a name, an int64 or ``A,B``).
+    :param all_databases: also list other databases' advisory locks.
+    """
+    import psycopg
+
+    from airflow_pglock.hooks.inspection import advisory_locks
+    from airflow_pglock.hooks.schema import registered_names
+
+    if key is not None:
+        parse_key_filter(key)  # a bad key is a usage error before any connection
+    with hook.connect(INSPECT_APPLICATION_NAME) as conn:
+        snapshot = advisory_locks(conn, all_databases=all_databases)
+        coordinates = sorted({row.coordinates for row in snapshot.rows if row.database == snapshot.database})
+        registry = REGISTRY_INSTALLED
+        try:
+            registered = registered_names(conn, coordinates)
+        except psycopg.errors.InsufficientPrivilege:
+            registered, registry = None, REGISTRY_NO_ACCESS
+        if registered is None and registry == REGISTRY_INSTALLED:
+            registry = REGISTRY_MISSING
+        server = hook.describe_target()
+    entries = filter_entries(build_entries(snapshot, registered), dag=dag, key=key)
+    return LockReport(
+        database=snapshot.database,
+        server=server,
+        taken_at=snapshot.taken_at,
+        all_databases=all_databases,
+        registry=registry,
+        filters={"dag": dag, "key": key},
+        entries=entries,
+    )

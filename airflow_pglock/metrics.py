@@ -1,0 +1,94 @@
+"""Metrics of guarded executions, sent through Airflow's own Stats (StatsD / OpenTelemetry).
+
+One call per guarded execution, when it ends (:func:`record_outcome`, from the outcome
+line of :class:`airflow_pglock.guard.LockGuard`). Names (Airflow adds its
+``[metrics] statsd_prefix``, ``airflow.`` by default):
+
+========================  =======  ==========================================================
+``pglock.acquired``       counter  the lock was taken (whatever happened next)
+``pglock.completed``      counter  the protected work finished with the lock held throughout
+``pglock.skipped``        counter  the key was busy: the task was skipped
+``pglock.busy``           counter  the key was busy and ``on_busy='fail'``: the task failed
+``pglock.failed``         counter  the lock could not be taken (database down, bad settings,
+                                   unsafe set-up): the task failed (or skipped, ``on_error``)
+``pglock.work_failed``    counter  the run failed while holding the lock (the work raised,
+                                   or the transaction-mode commit failed)
+``pglock.lost``           counter  the lock was lost while held
+``pglock.wait``           timer    time to take the lock, or to give up (every execution)
+``pglock.hold``           timer    time the lock was held (executions that took it)
+========================  =======  ==========================================================
+
+Tags, each of bounded cardinality: ``dag_id`` and ``task_id`` (as Airflow's own task
+metrics; absent outside Airflow tasks), ``mode`` (session / transaction), ``shared``
+(true / false), ``on_busy`` (skip / fail / wait). Never the run id, the tenant or the key
+name (a key name may contain a tenant). Plain StatsD drops tags unless
+``[metrics] statsd_influxdb_enabled``; Datadog and OpenTelemetry keep them.
+
+Metrics never break a task: any error while sending is logged at debug level and dropped.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from typing import Any
+
+from airflow_pglock.identity import parse_application_name
+
+log = logging.getLogger(__name__)
+
+PREFIX = "pglock"
+COUNTERS = ("acquired", "completed", "skipped", "busy", "failed", "work_failed", "lost")
+TIMERS = ("wait", "hold")
+
+#: guard outcome -> counter, for executions that never took the lock / that took it.
+_NOT_HELD = {"skipped": "skipped", "busy": "busy", "failed": "failed"}
+_HELD = {"completed": "completed", "failed": "work_failed", "lost": "lost"}
+
+
+def metric_tags(*, application_name: str | None, mode: str, shared: bool, on_busy: str) -> dict[str, str]:
+    """The tags of one execution (bounded cardinality: see the module docstring)."""
+    tags = {"mode": mode, "shared": "true" if shared else "false", "on_busy": on_busy}
+    holder = parse_application_name(application_name)
+    if holder is not None:
+        tags["dag_id"] = holder.dag_id
+        tags["task_id"] = holder.task_id
+    return tags
+
+
+def metric_names(outcome: str, *, acquired: bool) -> list[str]:
+    """The counters one execution increments (without the ``pglock.`` prefix)."""
+    counter = (_HELD if acquired else _NOT_HELD).get(outcome)
+    names = ["acquired"] if acquired else []
+    if counter is not None:
+        names.append(counter)
+    return names
+
+
+def record_outcome(
+    outcome: str,
+    *,
+    acquired: bool,
+    waited: float,
+    held: float | None,
+    tags: dict[str, str],
+) -> None:
+    """Send the counters and timers of one guarded execution.
+
+    :param outcome: the guard's outcome (completed, skipped, busy, failed, lost).
+    :param acquired: whether the lock was taken.
+    :param waited: seconds spent taking the lock or giving up.
+    :param held: seconds the lock was held (None if it was not taken).
+    :param tags: from :func:`metric_tags`.
+    """
+    try:
+        from airflow_pglock.compat import get_stats
+
+        stats: Any = get_stats()
+        for name in metric_names(outcome, acquired=acquired):
+            stats.incr(f"{PREFIX}.{name}", tags=tags)
+        stats.timing(f"{PREFIX}.wait", dt.timedelta(seconds=waited), tags=tags)
+        if acquired and held is not None:
+            stats.timing(f"{PREFIX}.hold", dt.timedelta(seconds=held), tags=tags)
+    except Exception:  # metrics must never fail or skip a task
+        log.debug("pglock could not send metrics for outcome=%s", outcome, exc_info=True)

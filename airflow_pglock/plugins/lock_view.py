@@ -1,0 +1,146 @@
+"""The "Advisory locks" page of the Airflow UI (Airflow >= 3.1), behind Airflow's authentication.
+
+A FastAPI app mounted by the API server at ``/pglock`` (``fastapi_apps``) serves
+
+* ``/pglock/locks``: the page (an ``external_views`` entry shows it in the UI's
+  *Browse* menu, inside the UI);
+* ``/pglock/api/locks?conn_id=&dag=&key=``: the same JSON as ``airflow-pglock locks
+  --output json``.
+
+Both need a logged-in user allowed to see the cluster-activity view
+(``AccessView.CLUSTER_ACTIVITY``: Airflow's viewers and up); the browser's Airflow session
+cookie is enough, API clients send ``Authorization: Bearer <token>``. The page reads only
+the connections listed in ``[pglock] ui_conn_ids`` (comma-separated, default
+``postgres_default``); a request for another conn id is refused.
+
+Nothing heavy is imported when plugins load (task processes load plugins too): the
+FastAPI app and Airflow's security dependencies are built on the first request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from airflow.configuration import conf
+from airflow.plugins_manager import AirflowPlugin
+
+URL_PREFIX = "/pglock"
+DEFAULT_REFRESH_SECONDS = 5
+LOCK_ICON = (
+    '<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 24 24" fill="none" stroke="currentColor" '
+    'stroke-width="2" stroke-linecap="round" stroke-linejoin="round"><rect x="4" y="11" width="16" height="10" '
+    'rx="2"/><path d="M8 11V7a4 4 0 0 1 8 0v4"/></svg>'
+)
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+
+def ui_base_path() -> str:
+    """The path the Airflow UI is served under (``[api] base_url``), with a trailing ``/``."""
+    from urllib.parse import urlparse
+
+    base_url = conf.get("api", "base_url", fallback="/") or "/"
+    path = urlparse(base_url).path if base_url.startswith(("http://", "https://")) else base_url
+    return path.rstrip("/") + "/"
+
+
+def ui_conn_ids() -> list[str]:
+    """The connections the page may read: ``[pglock] ui_conn_ids``, comma-separated."""
+    raw = conf.get("pglock", "ui_conn_ids", fallback="postgres_default") or "postgres_default"
+    return [part.strip() for part in raw.split(",") if part.strip()] or ["postgres_default"]
+
+
+def refresh_seconds() -> int:
+    """Seconds between two refreshes of the page: ``[pglock] ui_refresh_seconds`` (default 5, min 1)."""
+    try:
+        return max(1, int(conf.getint("pglock", "ui_refresh_seconds", fallback=DEFAULT_REFRESH_SECONDS)))
+    except ValueError:
+        return DEFAULT_REFRESH_SECONDS
+
+
+def create_app() -> Any:
+    """The FastAPI app (built on the first request by :class:`LazyApp`)."""
+    from airflow.api_fastapi.auth.managers.models.resource_details import AccessView
+    from airflow.api_fastapi.core_api.security import requires_access_view
+    from fastapi import Depends, FastAPI, HTTPException
+    from fastapi.responses import HTMLResponse, Response
+
+    from airflow_pglock.compat import use_server_connections
+    from airflow_pglock.exceptions import LockConfigurationError, LockConnectionError
+    from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+    from airflow_pglock.lock_report import collect_lock_report
+    from airflow_pglock.plugins.page import render_page
+
+    use_server_connections()
+    app = FastAPI(title="airflow-pglock: advisory locks", docs_url=None, redoc_url=None, openapi_url=None)
+    authorized = [Depends(requires_access_view(AccessView.CLUSTER_ACTIVITY))]
+
+    @app.get("/locks", response_class=HTMLResponse, dependencies=authorized)
+    def page() -> HTMLResponse:
+        return HTMLResponse(
+            render_page(ui_base=ui_base_path(), conn_ids=ui_conn_ids(), refresh_seconds=refresh_seconds()),
+            headers={"Cache-Control": "no-store"},
+        )
+
+    @app.get("/api/locks", dependencies=authorized)
+    def locks(conn_id: str | None = None, dag: str | None = None, key: str | None = None) -> dict[str, Any]:
+        allowed = ui_conn_ids()
+        chosen = conn_id or allowed[0]
+        if chosen not in allowed:
+            raise HTTPException(
+                status_code=400,
+                detail=f"conn_id {chosen!r} is not one of [pglock] ui_conn_ids ({', '.join(allowed)})",
+            )
+        try:
+            report = collect_lock_report(AdvisoryLockHook(chosen), dag=dag or None, key=key or None)
+        except LockConfigurationError as error:
+            raise HTTPException(status_code=400, detail=str(error)) from None
+        except LockConnectionError as error:
+            raise HTTPException(status_code=503, detail=str(error)) from None
+        data = report.to_json()
+        data["conn_id"] = chosen
+        return data
+
+    @app.get("/static/lock.svg")
+    def icon() -> Response:  # public: the UI shows it in the menu
+        return Response(LOCK_ICON, media_type="image/svg+xml", headers={"Cache-Control": "max-age=86400"})
+
+    return app
+
+
+class LazyApp:
+    """An ASGI app that builds the real one on its first request (keeps plugin loading light)."""
+
+    def __init__(self, factory: Callable[[], Any]) -> None:
+        self._factory = factory
+        self._app: Any = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._app is None:
+            self._app = self._factory()
+        await self._app(scope, receive, send)
+
+
+def _external_views() -> list[dict[str, Any]]:
+    base = ui_base_path()
+    return [
+        {
+            "name": "Advisory locks",
+            "href": f"{base}{URL_PREFIX.lstrip('/')}/locks",
+            "destination": "nav",
+            "category": "browse",
+            "url_route": "pglock_locks",
+            "icon": f"{base}{URL_PREFIX.lstrip('/')}/static/lock.svg",
+        }
+    ]
+
+
+class PgLockPlugin(AirflowPlugin):
+    """Registers the advisory-lock page (through the provider's ``plugins`` entry and ``airflow.plugins``)."""
+
+    name = "pglock"
+    fastapi_apps = [{"app": LazyApp(create_app), "url_prefix": URL_PREFIX, "name": "airflow-pglock advisory locks"}]
+    external_views = _external_views()

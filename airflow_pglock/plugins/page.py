@@ -1,0 +1,174 @@
+"""The HTML of the advisory-lock page: one self-contained document, no build step, no CDN.
+
+It polls ``api/locks`` (relative to itself, so any ``[api] base_url`` works), renders
+the same entries as ``airflow-pglock locks --output json`` and links each Airflow holder
+to its DAG run in the Airflow UI (``target=_top``: the page runs inside the UI's iframe).
+Every value is inserted with ``textContent``: nothing from the database is parsed as HTML.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+
+_TEMPLATE = """<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<title>Advisory locks - airflow-pglock</title>
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<style>
+  :root { color-scheme: light dark; --line: #d0d7de; --muted: #57606a; --warn: #9a6700; --bad: #cf222e; }
+  body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; margin: 16px; }
+  h1 { font-size: 20px; margin: 0 0 4px; }
+  .meta { color: var(--muted); margin-bottom: 12px; }
+  form { display: flex; gap: 12px; align-items: end; flex-wrap: wrap; margin-bottom: 12px; }
+  label { display: flex; flex-direction: column; font-size: 12px; color: var(--muted); }
+  input, select { font: inherit; padding: 3px 6px; }
+  table { border-collapse: collapse; width: 100%; }
+  th, td { border-bottom: 1px solid var(--line); padding: 6px 8px; text-align: left; vertical-align: top; }
+  th { font-size: 12px; text-transform: uppercase; color: var(--muted); }
+  td.num, .numbers { font-family: ui-monospace, SFMono-Regular, Menlo, monospace; font-size: 12px; }
+  .numbers, .sub { color: var(--muted); display: block; }
+  .waiting { color: var(--warn); font-weight: 600; }
+  .holding { font-weight: 600; }
+  .collision { color: var(--bad); font-weight: 600; }
+  #error { color: var(--bad); font-weight: 600; white-space: pre-wrap; }
+  #empty { color: var(--muted); padding: 12px 0; }
+</style>
+</head>
+<body data-ui-base="__UI_BASE__" data-conn-ids='__CONN_IDS__' data-refresh="__REFRESH__">
+<h1>Advisory locks</h1>
+<div class="meta" id="meta">loading...</div>
+<form id="filters" onsubmit="return false">
+  <label>Connection <select id="conn"></select></label>
+  <label>DAG <input id="dag" placeholder="any DAG" size="18"></label>
+  <label>Key <input id="key" placeholder="name, int64 or A,B" size="22"></label>
+  <label><span><input type="checkbox" id="paused"> pause refresh</span></label>
+</form>
+<div id="error"></div>
+<table id="locks" hidden>
+  <thead><tr>
+    <th>Key</th><th>State</th><th>Waiters</th><th>Holder (DAG / task / run)</th><th>PID</th><th>Client</th>
+    <th>Since</th><th>For</th>
+  </tr></thead>
+  <tbody></tbody>
+</table>
+<div id="empty" hidden>No advisory lock is held or awaited.</div>
+<script>
+(function () {
+  "use strict";
+  const body = document.body;
+  const uiBase = body.dataset.uiBase;
+  const refreshMs = Number(body.dataset.refresh) * 1000;
+  const connIds = JSON.parse(body.dataset.connIds);
+  const el = (id) => document.getElementById(id);
+  const conn = el("conn");
+  connIds.forEach((id) => {
+    const o = document.createElement("option");
+    o.value = o.textContent = id;
+    conn.append(o);
+  });
+  const params = new URLSearchParams(window.location.search);
+  ["dag", "key"].forEach((name) => { if (params.get(name)) el(name).value = params.get(name); });
+  if (params.get("conn_id")) conn.value = params.get("conn_id");
+
+  function node(tag, text, cls) {
+    const n = document.createElement(tag);
+    if (text !== undefined && text !== null) n.textContent = String(text);
+    if (cls) n.className = cls;
+    return n;
+  }
+  function duration(s) {
+    if (s === null || s === undefined) return "?";
+    if (s < 60) return s.toFixed(1) + " s";
+    const m = Math.floor(s / 60), sec = Math.floor(s % 60);
+    if (m < 60) return m + " min " + sec + " s";
+    const h = Math.floor(m / 60);
+    if (h < 24) return h + " h " + (m % 60) + " min";
+    return Math.floor(h / 24) + " d " + (h % 24) + " h";
+  }
+  function runLink(a) {
+    const cell = node("td");
+    const shortened = (v) => String(v).endsWith("~");
+    const label = a.dag_id + " / " + a.task_id + (a.map_index >= 0 ? "[" + a.map_index + "]" : "");
+    if (shortened(a.dag_id) || shortened(a.run_id)) {
+      cell.append(node("span", label), node("span", a.run_id, "sub"));
+      return cell;
+    }
+    const link = node("a", label);
+    link.href = uiBase + "dags/" + encodeURIComponent(a.dag_id) + "/runs/" + encodeURIComponent(a.run_id);
+    link.target = "_top";
+    link.className = "run-link";
+    cell.append(link, node("span", a.run_id, "sub"));
+    return cell;
+  }
+  function row(e) {
+    const tr = node("tr");
+    tr.dataset.pid = e.pid;
+    const key = node("td");
+    const name = e.key.names.length ? e.key.names.join(" | ") : "(name unknown)";
+    key.append(node("span", name, e.key.collision ? "collision" : "keyname"));
+    if (e.key.collision) key.append(node("span", "COLLISION: these names share one lock", "sub collision"));
+    key.append(node("span", (e.key.kind === "pair" ? "pair " : "") + e.key.numbers.join(", "), "numbers"));
+    tr.append(key);
+    tr.append(node("td", e.state + (e.mode === "shared" ? " (shared)" : ""), e.state));
+    const queue = e.blocked_by.length ? "behind " + e.blocked_by.join(", ") : "-";
+    tr.append(node("td", e.state === "holding" ? e.waiters : queue, "num"));
+    if (e.airflow) tr.append(runLink(e.airflow));
+    else tr.append(node("td", e.application_name || "(no application_name)"));
+    tr.append(node("td", e.pid === null ? "prepared xact" : e.pid, "num"));
+    tr.append(node("td", e.client_addr || (e.user ? "local" : "?"), "num"));
+    const since = node("td", e.since ? e.since.replace("T", " ").slice(0, 19) : "?", "num");
+    if (e.since_basis) since.title = e.since_basis;
+    tr.append(since);
+    tr.append(node("td", duration(e.seconds), "num"));
+    return tr;
+  }
+  async function refresh() {
+    const query = new URLSearchParams();
+    if (conn.value) query.set("conn_id", conn.value);
+    if (el("dag").value.trim()) query.set("dag", el("dag").value.trim());
+    if (el("key").value.trim()) query.set("key", el("key").value.trim());
+    try {
+      const response = await fetch("api/locks?" + query.toString(), {
+        credentials: "same-origin",
+        headers: { Accept: "application/json" },
+      });
+      const data = await response.json();
+      if (!response.ok) throw new Error(data.detail || response.statusText);
+      el("error").textContent = "";
+      const tbody = el("locks").querySelector("tbody");
+      tbody.replaceChildren(...data.locks.map(row));
+      el("locks").hidden = data.locks.length === 0;
+      el("empty").hidden = data.locks.length !== 0;
+      el("meta").textContent = data.locks.length + " session(s) holding or awaiting an advisory lock in " +
+        data.server + " - key-name registry: " + data.registry + " - updated " +
+        new Date().toLocaleTimeString() + " (every " + refreshMs / 1000 + " s)";
+    } catch (err) {
+      el("error").textContent = "Could not read the locks: " + err.message;
+    }
+  }
+  ["dag", "key"].forEach((name) => el(name).addEventListener("change", refresh));
+  conn.addEventListener("change", refresh);
+  refresh();
+  setInterval(() => { if (!el("paused").checked && !document.hidden) refresh(); }, refreshMs);
+})();
+</script>
+</body>
+</html>
+"""
+
+
+def render_page(*, ui_base: str, conn_ids: list[str], refresh_seconds: int) -> str:
+    """The page, with the UI's base path, the selectable connections and the refresh period.
+
+    :param ui_base: the Airflow UI's base path, ending with ``/`` (DAG-run links start with it).
+    :param conn_ids: the connections the page may read (the first is the default).
+    :param refresh_seconds: seconds between two refreshes.
+    """
+    return (
+        _TEMPLATE.replace("__UI_BASE__", html.escape(ui_base, quote=True))
+        .replace("__CONN_IDS__", html.escape(json.dumps(conn_ids), quote=True))
+        .replace("__REFRESH__", str(int(refresh_seconds)))
+    )

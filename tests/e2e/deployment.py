@@ -1,0 +1,144 @@
+"""One real Airflow 3 deployment for the end-to-end tests: its own AIRFLOW_HOME and metadata DB.
+
+It runs the processes a production deployment runs with LocalExecutor: ``airflow
+api-server`` (only its execution API: Airflow 3 task processes report to it instead of
+touching the metadata DB), ``airflow scheduler`` (with the executor inside) and ``airflow
+dag-processor``. What the deployment did is read back from its own metadata database.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+PROCESSES = (
+    ("api-server", ("api-server", "--apps", "execution", "--workers", "1", "--host", "127.0.0.1")),
+    ("scheduler", ("scheduler",)),
+    ("dag-processor", ("dag-processor",)),
+)
+
+
+def sqlalchemy_uri(libpq_uri: str) -> str:
+    """``postgresql://...`` -> the SQLAlchemy URL Airflow's metadata DB expects (psycopg2 driver)."""
+    return libpq_uri.replace("postgresql://", "postgresql+psycopg2://", 1)
+
+
+@dataclass
+class Deployment:
+    name: str
+    home: Path
+    metadata_uri: str
+    api_port: int
+    dags_folder: Path
+    extra_env: Mapping[str, str]
+    jwt_secret: str = field(default_factory=lambda: secrets.token_hex(32))  # shared by this deployment only
+    processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    @property
+    def env(self) -> dict[str, str]:
+        env = {key: value for key, value in os.environ.items() if not key.startswith(("AIRFLOW", "PGLOCK_"))}
+        env.update(
+            {
+                "AIRFLOW_HOME": str(self.home),
+                "AIRFLOW__CORE__DAGS_FOLDER": str(self.dags_folder),
+                "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+                "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+                "AIRFLOW__CORE__PARALLELISM": "8",
+                "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+                "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{self.api_port}/execution/",
+                "AIRFLOW__API__PORT": str(self.api_port),
+                "AIRFLOW__API_AUTH__JWT_SECRET": self.jwt_secret,
+                "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": sqlalchemy_uri(self.metadata_uri),
+                "AIRFLOW__LOGGING__COLORED_CONSOLE_LOG": "False",
+                "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "False",
+                "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
+                "PGLOCK_E2E_DEPLOYMENT": self.name,
+            }
+        )
+        env.update(self.extra_env)
+        return env
+
+    def airflow(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "airflow", *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=self.home,
+        )
+
+    def start(self) -> None:
+        """Start the api-server first (tasks need it), then the scheduler and the dag-processor."""
+        self.home.mkdir(parents=True, exist_ok=True)
+        for role, args in PROCESSES:
+            if role == "api-server":
+                args = (*args, "--port", str(self.api_port))
+            log = open(self.home / f"{role}.log", "wb")  # noqa: SIM115 - the child writes it until stop()
+            self.processes[role] = subprocess.Popen(
+                [sys.executable, "-m", "airflow", *args],
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.home,
+                start_new_session=True,  # its own process group: stop() ends the workers it forks too
+            )
+            log.close()
+            if role == "api-server":
+                self._wait_for_api()
+
+    def _wait_for_api(self, timeout: float = 90) -> None:
+        url = f"http://127.0.0.1:{self.api_port}/execution/health"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.check_alive()
+            with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+            time.sleep(0.5)
+        raise AssertionError(f"deployment {self.name}: api-server not healthy after {timeout} s\n{self.logs()}")
+
+    def check_alive(self) -> None:
+        for role, process in self.processes.items():
+            if process.poll() is not None:
+                raise AssertionError(
+                    f"deployment {self.name}: {role} exited with {process.returncode}\n{self.logs(role)}"
+                )
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        for process in self.processes.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)  # whatever survived, workers included
+            process.wait(timeout=10)
+
+    def logs(self, role: str | None = None, tail: int = 4000) -> str:
+        roles = [role] if role else [name for name, _ in PROCESSES]
+        parts = []
+        for name in roles:
+            path = self.home / f"{name}.log"
+            if path.exists():
+                parts.append(f"--- {self.name} {name} ---\n{path.read_text(errors='replace')[-tail:]}")
+        return "\n".join(parts)
+
+    def query(self, statement: str, params: Any = None) -> list[tuple[Any, ...]]:
+        """Read this deployment's own metadata database."""
+        with psycopg.connect(self.metadata_uri, autocommit=True) as conn:
+            return [tuple(row) for row in conn.execute(statement, params).fetchall()]

@@ -1,0 +1,434 @@
+"""Operating airflow-pglock on a real PostgreSQL: init-db, the key-name registry, `locks`, `key`, `doctor`.
+
+Each test that installs the schema gets a database of its own (``scratch_database``), so
+the shared test database never has the optional tables other tests may not expect.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from airflow_pglock.guard import LockGuard, LockPolicy
+from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+from airflow_pglock.hooks.schema import (
+    LATEST_VERSION,
+    MIGRATIONS,
+    Migration,
+    migrate,
+    registered_names,
+    schema_status,
+)
+from airflow_pglock.identity import TaskIdentity
+from airflow_pglock.keys import NAME_TO_KEY_SQL, LockKey, int64_from_name
+from airflow_pglock.lock_report import collect_lock_report, key_from_coordinates
+from tests.helpers import advisory_locks
+from tests.ops_helpers import hold, run_cli, scratch_database, with_user
+
+ENTRY_KEYS = {
+    "database",
+    "key",
+    "state",
+    "mode",
+    "pid",
+    "application_name",
+    "airflow",
+    "user",
+    "client_addr",
+    "client_port",
+    "backend_type",
+    "session_state",
+    "since",
+    "since_basis",
+    "seconds",
+    "waiters",
+    "blocked_by",
+}
+KEY_KEYS = {"name", "names", "name_source", "collision", "kind", "numbers", "pg_locks"}
+REPORT_KEYS = {"database", "server", "server_time", "all_databases", "registry", "filters", "locks"}
+
+
+@pytest.fixture
+def ops_dsn(pg_server: str) -> Iterator[str]:
+    with scratch_database(pg_server) as dsn:
+        yield dsn
+
+
+@pytest.fixture
+def ops_db(ops_dsn: str) -> Iterator[str]:
+    """A scratch database with ``init-db`` done."""
+    with psycopg.connect(ops_dsn, autocommit=True) as conn:
+        migrate(conn)
+    yield ops_dsn
+
+
+def _guard(dsn: str, key: LockKey, logger: logging.Logger, app: str = "pglock d t manual__x") -> LockGuard:
+    return LockGuard(AdvisoryLockHook(dsn=dsn), key, LockPolicy(), application_name=app, logger=logger)
+
+
+# ------------------------------------------------------------------ init-db
+
+
+def test_init_db_is_idempotent_and_versioned(ops_dsn: str, capsys: Any) -> None:
+    first = run_cli("init-db", "--dsn", ops_dsn, "--output", "json", capsys=capsys)
+    assert first.code == 0, first.err
+    assert first.json() == {
+        "schema": "pglock",
+        "before": None,
+        "after": LATEST_VERSION,
+        "applied": [{"version": m.version, "description": m.description} for m in MIGRATIONS],
+        "granted": [],
+    }
+    second = run_cli("init-db", "--dsn", ops_dsn, capsys=capsys)
+    assert second.code == 0 and "already at version" in second.out
+    status = run_cli("init-db", "--status", "--dsn", ops_dsn, "--output", "json", capsys=capsys).json()
+    assert status["installed"] == LATEST_VERSION and status["pending"] == []
+    assert [row["version"] for row in status["applied"]] == [m.version for m in MIGRATIONS]
+
+
+def test_concurrent_init_db_applies_each_migration_once(ops_dsn: str) -> None:
+    results: list[Any] = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(6)
+
+    def run() -> None:
+        try:
+            with psycopg.connect(ops_dsn, autocommit=True) as conn:
+                start.wait()
+                results.append(migrate(conn))
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert errors == []
+    assert sorted(len(r.applied) for r in results) == [0] * 5 + [len(MIGRATIONS)]
+    with psycopg.connect(ops_dsn, autocommit=True) as conn:
+        assert [a.version for a in schema_status(conn).applied] == [m.version for m in MIGRATIONS]
+
+
+def test_later_migrations_apply_forward_only_and_atomically(ops_db: str) -> None:
+    extra = Migration(LATEST_VERSION + 1, "test table", ("CREATE TABLE pglock.later_table (id int)",))
+    broken = Migration(LATEST_VERSION + 2, "broken", ("CREATE TABLE pglock.half (id int)", "SELECT no_such_fn()"))
+    with psycopg.connect(ops_db, autocommit=True) as conn:
+        with pytest.raises(psycopg.errors.UndefinedFunction):
+            migrate(conn, (*MIGRATIONS, extra, broken))
+        # one transaction: the good step before the broken one is rolled back too
+        assert schema_status(conn).installed == LATEST_VERSION
+        assert conn.execute("SELECT to_regclass('pglock.later_table'), to_regclass('pglock.half')").fetchone() == (
+            None,
+            None,
+        )
+        result = migrate(conn, (*MIGRATIONS, extra))
+        assert [m.version for m in result.applied] == [extra.version]
+        assert migrate(conn, (*MIGRATIONS, extra)).applied == ()
+        with pytest.raises(RuntimeError, match="numbered 1, 2, 3"):
+            migrate(conn, (extra,))
+
+
+# ------------------------------------------------------------------ registry
+
+
+def test_registry_records_names_and_reports_a_collision(ops_db: str, capsys: Any, caplog: Any) -> None:
+    alpha = LockKey.from_name("alpha")
+    # An explicit int64 that happens to be alpha's number, under another name: two names, one lock.
+    beta = LockKey.from_int(int64_from_name("alpha"), name="beta")
+    logger = logging.getLogger("pglock-test-registry")
+    with caplog.at_level(logging.WARNING, logger=logger.name):
+        with _guard(ops_db, alpha, logger):
+            pass
+        assert "COLLISION" not in caplog.text
+        with _guard(ops_db, beta, logger):
+            report = collect_lock_report(AdvisoryLockHook(dsn=ops_db), key="alpha")
+            [entry] = report.entries
+            assert entry.names == ("alpha", "beta") and entry.collision and entry.name_source == "registry"
+            table = run_cli("locks", "--dsn", ops_db, capsys=capsys)
+            assert "alpha | beta (COLLISION)" in table.out
+    assert "KEY COLLISION" in caplog.text and "'alpha'" in caplog.text and "'beta'" in caplog.text
+    with psycopg.connect(ops_db, autocommit=True) as conn:
+        rows = registered_names(conn)
+        assert rows is not None
+        assert {(r.name, (r.classid, r.objid, r.objsubid)) for r in rows} == {
+            ("alpha", alpha.pg_locks),
+            ("beta", alpha.pg_locks),
+        }
+        assert rows[0].first_recorded_by == "pglock d t manual__x"
+    doctor = run_cli("doctor", "--dsn", ops_db, "--output", "json", capsys=capsys)
+    assert doctor.code == 1, doctor.out
+    [registry] = [c for c in doctor.json()["checks"] if c["name"] == "registry"]
+    assert registry["status"] == "problem" and "'alpha', 'beta' share one key" in registry["summary"]
+
+
+def test_registry_in_transaction_mode_keeps_the_work_transaction(ops_db: str) -> None:
+    hook = AdvisoryLockHook(dsn=ops_db)
+    guard = LockGuard(hook, LockKey.from_name("tx-name"), LockPolicy(mode="transaction"))
+    with guard as handle:
+        assert handle.connection is not None
+        handle.connection.execute("CREATE TABLE work_done (id int)")
+    with psycopg.connect(ops_db, autocommit=True) as conn:
+        assert conn.execute("SELECT to_regclass('work_done')").fetchone() == ("work_done",)
+        assert [r.name for r in registered_names(conn) or []] == ["tx-name"]
+
+
+def test_without_registry_or_privileges_the_lock_still_works(ops_dsn: str, ops_db_role: str, caplog: Any) -> None:
+    logger = logging.getLogger("pglock-test-optional")
+    with caplog.at_level(logging.DEBUG, logger=logger.name), _guard(ops_dsn, LockKey.from_name("plain"), logger):
+        pass
+    assert "WARNING" not in caplog.text  # no registry: nothing to say
+    with psycopg.connect(ops_dsn, autocommit=True) as conn:
+        migrate(conn)
+    caplog.clear()
+    role_dsn = with_user(ops_dsn, ops_db_role)
+    with (
+        caplog.at_level(logging.WARNING, logger=logger.name),
+        _guard(role_dsn, LockKey.from_name("plain"), logger),
+        psycopg.connect(ops_dsn, autocommit=True) as conn,
+    ):
+        assert len(advisory_locks(conn)) == 1  # held although the name could not be recorded
+    assert "could not record the name" in caplog.text and "InsufficientPrivilege" in caplog.text
+
+
+@pytest.fixture
+def ops_db_role(ops_dsn: str) -> Iterator[str]:
+    """A LOGIN role with no privilege beyond connecting (and no pg_read_all_stats)."""
+    role = "pglock_nopriv_" + psycopg.conninfo.conninfo_to_dict(ops_dsn)["dbname"].rsplit("_", 1)[-1]
+    with psycopg.connect(ops_dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE ROLE {role} LOGIN")
+    try:
+        yield role
+    finally:
+        with psycopg.connect(ops_dsn, autocommit=True) as conn:
+            conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", [role])
+            conn.execute(f"DROP OWNED BY {role}")
+            conn.execute(f"DROP ROLE {role}")
+
+
+# ------------------------------------------------------------------ locks
+
+
+def test_locks_lists_plain_sessions_waiters_and_filters(ops_dsn: str, capsys: Any) -> None:
+    holder = hold(ops_dsn, (42,))
+    pair_holder = hold(ops_dsn, (-1, 7), application_name="")
+    waiter = psycopg.connect(ops_dsn, autocommit=True, application_name="waiting app")
+    blocked = threading.Thread(target=lambda: waiter.execute("SELECT pg_advisory_lock(42)"), daemon=True)
+    try:
+        blocked.start()
+        _wait_for(lambda: any(not granted for *_, granted in advisory_locks(holder)))
+        result = run_cli("locks", "--dsn", ops_dsn, "--output", "json", capsys=capsys)
+        assert result.code == 0, result.err
+        data = result.json()
+        assert set(data) == REPORT_KEYS and data["registry"] == "not installed"
+        assert data["filters"] == {"dag": None, "key": None} and data["all_databases"] is False
+        by_state = {
+            (e["key"]["numbers"][0] if len(e["key"]["numbers"]) == 1 else tuple(e["key"]["numbers"]), e["state"]): e
+            for e in data["locks"]
+        }
+        assert set(by_state) == {(42, "holding"), (42, "waiting"), ((-1, 7), "holding")}
+        for entry in data["locks"]:
+            assert set(entry) == ENTRY_KEYS and set(entry["key"]) == KEY_KEYS
+        held = by_state[(42, "holding")]
+        assert held["pid"] == holder.info.backend_pid and held["application_name"] == "psql"
+        assert held["airflow"] is None and held["waiters"] == 1 and held["mode"] == "exclusive"
+        assert held["key"] == {
+            "name": None,
+            "names": [],
+            "name_source": None,
+            "collision": False,
+            "kind": "int64",
+            "numbers": [42],
+            "pg_locks": {"classid": 0, "objid": 42, "objsubid": 1},
+        }
+        assert held["client_addr"] == "127.0.0.1" and held["since"] is not None and held["seconds"] >= 0
+        assert held["since_basis"].startswith("session start")
+        waiting = by_state[(42, "waiting")]
+        assert waiting["blocked_by"] == [holder.info.backend_pid] and waiting["application_name"] == "waiting app"
+        assert by_state[((-1, 7), "holding")]["key"]["pg_locks"] == {
+            "classid": 2**32 - 1,
+            "objid": 7,
+            "objsubid": 2,
+        }
+        only_pair = run_cli("locks", "--dsn", ops_dsn, "--key=-1,7", "--output", "json", capsys=capsys).json()
+        assert [e["pid"] for e in only_pair["locks"]] == [pair_holder.info.backend_pid]
+        only_42 = run_cli("locks", "--dsn", ops_dsn, "--key", "42", "--output", "json", capsys=capsys).json()
+        assert sorted(e["state"] for e in only_42["locks"]) == ["holding", "waiting"]
+        table = run_cli("locks", "--dsn", ops_dsn, capsys=capsys)
+        assert "3 advisory lock session(s)" in table.out and f"behind {holder.info.backend_pid}" in table.out
+    finally:
+        holder.close()
+        blocked.join(10)
+        waiter.close()
+        pair_holder.close()
+
+
+def test_locks_names_a_task_default_key_from_its_application_name(ops_dsn: str, capsys: Any) -> None:
+    identity = TaskIdentity("nightly_settlement", "settle", "scheduled__2026-01-01T02:00:00+00:00")
+    key = LockKey.for_task(identity.dag_id, identity.task_id)
+    held = AdvisoryLockHook(dsn=ops_dsn).try_acquire(key, application_name=identity.application_name())
+    assert held is not None
+    other = hold(ops_dsn, LockKey.from_name("something-else").numbers, application_name="pglock other_dag t run1")
+    try:
+        data = run_cli("locks", "--dsn", ops_dsn, "--dag", "nightly_settlement", "--output", "json", capsys=capsys)
+        [entry] = data.json()["locks"]
+        assert entry["key"]["name"] == "nightly_settlement/settle" and entry["key"]["name_source"] == "application_name"
+        assert entry["airflow"] == {
+            "dag_id": "nightly_settlement",
+            "task_id": "settle",
+            "run_id": "scheduled__2026-01-01T02:00:00+00:00",
+            "map_index": -1,
+        }
+        assert entry["pid"] == held.server.backend_pid and entry["since_basis"] == "lock session start"
+        by_name = run_cli("locks", "--dsn", ops_dsn, "--key", "nightly_settlement/settle", capsys=capsys)
+        assert "nightly_settlement / settle / scheduled__2026-01-01T02:00:00+00:00" in by_name.out
+        assert "other_dag" not in by_name.out
+    finally:
+        held.release()
+        other.close()
+
+
+def test_key_coordinates_roundtrip() -> None:
+    for key in (LockKey.from_int(-5), LockKey.from_int(2**63 - 1), LockKey.from_pair(-(2**31), 2**31 - 1)):
+        assert key_from_coordinates(*key.pg_locks).numbers == key.numbers
+
+
+# ------------------------------------------------------------------ key
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("billing",),
+        ("tenant-export", "--tenant", "Zürich"),
+        ("--dag", "nightly", "--task", "settle"),
+        ("--dag", "nightly", "--task", "settle", "--tenant", "acme"),
+        ("it's 北京 🚀",),
+        ("--int", "-9223372036854775808"),
+        ("--pair", "-1", "2147483647"),
+    ],
+)
+def test_key_output_is_what_postgresql_computes_and_locks(dsn: str, capsys: Any, argv: tuple[str, ...]) -> None:
+    result = run_cli("key", *argv, "--dsn", dsn, "--verify", "--output", "json", capsys=capsys)
+    assert result.code == 0, result.err
+    data = result.json()
+    assert set(data) == {"name", "kind", "numbers", "pg_locks", "sql", "verified"}
+    assert set(data["sql"]) == {"key", "try_lock", "unlock", "holders"}
+    with psycopg.connect(dsn, autocommit=True, application_name="other app") as conn:
+        if data["name"] is not None:
+            assert conn.execute(f"SELECT {NAME_TO_KEY_SQL}", [data["name"]]).fetchone() == (data["numbers"][0],)
+            assert data["verified"] == {"server_int64": data["numbers"][0], "matches": True}
+        assert conn.execute(f"SELECT {data['sql']['key']}").fetchone() == tuple(data["numbers"])
+        # Another application takes the lock with the printed SQL: the coordinates are the printed ones.
+        assert conn.execute(data["sql"]["try_lock"]).fetchone() == (True,)
+        [(pid, classid, objid, objsubid, _granted)] = advisory_locks(conn)
+        assert {"classid": classid, "objid": objid, "objsubid": objsubid} == data["pg_locks"]
+        assert conn.execute(data["sql"]["holders"]).fetchall() == [(pid, True, "ExclusiveLock")]
+        assert conn.execute(data["sql"]["unlock"]).fetchone() == (True,)
+    if argv[0] == "--dag":
+        expected = "/".join([argv[1], argv[3], *argv[5:6]])
+        assert data["name"] == expected and data["numbers"] == [int64_from_name(expected)]
+
+
+def test_key_table_and_usage_errors(capsys: Any) -> None:
+    table = run_cli("key", "billing", "--tenant", "acme", capsys=capsys)
+    assert table.code == 0 and "'billing/acme'" in table.out and str(int64_from_name("billing/acme")) in table.out
+    assert run_cli("key", capsys=capsys).code == 2
+    assert run_cli("key", "x", "--int", "5", capsys=capsys).code == 2
+    assert run_cli("key", "--dag", "d", capsys=capsys).code == 2
+    too_big = run_cli("key", "--int", str(2**63), capsys=capsys)
+    assert too_big.code == 3 and "between" in too_big.err
+    not_int = run_cli("key", "--pair", "1", "x", capsys=capsys)
+    assert not_int.code == 3 and "'x'" in not_int.err
+    assert run_cli("key", "   ", capsys=capsys).code == 3
+    assert run_cli("no-such-command", capsys=capsys).code == 2
+
+
+# ------------------------------------------------------------------ doctor and errors
+
+
+def test_doctor_on_a_healthy_primary(ops_db: str, capsys: Any) -> None:
+    result = run_cli("doctor", "--dsn", ops_db, "--output", "json", capsys=capsys)
+    assert result.code == 0, result.out
+    data = result.json()
+    assert set(data) == {"target", "status", "checks"}
+    checks = {c["name"]: c for c in data["checks"]}
+    for check in data["checks"]:
+        assert set(check) == {"name", "status", "summary", "fix"}
+    assert list(checks) == [
+        "connection",
+        "server",
+        "recovery",
+        "pooler",
+        "liveness",
+        "privileges",
+        "probe",
+        "capacity",
+        "schema",
+        "registry",
+    ]
+    assert {name: c["status"] for name, c in checks.items()} == dict.fromkeys(checks, "ok")
+    assert "idle_session_timeout=30000ms" in checks["liveness"]["summary"]
+    assert "max_locks_per_transaction" in checks["capacity"]["summary"]
+    lease = run_cli("doctor", "--dsn", ops_db, "--lease", "12", "--output", "json", capsys=capsys).json()
+    assert "idle_session_timeout=12000ms" in {c["name"]: c for c in lease["checks"]}["liveness"]["summary"]
+    table = run_cli("doctor", "--dsn", ops_db, capsys=capsys)
+    assert table.code == 0 and "[OK     ] recovery" in table.out and table.out.rstrip().endswith("result: ok")
+
+
+def test_doctor_flags_a_role_without_privileges(ops_db: str, ops_db_role: str, capsys: Any) -> None:
+    result = run_cli("doctor", "--dsn", with_user(ops_db, ops_db_role), "--output", "json", capsys=capsys)
+    assert result.code == 0, result.out  # warnings only: the locks themselves work
+    checks = {c["name"]: c for c in result.json()["checks"]}
+    assert checks["privileges"]["status"] == "warning"
+    assert checks["privileges"]["fix"] == f"GRANT pg_read_all_stats TO {ops_db_role};"
+    assert checks["registry"]["status"] == "warning" and "USAGE, SELECT, INSERT" in checks["registry"]["summary"]
+    assert checks["probe"]["status"] == "ok"
+    strict = run_cli("doctor", "--dsn", with_user(ops_db, ops_db_role), "--strict", capsys=capsys)
+    assert strict.code == 1 and "fix: GRANT pg_read_all_stats" in strict.out
+    # The fix doctor names works: after it, the role records names.
+    granted = run_cli("init-db", "--dsn", ops_db, "--grant", ops_db_role, capsys=capsys)
+    assert granted.code == 0 and f"to {ops_db_role}" in granted.out
+    after = run_cli("doctor", "--dsn", with_user(ops_db, ops_db_role), "--output", "json", capsys=capsys).json()
+    assert {c["name"]: c for c in after["checks"]}["registry"]["status"] == "ok"
+
+
+def test_doctor_without_registry_warns(ops_dsn: str, capsys: Any) -> None:
+    result = run_cli("doctor", "--dsn", ops_dsn, "--output", "json", capsys=capsys)
+    assert result.code == 0
+    [registry] = [c for c in result.json()["checks"] if c["name"] == "registry"]
+    assert registry["status"] == "warning" and "init-db" in registry["fix"]
+
+
+def test_clear_errors_and_exit_codes(ops_dsn: str, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    bad_dsn = run_cli("locks", "--dsn", "host=127.0.0.1 port=notaport dbname", capsys=capsys)
+    assert bad_dsn.code == 3 and "invalid DSN" in bad_dsn.err
+    unknown = run_cli("locks", "--conn-id", "no_such_conn_here", capsys=capsys)
+    assert unknown.code == 3 and "'no_such_conn_here' was not found" in unknown.err
+    monkeypatch.setenv("AIRFLOW_CONN_NOT_POSTGRES", "http://example.invalid")
+    wrong_type = run_cli("doctor", "--conn-id", "not_postgres", capsys=capsys)
+    assert wrong_type.code == 3 and "conn_type 'http'" in wrong_type.err
+    unreachable = "postgresql://postgres@127.0.0.1:1/postgres?connect_timeout=2"
+    down = run_cli("locks", "--dsn", unreachable, capsys=capsys)
+    assert down.code == 4 and "cannot connect" in down.err
+    doctor_down = run_cli("doctor", "--dsn", unreachable, "--output", "json", capsys=capsys)
+    assert doctor_down.code == 4
+    assert doctor_down.json()["checks"][0]["name"] == "connection"
+    assert doctor_down.json()["checks"][0]["status"] == "problem"
+    both = run_cli("locks", "--dsn", ops_dsn, "--conn-id", "x", capsys=capsys)
+    assert both.code == 2 and "not both" in both.err
+    no_create = run_cli("init-db", "--dsn", with_user(ops_dsn, "pglock_no_such_role"), capsys=capsys)
+    assert no_create.code == 4 and "pglock_no_such_role" in no_create.err
+
+
+def _wait_for(condition: Any, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
