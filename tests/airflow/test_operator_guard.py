@@ -1,0 +1,216 @@
+"""guarded(operator): any operator under an advisory lock, in a real Airflow 3 on a real PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import psycopg
+import pytest
+
+from airflow_pglock.exceptions import LockConfigurationError
+from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+from airflow_pglock.keys import LockKey
+from airflow_pglock.liveness import Liveness
+from devtools.pgcluster import free_port
+from tests.helpers import advisory_locks, run_dag
+
+pytestmark = pytest.mark.airflow
+
+LOST_SLEEP = "37.25"  # a distinctive sleep, to find the child process the lost task must kill
+
+GUARD_DAG = '''
+import pendulum
+from airflow.providers.common.sql.operators.sql import SQLExecuteQueryOperator
+from airflow.providers.standard.operators.bash import BashOperator
+from airflow.providers.standard.triggers.temporal import DateTimeTrigger
+from airflow.sdk import BaseOperator, dag
+
+from airflow_pglock.operators.advisory_lock import guarded
+
+CONN = "pglock_test"
+
+
+class DefersAnyway(BaseOperator):
+    """Defers although nobody asked it to (no deferrable flag to refuse at parse time)."""
+
+    def execute(self, context):
+        self.defer(trigger=DateTimeTrigger(moment=pendulum.now("UTC").add(hours=1)), method_name="done")
+
+    def done(self, context, event=None):
+        raise AssertionError("must not resume")
+
+
+@dag(dag_id="operator_guard", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False,
+     params={"out": "", "tenant": "acme"})
+def operator_guard():
+    guarded(BashOperator(task_id="busy_bash", bash_command="touch {{ params.out }}/busy_ran"),
+            key="etl/busy", postgres_conn_id=CONN)
+    guarded(BashOperator(task_id="free_bash", bash_command="echo {{ ti.task_id }} > {{ params.out }}/free_ran"),
+            key="etl/{{ params.tenant }}", postgres_conn_id=CONN)
+    guarded(BashOperator(task_id="busy_fail", bash_command="touch {{ params.out }}/busy_fail_ran"),
+            key="etl/busy", on_busy="fail", postgres_conn_id=CONN)
+    guarded(BashOperator(task_id="bash_fails", bash_command="exit 3"), postgres_conn_id=CONN)
+    guarded(SQLExecuteQueryOperator(task_id="sql_guarded", conn_id=CONN,
+                                    sql="INSERT INTO guarded_rows (id) VALUES (1)"),
+            key=(42, 7), mode="transaction", postgres_conn_id=CONN)
+    guarded(BashOperator(task_id="lost_bash", bash_command="sleep LOST_SLEEP; touch {{ params.out }}/lost_ran"),
+            key="etl/lost", lease=3, postgres_conn_id=CONN)
+    guarded(DefersAnyway(task_id="defers"), key="etl/defers", postgres_conn_id=CONN)
+    guarded(BashOperator(task_id="unknown_param", bash_command="true"), key="{{ params.no_such_param }}",
+            postgres_conn_id=CONN)
+    guarded(BashOperator(task_id="unreachable", bash_command="true"), postgres_conn_id="pglock_unreachable")
+
+
+operator_guard_dag = operator_guard()
+'''.replace("LOST_SLEEP", LOST_SLEEP)
+
+
+@pytest.fixture
+def guarded_rows(admin: Any) -> Any:
+    admin.execute("DROP TABLE IF EXISTS guarded_rows; CREATE TABLE guarded_rows (id int PRIMARY KEY)")
+    yield admin
+    admin.execute("DROP TABLE guarded_rows")
+
+
+@pytest.fixture
+def unreachable_conn() -> Any:
+    name = "AIRFLOW_CONN_PGLOCK_UNREACHABLE"
+    os.environ[name] = f"postgresql://postgres@127.0.0.1:{free_port()}/postgres?connect_timeout=2"
+    yield
+    os.environ.pop(name, None)
+
+
+def _terminate_when_seen(dsn: str, application_name_prefix: str, stop: threading.Event) -> None:
+    """Kill the lock session of the task as soon as it shows up (another 'failover')."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        while not stop.is_set():
+            row = conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name LIKE %s",
+                [application_name_prefix + "%"],
+            ).fetchone()
+            if row is not None:
+                return
+            time.sleep(0.2)
+
+
+def _sleepers() -> list[psutil.Process]:
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        if process.info["cmdline"] and LOST_SLEEP in " ".join(process.info["cmdline"]):
+            found.append(process)
+    return found
+
+
+def test_guarded_operators(
+    airflow_db: Any, dsn: str, guarded_rows: Any, unreachable_conn: Any, tmp_path: Path, capfd: Any
+) -> None:
+    holder = AdvisoryLockHook(dsn=dsn, liveness=Liveness(lease=600))  # no heartbeat: a long lease
+    held = holder.try_acquire("etl/busy", application_name="other deployment")
+    assert held is not None
+    stop = threading.Event()
+    killer = threading.Thread(target=_terminate_when_seen, args=(dsn, "pglock operator_guard lost_bash ", stop))
+    killer.start()
+    try:
+        result = run_dag(GUARD_DAG, "operator_guard", conf={"out": str(tmp_path)})
+    finally:
+        stop.set()
+        killer.join()
+        held.release()
+    log = "".join(capfd.readouterr())
+
+    assert result.states == {
+        ("busy_bash", -1): "skipped",
+        ("free_bash", -1): "success",
+        ("busy_fail", -1): "failed",
+        ("bash_fails", -1): "failed",
+        ("sql_guarded", -1): "success",
+        ("lost_bash", -1): "failed",
+        ("defers", -1): "failed",
+        ("unknown_param", -1): "failed",
+        ("unreachable", -1): "failed",
+    }, log[-4000:]
+
+    # Busy: the operator did not run, and the skip names the key, its numbers and the holder.
+    assert not (tmp_path / "busy_ran").exists() and not (tmp_path / "busy_fail_ran").exists()
+    busy = LockKey.from_name("etl/busy")
+    skip = next(line for line in log.splitlines() if "outcome=skipped" in line and "'etl/busy'" in line)
+    assert f"int64 {busy.numbers[0]}" in skip and f"pid {held.server.backend_pid}" in skip
+    assert "'other deployment'" in skip
+    assert "(on_busy='fail')" in log
+    # Free: the operator ran with its own templates rendered, under the rendered key.
+    assert (tmp_path / "free_ran").read_text().strip() == "free_bash"
+    assert re.search(r"pglock outcome=completed key 'etl/acme' \(int64 -?\d+\)", log)
+    # A failing operator fails the task; its lock is released all the same (checked at the end).
+    assert re.search(r"pglock outcome=failed key 'operator_guard/bash_fails' .*AirflowException", log)
+    # Any operator: the SQL ran while the (42, 7) pair was held in transaction mode.
+    assert guarded_rows.execute("SELECT id FROM guarded_rows").fetchall() == [(1,)]
+    assert "pglock outcome=completed key (int32 pair 42, 7) mode=transaction" in log
+    # Lost mid-run: the task failed and on_kill() stopped the operator's child process.
+    assert "pglock outcome=lost key 'etl/lost'" in log
+    assert _sleepers() == []
+    assert not (tmp_path / "lost_ran").exists()
+    # Deferring under a lock is refused; bad input fails with a clear message.
+    assert "tried to defer while guarded by key 'etl/defers'" in log
+    assert (
+        "the key template '{{ params.no_such_param }}' of task 'unknown_param' cannot be rendered: "
+        "UndefinedError: 'dict object' has no attribute 'no_such_param'"
+    ) in log
+    assert "cannot connect to the lock database 'postgres' on 127.0.0.1" in log
+    # One outcome line per guarded execution that reached the lock database (not the bad template).
+    assert len(re.findall(r"pglock outcome=", log)) == 8
+    assert advisory_locks(guarded_rows) == []
+
+
+def test_guarded_dag_survives_serialization_and_keeps_the_operator_class() -> None:
+    from airflow.providers.standard.operators.bash import BashOperator
+    from airflow.sdk import DAG
+    from airflow.serialization.serialized_objects import DagSerialization
+
+    from airflow_pglock.operators.advisory_lock import OperatorGuard, guarded
+
+    with DAG("serialized_guard", schedule=None) as dag:
+        op = guarded(BashOperator(task_id="vacuum", bash_command="echo {{ ds }}"), key="maintenance", tenant="x")
+    assert isinstance(op, BashOperator) and isinstance(op.pglock_guard, OperatorGuard)  # type: ignore[attr-defined]
+
+    serialized = DagSerialization.to_dict(dag)
+    text = json.dumps(serialized)
+    assert "maintenance" not in text  # the guard lives in the DAG file, re-applied when the worker parses it
+    task = DagSerialization.from_dict(serialized).get_task("vacuum")
+    assert task.task_type == "BashOperator"
+    assert tuple(task.template_fields) == tuple(BashOperator.template_fields)
+
+
+def test_bad_guards_are_refused_when_the_dag_is_parsed() -> None:
+    from airflow.providers.standard.operators.bash import BashOperator
+    from airflow.sdk import DAG
+
+    from airflow_pglock.operators.advisory_lock import guarded
+
+    class MaybeDeferrable(BashOperator):
+        def __init__(self, *, deferrable: bool = False, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.deferrable = deferrable
+
+    with DAG("guard_parse_errors", schedule=None):
+        cases: list[tuple[Any, dict[str, Any], str]] = [
+            (MaybeDeferrable(task_id="d", bash_command="true", deferrable=True), {}, "is deferrable"),
+            (BashOperator.partial(task_id="m").expand(bash_command=["a", "b"]), {}, "mapped task 'm'"),
+            ("not an operator", {}, "takes an operator"),
+            (BashOperator(task_id="k", bash_command="true"), {"key": 3.5}, "3.5"),
+            (BashOperator(task_id="t", bash_command="true"), {"key": 7, "tenant": "x"}, "cannot be combined"),
+            (BashOperator(task_id="o", bash_command="true"), {"on_busy": "later"}, "on_busy must be one of"),
+            (BashOperator(task_id="w", bash_command="true"), {"on_busy": "wait"}, "needs wait_timeout"),
+        ]
+        for operator, options, fragment in cases:
+            with pytest.raises(LockConfigurationError if fragment != "3.5" else ValueError, match=re.escape(fragment)):
+                guarded(operator, **options)
+        twice = guarded(BashOperator(task_id="twice", bash_command="true"))
+        with pytest.raises(LockConfigurationError, match="already guarded"):
+            guarded(twice)
