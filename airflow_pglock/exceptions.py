@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from airflow_pglock.keys import LockKey
 
 __all__ = [
+    "AlreadyDoneError",
     "InvalidLockKeyError",
     "LockBusyError",
     "LockConfigurationError",
@@ -65,3 +66,12 @@ class LockLostInterrupt(BaseException):
     (the task fails, even if the work caught the interruption). Catch it only to clean up,
     then re-raise it; the lock is no longer held when it is raised.
     """
+
+
+class AlreadyDoneError(PgLockError):
+    """The work is already done: ``once_per`` period completed, or within ``min_interval``."""
+
+    def __init__(self, message: str, key: LockKey, completion: object) -> None:
+        super().__init__(message)
+        self.key = key
+        self.completion = completion

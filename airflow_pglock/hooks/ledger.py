@@ -1,0 +1,263 @@
+"""Completions and fencing tokens: what a lock alone cannot remember.
+
+Hook-level module (SQL lives here). Tables come from migration 2 of
+:mod:`airflow_pglock.hooks.schema` (``airflow-pglock init-db``):
+
+* ``pglock.completions``: one row per (key, period) that completed, with when (the
+  database clock) and by which DAG run: ``once_per`` skips a period that is already done,
+  ``min_interval`` skips while the key's last completion is too recent.
+* ``pglock.fencing_tokens``: the last fencing token issued for each key. Tokens come from
+  one sequence, so they only grow, also across keys and rolled-back transactions; the SQL
+  helpers ``pglock.assert_fencing_token`` and the trigger function
+  ``pglock.reject_stale_fencing_token`` let a protected table refuse a write that carries
+  an older token than the one last issued for its key.
+
+Every function runs on the lock's own connection while the lock is held, so checks and
+records are serialized by the lock itself.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+
+from airflow_pglock.exceptions import LockConfigurationError
+from airflow_pglock.identity import TaskIdentity
+from airflow_pglock.keys import LockKey
+
+#: ``period`` of the rolling record kept for ``min_interval`` when no ``once_per`` is set.
+ROLLING_PERIOD = ""
+
+MIGRATION_STATEMENTS: tuple[str, ...] = (
+    """
+    CREATE TABLE pglock.completions (
+        objsubid smallint NOT NULL CHECK (objsubid IN (1, 2)),
+        classid bigint NOT NULL,
+        objid bigint NOT NULL,
+        key_name text,
+        period text NOT NULL,
+        completed_at timestamptz NOT NULL,
+        dag_id text,
+        task_id text,
+        run_id text,
+        map_index integer,
+        fencing_token bigint,
+        PRIMARY KEY (objsubid, classid, objid, period)
+    )
+    """,
+    "CREATE INDEX completions_latest ON pglock.completions (objsubid, classid, objid, completed_at DESC)",
+    "COMMENT ON TABLE pglock.completions IS 'airflow-pglock: completed (key, period) pairs for once_per and "
+    "min_interval (period '''' = the rolling record of min_interval)'",
+    "CREATE SEQUENCE pglock.fencing_token_seq",
+    """
+    CREATE TABLE pglock.fencing_tokens (
+        objsubid smallint NOT NULL CHECK (objsubid IN (1, 2)),
+        classid bigint NOT NULL,
+        objid bigint NOT NULL,
+        key_name text,
+        token bigint NOT NULL,
+        issued_at timestamptz NOT NULL,
+        issued_to text,
+        PRIMARY KEY (objsubid, classid, objid)
+    )
+    """,
+    # The name -> int64 rule of keys.py.
+    """
+    CREATE FUNCTION pglock.name_key(name text) RETURNS bigint LANGUAGE sql IMMUTABLE STRICT AS
+    $$ SELECT ('x' || left(encode(sha256(convert_to(name, 'UTF8')), 'hex'), 16))::bit(64)::bigint $$
+    """,
+    # Fencing helpers for int64 keys (explicit numbers) and named keys.
+    """
+    CREATE FUNCTION pglock.current_fencing_token(key bigint) RETURNS bigint LANGUAGE sql STABLE STRICT AS
+    $$ SELECT token FROM pglock.fencing_tokens
+       WHERE objsubid = 1 AND classid = (key >> 32) & 4294967295 AND objid = key & 4294967295 $$
+    """,
+    """
+    CREATE FUNCTION pglock.current_fencing_token(name text) RETURNS bigint LANGUAGE sql STABLE STRICT AS
+    $$ SELECT pglock.current_fencing_token(pglock.name_key(name)) $$
+    """,
+    """
+    CREATE FUNCTION pglock.assert_fencing_token(key bigint, token bigint, label text DEFAULT NULL)
+    RETURNS bigint LANGUAGE plpgsql STABLE AS
+    $$
+    DECLARE
+        newest bigint := pglock.current_fencing_token(key);
+        shown text := coalesce(quote_literal(label) || ' ', '') || '(int64 ' || key || ')';
+    BEGIN
+        IF token IS NULL THEN
+            RAISE EXCEPTION 'no fencing token given for lock key %', shown USING ERRCODE = 'check_violation';
+        END IF;
+        IF newest IS NOT NULL AND token < newest THEN
+            RAISE EXCEPTION 'stale fencing token % for lock key %: token % was issued since', token, shown, newest
+                USING ERRCODE = 'check_violation',
+                      HINT = 'the writer lost its lock and another holder took it; this write is refused';
+        END IF;
+        RETURN token;
+    END
+    $$
+    """,
+    """
+    CREATE FUNCTION pglock.assert_fencing_token(name text, token bigint) RETURNS bigint LANGUAGE sql STABLE AS
+    $$ SELECT pglock.assert_fencing_token(pglock.name_key(name), token, name) $$
+    """,
+    """
+    CREATE FUNCTION pglock.reject_stale_fencing_token() RETURNS trigger LANGUAGE plpgsql AS
+    $$
+    BEGIN
+        PERFORM pglock.assert_fencing_token(
+            TG_ARGV[0], (to_jsonb(NEW) ->> coalesce(TG_ARGV[1], 'fencing_token'))::bigint);
+        RETURN NEW;
+    END
+    $$
+    """,
+)
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A recorded completion of a key (for one period, or the rolling record).
+
+    :param completed_at: when it completed, on the database clock.
+    :param age_seconds: how long ago, on the database clock.
+    """
+
+    period: str
+    completed_at: dt.datetime
+    age_seconds: float
+    dag_id: str | None
+    task_id: str | None
+    run_id: str | None
+    map_index: int | None
+    fencing_token: int | None
+
+    def describe(self) -> str:
+        who = f"{self.dag_id}/{self.task_id}" if self.dag_id else "an unknown task"
+        if self.map_index is not None and self.map_index >= 0:
+            who += f"[{self.map_index}]"
+        run = f" run {self.run_id}" if self.run_id else ""
+        return f"at {self.completed_at.isoformat(timespec='seconds')} ({self.age_seconds:.0f} s ago) by {who}{run}"
+
+
+def _missing_tables(feature: str) -> LockConfigurationError:
+    return LockConfigurationError(
+        f"{feature} needs airflow-pglock's tables (schema 'pglock', version 2 or newer), which are missing in this "
+        "database: run `airflow-pglock init-db --conn-id <your lock connection>` once (see docs/once-per-period.md)"
+    )
+
+
+def _coordinates(key: LockKey) -> dict[str, Any]:
+    classid, objid, objsubid = key.pg_locks
+    return {"objsubid": objsubid, "classid": classid, "objid": objid}
+
+
+_COMPLETION_COLUMNS = (
+    "period, completed_at, extract(epoch FROM clock_timestamp() - completed_at)::float8,"
+    " dag_id, task_id, run_id, map_index, fencing_token"
+)
+
+
+def _completion(row: Any) -> Completion:
+    return Completion(
+        period=row[0],
+        completed_at=row[1],
+        age_seconds=row[2],
+        dag_id=row[3],
+        task_id=row[4],
+        run_id=row[5],
+        map_index=row[6],
+        fencing_token=row[7],
+    )
+
+
+def _run(conn: psycopg.Connection[Any], feature: str, statement: str, params: dict[str, Any]) -> Any:
+    """Run one statement; a missing table becomes the init-db message (in a savepoint when in a transaction)."""
+    in_transaction = conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
+    try:
+        if in_transaction:
+            with conn.transaction(savepoint_name="pglock_ledger"):
+                return conn.execute(statement, params)  # type: ignore[arg-type]  # static SQL from this module
+        return conn.execute(statement, params)  # type: ignore[arg-type]
+    except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName, psycopg.errors.UndefinedFunction):
+        raise _missing_tables(feature) from None
+
+
+def completion_for_period(conn: psycopg.Connection[Any], key: LockKey, period: str) -> Completion | None:
+    """The completion recorded for ``key`` and ``period``, if any."""
+    cursor = _run(
+        conn,
+        "once_per",
+        f"SELECT {_COMPLETION_COLUMNS} FROM pglock.completions WHERE objsubid = %(objsubid)s"
+        " AND classid = %(classid)s AND objid = %(objid)s AND period = %(period)s",
+        {**_coordinates(key), "period": period},
+    )
+    row = cursor.fetchone()
+    return _completion(row) if row else None
+
+
+def last_completion(conn: psycopg.Connection[Any], key: LockKey) -> Completion | None:
+    """The most recent completion of ``key`` in any period."""
+    cursor = _run(
+        conn,
+        "min_interval",
+        f"SELECT {_COMPLETION_COLUMNS} FROM pglock.completions WHERE objsubid = %(objsubid)s"
+        " AND classid = %(classid)s AND objid = %(objid)s ORDER BY completed_at DESC LIMIT 1",
+        _coordinates(key),
+    )
+    row = cursor.fetchone()
+    return _completion(row) if row else None
+
+
+def record_completion(
+    conn: psycopg.Connection[Any],
+    key: LockKey,
+    period: str,
+    identity: TaskIdentity | None,
+    fencing_token: int | None,
+) -> None:
+    """Record that ``key`` completed ``period`` now (database clock).
+
+    In transaction mode this runs inside the lock's transaction: it commits with the
+    author's writes or not at all.
+    """
+    _run(
+        conn,
+        "once_per / min_interval",
+        "INSERT INTO pglock.completions (objsubid, classid, objid, key_name, period, completed_at,"
+        " dag_id, task_id, run_id, map_index, fencing_token)"
+        " VALUES (%(objsubid)s, %(classid)s, %(objid)s, %(name)s, %(period)s, clock_timestamp(),"
+        " %(dag_id)s, %(task_id)s, %(run_id)s, %(map_index)s, %(token)s)"
+        " ON CONFLICT (objsubid, classid, objid, period) DO UPDATE SET completed_at = excluded.completed_at,"
+        " key_name = excluded.key_name, dag_id = excluded.dag_id, task_id = excluded.task_id,"
+        " run_id = excluded.run_id, map_index = excluded.map_index, fencing_token = excluded.fencing_token",
+        {
+            **_coordinates(key),
+            "name": key.name,
+            "period": period,
+            "dag_id": identity.dag_id if identity else None,
+            "task_id": identity.task_id if identity else None,
+            "run_id": identity.run_id if identity else None,
+            "map_index": identity.map_index if identity else None,
+            "token": fencing_token,
+        },
+    )
+
+
+def issue_fencing_token(conn: psycopg.Connection[Any], key: LockKey, issued_to: str | None) -> int:
+    """Issue the next fencing token for ``key`` (larger than every token issued before)."""
+    cursor = _run(
+        conn,
+        "fencing",
+        "INSERT INTO pglock.fencing_tokens (objsubid, classid, objid, key_name, token, issued_at, issued_to)"
+        " VALUES (%(objsubid)s, %(classid)s, %(objid)s, %(name)s, nextval('pglock.fencing_token_seq'),"
+        " clock_timestamp(), %(issued_to)s)"
+        " ON CONFLICT (objsubid, classid, objid) DO UPDATE SET token = excluded.token,"
+        " key_name = excluded.key_name, issued_at = excluded.issued_at, issued_to = excluded.issued_to"
+        " RETURNING token",
+        {**_coordinates(key), "name": key.name, "issued_to": issued_to},
+    )
+    row = cursor.fetchone()
+    assert row is not None
+    return int(row[0])

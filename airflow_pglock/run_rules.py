@@ -1,0 +1,100 @@
+"""Rules beyond mutual exclusion, checked and recorded under the lock: once_per, min_interval, fencing.
+
+Policy only; the SQL is in :mod:`airflow_pglock.hooks.ledger`. A lock stops two runs at
+the *same time*; these rules stop a second run *after* the first one (``once_per``: one
+completion per key and period; ``min_interval``: none while the last completion is too
+recent, on the database clock) and give each holder a fencing token that only grows.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from airflow_pglock.exceptions import AlreadyDoneError, LockConfigurationError
+from airflow_pglock.hooks import ledger
+from airflow_pglock.hooks.advisory_lock import HeldLock
+from airflow_pglock.identity import TaskIdentity
+
+
+@dataclass(frozen=True)
+class RunRules:
+    """What to check after acquiring and record after success.
+
+    :param period: the rendered ``once_per`` value (e.g. the data interval start), or None.
+    :param min_interval: seconds; skip while the key's last completion is more recent.
+    :param fencing: issue a fencing token for each acquisition.
+    """
+
+    period: str | None = None
+    min_interval: float | None = None
+    fencing: bool = False
+
+    def __post_init__(self) -> None:
+        if self.period is not None and (not isinstance(self.period, str) or not self.period.strip()):
+            raise LockConfigurationError(f"once_per must render to a non-empty period, got {self.period!r}")
+        if self.min_interval is not None and (
+            isinstance(self.min_interval, bool)
+            or not isinstance(self.min_interval, int | float)
+            or not math.isfinite(self.min_interval)
+            or self.min_interval <= 0
+        ):
+            raise LockConfigurationError(
+                f"min_interval must be a positive timedelta or number of seconds, got {self.min_interval!r}"
+            )
+        if not isinstance(self.fencing, bool):
+            raise LockConfigurationError(f"fencing must be True or False, got {self.fencing!r}")
+
+    @property
+    def active(self) -> bool:
+        return self.period is not None or self.min_interval is not None or self.fencing
+
+    @property
+    def records_completion(self) -> bool:
+        return self.period is not None or self.min_interval is not None
+
+
+def seconds(value: float | dt.timedelta | None, option: str) -> float | None:
+    """A duration option as seconds (timedelta or number)."""
+    if value is None:
+        return None
+    if isinstance(value, dt.timedelta):
+        return value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise LockConfigurationError(f"{option} must be a timedelta or a number of seconds, got {value!r}")
+    return float(value)
+
+
+def check_before_work(rules: RunRules, held: HeldLock, application_name: str | None) -> int | None:
+    """Skip (AlreadyDoneError) if the period is done or the key too fresh; else issue a token if asked."""
+    conn: Any = held.connection
+    if rules.period is not None:
+        done = ledger.completion_for_period(conn, held.key, rules.period)
+        if done is not None:
+            raise AlreadyDoneError(
+                f"{held.key.describe()} already done for period {rules.period!r} {done.describe()} (once_per)",
+                held.key,
+                done,
+            )
+    if rules.min_interval is not None:
+        latest = ledger.last_completion(conn, held.key)
+        if latest is not None and latest.age_seconds < rules.min_interval:
+            raise AlreadyDoneError(
+                f"{held.key.describe()} completed {latest.age_seconds:.1f} s ago, less than "
+                f"min_interval={rules.min_interval:g} s: {latest.describe()} (database clock)",
+                held.key,
+                latest,
+            )
+    if rules.fencing:
+        return ledger.issue_fencing_token(conn, held.key, application_name)
+    return None
+
+
+def record_success(rules: RunRules, held: HeldLock, identity: TaskIdentity | None, token: int | None) -> None:
+    """Record the completion (in transaction mode, inside the lock's transaction)."""
+    if not rules.records_completion:
+        return
+    period = rules.period if rules.period is not None else ledger.ROLLING_PERIOD
+    ledger.record_completion(held.connection, held.key, period, identity, token)

@@ -1,0 +1,126 @@
+"""Completions and fencing tokens on a real PostgreSQL (hook level)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import psycopg
+import pytest
+
+from airflow_pglock.exceptions import LockConfigurationError
+from airflow_pglock.hooks import ledger, schema
+from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+from airflow_pglock.identity import TaskIdentity
+from airflow_pglock.keys import LockKey
+
+
+@pytest.fixture
+def installed(admin: Any) -> Any:
+    schema.migrate(admin)
+    yield admin
+    admin.execute("DROP SCHEMA pglock CASCADE")
+
+
+def test_missing_tables_name_the_command(hook: AdvisoryLockHook, admin: Any) -> None:
+    admin.execute("DROP SCHEMA IF EXISTS pglock CASCADE")
+    with hook.session_lock("no-tables") as held:
+        assert held is not None
+        with pytest.raises(LockConfigurationError, match="airflow-pglock init-db"):
+            ledger.completion_for_period(held.connection, held.key, "2026-11-30")
+        with pytest.raises(LockConfigurationError, match="airflow-pglock init-db"):
+            ledger.issue_fencing_token(held.connection, held.key, "me")
+    with hook.transaction_lock("no-tables") as held:
+        assert held is not None
+        with pytest.raises(LockConfigurationError, match="init-db"):
+            ledger.last_completion(held.connection, held.key)
+        # the savepoint kept the lock's transaction usable
+        assert held.connection.execute("SELECT 1").fetchone() == (1,)
+
+
+def test_tokens_only_grow_per_key_and_across_keys(hook: AdvisoryLockHook, installed: Any) -> None:
+    tokens = []
+    for name in ["fenced", "fenced", "other", "fenced"]:
+        with hook.session_lock(name) as held:
+            assert held is not None
+            tokens.append(ledger.issue_fencing_token(held.connection, held.key, "test"))
+    assert tokens == sorted(tokens) and len(set(tokens)) == 4
+    assert installed.execute("SELECT pglock.current_fencing_token('fenced')").fetchone()[0] == tokens[3]
+
+
+def test_rolled_back_token_is_never_reissued(hook: AdvisoryLockHook, installed: Any) -> None:
+    with pytest.raises(RuntimeError), hook.transaction_lock("tx-fenced") as held:
+        assert held is not None
+        rolled_back = ledger.issue_fencing_token(held.connection, held.key, "first")
+        raise RuntimeError("work failed")
+    with hook.transaction_lock("tx-fenced") as held:
+        assert held is not None
+        assert ledger.issue_fencing_token(held.connection, held.key, "second") > rolled_back
+
+
+def test_stale_token_write_is_rejected_by_the_sql_helpers(hook: AdvisoryLockHook, installed: Any) -> None:
+    installed.execute(
+        "DROP TABLE IF EXISTS forecasts; CREATE TABLE forecasts (station int, value float8, fencing_token bigint);"
+        " CREATE TRIGGER forecasts_fenced BEFORE INSERT OR UPDATE ON forecasts FOR EACH ROW"
+        " EXECUTE FUNCTION pglock.reject_stale_fencing_token('refresh-forecasts')"
+    )
+    key = LockKey.from_name("refresh-forecasts")
+    with hook.session_lock(key) as held:
+        assert held is not None
+        old = ledger.issue_fencing_token(held.connection, key, "old holder")
+    with hook.session_lock(key) as held:
+        assert held is not None
+        new = ledger.issue_fencing_token(held.connection, key, "new holder")
+    installed.execute("INSERT INTO forecasts VALUES (1, 20.5, %s)", [new])
+    with pytest.raises(psycopg.errors.CheckViolation, match=f"stale fencing token {old}"):
+        installed.execute("INSERT INTO forecasts VALUES (1, 19.0, %s)", [old])
+    with pytest.raises(psycopg.errors.CheckViolation, match="no fencing token"):
+        installed.execute("INSERT INTO forecasts (station, value) VALUES (2, 1.0)")
+    assert installed.execute("SELECT pglock.assert_fencing_token('refresh-forecasts', %s)", [new]).fetchone() == (new,)
+    with pytest.raises(psycopg.errors.CheckViolation):
+        installed.execute("SELECT pglock.assert_fencing_token(%s::bigint, %s)", [key.numbers[0], old])
+    assert installed.execute("SELECT count(*) FROM forecasts").fetchone()[0] == 1
+    installed.execute("DROP TABLE forecasts")
+
+
+def test_completions_on_the_database_clock(hook: AdvisoryLockHook, installed: Any) -> None:
+    key = LockKey.from_name("settle")
+    identity = TaskIdentity("settlement", "settle", "scheduled__2026-11-30T02:00:00+00:00")
+    with hook.session_lock(key) as held:
+        assert held is not None
+        assert ledger.completion_for_period(held.connection, key, "2026-11-30") is None
+        ledger.record_completion(held.connection, key, "2026-11-30", identity, 7)
+        done = ledger.completion_for_period(held.connection, key, "2026-11-30")
+        assert done is not None and done.run_id == identity.run_id and done.fencing_token == 7
+        assert 0 <= done.age_seconds < 60
+        assert "by settlement/settle run scheduled__2026-11-30T02:00:00+00:00" in done.describe()
+    installed.execute("UPDATE pglock.completions SET completed_at = now() - interval '2 hours'")
+    with hook.session_lock(key) as held:
+        assert held is not None
+        latest = ledger.last_completion(held.connection, key)
+        assert latest is not None and 7190 < latest.age_seconds < 7300
+
+
+def test_concurrent_init_db_is_safe(dsn: str, admin: Any) -> None:
+    admin.execute("DROP SCHEMA IF EXISTS pglock CASCADE")
+    results: list[Any] = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(4)
+
+    def run() -> None:
+        try:
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                start.wait()
+                results.append(schema.migrate(conn))
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert errors == []
+    assert sorted(len(r.applied) for r in results) == [0, 0, 0, schema.LATEST_VERSION]
+    assert schema.schema_status(admin).installed == schema.LATEST_VERSION
+    admin.execute("DROP SCHEMA pglock CASCADE")
