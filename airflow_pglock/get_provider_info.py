@@ -27,6 +27,24 @@ def get_provider_info() -> dict[str, Any]:
                 "python-modules": ["airflow_pglock.hooks.advisory_lock"],
             }
         ],
+        "operators": [
+            {
+                "integration-name": "PostgreSQL advisory locks",
+                "python-modules": ["airflow_pglock.operators.advisory_lock"],
+            }
+        ],
+        "sensors": [
+            {
+                "integration-name": "PostgreSQL advisory locks",
+                "python-modules": ["airflow_pglock.sensors.advisory_lock"],
+            }
+        ],
+        "triggers": [
+            {
+                "integration-name": "PostgreSQL advisory locks",
+                "python-modules": ["airflow_pglock.triggers.advisory_lock"],
+            }
+        ],
         "connection-types": [],
         "task-decorators": [
             {"name": "advisory_lock", "class-name": "airflow_pglock.decorators.advisory_lock.advisory_lock_task"},
