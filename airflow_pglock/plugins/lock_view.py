@@ -81,7 +81,7 @@ def create_app() -> Any:
     @app.get("/locks", response_class=HTMLResponse, dependencies=authorized)
     def page() -> HTMLResponse:
         return HTMLResponse(
-            render_page(ui_base=ui_base_path(), conn_ids=ui_conn_ids(), refresh_seconds=refresh_seconds()),
+            render_page(conn_ids=ui_conn_ids(), refresh_seconds=refresh_seconds()),
             headers={"Cache-Control": "no-store"},
         )
 
@@ -102,6 +102,7 @@ def create_app() -> Any:
             raise HTTPException(status_code=503, detail=str(error)) from None
         data = report.to_json()
         data["conn_id"] = chosen
+        add_run_urls(data["locks"], ui_base_path())
         return data
 
     @app.get("/static/lock.svg")
@@ -109,6 +110,65 @@ def create_app() -> Any:
         return Response(LOCK_ICON, media_type="image/svg+xml", headers={"Cache-Control": "max-age=86400"})
 
     return app
+
+
+def add_run_urls(entries: list[dict[str, Any]], ui_base: str) -> None:
+    """Give each Airflow holder a ``run_url``: its DAG run in this Airflow UI (None if unknown).
+
+    A long DAG or run id is shortened in the application_name (PostgreSQL keeps 63 bytes;
+    the shortened part ends with ``~``). Such a prefix is looked up in this deployment's
+    metadata database; the link is given only when exactly one DAG / run matches. Holders
+    from another Airflow deployment keep ``run_url`` None when their run is not here.
+
+    :param entries: the ``locks`` of a report's JSON; changed in place.
+    :param ui_base: the UI's base path (see :func:`ui_base_path`).
+    """
+    from urllib.parse import quote
+
+    resolved: dict[tuple[str, str], tuple[str, str] | None] = {}
+    for entry in entries:
+        holder = entry.get("airflow")
+        entry["run_url"] = None
+        if not holder:
+            continue
+        ids = (holder["dag_id"], holder["run_id"])
+        if ids not in resolved:
+            resolved[ids] = _full_run_ids(*ids)
+        full = resolved[ids]
+        if full is not None:
+            entry["run_url"] = f"{ui_base}dags/{quote(full[0], safe='')}/runs/{quote(full[1], safe='')}"
+
+
+def _full_run_ids(dag_id: str, run_id: str) -> tuple[str, str] | None:
+    mark = "~"  # identity.TRUNCATION_MARK
+    if not dag_id.endswith(mark) and not run_id.endswith(mark):
+        return dag_id, run_id
+    try:
+        from airflow.models.dag import DagModel
+        from airflow.models.dagrun import DagRun
+        from airflow.utils.session import create_session
+        from sqlalchemy import select
+
+        with create_session() as session:
+            if dag_id.endswith(mark):
+                dags = session.scalars(
+                    select(DagModel.dag_id).where(DagModel.dag_id.startswith(dag_id[:-1], autoescape=True)).limit(2)
+                ).all()
+                if len(dags) != 1:
+                    return None
+                dag_id = dags[0]
+            if run_id.endswith(mark):
+                runs = session.scalars(
+                    select(DagRun.run_id)
+                    .where(DagRun.dag_id == dag_id, DagRun.run_id.startswith(run_id[:-1], autoescape=True))
+                    .limit(2)
+                ).all()
+                if len(runs) != 1:
+                    return None
+                run_id = runs[0]
+    except Exception:  # the link is a convenience: never fail the page for it
+        return None
+    return dag_id, run_id
 
 
 class LazyApp:

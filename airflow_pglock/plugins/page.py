@@ -2,7 +2,8 @@
 
 It polls ``api/locks`` (relative to itself, so any ``[api] base_url`` works), renders
 the same entries as ``airflow-pglock locks --output json`` and links each Airflow holder
-to its DAG run in the Airflow UI (``target=_top``: the page runs inside the UI's iframe).
+to its DAG run (``run_url``, from the server) in the Airflow UI (``target=_top``: the page
+runs inside the UI's iframe).
 Every value is inserted with ``textContent``: nothing from the database is parsed as HTML.
 """
 
@@ -37,7 +38,7 @@ _TEMPLATE = """<!doctype html>
   #empty { color: var(--muted); padding: 12px 0; }
 </style>
 </head>
-<body data-ui-base="__UI_BASE__" data-conn-ids='__CONN_IDS__' data-refresh="__REFRESH__">
+<body data-conn-ids='__CONN_IDS__' data-refresh="__REFRESH__">
 <h1>Advisory locks</h1>
 <div class="meta" id="meta">loading...</div>
 <form id="filters" onsubmit="return false">
@@ -59,7 +60,6 @@ _TEMPLATE = """<!doctype html>
 (function () {
   "use strict";
   const body = document.body;
-  const uiBase = body.dataset.uiBase;
   const refreshMs = Number(body.dataset.refresh) * 1000;
   const connIds = JSON.parse(body.dataset.connIds);
   const el = (id) => document.getElementById(id);
@@ -88,16 +88,16 @@ _TEMPLATE = """<!doctype html>
     if (h < 24) return h + " h " + (m % 60) + " min";
     return Math.floor(h / 24) + " d " + (h % 24) + " h";
   }
-  function runLink(a) {
+  function runLink(e) {
+    const a = e.airflow;
     const cell = node("td");
-    const shortened = (v) => String(v).endsWith("~");
     const label = a.dag_id + " / " + a.task_id + (a.map_index >= 0 ? "[" + a.map_index + "]" : "");
-    if (shortened(a.dag_id) || shortened(a.run_id)) {
+    if (!e.run_url) {
       cell.append(node("span", label), node("span", a.run_id, "sub"));
       return cell;
     }
     const link = node("a", label);
-    link.href = uiBase + "dags/" + encodeURIComponent(a.dag_id) + "/runs/" + encodeURIComponent(a.run_id);
+    link.href = e.run_url;
     link.target = "_top";
     link.className = "run-link";
     cell.append(link, node("span", a.run_id, "sub"));
@@ -115,7 +115,7 @@ _TEMPLATE = """<!doctype html>
     tr.append(node("td", e.state + (e.mode === "shared" ? " (shared)" : ""), e.state));
     const queue = e.blocked_by.length ? "behind " + e.blocked_by.join(", ") : "-";
     tr.append(node("td", e.state === "holding" ? e.waiters : queue, "num"));
-    if (e.airflow) tr.append(runLink(e.airflow));
+    if (e.airflow) tr.append(runLink(e));
     else tr.append(node("td", e.application_name || "(no application_name)"));
     tr.append(node("td", e.pid === null ? "prepared xact" : e.pid, "num"));
     tr.append(node("td", e.client_addr || (e.user ? "local" : "?"), "num"));
@@ -160,15 +160,12 @@ _TEMPLATE = """<!doctype html>
 """
 
 
-def render_page(*, ui_base: str, conn_ids: list[str], refresh_seconds: int) -> str:
-    """The page, with the UI's base path, the selectable connections and the refresh period.
+def render_page(*, conn_ids: list[str], refresh_seconds: int) -> str:
+    """The page, with the selectable connections and the refresh period.
 
-    :param ui_base: the Airflow UI's base path, ending with ``/`` (DAG-run links start with it).
     :param conn_ids: the connections the page may read (the first is the default).
     :param refresh_seconds: seconds between two refreshes.
     """
-    return (
-        _TEMPLATE.replace("__UI_BASE__", html.escape(ui_base, quote=True))
-        .replace("__CONN_IDS__", html.escape(json.dumps(conn_ids), quote=True))
-        .replace("__REFRESH__", str(int(refresh_seconds)))
+    return _TEMPLATE.replace("__CONN_IDS__", html.escape(json.dumps(conn_ids), quote=True)).replace(
+        "__REFRESH__", str(int(refresh_seconds))
     )

@@ -1,0 +1,187 @@
+"""Operating guarded tasks in a real Airflow (dag.test) on a real PostgreSQL.
+
+One DAG run answers several questions at once (each run costs seconds):
+
+* ``airflow-pglock locks``, run from inside a guarded task while it holds its lock, shows
+  that task by DAG / task / run, with the key's human name from the registry, next to a
+  plain psql-style session holding another key;
+* the guarded executions send their metrics through Airflow's own StatsD client to a UDP
+  socket this test listens on: counters, timers and bounded tags.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from airflow_pglock.hooks.schema import migrate
+from airflow_pglock.identity import TaskIdentity, parse_application_name
+from airflow_pglock.keys import LockKey
+from tests.helpers import run_dag
+from tests.ops_helpers import dsn_uri, hold, scratch_database
+
+pytestmark = pytest.mark.airflow
+
+CONN_ID = "pglock_ops_af"
+
+OPS_DAG = """
+import io
+import json
+import os
+
+import pendulum
+from airflow.sdk import dag, task
+
+CONN = "pglock_ops_af"
+
+
+@dag(dag_id="ops_view", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False)
+def ops_view():
+    @task.advisory_lock(postgres_conn_id=CONN, key="ops-hold")
+    def holds_and_looks():
+        from airflow_pglock.cli.main import main
+
+        out = io.StringIO()
+        code = main(["locks", "--dsn", os.environ["PGLOCK_OPS_DSN"], "--output", "json"], out=out)
+        with open(os.environ["PGLOCK_OPS_OUT"], "w") as result:
+            json.dump({"code": code, "report": json.loads(out.getvalue())}, result)
+
+    @task.advisory_lock(postgres_conn_id=CONN, key="ops-busy")
+    def skipped_when_busy():
+        raise AssertionError("ops-busy is held by the test")
+
+    @task.advisory_lock(postgres_conn_id=CONN, key="ops-busy", on_busy="fail")
+    def fails_when_busy():
+        raise AssertionError("ops-busy is held by the test")
+
+    holds_and_looks()
+    skipped_when_busy()
+    fails_when_busy()
+
+
+the_dag = ops_view()
+"""
+
+
+class StatsdListener:
+    """A UDP socket that collects every StatsD datagram sent to it."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.port = self.sock.getsockname()[1]
+        self.lines: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                data = self.sock.recv(65535)
+            except TimeoutError:
+                continue
+            self.lines.extend(data.decode().splitlines())
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close()
+
+
+@pytest.fixture
+def statsd(monkeypatch: pytest.MonkeyPatch) -> Iterator[StatsdListener]:
+    """Airflow's StatsD metrics (with InfluxDB-style tags) sent to a socket the test reads."""
+    from airflow.sdk._shared.observability.metrics import stats as sdk_stats
+
+    listener = StatsdListener()
+    for name, value in {
+        "STATSD_ON": "True",
+        "STATSD_HOST": "127.0.0.1",
+        "STATSD_PORT": str(listener.port),
+        "STATSD_PREFIX": "airflow",
+        "STATSD_INFLUXDB_ENABLED": "True",
+    }.items():
+        monkeypatch.setenv(f"AIRFLOW__METRICS__{name}", value)
+    # Start from "Stats not set up in this process" (as in a fresh task process); restored after.
+    monkeypatch.setattr(sdk_stats, "_factory", None)
+    monkeypatch.setattr(sdk_stats, "_backend", None)
+    yield listener
+    listener.close()
+
+
+def _metrics(lines: list[str]) -> list[tuple[str, dict[str, str], str]]:
+    """(name, tags, type) of every pglock metric line: ``airflow.pglock.x,tag=v,...:1|c``."""
+    parsed = []
+    for line in lines:
+        head, _, value = line.partition(":")
+        name, *tags = head.split(",")
+        if name.startswith("airflow.pglock."):
+            parsed.append((name, dict(tag.split("=", 1) for tag in tags), value.rpartition("|")[2]))
+    return parsed
+
+
+def test_locks_from_a_task_and_metrics(
+    airflow_db: Path, pg_server: str, statsd: StatsdListener, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with scratch_database(pg_server) as ops_dsn:
+        with psycopg.connect(ops_dsn, autocommit=True) as conn:
+            migrate(conn)  # the registry names "ops-hold" for `locks`
+        monkeypatch.setenv(f"AIRFLOW_CONN_{CONN_ID.upper()}", dsn_uri(ops_dsn))
+        monkeypatch.setenv("PGLOCK_OPS_DSN", ops_dsn)
+        monkeypatch.setenv("PGLOCK_OPS_OUT", str(tmp_path / "locks.json"))
+        psql = hold(ops_dsn, LockKey.from_name("ops-busy").numbers)
+        try:
+            result = run_dag(OPS_DAG, "ops_view")
+        finally:
+            psql.close()
+
+    assert result.state("holds_and_looks") == "success"
+    assert result.state("skipped_when_busy") == "skipped"
+    assert result.state("fails_when_busy") == "failed"
+
+    seen = json.loads((tmp_path / "locks.json").read_text())
+    assert seen["code"] == 0
+    report: dict[str, Any] = seen["report"]
+    assert report["registry"] == "installed"
+    assert len(report["locks"]) == 2
+    [task_entry] = [entry for entry in report["locks"] if entry["airflow"] is not None]
+    [psql_entry] = [entry for entry in report["locks"] if entry["airflow"] is None]
+    assert task_entry["key"]["name"] == "ops-hold"
+    assert task_entry["state"] == "holding" and task_entry["key"]["name_source"] == "registry"
+    # The run id as the lock session's application_name carries it (shortened with "~" past 63 bytes).
+    shown = parse_application_name(TaskIdentity("ops_view", "holds_and_looks", result.run_id).application_name())
+    assert shown is not None and result.run_id.startswith(shown.run_id.removesuffix("~"))
+    assert task_entry["airflow"] == {
+        "dag_id": "ops_view",
+        "task_id": "holds_and_looks",
+        "run_id": shown.run_id,
+        "map_index": -1,
+    }
+    assert task_entry["application_name"].startswith("pglock ops_view holds_and_looks ")
+    assert task_entry["since_basis"] == "lock session start" and task_entry["seconds"] >= 0
+    # No guarded task ever took ops-busy, so nothing recorded its name: the numbers are shown.
+    assert psql_entry["application_name"] == "psql" and psql_entry["key"]["name"] is None
+    assert psql_entry["key"]["numbers"] == list(LockKey.from_name("ops-busy").numbers)
+
+    metrics = _metrics(statsd.lines)
+    by_task: dict[str, set[tuple[str, str]]] = {}
+    for name, tags, kind in metrics:
+        assert set(tags) == {"dag_id", "task_id", "mode", "shared", "on_busy"}, tags
+        assert tags["dag_id"] == "ops_view" and tags["mode"] == "session" and tags["shared"] == "false"
+        by_task.setdefault(tags["task_id"], set()).add((name.removeprefix("airflow.pglock."), kind))
+    assert by_task == {
+        "holds_and_looks": {("acquired", "c"), ("completed", "c"), ("wait", "ms"), ("hold", "ms")},
+        "skipped_when_busy": {("skipped", "c"), ("wait", "ms")},
+        "fails_when_busy": {("busy", "c"), ("wait", "ms")},
+    }
+    pglock_lines = [line for line in statsd.lines if line.startswith("airflow.pglock.")]
+    assert not any(result.run_id in line or "ops-hold" in line or "ops-busy" in line for line in pglock_lines)
