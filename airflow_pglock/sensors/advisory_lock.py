@@ -30,7 +30,14 @@ from airflow_pglock.exceptions import (
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook, LockHolder
 from airflow_pglock.keys import LockKey
 from airflow_pglock.task_guard import KeySpec, check_key_spec, resolve_key
-from airflow_pglock.triggers.advisory_lock import ERROR, FREE, TIMEOUT, AdvisoryLockTrigger, describe_holders
+from airflow_pglock.triggers.advisory_lock import (
+    ERROR,
+    FREE,
+    TIMEOUT,
+    AdvisoryLockTrigger,
+    blocking_holders,
+    describe_holders,
+)
 
 _ERRORS: dict[str, type[Exception]] = {
     cls.__name__: cls for cls in (LockConfigurationError, LockConnectionError, UnsafeSetupError, InvalidLockKeyError)
@@ -50,6 +57,8 @@ class AdvisoryLockSensor(BaseSensorOperator):
         pair. The key of a ``@task.advisory_lock`` task with the default key is
         ``"<dag_id>/<task_id>"``.
     :param tenant: a tenant appended to the key name (templated): ``<key>/<tenant>``.
+    :param shared: wait only until no session holds the key *exclusively* (shared holders
+        do not count): for a task that then takes the key with ``shared=True``.
     :param postgres_conn_id: the Airflow Postgres connection of the lock database.
     :param deferrable: wait in the triggerer instead of a worker slot.
     """
@@ -63,6 +72,7 @@ class AdvisoryLockSensor(BaseSensorOperator):
         *,
         key: KeySpec,
         tenant: Any = None,
+        shared: bool = False,
         postgres_conn_id: str = AdvisoryLockHook.default_conn_name,
         deferrable: bool = conf.getboolean("operators", "default_deferrable", fallback=False),
         **kwargs: Any,
@@ -74,10 +84,13 @@ class AdvisoryLockSensor(BaseSensorOperator):
                 "(int32, int32) pair); a @task.advisory_lock task with the default key uses '<dag_id>/<task_id>'"
             )
         check_key_spec(key, tenant)
+        if not isinstance(shared, bool):
+            raise LockConfigurationError(f"shared must be True or False, got {shared!r}")
         if not isinstance(postgres_conn_id, str) or not postgres_conn_id.strip():
             raise LockConfigurationError(f"postgres_conn_id must be a non-empty string, got {postgres_conn_id!r}")
         self.key = key
         self.tenant = tenant
+        self.shared = shared
         self.postgres_conn_id = postgres_conn_id
         self.deferrable = deferrable
         self._lock_key: LockKey | None = None
@@ -99,8 +112,8 @@ class AdvisoryLockSensor(BaseSensorOperator):
         return self._free(key, holders)
 
     def _free(self, key: LockKey, holders: Sequence[LockHolder]) -> bool:
-        if not any(holder.granted for holder in holders):
-            self.log.info("pglock sensor: %s is free", key.describe())
+        if not blocking_holders(holders, self.shared):
+            self.log.info("pglock sensor: %s is free%s", key.describe(), " for a shared lock" if self.shared else "")
             return True
         self._last_holders = describe_holders(holders, dt.datetime.now(dt.UTC))
         self.log.info("pglock waiting: %s is held by %s", key.describe(), self._last_holders)
@@ -136,6 +149,7 @@ class AdvisoryLockSensor(BaseSensorOperator):
             postgres_conn_id=self.postgres_conn_id,
             poll_interval=self.poke_interval,
             deadline=time.time() + self.timeout,
+            shared=self.shared,
         )
         # No Airflow deferral timeout: it would fail the task even with soft_fail; the
         # trigger's own deadline ends the wait with an event execute_complete maps.

@@ -27,6 +27,14 @@ from airflow_pglock.keys import LockKey
 FREE, TIMEOUT, ERROR = "free", "timeout", "error"
 
 
+EXCLUSIVE_MODE = "ExclusiveLock"  # pg_locks.mode of an exclusive advisory lock ("ShareLock" when shared)
+
+
+def blocking_holders(holders: Sequence[LockHolder], shared: bool) -> list[LockHolder]:
+    """The granted holders that keep the key from being taken (only exclusive ones when ``shared``)."""
+    return [h for h in holders if h.granted and (not shared or h.mode == EXCLUSIVE_MODE)]
+
+
 def describe_holders(holders: Sequence[LockHolder], now: dt.datetime) -> str:
     """``pid 1 (...) holding since ... (3.0 s); pid 2 ...`` for the sessions holding a key."""
     granted = [holder for holder in holders if holder.granted]
@@ -45,6 +53,7 @@ class AdvisoryLockTrigger(BaseTrigger):
     :param postgres_conn_id: the Airflow connection of the lock database (resolved in the triggerer).
     :param poll_interval: seconds between two reads of ``pg_locks``.
     :param deadline: UNIX time after which a still-held key ends the wait (None: no deadline).
+    :param shared: wait only for exclusive holders to go (the key is free for a shared lock).
     :param connect_timeout: seconds to wait for each connection.
     """
 
@@ -56,6 +65,7 @@ class AdvisoryLockTrigger(BaseTrigger):
         postgres_conn_id: str,
         poll_interval: float = 60.0,
         deadline: float | None = None,
+        shared: bool = False,
         connect_timeout: int = DEFAULT_CONNECT_TIMEOUT,
     ) -> None:
         super().__init__()
@@ -73,11 +83,18 @@ class AdvisoryLockTrigger(BaseTrigger):
         self.postgres_conn_id = postgres_conn_id
         self.poll_interval = float(poll_interval)
         self.deadline = None if deadline is None else float(deadline)
+        self.shared = bool(shared)
         self.connect_timeout = connect_timeout
 
     @classmethod
     def for_key(
-        cls, key: LockKey, *, postgres_conn_id: str, poll_interval: float, deadline: float | None
+        cls,
+        key: LockKey,
+        *,
+        postgres_conn_id: str,
+        poll_interval: float,
+        deadline: float | None,
+        shared: bool = False,
     ) -> AdvisoryLockTrigger:
         """The trigger that waits for ``key``.
 
@@ -85,6 +102,7 @@ class AdvisoryLockTrigger(BaseTrigger):
         :param postgres_conn_id: the Airflow connection of the lock database.
         :param poll_interval: seconds between two reads.
         :param deadline: UNIX time of the deadline, or None.
+        :param shared: wait only for exclusive holders to go.
         """
         return cls(
             key_name=key.name,
@@ -92,6 +110,7 @@ class AdvisoryLockTrigger(BaseTrigger):
             postgres_conn_id=postgres_conn_id,
             poll_interval=poll_interval,
             deadline=deadline,
+            shared=shared,
         )
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
@@ -103,6 +122,7 @@ class AdvisoryLockTrigger(BaseTrigger):
                 "postgres_conn_id": self.postgres_conn_id,
                 "poll_interval": self.poll_interval,
                 "deadline": self.deadline,
+                "shared": self.shared,
                 "connect_timeout": self.connect_timeout,
             },
         )
@@ -119,7 +139,7 @@ class AdvisoryLockTrigger(BaseTrigger):
                 yield TriggerEvent({"status": ERROR, "error_type": type(error).__name__, "message": message})
                 return
             now = dt.datetime.now(dt.UTC)
-            if not any(holder.granted for holder in holders):
+            if not blocking_holders(holders, self.shared):
                 yield TriggerEvent({"status": FREE, "message": f"{key} is free"})
                 return
             who = describe_holders(holders, now)

@@ -259,6 +259,31 @@ def test_trigger_connection_error_is_a_clear_failure_even_with_soft_fail(
         sensor.execute_complete({}, event.payload)  # type: ignore[arg-type]
 
 
+def test_shared_sensor_waits_only_for_exclusive_holders(dsn: str, hook: AdvisoryLockHook, admin: Any) -> None:
+    from airflow_pglock.sensors.advisory_lock import AdvisoryLockSensor
+    from airflow_pglock.triggers.advisory_lock import AdvisoryLockTrigger
+
+    key = LockKey.from_name("maint/shared")
+    exclusive = AdvisoryLockSensor(task_id="x", key=key.name, postgres_conn_id=TEST_CONN_ID)
+    shared = AdvisoryLockSensor(task_id="s", key=key.name, shared=True, postgres_conn_id=TEST_CONN_ID)
+
+    def trigger_says(shared_mode: bool) -> str:
+        trigger = AdvisoryLockTrigger.for_key(
+            key, postgres_conn_id=TEST_CONN_ID, poll_interval=1, deadline=0, shared=shared_mode
+        )
+        return str(_run_trigger(trigger).payload["status"])
+
+    with hook.session_lock(key, shared=True) as reader:
+        assert reader is not None
+        assert (exclusive.poke({}), shared.poke({})) == (False, True)  # type: ignore[arg-type]
+        assert (trigger_says(False), trigger_says(True)) == ("timeout", "free")
+    with hook.session_lock(key) as writer:
+        assert writer is not None
+        assert (exclusive.poke({}), shared.poke({})) == (False, False)  # type: ignore[arg-type]
+        assert (trigger_says(False), trigger_says(True)) == ("timeout", "timeout")
+    assert advisory_locks(admin) == []
+
+
 # ----------------------------------------------------------------- invariant 5
 
 
@@ -344,4 +369,31 @@ def test_the_race_test_detects_a_checker_that_takes_the_lock(dsn: str, hook: Adv
             stop.set()
             checker.join()
     assert missed > 0
+    assert advisory_locks(admin) == []
+
+
+# ------------------------------------------------------------------ the example
+
+
+def test_example_wait_for_maintenance(airflow_db: Any, dsn: str, admin: Any, capfd: Any) -> None:
+    """dags/example_wait_for_maintenance.py as it is: a running load (a shared holder) lets other loads
+    through the sensor and the shared guard, and makes maintenance (exclusive) skip."""
+    from pathlib import Path
+
+    source = (Path(__file__).resolve().parents[2] / "dags" / "example_wait_for_maintenance.py").read_text()
+    holder = AdvisoryLockHook(dsn=dsn, liveness=Liveness(lease=600))
+    running_load = holder.try_acquire("warehouse-maintenance", shared=True, application_name="another load")
+    assert running_load is not None
+    try:
+        load = run_dag(source, "warehouse_load", conf={"work_seconds": 0})
+        maintenance = run_dag(source, "warehouse_maintenance", conf={"work_seconds": 0})
+    finally:
+        running_load.release()
+    log = "".join(capfd.readouterr())
+    assert load.states == {("wait_for_maintenance", -1): "success", ("load_orders", -1): "success"}
+    assert maintenance.states == {("vacuum_and_reindex", -1): "skipped"}
+    assert "key 'warehouse-maintenance'" in log and "is free for a shared lock" in log
+    assert re.search(r"outcome=completed key 'warehouse-maintenance' .*mode=session", log)
+    skip = next(line for line in log.splitlines() if "outcome=skipped" in line)
+    assert "'another load'" in skip and "holding ShareLock" in skip
     assert advisory_locks(admin) == []
