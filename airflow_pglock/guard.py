@@ -22,6 +22,7 @@ from typing import Any, Literal, TypeVar
 import psycopg
 
 from airflow_pglock.exceptions import (
+    AlreadyDoneError,
     LockBusyError,
     LockConfigurationError,
     LockLostError,
@@ -29,9 +30,11 @@ from airflow_pglock.exceptions import (
     PgLockError,
 )
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook, HeldLock, LockHolder, Scope
+from airflow_pglock.identity import TaskIdentity
 from airflow_pglock.keys import LockKey
 from airflow_pglock.metrics import metric_tags, record_outcome
 from airflow_pglock.registry import record_acquisition
+from airflow_pglock.run_rules import RunRules, check_before_work, record_success
 
 T = TypeVar("T")
 OnBusy = Literal["skip", "fail", "wait"]
@@ -102,10 +105,21 @@ class LockHandle:
     :ivar connection: in transaction mode, the connection whose open transaction holds
         the lock (do the protected database work on it); None in session mode.
     :ivar acquired_at: when the lock was taken (UTC).
+    :ivar fencing_token: this acquisition's fencing token (``fencing=True``), else None.
+    :ivar period: the ``once_per`` period being done, else None.
     """
 
-    def __init__(self, held: HeldLock, lost_reason: Callable[[], str | None]) -> None:
+    def __init__(
+        self,
+        held: HeldLock,
+        lost_reason: Callable[[], str | None],
+        *,
+        fencing_token: int | None = None,
+        period: str | None = None,
+    ) -> None:
         self._held = held
+        self.fencing_token = fencing_token
+        self.period = period
         self._lost_reason = lost_reason
         self.key: LockKey = held.key
         self.mode: Scope = held.scope
@@ -150,6 +164,8 @@ class LockGuard:
     :param policy: what to do when busy, lost, ...
     :param application_name: names the holder in ``pg_stat_activity``.
     :param logger: where the acquisition and outcome lines go.
+    :param rules: once_per / min_interval / fencing, checked and recorded under the lock.
+    :param identity: the Airflow task instance, recorded with a completion.
     """
 
     def __init__(
@@ -160,8 +176,13 @@ class LockGuard:
         *,
         application_name: str | None = None,
         logger: logging.Logger | Any | None = None,
+        rules: RunRules | None = None,
+        identity: TaskIdentity | None = None,
     ) -> None:
         self.hook = hook
+        self.rules = rules or RunRules()
+        self.identity = identity
+        self.fencing_token: int | None = None
         self.key = key
         self.policy = policy
         self.application_name = application_name
@@ -205,8 +226,25 @@ class LockGuard:
             self._wait_seconds,
         )
         record_acquisition(self.held, self.application_name, self.log)  # optional key-name registry
+        self._apply_run_rules()
         self._start_heartbeat()
-        return LockHandle(self.held, lambda: self._lost)
+        return LockHandle(self.held, lambda: self._lost, fencing_token=self.fencing_token, period=self.rules.period)
+
+    def _apply_run_rules(self) -> None:
+        """once_per / min_interval / fencing, under the lock; on a skip or error nothing is left held."""
+        if not self.rules.active:
+            return
+        assert self.held is not None
+        try:
+            self.fencing_token = check_before_work(self.rules, self.held, self.application_name)
+        except BaseException as error:
+            self.held.released = True
+            self.held.connection.close()  # ends the session (and a transaction lock's transaction)
+            if isinstance(error, AlreadyDoneError):
+                self._log_outcome("skipped", detail=f"done: {error}")
+            else:
+                self._log_outcome("failed", detail=f"{type(error).__name__}: {error}")
+            raise
 
     def _acquire(self) -> HeldLock:
         timeout = self.policy.wait_timeout if self.policy.on_busy == "wait" else None
@@ -454,10 +492,16 @@ class LockGuard:
             if held.scope == "transaction":
                 if lost is None and exc_type is None:
                     try:
+                        record_success(self.rules, held, self.identity, self.fencing_token)  # same transaction
                         self.hook.commit(held.connection)
-                    except psycopg.Error as error:
+                    except (psycopg.Error, PgLockError) as error:
                         commit_error = error
             elif lost is None and not held.connection.closed:
+                if exc_type is None:
+                    try:
+                        record_success(self.rules, held, self.identity, self.fencing_token)
+                    except (psycopg.Error, PgLockError) as error:
+                        commit_error = error
                 try:
                     still_held = self.hook.unlock(held.connection, self.key, shared=self.policy.shared)
                 except psycopg.Error as error:
@@ -486,7 +530,9 @@ class LockGuard:
             self._log_outcome("lost", detail=warned, held=held_for)
             return
         if commit_error is not None:
-            self._log_outcome("failed", detail=f"commit failed: {commit_error}", held=held_for)
+            self._log_outcome(
+                "failed", detail=f"finishing failed (commit or completion record): {commit_error}", held=held_for
+            )
             raise commit_error
         if exc_type is not None:
             self._log_outcome("failed", detail=f"{exc_type.__name__}: {exc}", held=held_for)

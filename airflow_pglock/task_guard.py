@@ -20,6 +20,7 @@ import psycopg
 
 from airflow_pglock.compat import AirflowFailException, AirflowSkipException, get_current_context
 from airflow_pglock.exceptions import (
+    AlreadyDoneError,
     InvalidLockKeyError,
     LockBusyError,
     LockConfigurationError,
@@ -32,8 +33,12 @@ from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook, Scope
 from airflow_pglock.identity import TaskIdentity
 from airflow_pglock.keys import LockKey
 from airflow_pglock.liveness import DEFAULT_LEASE_SECONDS, Liveness
+from airflow_pglock.run_rules import RunRules, seconds
 
 T = TypeVar("T")
+
+#: XCom key under which a guarded task publishes its fencing token (``fencing=True``).
+FENCING_TOKEN_XCOM_KEY = "pglock_fencing_token"
 
 #: A protected function that declares a parameter with this name receives the LockHandle.
 LOCK_HANDLE_PARAM = "lock"
@@ -49,12 +54,16 @@ class LockSpec:
     :param policy: mode, shared, on_busy, wait_timeout, on_lost, on_error.
     :param lease: seconds a dead holder may keep the lock on the server.
     :param tenant_arg: name of the function argument whose value is the tenant.
+    :param min_interval: seconds; skip while the key's last completion is more recent.
+    :param fencing: issue a fencing token per acquisition (handle and XCom).
     """
 
     postgres_conn_id: str
     policy: LockPolicy
     lease: float
     tenant_arg: str | None = None
+    min_interval: float | None = None
+    fencing: bool = False
 
     @classmethod
     def build(
@@ -69,6 +78,8 @@ class LockSpec:
         on_error: OnError = "fail",
         lease: float | dt.timedelta = DEFAULT_LEASE_SECONDS,
         tenant_arg: str | None = None,
+        min_interval: float | dt.timedelta | None = None,
+        fencing: bool = False,
     ) -> LockSpec:
         if not isinstance(postgres_conn_id, str) or not postgres_conn_id.strip():
             raise LockConfigurationError(f"postgres_conn_id must be a non-empty string, got {postgres_conn_id!r}")
@@ -85,7 +96,16 @@ class LockSpec:
             Liveness(lease)
         except ValueError as error:
             raise LockConfigurationError(str(error)) from None
-        return cls(postgres_conn_id=postgres_conn_id, policy=policy, lease=float(lease), tenant_arg=tenant_arg)
+        interval = seconds(min_interval, "min_interval")
+        RunRules(min_interval=interval, fencing=fencing)  # checks both now, when the DAG is parsed
+        return cls(
+            postgres_conn_id=postgres_conn_id,
+            policy=policy,
+            lease=float(lease),
+            tenant_arg=tenant_arg,
+            min_interval=interval,
+            fencing=fencing,
+        )
 
     def hook(self) -> AdvisoryLockHook:
         return AdvisoryLockHook(self.postgres_conn_id, liveness=Liveness(self.lease))
@@ -141,20 +161,41 @@ def run_guarded(
     *,
     key: KeySpec,
     tenant: Any,
+    once_per: Any = None,
 ) -> T:
     """Run ``work`` while holding the key of this task instance; map each outcome to Airflow's.
 
     :param key: the rendered ``key`` option (None: the DAG id and task id).
     :param tenant: the rendered tenant (or the ``tenant_arg`` value), or None.
+    :param once_per: the rendered ``once_per`` period, or None.
     """
     identity = task_identity(context)
     guard: LockGuard | None = None
+
+    def work_with_token(handle: LockHandle) -> T:
+        if handle.fencing_token is not None:
+            context["ti"].xcom_push(key=FENCING_TOKEN_XCOM_KEY, value=handle.fencing_token)
+        return work(handle)
+
     try:
         lock_key = resolve_key(key, tenant, identity.dag_id, identity.task_id)
-        guard = LockGuard(
-            spec.hook(), lock_key, spec.policy, application_name=identity.application_name(), logger=logger
+        if isinstance(once_per, str) and not once_per.strip():
+            raise LockConfigurationError(f"once_per of task {identity.task_id!r} rendered to an empty period")
+        rules = RunRules(
+            period=None if once_per is None else str(once_per), min_interval=spec.min_interval, fencing=spec.fencing
         )
-        return guard.run(work)  # the airtight form of `with guard as handle: work(handle)`
+        guard = LockGuard(
+            spec.hook(),
+            lock_key,
+            spec.policy,
+            application_name=identity.application_name(),
+            logger=logger,
+            rules=rules,
+            identity=identity,
+        )
+        return guard.run(work_with_token)  # the airtight form of `with guard as handle: work(handle)`
+    except AlreadyDoneError as done:
+        raise AirflowSkipException(f"skipped: {done}") from done
     except LockBusyError as busy:
         if spec.policy.on_busy == "fail":
             raise AirflowFailException(f"{busy} (on_busy='fail')") from busy

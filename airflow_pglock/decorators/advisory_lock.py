@@ -43,10 +43,21 @@ class _AdvisoryLockDecoratedOperator(DecoratedOperator, PythonOperator):
     :param on_lost: ``"fail"`` (default) or ``"warn"`` when the lock is lost mid-run.
     :param on_error: ``"fail"`` (default) or ``"skip"`` when the lock database cannot be used.
     :param lease: seconds (or timedelta) a dead holder may keep the lock (default 30).
+    :param once_per: a period (templated, e.g. ``"{{ ds }}"``): skip when this key already
+        completed that period (recorded in the lock database; needs ``airflow-pglock init-db``).
+    :param min_interval: seconds or timedelta: skip while the key's last completion is more
+        recent, on the database clock (needs ``init-db``).
+    :param fencing: give each acquisition a fencing token that only grows (``lock.fencing_token``
+        and the XCom ``pglock_fencing_token``; needs ``init-db``).
     """
 
-    template_fields: Sequence[str] = (*PythonOperator.template_fields, "lock_key", "lock_tenant")
-    template_fields_renderers = {**PythonOperator.template_fields_renderers, "lock_key": "py", "lock_tenant": "py"}
+    template_fields: Sequence[str] = (*PythonOperator.template_fields, "lock_key", "lock_tenant", "lock_once_per")
+    template_fields_renderers = {
+        **PythonOperator.template_fields_renderers,
+        "lock_key": "py",
+        "lock_tenant": "py",
+        "lock_once_per": "py",
+    }
     custom_operator_name: str = "@task.advisory_lock"
 
     def __init__(
@@ -66,6 +77,9 @@ class _AdvisoryLockDecoratedOperator(DecoratedOperator, PythonOperator):
         on_lost: OnLost = "fail",
         on_error: OnError = "fail",
         lease: float | dt.timedelta = DEFAULT_LEASE_SECONDS,
+        once_per: str | None = None,
+        min_interval: float | dt.timedelta | None = None,
+        fencing: bool = False,
         **kwargs: Any,
     ) -> None:
         self.lock_spec = LockSpec.build(
@@ -78,8 +92,15 @@ class _AdvisoryLockDecoratedOperator(DecoratedOperator, PythonOperator):
             on_error=on_error,
             lease=lease,
             tenant_arg=tenant_arg,
+            min_interval=min_interval,
+            fencing=fencing,
         )
         check_key_spec(key, tenant)
+        if once_per is not None and (not isinstance(once_per, str) or not once_per.strip()):
+            raise LockConfigurationError(
+                f"once_per must be a non-empty period or template, e.g. '{{{{ ds }}}}'; got {once_per!r}"
+            )
+        self.lock_once_per = once_per
         name = getattr(python_callable, "__name__", repr(python_callable))
         op_kwargs = dict(op_kwargs or {})
         if check_callable(python_callable, tenant=tenant, tenant_arg=tenant_arg):
@@ -113,6 +134,7 @@ class _AdvisoryLockDecoratedOperator(DecoratedOperator, PythonOperator):
             self.log,
             key=self.lock_key,
             tenant=tenant,
+            once_per=self.lock_once_per,
         )
 
     def _execute_holding(self, handle: LockHandle, context: Context) -> Any:
@@ -136,8 +158,8 @@ def advisory_lock_task(
     """``@task.advisory_lock(...)``: run the function only while holding its advisory lock.
 
     Takes the parameters of ``_AdvisoryLockDecoratedOperator`` (key, tenant, tenant_arg,
-    postgres_conn_id, mode, shared, on_busy, wait_timeout, on_lost, on_error, lease) and
-    every ``@task`` parameter.
+    postgres_conn_id, mode, shared, on_busy, wait_timeout, on_lost, on_error, lease,
+    once_per, min_interval, fencing) and every ``@task`` parameter.
 
     :param python_callable: the function to guard.
     :param multiple_outputs: unroll a returned dict into several XComs.

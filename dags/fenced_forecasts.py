@@ -1,0 +1,54 @@
+"""Fencing tokens: a holder that lost its lock cannot overwrite a newer holder's data.
+
+``fencing=True`` gives every acquisition a token larger than all before it. The forecasts
+table carries the token of the writer, and a trigger installed by ``init_table`` refuses
+any write whose token is older than the newest one issued for the key — e.g. from a
+worker that froze, lost its lock, and woke up after another worker took over.
+Needs ``airflow-pglock init-db`` once on the lock database. Run it as is:
+
+    airflow dags test fenced_forecasts
+"""
+
+from __future__ import annotations
+
+import pendulum
+from airflow.sdk import dag, task
+
+from airflow_pglock.guard import LockHandle
+
+KEY = "fenced-forecasts"
+
+
+@dag(
+    dag_id="fenced_forecasts",
+    schedule="@hourly",
+    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    catchup=False,
+    tags=["pglock", "example"],
+)
+def fenced_forecasts() -> None:
+    @task.advisory_lock(key=KEY, fencing=True, mode="transaction")
+    def refresh(lock: LockHandle | None = None) -> int:
+        assert lock is not None and lock.connection is not None and lock.fencing_token is not None
+        conn = lock.connection
+        conn.execute(
+            "CREATE TABLE IF NOT EXISTS forecasts (station int PRIMARY KEY, temperature float8,"
+            " fencing_token bigint NOT NULL)"
+        )
+        conn.execute(
+            "DO $$ BEGIN IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = 'forecasts_fenced') THEN"
+            " CREATE TRIGGER forecasts_fenced BEFORE INSERT OR UPDATE ON forecasts FOR EACH ROW"
+            " EXECUTE FUNCTION pglock.reject_stale_fencing_token('fenced-forecasts'); END IF; END $$"
+        )
+        for station in range(1, 11):
+            conn.execute(
+                "INSERT INTO forecasts VALUES (%s, %s, %s) ON CONFLICT (station) DO UPDATE"
+                " SET temperature = excluded.temperature, fencing_token = excluded.fencing_token",
+                [station, 15.0 + station / 10, lock.fencing_token],
+            )
+        return lock.fencing_token
+
+    refresh()
+
+
+fenced_forecasts_dag = fenced_forecasts()
