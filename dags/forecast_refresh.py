@@ -5,7 +5,7 @@ attempt is skipped and its log says who holds the key. Run it as is:
 
     airflow dags test forecast_refresh
 
-The lock database is the Airflow connection ``postgres_default`` (any PostgreSQL 12+).
+The lock database is the Airflow connection ``postgres_default`` (PostgreSQL 14+).
 """
 
 from __future__ import annotations
@@ -13,7 +13,11 @@ from __future__ import annotations
 import time
 
 import pendulum
-from airflow.sdk import dag, task
+
+try:
+    from airflow.sdk import dag, task
+except ImportError:  # Airflow 2.x
+    from airflow.decorators import dag, task
 
 
 @dag(
