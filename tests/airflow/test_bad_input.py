@@ -93,7 +93,7 @@ bad_native_keys_dag = bad_native_keys()
 def bad_connections(dsn: str) -> Any:
     names = {
         "AIRFLOW_CONN_NOT_PG": "mysql://user@127.0.0.1:3306/db",
-        "AIRFLOW_CONN_UNREACHABLE": f"postgresql://postgres@127.0.0.1:{free_port()}/postgres?connect_timeout=2",
+        "AIRFLOW_CONN_UNREACHABLE": f"postgresql://postgres:s3cret-pw@127.0.0.1:{free_port()}/postgres?connect_timeout=2",
         "AIRFLOW_CONN_BAD_ROLE": os.environ["AIRFLOW_CONN_PGLOCK_TEST"].replace("postgres@", "no_such_role@"),
     }
     os.environ.update(names)
@@ -126,6 +126,7 @@ def test_bad_input_fails_with_a_clear_message(airflow_db: Any, admin: Any, bad_c
     assert "rendered to an empty name" in log
     assert "tenant of task 'tenant_renders_empty' rendered to an empty value" in log
     assert "no_such_param" in log
+    assert "s3cret-pw" not in log, "a password reached the task log"
     assert advisory_locks(admin) == []
 
 
@@ -161,7 +162,7 @@ def test_bad_native_keys_fail_naming_the_value(airflow_db: Any, admin: Any, capf
     ],
 )
 def test_bad_options_are_refused_when_the_dag_is_parsed(options: dict[str, Any], fragment: str) -> None:
-    from airflow.sdk import DAG, task
+    from tests.sdk import DAG, task
 
     with DAG("parse_errors", schedule=None), pytest.raises(ValueError) as error:
 

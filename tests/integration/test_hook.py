@@ -221,3 +221,16 @@ def test_password_never_in_errors(dsn: str, admin: Any) -> None:
     with pytest.raises(LockConnectionError) as error:
         hook.try_acquire("secret")
     assert "s3cret-pw" not in str(error.value)
+
+
+def test_a_second_guard_in_the_same_process_is_busy(hook: AdvisoryLockHook, admin: Any) -> None:
+    """Invariant 1: a reused (pooled) session would answer true again; a dedicated one says busy."""
+    from airflow_pglock.exceptions import LockBusyError
+    from airflow_pglock.guard import LockGuard, LockPolicy
+
+    key = LockKey.from_name("no-session-reuse")
+    with LockGuard(hook, key, LockPolicy()) as outer:
+        with pytest.raises(LockBusyError) as busy, LockGuard(hook, key, LockPolicy()):
+            pass
+        assert f"pid {outer.backend_pid}" in str(busy.value)
+    assert advisory_locks(admin) == []
