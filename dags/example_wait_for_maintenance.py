@@ -66,7 +66,7 @@ def warehouse_load() -> None:
         shared=True,  # other loads (shared holders) do not make us wait; maintenance does
         deferrable=True,  # wait in the triggerer; mode="reschedule" works without one
         poke_interval=30,
-        timeout=dt.timedelta(hours=2).total_seconds(),
+        timeout=dt.timedelta(hours=2),
         soft_fail=True,  # still under maintenance after 2 h: skip this hour's load, do not fail
     )
     load = guarded(
