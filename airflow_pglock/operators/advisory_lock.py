@@ -54,6 +54,10 @@ class OperatorGuard:
     tenant: Any
 
     def execute(self, context: Context) -> Any:
+        """Run the operator's own ``execute`` while holding the key (replaces ``operator.execute``).
+
+        :param context: the task context; its ``task`` is the operator copy to run.
+        """
         task = context["task"]  # the copy the task runner executes, template fields rendered
         try:
             key = render_lock_option(self.key, context, option="key")

@@ -107,6 +107,10 @@ class AdvisoryLockSensor(BaseSensorOperator):
         return self._lock_key
 
     def poke(self, context: Context) -> bool:
+        """One look at ``pg_locks`` on a short connection of its own: True when the key is free.
+
+        :param context: the task context (unused: the key is rendered before ``execute``).
+        """
         key = self.lock_key()
         holders = AdvisoryLockHook(self.postgres_conn_id).holders(key)
         return self._free(key, holders)
@@ -156,6 +160,12 @@ class AdvisoryLockSensor(BaseSensorOperator):
         self.defer(trigger=trigger, method_name="execute_complete")
 
     def resume_execution(self, next_method: str, next_kwargs: dict[str, Any] | None, context: Context) -> Any:
+        """Resume after the trigger fired; ``execute_complete`` maps the event itself.
+
+        :param next_method: the method to resume with (``execute_complete``, or Airflow's ``__fail__``).
+        :param next_kwargs: its keyword arguments (the trigger's event).
+        :param context: the task context.
+        """
         if next_method == "execute_complete":
             # BaseSensorOperator.resume_execution would replace our skip reason (key, holder)
             # by "Skipping due to soft_fail", and turn errors into skips under soft_fail.

@@ -114,6 +114,7 @@ class AdvisoryLockTrigger(BaseTrigger):
         )
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
+        """Class path and kwargs: the key, the connection *id* (never its secrets), the deadline."""
         return (
             f"{type(self).__module__}.{type(self).__qualname__}",
             {
@@ -128,6 +129,7 @@ class AdvisoryLockTrigger(BaseTrigger):
         )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
+        """Poll ``pg_locks`` until the key is free, the deadline passes or the database fails."""
         hook = AdvisoryLockHook(self.postgres_conn_id, connect_timeout=self.connect_timeout)
         key = self.key.describe()
         while True:
