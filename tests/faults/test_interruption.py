@@ -1,0 +1,170 @@
+"""How the protected work is interrupted when its lock is lost, in this very process (the
+pytest main thread, like Airflow's task runner): what the work sees, what ``finally``
+blocks can rely on, and that the interruption cannot escape the guard's own clean-up."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import psycopg
+import pytest
+
+from airflow_pglock.exceptions import LockLostError, LockLostInterrupt
+from airflow_pglock.guard import LOST_SIGNAL, LockGuard, LockHandle, LockPolicy
+from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+from airflow_pglock.keys import LockKey
+from airflow_pglock.liveness import Liveness
+from tests.faults.conftest import FaultServer
+
+pytestmark = [pytest.mark.faults, pytest.mark.slow]
+
+
+def _guard(server: FaultServer, key: str, **policy: Any) -> LockGuard:
+    hook = AdvisoryLockHook(dsn=server.dsn, liveness=Liveness(3))
+    return LockGuard(hook, LockKey.from_name(key), LockPolicy(**policy))
+
+
+def _terminate_soon(server: FaultServer, pid: int, delay: float = 0.2) -> threading.Thread:
+    def terminate() -> None:
+        time.sleep(delay)
+        with server.admin() as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", [pid])
+
+    thread = threading.Thread(target=terminate, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_work_is_interrupted_and_finally_runs_once(fault_server: FaultServer, fault_admin: Any) -> None:
+    seen: list[str] = []
+
+    def work(lock: LockHandle) -> None:
+        _terminate_soon(fault_server, lock.backend_pid)
+        try:
+            try:
+                time.sleep(30)
+            except Exception:  # the interruption is not an Exception: ordinary handlers don't swallow it
+                seen.append("caught by except Exception")
+        finally:
+            seen.append(f"finally: lost={lock.lost is not None}")
+            time.sleep(1.5)  # longer than a heartbeat interval: a finally block is not interrupted again
+            seen.append("finally completed")
+
+    started = time.monotonic()
+    with pytest.raises(LockLostError) as error:
+        _guard(fault_server, "interrupt-finally").run(work)
+    assert time.monotonic() - started < 10
+    assert seen == ["finally: lost=True", "finally completed"]
+    assert isinstance(error.value.__cause__, LockLostInterrupt)  # the traceback shows where the work was
+    assert "terminated" in error.value.cause
+
+
+def test_swallowed_interruption_still_fails(fault_server: FaultServer, fault_admin: Any) -> None:
+    def work(lock: LockHandle) -> str:
+        _terminate_soon(fault_server, lock.backend_pid)
+        try:  # noqa: SIM105 - written the way careless code swallows everything
+            time.sleep(30)
+        except BaseException:
+            pass
+        return "pretends to have succeeded"
+
+    with pytest.raises(LockLostError, match="this run is marked failed instead of successful"):
+        _guard(fault_server, "interrupt-swallowed").run(work)
+
+
+def test_with_block_form_is_interrupted_too(fault_server: FaultServer, fault_admin: Any) -> None:
+    with pytest.raises(LockLostError), _guard(fault_server, "interrupt-with") as lock:
+        _terminate_soon(fault_server, lock.backend_pid)
+        time.sleep(30)
+
+
+def test_nested_guards_the_lost_outer_lock_interrupts_the_inner_work(
+    fault_server: FaultServer, fault_admin: Any
+) -> None:
+    outer = _guard(fault_server, "nested-outer")
+    inner = _guard(fault_server, "nested-inner")
+
+    def inner_work(lock: LockHandle) -> None:
+        time.sleep(30)
+
+    def outer_work(lock: LockHandle) -> None:
+        _terminate_soon(fault_server, lock.backend_pid)
+        inner.run(inner_work)
+
+    with pytest.raises(LockLostError, match="nested-outer"):
+        outer.run(outer_work)
+    assert inner.outcome == "failed" and outer.outcome == "lost"
+
+
+def test_a_stray_signal_after_the_guard_is_harmless(fault_server: FaultServer, fault_admin: Any) -> None:
+    with _guard(fault_server, "stray-signal"):
+        pass
+    os.kill(os.getpid(), LOST_SIGNAL)  # no guard armed: the handler ignores it
+    time.sleep(0.05)
+
+
+def test_lost_reason_visible_to_the_work_with_warn(fault_server: FaultServer, fault_admin: Any) -> None:
+    def work(lock: LockHandle) -> str | None:
+        _terminate_soon(fault_server, lock.backend_pid)
+        deadline = time.monotonic() + 10
+        while lock.lost is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(LockLostError):
+            lock.check()
+        return lock.lost
+
+    guard = _guard(fault_server, "warn-visible", on_lost="warn")
+    reason = guard.run(work)
+    assert reason is not None and "terminated" in reason
+    assert guard.outcome == "lost"
+
+
+def test_transaction_mode_loss_rolls_back_the_work(fault_server: FaultServer, fault_admin: Any) -> None:
+    fault_admin.execute("DROP TABLE IF EXISTS tx_work; CREATE TABLE tx_work (note text)")
+
+    def work(lock: LockHandle) -> None:
+        assert lock.connection is not None
+        lock.connection.execute("INSERT INTO tx_work VALUES ('written under the lock')")
+        _terminate_soon(fault_server, lock.backend_pid)
+        time.sleep(30)
+
+    with pytest.raises(LockLostError):
+        _guard(fault_server, "tx-loss", mode="transaction").run(work)
+    assert fault_admin.execute("SELECT count(*) FROM tx_work").fetchone() == (0,)
+    fault_admin.execute("DROP TABLE tx_work")
+
+
+def test_transaction_mode_long_statement_is_not_a_loss(fault_server: FaultServer, fault_admin: Any) -> None:
+    """While the work runs a statement on the lock's connection, the heartbeat waits (the
+    session is active, not idle) instead of calling the lock lost."""
+
+    def work(lock: LockHandle) -> str | None:
+        assert lock.connection is not None
+        lock.connection.execute("SELECT pg_sleep(3.5)")  # longer than the loss deadline (2 s)
+        time.sleep(1.2)  # and a heartbeat after it
+        return lock.lost
+
+    assert _guard(fault_server, "tx-long-statement", mode="transaction").run(work) is None
+
+
+def test_probe_gives_up_on_a_silent_server(fault_server: FaultServer, fault_admin: Any) -> None:
+    """The heartbeat's probe is bounded: a server that does not answer (frozen backend)
+    is 'no answer' after the timeout, and the connection is closed."""
+    hook = AdvisoryLockHook(dsn=fault_server.dsn, liveness=Liveness(3))
+    key = LockKey.from_name("frozen-backend")
+    held = hook.try_acquire(key)
+    assert held is not None
+    try:
+        os.kill(held.server.backend_pid, 19)  # SIGSTOP the server process of this session
+        started = time.monotonic()
+        assert hook.probe(held.connection, key, False, timeout=0.5) == "no answer"
+        assert 0.4 < time.monotonic() - started < 3
+        assert held.connection.closed
+    finally:
+        os.kill(held.server.backend_pid, 18)  # SIGCONT
+        held.release()
+    with pytest.raises(psycopg.OperationalError):
+        hook.probe(held.connection, key, False, timeout=0.5)
