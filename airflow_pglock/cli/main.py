@@ -23,10 +23,11 @@ Exit codes (see docs/operations.md):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TextIO
 
 EXIT_OK = 0
@@ -503,25 +504,55 @@ def _error(message: str) -> None:
     sys.stderr.write(f"{PROG}: error: {message}\n")
 
 
+@contextlib.contextmanager
+def results_stream() -> Iterator[TextIO]:
+    """Keep stdout for results only: while a command runs, whatever else writes to stdout
+    (Airflow's logging, set up when Airflow is imported, writes there) goes to stderr.
+
+    Works on the file descriptors, so it also covers loggers that kept a reference to the
+    original ``sys.stdout``. Yields the stream the results go to.
+    """
+    sys.stdout.flush()
+    try:
+        results_fd = os.dup(1)
+    except OSError:  # no usable stdout (closed): nothing to protect
+        yield sys.stdout
+        return
+    os.dup2(2, 1)
+    results = os.fdopen(results_fd, "w", encoding="utf-8", closefd=True)
+    try:
+        yield results
+    finally:
+        results.flush()
+        sys.stdout.flush()
+        os.dup2(results_fd, 1)
+        results.close()
+
+
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     """The ``airflow-pglock`` console script.
 
     :param argv: arguments (default: ``sys.argv[1:]``).
-    :param out: where results go (default: stdout); errors go to stderr.
+    :param out: where results go (default: stdout, which then carries nothing else);
+        errors and logs go to stderr.
     """
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_:  # argparse: --help / --version (0) or a usage error (2)
         return int(exit_.code or 0)
-    return run(args.handler, args, out or sys.stdout)
+    if out is not None:
+        return run(args.handler, args, out)
+    with results_stream() as results:
+        return run(args.handler, args, results)
 
 
 def airflow_command(name: str) -> Callable[[argparse.Namespace], None]:
     """The function ``airflow pglock NAME`` calls: same handler, exit code through SystemExit."""
 
     def command(args: argparse.Namespace) -> None:
-        code = run(HANDLERS[name], args, sys.stdout)
+        with results_stream() as results:
+            code = run(HANDLERS[name], args, results)
         if code:
             sys.exit(code)
 

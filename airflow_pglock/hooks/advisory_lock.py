@@ -282,8 +282,8 @@ class AdvisoryLockHook(BaseHook):
                 captured.update(conn_args)
                 return None
 
-        postgres_hook = _ConnArgsOnly(postgres_conn_id=self.postgres_conn_id)
-        postgres_hook.connection = airflow_conn
+        # connection= (DbApiHook's own argument), not the deprecated setter, which logs a warning
+        postgres_hook = _ConnArgsOnly(postgres_conn_id=self.postgres_conn_id, connection=airflow_conn)
         postgres_hook.get_conn()
         return {k: v for k, v in captured.items() if v is not None and k not in _NON_LIBPQ_EXTRAS}
 

@@ -1,0 +1,75 @@
+"""``airflow-pglock doctor`` against unsafe set-ups: a hot standby, and PgBouncer in between.
+
+Both run for real: a standby made with ``pg_basebackup -R`` from a throwaway primary
+(devtools.standby), and Debian's PgBouncer in transaction pooling (devtools.pgbouncer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from devtools.pgbouncer import PgBouncer, PgBouncerUnavailableError
+from devtools.pgcluster import Cluster
+from devtools.standby import start_standby
+from tests.ops_helpers import run_cli
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def primary() -> Iterator[Cluster]:
+    cluster = Cluster().init().start()
+    try:
+        with psycopg.connect(cluster.dsn, autocommit=True) as conn:
+            conn.execute("CREATE DATABASE doctor_db")
+        yield cluster
+    finally:
+        cluster.destroy()
+
+
+def _checks(result: Any) -> dict[str, dict[str, Any]]:
+    return {check["name"]: check for check in result.json()["checks"]}
+
+
+def test_doctor_flags_a_standby(primary: Cluster, capsys: Any) -> None:
+    standby = start_standby(primary)
+    try:
+        with psycopg.connect(standby.dsn_for("doctor_db"), autocommit=True) as conn:
+            assert conn.execute("SELECT pg_is_in_recovery()").fetchone() == (True,)
+        result = run_cli("doctor", "--dsn", standby.dsn_for("doctor_db"), "--output", "json", capsys=capsys)
+        assert result.code == 1, result.out
+        checks = _checks(result)
+        assert checks["recovery"]["status"] == "problem"
+        assert "standby in recovery" in checks["recovery"]["summary"]
+        assert "target_session_attrs=read-write" in checks["recovery"]["fix"]
+        assert checks["pooler"]["status"] == "ok" and checks["connection"]["status"] == "ok"
+        table = run_cli("doctor", "--dsn", standby.dsn_for("doctor_db"), capsys=capsys)
+        assert table.code == 1 and "[PROBLEM] recovery" in table.out and "result: problem" in table.out
+    finally:
+        standby.destroy()
+    primary_result = run_cli("doctor", "--dsn", primary.dsn_for("doctor_db"), "--output", "json", capsys=capsys)
+    assert _checks(primary_result)["recovery"]["status"] == "ok"
+
+
+def test_doctor_flags_pgbouncer_in_transaction_pooling(primary: Cluster, capsys: Any) -> None:
+    try:
+        bouncer = PgBouncer(primary.port, pool_mode="transaction").start()
+    except PgBouncerUnavailableError as error:
+        pytest.skip(f"PgBouncer is not available here: {error}")
+    try:
+        result = run_cli("doctor", "--dsn", bouncer.dsn_for("doctor_db"), "--output", "json", capsys=capsys)
+        assert result.code == 1, result.out
+        checks = _checks(result)
+        assert checks["pooler"]["status"] == "problem"
+        assert "connection pooler is in between" in checks["pooler"]["summary"]
+        assert "mode='transaction'" in checks["pooler"]["fix"]
+        assert checks["recovery"]["status"] == "ok"
+        # `locks` still works through the pooler (it only reads).
+        listed = run_cli("locks", "--dsn", bouncer.dsn_for("doctor_db"), "--output", "json", capsys=capsys)
+        assert listed.code == 0 and listed.json()["locks"] == []
+    finally:
+        bouncer.stop()
