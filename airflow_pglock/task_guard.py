@@ -128,6 +128,14 @@ def check_key_spec(key: KeySpec, tenant: Any) -> None:
     )
 
 
+def check_once_per(once_per: Any) -> None:
+    """Parse-time check of the ``once_per`` option (a template is checked when rendered)."""
+    if once_per is not None and (not isinstance(once_per, str) or not once_per.strip()):
+        raise LockConfigurationError(
+            f"once_per must be a non-empty period or template, e.g. '{{{{ ds }}}}'; got {once_per!r}"
+        )
+
+
 def resolve_key(key: KeySpec, tenant: Any, dag_id: str, task_id: str) -> LockKey:
     """The key of one task instance, from the rendered ``key`` and ``tenant`` options."""
     if isinstance(key, str) and not key.strip():
@@ -282,7 +290,12 @@ def render_lock_option(value: Any, context: Mapping[str, Any], *, option: str) -
 
 
 def guard_callable(
-    python_callable: Callable[..., T], spec: LockSpec, *, key: KeySpec = None, tenant: Any = None
+    python_callable: Callable[..., T],
+    spec: LockSpec,
+    *,
+    key: KeySpec = None,
+    tenant: Any = None,
+    once_per: str | None = None,
 ) -> Callable[..., T]:
     """Wrap a Python callable so that each call runs while holding its advisory lock.
 
@@ -295,8 +308,10 @@ def guard_callable(
     :param spec: the lock options (from :meth:`LockSpec.build`).
     :param key: the key option (a Jinja template string is rendered at run time).
     :param tenant: the tenant option (rendered at run time).
+    :param once_per: the period option (rendered at run time), or None.
     """
     check_key_spec(key, tenant)
+    check_once_per(once_per)
     wants_handle = check_callable(python_callable, tenant=tenant, tenant_arg=spec.tenant_arg)
     name = getattr(python_callable, "__name__", repr(python_callable))
     signature = inspect.signature(python_callable)
@@ -315,6 +330,7 @@ def guard_callable(
                 rendered_tenant = tenant_from_arguments(python_callable, spec.tenant_arg, args, kwargs)
             else:
                 rendered_tenant = render_lock_option(tenant, context, option="tenant")
+            rendered_once_per = render_lock_option(once_per, context, option="once_per")
         except LockConfigurationError as error:
             fail_for_configuration(spec, error, task.log)
 
@@ -323,7 +339,9 @@ def guard_callable(
                 return python_callable(*args, **{**kwargs, LOCK_HANDLE_PARAM: handle})
             return python_callable(*args, **kwargs)
 
-        return run_guarded(spec, context, work, task.log, key=rendered_key, tenant=rendered_tenant)
+        return run_guarded(
+            spec, context, work, task.log, key=rendered_key, tenant=rendered_tenant, once_per=rendered_once_per
+        )
 
     if wants_handle:  # the task flavour on top must not ask for (or inject into) the lock argument
         guarded_call.__signature__ = signature.replace(  # type: ignore[attr-defined]

@@ -18,6 +18,7 @@ from airflow_pglock.task_guard import (
     LockSpec,
     check_callable,
     check_key_spec,
+    check_once_per,
     guard_callable,
     run_guarded,
     tenant_from_arguments,
@@ -96,10 +97,7 @@ class _AdvisoryLockDecoratedOperator(DecoratedOperator, PythonOperator):
             fencing=fencing,
         )
         check_key_spec(key, tenant)
-        if once_per is not None and (not isinstance(once_per, str) or not once_per.strip()):
-            raise LockConfigurationError(
-                f"once_per must be a non-empty period or template, e.g. '{{{{ ds }}}}'; got {once_per!r}"
-            )
+        check_once_per(once_per)
         self.lock_once_per = once_per
         name = getattr(python_callable, "__name__", repr(python_callable))
         op_kwargs = dict(op_kwargs or {})
@@ -186,6 +184,9 @@ def advisory_lock(
     on_lost: OnLost = "fail",
     on_error: OnError = "fail",
     lease: float | dt.timedelta = DEFAULT_LEASE_SECONDS,
+    once_per: str | None = None,
+    min_interval: float | dt.timedelta | None = None,
+    fencing: bool = False,
 ) -> Any:
     """``@advisory_lock(...)``: guard a function that another task flavour runs.
 
@@ -212,6 +213,12 @@ def advisory_lock(
     :param on_lost: ``"fail"`` (default) or ``"warn"`` when the lock is lost mid-run.
     :param on_error: ``"fail"`` (default) or ``"skip"`` when the lock database cannot be used.
     :param lease: seconds (or timedelta) a dead holder may keep the lock (default 30).
+    :param once_per: a period (Jinja template, e.g. ``"{{ ds }}"``): skip when this key already
+        completed for it (needs ``airflow-pglock init-db``).
+    :param min_interval: seconds or timedelta: skip while the key's last completion is more
+        recent (database clock; needs ``init-db``).
+    :param fencing: give each acquisition a fencing token that only grows (``lock.fencing_token``
+        and the XCom ``pglock_fencing_token``; needs ``init-db``).
     """
     spec = LockSpec.build(
         postgres_conn_id=postgres_conn_id,
@@ -223,6 +230,8 @@ def advisory_lock(
         on_error=on_error,
         lease=lease,
         tenant_arg=tenant_arg,
+        min_interval=min_interval,
+        fencing=fencing,
     )
 
     def decorate(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -231,6 +240,6 @@ def advisory_lock(
                 f"@advisory_lock must be applied to a plain function, below the @task decorator "
                 f"(@task... on top, @advisory_lock(...) under it), got {function!r}"
             )
-        return guard_callable(function, spec, key=key, tenant=tenant)
+        return guard_callable(function, spec, key=key, tenant=tenant, once_per=once_per)
 
     return decorate if python_callable is None else decorate(python_callable)

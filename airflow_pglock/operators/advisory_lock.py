@@ -29,6 +29,7 @@ from airflow_pglock.task_guard import (
     KeySpec,
     LockSpec,
     check_key_spec,
+    check_once_per,
     fail_for_configuration,
     render_lock_option,
     run_guarded,
@@ -47,35 +48,45 @@ class OperatorGuard:
     :param spec: mode, on_busy, on_lost, on_error, lease and connection.
     :param key: the key option (a Jinja template string is rendered at run time).
     :param tenant: the tenant option (rendered at run time).
+    :param once_per: the period option (rendered at run time), or None.
     """
 
     spec: LockSpec
     key: KeySpec
     tenant: Any
+    once_per: str | None = None
 
-    def execute(self, context: Context) -> Any:
+    def execute(self, context: Context, **kwargs: Any) -> Any:
         """Run the operator's own ``execute`` while holding the key (replaces ``operator.execute``).
 
         :param context: the task context; its ``task`` is the operator copy to run.
+        :param kwargs: passed on to the operator's ``execute`` (Airflow 2's task runner adds a marker).
         """
         task = context["task"]  # the copy the task runner executes, template fields rendered
         try:
             key = render_lock_option(self.key, context, option="key")
             tenant = render_lock_option(self.tenant, context, option="tenant")
+            once_per = render_lock_option(self.once_per, context, option="once_per")
         except LockConfigurationError as error:
             fail_for_configuration(self.spec, error, task.log)
         try:
             return run_guarded(
-                self.spec, context, lambda handle: self._run(task, handle, context), task.log, key=key, tenant=tenant
+                self.spec,
+                context,
+                lambda handle: self._run(task, handle, context, kwargs),
+                task.log,
+                key=key,
+                tenant=tenant,
+                once_per=once_per,
             )
         except LockLostError:
             _stop_external_work(task)
             raise
 
     @staticmethod
-    def _run(task: BaseOperator, handle: LockHandle, context: Context) -> Any:
+    def _run(task: BaseOperator, handle: LockHandle, context: Context, kwargs: dict[str, Any]) -> Any:
         try:
-            return type(task).execute(task, context)
+            return type(task).execute(task, context, **kwargs)
         except TaskDeferred:
             # The lock lives on this worker's connection; a deferred task has no worker.
             raise LockConfigurationError(
@@ -99,6 +110,9 @@ def guarded(
     on_lost: OnLost = "fail",
     on_error: OnError = "fail",
     lease: float | dt.timedelta = DEFAULT_LEASE_SECONDS,
+    once_per: str | None = None,
+    min_interval: float | dt.timedelta | None = None,
+    fencing: bool = False,
 ) -> OperatorT:
     """Run ``operator`` only while it holds its advisory lock; returns the same operator.
 
@@ -120,6 +134,12 @@ def guarded(
     :param on_lost: ``"fail"`` (default) or ``"warn"`` when the lock is lost mid-run.
     :param on_error: ``"fail"`` (default) or ``"skip"`` when the lock database cannot be used.
     :param lease: seconds (or timedelta) a dead holder may keep the lock (default 30).
+    :param once_per: a period (Jinja template, e.g. ``"{{ ds }}"``): skip when this key already
+        completed for it (needs ``airflow-pglock init-db``).
+    :param min_interval: seconds or timedelta: skip while the key's last completion is more
+        recent (database clock; needs ``init-db``).
+    :param fencing: give each acquisition a fencing token that only grows (pushed as the XCom
+        ``pglock_fencing_token``; needs ``init-db``).
     """
     if isinstance(operator, MappedOperator):
         raise LockConfigurationError(
@@ -146,9 +166,12 @@ def guarded(
         on_lost=on_lost,
         on_error=on_error,
         lease=lease,
+        min_interval=min_interval,
+        fencing=fencing,
     )
     check_key_spec(key, tenant)
-    guard = OperatorGuard(spec=spec, key=key, tenant=tenant)
+    check_once_per(once_per)
+    guard = OperatorGuard(spec=spec, key=key, tenant=tenant, once_per=once_per)
     setattr(operator, GUARD_ATTRIBUTE, guard)
     operator.execute = guard.execute  # type: ignore[method-assign]
     return operator

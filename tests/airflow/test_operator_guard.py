@@ -214,3 +214,74 @@ def test_bad_guards_are_refused_when_the_dag_is_parsed() -> None:
         twice = guarded(BashOperator(task_id="twice", bash_command="true"))
         with pytest.raises(LockConfigurationError, match="already guarded"):
             guarded(twice)
+
+
+RULES_DAG = '''
+import pendulum
+from airflow.providers.standard.operators.bash import BashOperator
+from airflow.sdk import dag, task
+
+from airflow_pglock.decorators.advisory_lock import advisory_lock
+from airflow_pglock.operators.advisory_lock import guarded
+
+CONN = "pglock_test"
+
+
+@dag(dag_id="guard_rules", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False,
+     params={"period": "2026-11-30"})
+def guard_rules():
+    guarded(BashOperator(task_id="nightly", bash_command="echo nightly"), key="rules/nightly",
+            once_per="{{ params.period }}", postgres_conn_id=CONN)
+    guarded(BashOperator(task_id="fresh", bash_command="echo fresh"), key="rules/fresh", min_interval=3600,
+            postgres_conn_id=CONN)
+    guarded(BashOperator(task_id="fenced_bash", bash_command="echo fenced"), key="rules/fenced", fencing=True,
+            postgres_conn_id=CONN)
+
+    @task
+    @advisory_lock(key="rules/composable", once_per="{{ params.period }}", fencing=True, postgres_conn_id=CONN)
+    def composable(lock):
+        assert lock.fencing_token is not None and lock.fencing_token > 0, lock
+        return lock.fencing_token
+
+    composable()
+
+
+guard_rules_dag = guard_rules()
+'''
+
+
+@pytest.fixture
+def ledger(admin: Any) -> Any:
+    from airflow_pglock.hooks import schema
+
+    admin.execute("DROP SCHEMA IF EXISTS pglock CASCADE")
+    schema.migrate(admin)
+    yield admin
+    admin.execute("DROP SCHEMA IF EXISTS pglock CASCADE")
+
+
+def test_run_rules_reach_guarded_operators_and_the_composable_decorator(
+    airflow_db: Any, ledger: Any, capfd: Any
+) -> None:
+    """once_per, min_interval and fencing, as @task.advisory_lock has them (same run_guarded)."""
+
+    def tokens() -> dict[str, int]:
+        return dict(ledger.execute("SELECT key_name, token FROM pglock.fencing_tokens").fetchall())
+
+    first = run_dag(RULES_DAG, "guard_rules")
+    assert set(first.states.values()) == {"success"}, first.states
+    first_tokens = tokens()
+    assert set(first_tokens) == {"rules/fenced", "rules/composable"}
+
+    capfd.readouterr()
+    second = run_dag(RULES_DAG, "guard_rules")
+    log = "".join(capfd.readouterr())
+    assert second.states == {
+        ("nightly", -1): "skipped",  # already done for the period
+        ("fresh", -1): "skipped",  # completed less than an hour ago
+        ("fenced_bash", -1): "success",
+        ("composable", -1): "skipped",  # already done for the period
+    }
+    assert "already done for period '2026-11-30'" in log and "less than min_interval=3600 s" in log
+    assert tokens()["rules/fenced"] > first_tokens["rules/fenced"]
+    assert advisory_locks(ledger) == []
