@@ -22,3 +22,48 @@ def test_settings_follow_the_lease() -> None:
 def test_bad_lease_is_refused_with_the_value(bad: object) -> None:
     with pytest.raises(ValueError, match="lease"):
         Liveness(bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("lease", [3, 3.5, 4, 6, 10, 30, 120])
+def test_bounds_are_ordered_for_any_lease(lease: float) -> None:
+    """heartbeat < holder gives up < server releases; a dead peer's TCP is noticed within the lease."""
+    live = Liveness(lease)
+    assert live.heartbeat_interval < live.loss_deadline < live.lease
+    assert live.loss_deadline + live.heartbeat_interval <= live.lease  # a full interval of margin
+    assert live.keepalive_idle + live.keepalive_interval * live.keepalive_count <= live.lease
+    assert live.keepalive_count >= 1 and live.keepalive_interval >= 1
+
+
+def test_settings_follow_the_server_version() -> None:
+    live = Liveness(6)
+    modern = live.server_settings(transaction=False, server_version_num=160002)
+    assert modern["idle_session_timeout"] == "6000ms"
+    assert modern["client_connection_check_interval"] == "1000ms"
+    old = live.server_settings(transaction=True, server_version_num=130010)
+    assert "idle_session_timeout" not in old and "client_connection_check_interval" not in old
+    assert old["idle_in_transaction_session_timeout"] == "6000ms"
+    assert "idle_session_timeout" not in live.server_settings(transaction=True)
+
+
+def test_session_locks_need_idle_session_timeout() -> None:
+    import datetime as dt
+
+    from airflow_pglock.exceptions import UnsafeSetupError
+    from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook, ServerInfo
+
+    pg13 = ServerInfo(
+        backend_pid=1,
+        reported_pid=1,
+        version_num=130010,
+        version="PostgreSQL 13.10",
+        database="db",
+        server_addr="10.0.0.1",
+        server_port=5432,
+        in_recovery=False,
+        started_at=dt.datetime(2026, 1, 1, tzinfo=dt.UTC),
+    )
+    hook = AdvisoryLockHook(dsn="postgresql://localhost/db")
+    with pytest.raises(UnsafeSetupError, match="idle_session_timeout") as error:
+        hook.check_server(pg13, "session")
+    assert "mode='transaction'" in str(error.value) and "130010" in str(error.value)
+    hook.check_server(pg13, "transaction")  # bounded by idle_in_transaction_session_timeout
