@@ -13,7 +13,11 @@ from __future__ import annotations
 from typing import Any
 
 import pendulum
-from airflow.sdk import dag, task
+
+try:
+    from airflow.sdk import dag, task
+except ImportError:  # Airflow 2.x
+    from airflow.decorators import dag, task
 
 from airflow_pglock.guard import LockHandle
 

@@ -23,8 +23,13 @@ from __future__ import annotations
 import datetime as dt
 
 import pendulum
-from airflow.providers.standard.operators.bash import BashOperator
-from airflow.sdk import dag
+
+try:
+    from airflow.providers.standard.operators.bash import BashOperator
+    from airflow.sdk import dag
+except ImportError:  # Airflow 2.x
+    from airflow.decorators import dag
+    from airflow.operators.bash import BashOperator
 
 from airflow_pglock.operators.advisory_lock import guarded
 from airflow_pglock.sensors.advisory_lock import AdvisoryLockSensor

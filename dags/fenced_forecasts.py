@@ -12,7 +12,11 @@ Needs ``airflow-pglock init-db`` once on the lock database. Run it as is:
 from __future__ import annotations
 
 import pendulum
-from airflow.sdk import dag, task
+
+try:
+    from airflow.sdk import dag, task
+except ImportError:  # Airflow 2.x
+    from airflow.decorators import dag, task
 
 from airflow_pglock.guard import LockHandle
 

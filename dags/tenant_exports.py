@@ -17,7 +17,11 @@ import time
 from pathlib import Path
 
 import pendulum
-from airflow.sdk import dag, task
+
+try:
+    from airflow.sdk import dag, task
+except ImportError:  # Airflow 2.x
+    from airflow.decorators import dag, task
 
 EXPORT_DIR = Path(os.environ.get("PGLOCK_EXPORT_DIR", Path(tempfile.gettempdir()) / "pglock-exports"))
 

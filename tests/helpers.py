@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import logging
 import os
+import re
 import sys
 import textwrap
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,12 +56,81 @@ class DagResult:
         return self.states[(task_id, map_index)]
 
 
+# The test DAG sources are written for Airflow 3. On Airflow 2 (2.11) the same names live
+# elsewhere: write_dag() rewrites those imports, so one test runs on both lines.
+AIRFLOW_2_HOMES: dict[str, dict[str, str] | str] = {
+    "airflow.sdk": {
+        "dag": "airflow.decorators",
+        "task": "airflow.decorators",
+        "DAG": "airflow.models.dag",
+        "BaseOperator": "airflow.models.baseoperator",
+        "chain": "airflow.models.baseoperator",
+        "Param": "airflow.models.param",
+        "Variable": "airflow.models.variable",
+        "get_current_context": "airflow.operators.python",
+    },
+    "airflow.sdk.exceptions": "airflow.exceptions",
+    "airflow.providers.standard.operators.bash": "airflow.operators.bash",
+    "airflow.providers.standard.operators.empty": "airflow.operators.empty",
+    "airflow.providers.standard.operators.python": "airflow.operators.python",
+    "airflow.providers.standard.triggers.temporal": "airflow.triggers.temporal",
+}
+_FROM_IMPORT = re.compile(
+    r"^(?P<indent>[ \t]*)from (?P<module>[\w.]+) import (?P<names>\([^)]*\)|[^\n]+)$", re.MULTILINE
+)
+
+
+def for_this_airflow(source: str) -> str:
+    """``source`` with Airflow 3 imports moved to their Airflow 2 homes when running on 2.x."""
+    from airflow_pglock.compat import AIRFLOW_V_3_PLUS
+
+    if AIRFLOW_V_3_PLUS:
+        return source
+
+    def rewrite(match: re.Match[str]) -> str:
+        homes = AIRFLOW_2_HOMES.get(match["module"])
+        if homes is None:
+            return match[0]
+        names = [name.strip() for name in match["names"].strip("()").split(",") if name.strip()]
+        lines = []
+        for name in names:
+            home = homes if isinstance(homes, str) else homes.get(name.split(" as ")[0].strip())
+            if home is None:
+                raise AssertionError(f"no Airflow 2 home for {match['module']}.{name}: add it to AIRFLOW_2_HOMES")
+            lines.append(f"{match['indent']}from {home} import {name}")
+        return "\n".join(lines)
+
+    return _FROM_IMPORT.sub(rewrite, source)
+
+
 def write_dag(source: str, dag_id: str) -> Path:
     from tests.conftest import DAGS_FOLDER
 
     path = DAGS_FOLDER / f"{dag_id}.py"
-    path.write_text(textwrap.dedent(source))
+    path.write_text(for_this_airflow(textwrap.dedent(source)))
     return path
+
+
+@contextlib.contextmanager
+def _task_log_printed_once() -> Iterator[None]:
+    """Airflow 2's dag.test() adds a stdout handler to ``airflow.task``, which also propagates to
+    the root console handler: every task log line would reach stdout twice (Airflow 3 prints
+    once). On 2.x: no propagation during the run, and the handler (bound to this test's stdout)
+    is removed afterwards so that the next run adds a fresh one.
+    """
+    from airflow_pglock.compat import AIRFLOW_V_3_PLUS
+
+    task_logger = logging.getLogger("airflow.task")
+    propagate, handlers = task_logger.propagate, list(task_logger.handlers)
+    if not AIRFLOW_V_3_PLUS:
+        task_logger.propagate = False
+    try:
+        yield
+    finally:
+        task_logger.propagate = propagate
+        for handler in task_logger.handlers[:]:
+            if handler not in handlers:
+                task_logger.removeHandler(handler)
 
 
 def run_dag(source: str, dag_id: str, conf: dict[str, Any] | None = None) -> DagResult:
@@ -73,7 +146,8 @@ def run_dag(source: str, dag_id: str, conf: dict[str, Any] | None = None) -> Dag
         value for value in vars(module).values() if getattr(value, "dag_id", None) == dag_id and hasattr(value, "test")
     ]
     assert dags, f"no DAG {dag_id!r} in {path}"
-    dag_run = dags[0].test(run_conf=conf)
+    with _task_log_printed_once():
+        dag_run = dags[0].test(run_conf=conf)
     states = {
         (ti.task_id, ti.map_index): str(ti.state.value if hasattr(ti.state, "value") else ti.state)
         for ti in dag_run.get_task_instances()

@@ -154,9 +154,8 @@ def test_composable_decorator_under_other_task_flavours(
 
 
 def test_composable_decorator_refuses_bad_use() -> None:
-    from airflow.sdk import DAG, task
-
     from airflow_pglock.decorators.advisory_lock import advisory_lock
+    from tests.sdk import DAG, task
 
     @advisory_lock(key="k")
     def outside(lock: Any) -> None: ...

@@ -18,10 +18,7 @@ ROOT = DAGS.parent
 
 
 def test_example_dags_import_without_errors() -> None:
-    try:
-        from airflow.dag_processing.dagbag import DagBag
-    except ImportError:  # Airflow 2.x
-        from airflow.models.dagbag import DagBag
+    from tests.sdk import DagBag
 
     bag = DagBag(dag_folder=str(DAGS))
     assert bag.import_errors == {}

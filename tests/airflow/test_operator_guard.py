@@ -169,11 +169,8 @@ def test_guarded_operators(
 
 
 def test_guarded_dag_survives_serialization_and_keeps_the_operator_class() -> None:
-    from airflow.providers.standard.operators.bash import BashOperator
-    from airflow.sdk import DAG
-    from airflow.serialization.serialized_objects import DagSerialization
-
     from airflow_pglock.operators.advisory_lock import OperatorGuard, guarded
+    from tests.sdk import DAG, BashOperator, DagSerialization
 
     with DAG("serialized_guard", schedule=None) as dag:
         op = guarded(BashOperator(task_id="vacuum", bash_command="echo {{ ds }}"), key="maintenance", tenant="x")
@@ -188,10 +185,8 @@ def test_guarded_dag_survives_serialization_and_keeps_the_operator_class() -> No
 
 
 def test_bad_guards_are_refused_when_the_dag_is_parsed() -> None:
-    from airflow.providers.standard.operators.bash import BashOperator
-    from airflow.sdk import DAG
-
     from airflow_pglock.operators.advisory_lock import guarded
+    from tests.sdk import DAG, BashOperator
 
     class MaybeDeferrable(BashOperator):
         def __init__(self, *, deferrable: bool = False, **kwargs: Any) -> None:
