@@ -102,6 +102,16 @@ def hook(dsn: str) -> object:
     return AdvisoryLockHook(dsn=dsn)
 
 
+@pytest.fixture
+def holder_hook(dsn: str) -> object:
+    """A hook for locks a test holds for a long time without a heartbeat (a 600 s lease,
+    so that a slow run cannot see the server end the idle holder after the default 30 s)."""
+    from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+    from airflow_pglock.liveness import Liveness
+
+    return AdvisoryLockHook(dsn=dsn, liveness=Liveness(lease=600))
+
+
 @pytest.fixture(scope="session")
 def airflow_db(dsn: str) -> Path:
     """A migrated Airflow metadata DB (SQLite) in the throwaway AIRFLOW_HOME."""

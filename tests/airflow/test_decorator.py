@@ -126,7 +126,8 @@ def settlements(admin: Any) -> Any:
     admin.execute("DROP TABLE settlements")
 
 
-def test_guarded_dag(airflow_db: Any, hook: AdvisoryLockHook, settlements: Any, capfd: Any) -> None:
+def test_guarded_dag(airflow_db: Any, holder_hook: AdvisoryLockHook, settlements: Any, capfd: Any) -> None:
+    hook = holder_hook
     held = [
         hook.try_acquire("busy-key", application_name="other deployment"),
         hook.try_acquire("busy-fail-key", application_name="other deployment"),
