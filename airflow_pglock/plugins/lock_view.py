@@ -117,8 +117,9 @@ def add_run_urls(entries: list[dict[str, Any]], ui_base: str) -> None:
 
     A long DAG or run id is shortened in the application_name (PostgreSQL keeps 63 bytes;
     the shortened part ends with ``~``). Such a prefix is looked up in this deployment's
-    metadata database; the link is given only when exactly one DAG / run matches. Holders
-    from another Airflow deployment keep ``run_url`` None when their run is not here.
+    metadata database; when exactly one DAG / run matches, the entry gets the full ids and
+    the link. Holders from another Airflow deployment keep ``run_url`` None when their run
+    is not here.
 
     :param entries: the ``locks`` of a report's JSON; changed in place.
     :param ui_base: the UI's base path (see :func:`ui_base_path`).
@@ -136,6 +137,7 @@ def add_run_urls(entries: list[dict[str, Any]], ui_base: str) -> None:
             resolved[ids] = _full_run_ids(*ids)
         full = resolved[ids]
         if full is not None:
+            holder["dag_id"], holder["run_id"] = full  # shortened ids completed
             entry["run_url"] = f"{ui_base}dags/{quote(full[0], safe='')}/runs/{quote(full[1], safe='')}"
 
 
