@@ -34,7 +34,10 @@ class InvalidLockKeyError(ValueError):
 
 
 def int64_from_name(name: str) -> int:
-    """The int64 of a name: first 8 bytes of SHA-256(UTF-8 name), big-endian, signed."""
+    """The int64 of a name: first 8 bytes of SHA-256(UTF-8 name), big-endian, signed.
+
+    :param name: the key name (any string; hashed as UTF-8).
+    """
     digest = hashlib.sha256(name.encode("utf-8")).digest()
     return int.from_bytes(digest[:8], "big", signed=True)
 

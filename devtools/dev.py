@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 VENV = Path(os.environ.get("PGLOCK_VENV", ROOT / ".venv"))
 AIRFLOW_LINE = os.environ.get("PGLOCK_AIRFLOW", "3.3")
 CONSTRAINTS = ROOT / "constraints" / f"airflow-{AIRFLOW_LINE}.txt"
-EXTRAS = "test"
+EXTRAS = "test,docs"
 
 
 def _python() -> Path:
@@ -39,7 +39,7 @@ def _stamp() -> str:
 
 
 def ensure_environment() -> Path:
-    if sys.version_info < (3, 11):
+    if sys.version_info < (3, 11):  # noqa: UP036 - this script runs on whatever python3 is first
         sys.exit(f"airflow-pglock needs Python 3.11 or newer; this is {sys.version.split()[0]}")
     if not CONSTRAINTS.exists():
         sys.exit(f"no constraints file for Airflow {AIRFLOW_LINE}: {CONSTRAINTS} (see PGLOCK_AIRFLOW)")

@@ -75,6 +75,13 @@ class ServerInfo:
 
     :param backend_pid: ``pg_backend_pid()`` of the lock session.
     :param reported_pid: the backend pid the wire protocol reported; a pooler fakes it.
+    :param version_num: ``server_version_num``, e.g. 150004.
+    :param version: the server's version string.
+    :param database: the database connected to.
+    :param server_addr: ``inet_server_addr()``; None over a local socket.
+    :param server_port: ``inet_server_port()``; None over a local socket.
+    :param in_recovery: ``pg_is_in_recovery()``: True on a standby (refused for locks).
+    :param started_at: ``pg_postmaster_start_time()``.
     """
 
     backend_pid: int
@@ -105,6 +112,18 @@ class LockHolder:
 
     ``since`` is when the holder's session started; airflow-pglock opens a session per lock,
     so for its holders that is within milliseconds of the acquisition.
+
+    :param pid: the holder's backend pid.
+    :param granted: True when it holds the key, False when it waits for it.
+    :param mode: ``ExclusiveLock`` or ``ShareLock``.
+    :param application_name: the session's application_name (airflow-pglock's names the DAG,
+        task and run); None when hidden (another role without ``pg_read_all_stats``) or unset.
+    :param client_addr: the client's address; None over a local socket or when hidden.
+    :param since: when the session started (``backend_start``).
+    :param waiting_since: when a waiter started waiting (``pg_locks.waitstart``, PostgreSQL 14+).
+    :param transaction_start: start of the session's current transaction, if any.
+    :param user: the session's role.
+    :param state: ``pg_stat_activity.state`` (``idle``, ``active``, ...).
     """
 
     pid: int
@@ -157,6 +176,11 @@ class HeldLock:
     :param scope: ``"session"`` or ``"transaction"``.
     :param connection: the dedicated connection; in transaction scope, do your database
         work on it: it runs inside the transaction that holds the lock.
+    :param server: what the connection found at the other end.
+    :param hook: the hook that took the lock (used to release it).
+    :param acquired_at: when the lock was taken (UTC).
+    :param acquired_monotonic: ``time.monotonic()`` at acquisition, for durations.
+    :param released: True once :meth:`release` ran.
     """
 
     key: LockKey
