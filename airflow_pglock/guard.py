@@ -197,6 +197,7 @@ class LockGuard:
         self._interrupt_sent = False
         self._interrupt_delivered = False
         self._guarded_thread: threading.Thread | None = None
+        self._server_notice: tuple[str, str] | None = None  # (sqlstate, message) of a 57P.. notice
         self._started = 0.0
         self._wait_seconds = 0.0
 
@@ -285,10 +286,17 @@ class LockGuard:
                 self._armed = True
             if self._guarded_thread is threading.main_thread():
                 _arm_main_thread(self)
+        # A server that ends every session (crash, immediate shutdown) says why in a notice
+        # just before it hangs up; the error the client then sees does not.
+        self.held.connection.add_notice_handler(self._on_notice)
         self._heartbeat = threading.Thread(
             target=self._heartbeat_loop, name=f"pglock-heartbeat-{self.held.server.backend_pid}", daemon=True
         )
         self._heartbeat.start()
+
+    def _on_notice(self, diagnostic: psycopg.errors.Diagnostic) -> None:
+        if (diagnostic.sqlstate or "").startswith("57P"):
+            self._server_notice = (diagnostic.sqlstate or "", diagnostic.message_primary or "")
 
     def _heartbeat_loop(self) -> None:
         """Probe every ``lease / 3`` s; on loss, interrupt the work (``on_lost="fail"``) and stop.
@@ -346,11 +354,13 @@ class LockGuard:
         state = getattr(error, "sqlstate", None) or ""
         text = str(error).strip().splitlines()
         detail = text[0] if text else type(error).__name__
+        if not state and self._server_notice is not None:
+            state, detail = self._server_notice
         lease = self.hook.liveness.lease
         if state == "57P01":
             return "the session was terminated (pg_terminate_backend() or a server shutdown)", True
         if state in {"57P02", "57P03"}:
-            return f"the PostgreSQL server is shutting down or crashed ({detail})", True
+            return f"the PostgreSQL server crashed or is shutting down ({detail})", True
         if state == "57P05":
             return (
                 f"the server ended the session after the lease ({lease:g} s) without a heartbeat "

@@ -8,10 +8,12 @@ clock for the whole machine) and asserted against the documented bounds with a m
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from typing import Any
 
+import psycopg
 import pytest
 
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
@@ -127,18 +129,35 @@ def test_on_lost_warn_logs_and_lets_the_work_finish(fault_server: FaultServer, f
         assert holder.join(10) == EXIT_COMPLETED
 
 
-def test_postgres_restart_fails_the_task_and_says_so(fault_server: FaultServer, fault_admin: Any) -> None:
-    key = "fault-restart"
+def _crash_a_backend(fault_server: FaultServer) -> None:
+    """SIGKILL an unrelated backend: the postmaster then ends every session and recovers."""
+    victim = psycopg.connect(fault_server.dsn, autocommit=True, application_name="pglock crash victim")
+    pid = victim.info.backend_pid
+    os.kill(pid, signal.SIGKILL)
+    victim.close()
+
+
+@pytest.mark.parametrize("how", ["restart", "immediate", "crash"])
+def test_postgres_restart_or_crash_fails_the_task_and_says_so(
+    fault_server: FaultServer, fault_admin: Any, how: str
+) -> None:
+    key = f"fault-restart-{how}"
     with Holder(HolderConfig(fault_server.dsn, key, lease=LEASE)) as holder:
         holder.wait_for("acquired", 30)
-        restarting = time.monotonic()
-        fault_server.cluster.restart()
+        began = time.monotonic()
+        if how == "restart":
+            fault_server.cluster.restart()  # pg_ctl stop -m fast; start
+        elif how == "immediate":
+            fault_server.cluster.stop("immediate")
+            fault_server.cluster.start()
+        else:
+            _crash_a_backend(fault_server)
         interrupted = holder.wait_for("interrupted", INTERVAL + 10)
-        measured("PostgreSQL restart (fast shutdown) -> work interrupted", interrupted["t"] - restarting)
+        measured(f"PostgreSQL {how} -> work interrupted", interrupted["t"] - began)
         outcome = holder.wait_for("outcome", 10)
         assert outcome["outcome"] == "lost"
         cause = outcome["cause"]
-        assert "restarted" in cause or "shut down" in cause, cause
+        assert any(word in cause for word in ("restarted", "shut down", "crashed")), cause
         assert holder.join(10) == EXIT_LOST
     fault_server.wait_until_up()
     assert contender_can_take(fault_server.dsn, key)
