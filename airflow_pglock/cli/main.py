@@ -91,7 +91,7 @@ ARGS: dict[str, ArgSpec] = {
     "grant": (
         ("--grant",),
         {
-            "help": "let this role (the one tasks connect as) record and read key names; repeatable",
+            "help": "grant this role (the one tasks connect as) what it needs on pglock's tables; repeatable",
             "action": "append",
             "metavar": "ROLE",
             "default": None,
@@ -439,14 +439,13 @@ def cmd_init_db(args: argparse.Namespace, out: TextIO) -> int:
                 )
             return EXIT_OK
         result = migrate(conn)
-        for role in args.grant or ():
-            grant_usage(conn, role)
+        grants = {role: grant_usage(conn, role) for role in args.grant or ()}
     data = {
         "schema": SCHEMA,
         "before": result.before,
         "after": result.after,
         "applied": [{"version": m.version, "description": m.description} for m in result.applied],
-        "granted": list(args.grant or ()),
+        "granted": list(grants),
     }
     if args.output == "json":
         _print_json(data, out)
@@ -458,8 +457,10 @@ def cmd_init_db(args: argparse.Namespace, out: TextIO) -> int:
             out.write(f"  applied {migration.version}: {migration.description}\n")
     else:
         out.write(f"schema {SCHEMA}: already at version {result.after} (nothing to do)\n")
-    for role in args.grant or ():
-        out.write(f"  granted USAGE, SELECT, INSERT on the key-name registry to {role}\n")
+    for role, statements in grants.items():
+        out.write(f"  granted to {role}:\n")
+        for statement in statements:
+            out.write(f"    {statement};\n")
     return EXIT_OK
 
 

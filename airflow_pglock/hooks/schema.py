@@ -42,11 +42,15 @@ class Migration:
     :param description: one line saying what it adds (stored in the version table).
     :param statements: SQL run in order, in the migration transaction. Schema-qualify
         every object with ``pglock.``.
+    :param grants: what a role that tasks connect as needs on this migration's objects,
+        as ``GRANT ... TO {role}`` statements (``init-db --grant ROLE`` runs them, with
+        ``{role}`` quoted as an identifier). Least privilege: never ``CREATE``.
     """
 
     version: int
     description: str
     statements: tuple[str, ...]
+    grants: tuple[str, ...] = ()
 
 
 MIGRATIONS: tuple[Migration, ...] = (
@@ -70,11 +74,17 @@ MIGRATIONS: tuple[Migration, ...] = (
             "COMMENT ON TABLE pglock.key_names IS 'airflow-pglock: names recorded for advisory lock keys "
             "(two rows for one key = a collision: two names share one lock)'",
         ),
+        grants=("GRANT SELECT, INSERT ON pglock.key_names TO {role}",),
     ),
     Migration(
         version=2,
         description="once_per / min_interval completions and fencing tokens (see hooks/ledger.py)",
         statements=LEDGER_STATEMENTS,
+        grants=(  # as docs/once-per-period.md lists them
+            "GRANT SELECT, INSERT, UPDATE ON pglock.completions, pglock.fencing_tokens TO {role}",
+            "GRANT USAGE ON SEQUENCE pglock.fencing_token_seq TO {role}",
+            "GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA pglock TO {role}",
+        ),
     ),
 )
 
@@ -312,12 +322,22 @@ def registry_privileges(conn: psycopg.Connection[Any]) -> dict[str, bool] | None
     return {"usage": bool(row[0]), "select": bool(row[0] and row[1]), "insert": bool(row[0] and row[2])}
 
 
-def grant_usage(conn: psycopg.Connection[Any], role: str) -> None:
-    """Let ``role`` (the roles tasks connect as) use the registry: USAGE, SELECT, INSERT.
+def grant_usage(conn: psycopg.Connection[Any], role: str) -> list[str]:
+    """Let ``role`` (a role tasks connect as) use every installed table: each applied
+    migration's :attr:`Migration.grants`, plus USAGE on the schema and SELECT on the
+    version table. Returns the statements run.
 
     :param role: an existing role name (quoted as an identifier, never interpolated).
     """
+    status = schema_status(conn)
+    statements = [
+        sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(sql.Identifier(SCHEMA), sql.Identifier(role)),
+        sql.SQL("GRANT SELECT ON {} TO {}").format(_version_table(), sql.Identifier(role)),
+    ]
+    for migration in MIGRATIONS:
+        if migration.version <= (status.installed or 0):
+            statements += [sql.SQL(grant).format(role=sql.Identifier(role)) for grant in migration.grants]
     with conn.transaction():
-        conn.execute(sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(sql.Identifier(SCHEMA), sql.Identifier(role)))
-        conn.execute(sql.SQL("GRANT SELECT, INSERT ON {} TO {}").format(_registry_table(), sql.Identifier(role)))
-        conn.execute(sql.SQL("GRANT SELECT ON {} TO {}").format(_version_table(), sql.Identifier(role)))
+        for statement in statements:
+            conn.execute(statement)
+    return [statement.as_string(conn) for statement in statements]

@@ -394,7 +394,13 @@ def test_doctor_flags_a_role_without_privileges(ops_db: str, ops_db_role: str, c
     assert strict.code == 1 and "fix: GRANT pg_read_all_stats" in strict.out
     # The fix doctor names works: after it, the role records names.
     granted = run_cli("init-db", "--dsn", ops_db, "--grant", ops_db_role, capsys=capsys)
-    assert granted.code == 0 and f"to {ops_db_role}" in granted.out
+    assert granted.code == 0 and f'GRANT SELECT, INSERT ON pglock.key_names TO "{ops_db_role}";' in granted.out
+    with psycopg.connect(ops_db, autocommit=True) as conn:  # every migration's grants, not only the registry's
+        for migration in MIGRATIONS:
+            for grant in migration.grants:
+                assert grant.format(role=f'"{ops_db_role}"') in granted.out
+        assert conn.execute("SELECT has_table_privilege(%s, 'pglock.key_names', 'INSERT')", [ops_db_role]).fetchone()
+        assert not conn.execute("SELECT has_schema_privilege(%s, 'pglock', 'CREATE')", [ops_db_role]).fetchone()[0]
     after = run_cli("doctor", "--dsn", with_user(ops_db, ops_db_role), "--output", "json", capsys=capsys).json()
     assert {c["name"]: c for c in after["checks"]}["registry"]["status"] == "ok"
 
