@@ -107,6 +107,7 @@ def run_doctor(hook: AdvisoryLockHook) -> DoctorReport:
         report.checks.append(_privileges_check(facts))
         report.checks.append(_guarded(conn, "probe", lambda: _probe_check(conn)))
         report.checks.append(_capacity_check(facts))
+        report.checks.append(_connections_check(facts))
         report.checks.extend(_registry_checks(conn, facts))
     return report
 
@@ -268,6 +269,26 @@ def _capacity_check(facts: ServerFacts) -> Check:
     if share >= CAPACITY_WARNING:
         return Check("capacity", "warning", summary, fix)
     return Check("capacity", "ok", summary)
+
+
+def _connections_check(facts: ServerFacts) -> Check:
+    usable = facts.max_connections - facts.superuser_reserved_connections
+    share = facts.client_connections / usable if usable > 0 else 1.0
+    summary = (
+        f"{facts.client_connections} of {usable} connection slots in use, {facts.free_connections} free "
+        f"(max_connections {facts.max_connections} - superuser_reserved_connections "
+        f"{facts.superuser_reserved_connections}); every running guarded task holds one"
+    )
+    fix = (
+        "guarded tasks fail to start when no slot is free: raise max_connections (needs a restart), cap the "
+        "lock role (ALTER ROLE ... CONNECTION LIMIT) or the concurrency of guarded tasks (pools, "
+        "max_active_tis_per_dag)"
+    )
+    if share >= CAPACITY_PROBLEM:
+        return Check("connections", "problem", summary, fix)
+    if share >= CAPACITY_WARNING:
+        return Check("connections", "warning", summary, fix)
+    return Check("connections", "ok", summary)
 
 
 def _registry_checks(conn: psycopg.Connection[Any], facts: ServerFacts) -> list[Check]:

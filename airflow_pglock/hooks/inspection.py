@@ -23,6 +23,7 @@ from airflow_pglock.keys import LockKey
 #: The key ``doctor`` tries (and releases at once) to prove the role can take advisory locks.
 PROBE_KEY = LockKey.from_name("airflow-pglock/doctor-probe")
 
+
 @dataclass(frozen=True)
 class AdvisoryLockRow:
     """One row of ``pg_locks`` for an advisory lock, with its session from ``pg_stat_activity``.
@@ -151,6 +152,13 @@ class ServerFacts:
     advisory_locks: int
     settings: dict[str, tuple[int, str | None]]
     application_name: str | None
+    client_connections: int = 0
+    superuser_reserved_connections: int = 0
+
+    @property
+    def free_connections(self) -> int:
+        """Connection slots left for ordinary roles (each running guarded task takes one)."""
+        return self.max_connections - self.superuser_reserved_connections - self.client_connections
 
     @property
     def lock_capacity(self) -> int:
@@ -170,7 +178,9 @@ def server_facts(conn: psycopg.Connection[Any], settings: Sequence[str] = ()) ->
         " current_setting('max_prepared_transactions')::int,"
         " (SELECT count(*) FROM pg_catalog.pg_locks WHERE NOT fastpath),"
         " (SELECT count(*) FROM pg_catalog.pg_locks WHERE locktype = 'advisory'),"
-        " current_setting('application_name')"
+        " current_setting('application_name'),"
+        " (SELECT count(*) FROM pg_catalog.pg_stat_activity WHERE backend_type = 'client backend'),"
+        " current_setting('superuser_reserved_connections')::int"
     ).fetchone()
     assert row is not None
     in_force = {
@@ -190,6 +200,8 @@ def server_facts(conn: psycopg.Connection[Any], settings: Sequence[str] = ()) ->
         advisory_locks=int(row[7]),
         settings=in_force,
         application_name=row[8] or None,
+        client_connections=int(row[9]),
+        superuser_reserved_connections=row[10],
     )
 
 

@@ -370,12 +370,14 @@ def test_doctor_on_a_healthy_primary(ops_db: str, capsys: Any) -> None:
         "privileges",
         "probe",
         "capacity",
+        "connections",
         "schema",
         "registry",
     ]
     assert {name: c["status"] for name, c in checks.items()} == dict.fromkeys(checks, "ok")
     assert "idle_session_timeout=30000ms" in checks["liveness"]["summary"]
     assert "max_locks_per_transaction" in checks["capacity"]["summary"]
+    assert "connection slots in use" in checks["connections"]["summary"]
     lease = run_cli("doctor", "--dsn", ops_db, "--lease", "12", "--output", "json", capsys=capsys).json()
     assert "idle_session_timeout=12000ms" in {c["name"]: c for c in lease["checks"]}["liveness"]["summary"]
     table = run_cli("doctor", "--dsn", ops_db, capsys=capsys)
