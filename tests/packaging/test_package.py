@@ -1,0 +1,102 @@
+"""The released artifacts: an sdist and a wheel that install into a fresh virtualenv.
+
+``python -m build`` makes the sdist, then builds the wheel *from the sdist*: a file
+missing from the sdist would be missing from the wheel, which must hold every module of
+the checkout. The wheel goes into a new virtualenv with the pinned Airflow 3.3
+environment (constraints/airflow-3.3.txt), where Airflow must discover the provider and
+the console script must run.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tarfile
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import airflow_pglock
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+CONSTRAINTS = ROOT / "constraints" / "airflow-3.3.txt"
+VERSION = airflow_pglock.__version__
+
+
+def _run(args: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(args, capture_output=True, text=True, timeout=600, **kwargs)  # type: ignore[call-overload]
+    assert result.returncode == 0, f"{args} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("dist")
+    _run([sys.executable, "-m", "build", "--outdir", str(out), str(ROOT)])  # the sdist, then a wheel built from it
+    (sdist,) = out.glob("*.tar.gz")
+    (wheel,) = out.glob("*.whl")
+    return {"sdist": sdist, "wheel": wheel}
+
+
+def test_sdist_and_wheel_contents(artifacts: dict[str, Path]) -> None:
+    sdist, wheel = artifacts["sdist"], artifacts["wheel"]
+    assert sdist.name == f"airflow_provider_pglock-{VERSION}.tar.gz"
+    assert wheel.name == f"airflow_provider_pglock-{VERSION}-py3-none-any.whl"
+    with tarfile.open(sdist) as tar:
+        sdist_files = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
+    assert {"pyproject.toml", "README.md", "airflow_pglock/__init__.py", "airflow_pglock/py.typed"} <= sdist_files
+    with zipfile.ZipFile(wheel) as whl:
+        names = set(whl.namelist())
+        dist_info = f"airflow_provider_pglock-{VERSION}.dist-info"
+        metadata = whl.read(f"{dist_info}/METADATA").decode()
+        entry_points = whl.read(f"{dist_info}/entry_points.txt").decode()
+    sources = {p.relative_to(ROOT).as_posix() for p in (ROOT / "airflow_pglock").rglob("*.py")}
+    assert sources <= names, f"modules missing from the wheel: {sorted(sources - names)}"
+    assert not any(name.startswith(("tests/", "devtools/", "dags/", "benchmarks/")) for name in names)
+    assert "airflow_pglock/py.typed" in names
+    # The metadata states the supported matrix.
+    assert "Requires-Dist: apache-airflow>=2.11" in metadata
+    assert "Requires-Python: >=3.11" in metadata
+    assert "Classifier: Framework :: Apache Airflow :: Provider" in metadata
+    assert "provider_info = airflow_pglock.get_provider_info:get_provider_info" in entry_points
+    assert "airflow-pglock = airflow_pglock.cli.main:main" in entry_points
+
+
+def test_wheel_installs_into_a_fresh_airflow_33(artifacts: dict[str, Path], tmp_path: Path) -> None:
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=True).create(env_dir)
+    python, bin_dir = env_dir / "bin" / "python", env_dir / "bin"
+    _run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "-c", str(CONSTRAINTS),
+          f"{artifacts['wheel']}[binary]"])  # fmt: skip
+    frozen = _run([str(python), "-m", "pip", "freeze"]).stdout
+    assert "apache-airflow==3.3.2" in frozen and "airflow-provider-pglock @ file://" in frozen
+    check = _run([str(python), "-m", "pip", "check"])
+    assert "No broken requirements" in check.stdout
+
+    home = tmp_path / "airflow-home"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "PYTHON"))}
+    env.update({"AIRFLOW_HOME": str(home), "AIRFLOW__CORE__LOAD_EXAMPLES": "False", "PATH": f"{bin_dir}:{env['PATH']}"})
+    # Outside the checkout, so that nothing is imported from the source tree.
+    providers = _run([str(bin_dir / "airflow"), "providers", "list", "-o", "json"], env=env, cwd=tmp_path).stdout
+    assert '"package_name": "airflow-provider-pglock"' in providers and f'"version": "{VERSION}"' in providers
+    decorators = _run(
+        [
+            str(python),
+            "-c",
+            "from airflow.providers_manager import ProvidersManager as P; print(sorted(P().taskflow_decorators))",
+        ],
+        env=env,
+        cwd=tmp_path,
+    )
+    assert "'advisory_lock'" in decorators.stdout  # @task.advisory_lock is registered
+    where = _run([str(python), "-c", "import airflow_pglock; print(airflow_pglock.__file__)"], env=env, cwd=tmp_path)
+    assert where.stdout.strip().startswith(str(env_dir))
+    help_text = _run([str(bin_dir / "airflow-pglock"), "--help"], env=env, cwd=tmp_path).stdout
+    assert "init-db" in help_text and "doctor" in help_text
+    version = _run([str(bin_dir / "airflow-pglock"), "--version"], env=env, cwd=tmp_path).stdout
+    assert VERSION in version
