@@ -148,7 +148,7 @@ def api_server(airflow_db: Path, ui_db: str) -> Iterator[ApiServer]:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGTERM)
         try:
-            process.wait(30)
+            process.wait(10)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(10)
