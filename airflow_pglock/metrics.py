@@ -19,7 +19,8 @@ line of :class:`airflow_pglock.guard.LockGuard`). Names (Airflow adds its
 ========================  =======  ==========================================================
 
 Tags, each of bounded cardinality: ``dag_id`` and ``task_id`` (as Airflow's own task
-metrics; absent outside Airflow tasks), ``mode`` (session / transaction), ``shared``
+metrics, read from the lock session's application_name, so a very long id is shortened
+with ``~``; absent outside Airflow tasks), ``mode`` (session / transaction), ``shared``
 (true / false), ``on_busy`` (skip / fail / wait). Never the run id, the tenant or the key
 name (a key name may contain a tenant). Plain StatsD drops tags unless
 ``[metrics] statsd_influxdb_enabled``; Datadog and OpenTelemetry keep them.
