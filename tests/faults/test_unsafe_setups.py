@@ -8,6 +8,7 @@ import json
 import multiprocessing
 import os
 import random
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -20,9 +21,10 @@ from airflow_pglock.guard import LockGuard, LockPolicy
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 from airflow_pglock.keys import LockKey
 from airflow_pglock.liveness import Liveness
+from devtools.holder import EXIT_LOST, Holder, HolderConfig
 from devtools.pgbouncer import PgBouncer, PgBouncerUnavailableError
 from devtools.standby import start_standby
-from tests.faults.conftest import FAULT_DATABASE, FaultServer
+from tests.faults.conftest import FAULT_DATABASE, FaultServer, lock_holder_pids, wait_until_released
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
@@ -175,3 +177,25 @@ def test_standby_is_refused(fault_server: FaultServer, fault_admin: Any) -> None
             assert sessions == (0,), "the refused lock connections were left open on the standby"
     finally:
         standby.destroy()
+
+
+def test_frozen_holder_through_pgbouncer_loses_its_lock_within_the_lease(
+    bouncer: PgBouncer, fault_server: FaultServer, fault_admin: Any
+) -> None:
+    """The lease works through the pooler: the server ends the frozen client's transaction
+    (idle_in_transaction_session_timeout, set with SET LOCAL), which frees the lock."""
+    lease = 3.0
+    config = HolderConfig(bouncer.dsn_for(FAULT_DATABASE), "bouncer-frozen", lease=lease, mode="transaction")
+    with Holder(config) as holder:
+        pid = holder.wait_for("acquired", 30)["backend_pid"]
+        assert pid in lock_holder_pids(fault_admin)  # the server-side pid, behind PgBouncer
+        time.sleep(1.5)
+        frozen = holder.signal(signal.SIGSTOP)
+        released = wait_until_released(fault_admin, pid, lease + 5)
+        assert released is not None, "the server kept the frozen pooled holder's lock"
+        print(f"\nMEASURED SIGSTOP through PgBouncer (transaction) -> server releases: {released - frozen:.3f} s")
+        assert released - frozen <= lease + 1.0
+        holder.signal(signal.SIGCONT)
+        outcome = holder.wait_for("outcome", 10)
+        assert outcome["outcome"] == "lost", outcome
+        assert holder.join(10) == EXIT_LOST
