@@ -529,11 +529,15 @@ class LockGuard:
                 self._lost = lost
         held_for = held.held_seconds
         if lost is not None:
-            if self.policy.on_lost == "fail":
+            # In transaction mode the lock's transaction is gone with it: nothing the work wrote
+            # on its connection was committed, so even on_lost="warn" cannot report success.
+            if self.policy.on_lost == "fail" or held.scope == "transaction":
                 self._log_outcome("lost", detail=lost, held=held_for)
+                rolled_back = " (transaction mode: nothing written on the lock's connection was committed)"
                 message = (
                     f"lost {self.key.describe()} while the task ran: {lost}. Another worker may now run the same "
                     "work; this run is marked failed instead of successful"
+                    + (rolled_back if held.scope == "transaction" else "")
                 )
                 raise LockLostError(message, self.key, lost) from exc
             warned = f"{lost} (on_lost='warn': the work went on without the lock)"

@@ -168,3 +168,23 @@ def test_probe_gives_up_on_a_silent_server(fault_server: FaultServer, fault_admi
         held.release()
     with pytest.raises(psycopg.OperationalError):
         hook.probe(held.connection, key, False, timeout=0.5)
+
+
+def test_transaction_mode_loss_fails_even_with_warn(fault_server: FaultServer, fault_admin: Any) -> None:
+    """on_lost="warn" skips the interruption, but a lost transaction lock means the work's
+    writes were rolled back: the run cannot be reported as a success."""
+    fault_admin.execute("DROP TABLE IF EXISTS tx_warn; CREATE TABLE tx_warn (note text)")
+    finished: list[bool] = []
+
+    def work(lock: LockHandle) -> None:
+        assert lock.connection is not None
+        lock.connection.execute("INSERT INTO tx_warn VALUES ('written under the lock')")
+        _terminate_soon(fault_server, lock.backend_pid)
+        time.sleep(2.0)  # not interrupted (warn)
+        finished.append(True)
+
+    with pytest.raises(LockLostError, match="nothing written on the lock's connection was committed"):
+        _guard(fault_server, "tx-warn", mode="transaction", on_lost="warn").run(work)
+    assert finished == [True]
+    assert fault_admin.execute("SELECT count(*) FROM tx_warn").fetchone() == (0,)
+    fault_admin.execute("DROP TABLE tx_warn")
