@@ -80,13 +80,22 @@ class Deployment:
             cwd=self.home,
         )
 
-    def start(self) -> None:
-        """Start the api-server first (tasks need it), then the scheduler and the dag-processor."""
+    def start_api_server(self) -> None:
+        """Start the api-server first: task processes report to its execution API."""
         self.home.mkdir(parents=True, exist_ok=True)
-        for role, args in PROCESSES:
-            if role == "api-server":
-                args = (*args, "--port", str(self.api_port))
-            log = open(self.home / f"{role}.log", "wb")  # noqa: SIM115 - the child writes it until stop()
+        self._spawn("api-server")
+
+    def start_scheduling(self) -> None:
+        """Once the api-server answers: the scheduler (LocalExecutor inside) and the dag-processor."""
+        self.wait_for_api()
+        self._spawn("scheduler")
+        self._spawn("dag-processor")
+
+    def _spawn(self, role: str) -> None:
+        args = dict(PROCESSES)[role]
+        if role == "api-server":
+            args = (*args, "--port", str(self.api_port))
+        with open(self.home / f"{role}.log", "wb") as log:  # the child keeps its own descriptor
             self.processes[role] = subprocess.Popen(
                 [sys.executable, "-m", "airflow", *args],
                 env=self.env,
@@ -95,11 +104,8 @@ class Deployment:
                 cwd=self.home,
                 start_new_session=True,  # its own process group: stop() ends the workers it forks too
             )
-            log.close()
-            if role == "api-server":
-                self._wait_for_api()
 
-    def _wait_for_api(self, timeout: float = 90) -> None:
+    def wait_for_api(self, timeout: float = 120) -> None:
         url = f"http://127.0.0.1:{self.api_port}/execution/health"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -20,6 +20,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from airflow_pglock.hooks import schema
 from devtools.pgcluster import Cluster, free_port
 from tests.conftest import AIRFLOW_HOME
 from tests.e2e.deployment import Deployment
@@ -69,6 +70,7 @@ def deployments(cluster: Cluster) -> Iterator[dict[str, Deployment]]:
     lock_uri = _create_database(cluster, "locks")
     with psycopg.connect(lock_uri, autocommit=True) as conn:
         conn.execute(LOCK_TABLES)
+        schema.migrate(conn)  # airflow-pglock init-db: once_per records completions in pglock.completions
     base = AIRFLOW_HOME / "e2e"
     shared_env = {
         "AIRFLOW_CONN_POSTGRES_DEFAULT": lock_uri,
@@ -83,9 +85,11 @@ def deployments(cluster: Cluster) -> Iterator[dict[str, Deployment]]:
     b = Deployment("B", base / "B", meta_b, free_port(), DAGS, shared_env)
     started: list[Deployment] = []
     try:
-        for deployment in (a, b):
+        for deployment in (a, b):  # both api-servers start at once, then both schedulers
             started.append(deployment)
-            deployment.start()
+            deployment.start_api_server()
+        for deployment in (a, b):
+            deployment.start_scheduling()
         yield {"A": a, "B": b}
     finally:
         for deployment in started:
@@ -132,11 +136,16 @@ def _wait_for_runs(deployments: dict[str, Deployment]) -> dict[str, dict[str, St
 
 
 def test_two_deployments_share_one_lock_database(deployments: dict[str, Deployment], cluster: Cluster) -> None:
+    started = time.monotonic()
     states = _wait_for_runs(deployments)
+    print(f"e2e: both deployments finished their runs {time.monotonic() - started:.0f} s after start-up")
     with psycopg.connect(cluster.dsn_for("locks"), autocommit=True) as conn:
         reports = conn.execute("SELECT period, deployment FROM e2e_reports ORDER BY period").fetchall()
         done = conn.execute("SELECT tenant, deployment FROM e2e_tenants_done WHERE period = %s", [TENANT_PERIOD])
         done_by = dict(done.fetchall())
+        completions = conn.execute(
+            "SELECT key_name, dag_id, task_id, map_index FROM pglock.completions WHERE period = %s", [TENANT_PERIOD]
+        ).fetchall()
 
     # Per key and period: exactly one deployment ran the report, the other one skipped it.
     for period in REPORT_PERIODS:
@@ -160,6 +169,9 @@ def test_two_deployments_share_one_lock_database(deployments: dict[str, Deployme
     twice_or_never = {tenant: names for tenant, names in ran_by.items() if len(names) != 1}
     assert twice_or_never == {}, f"tenants not run exactly once: {twice_or_never}"
     assert done_by == {tenant: names[0] for tenant, names in ran_by.items()}
+    # once_per recorded each tenant's completion for the period, once.
+    expected = [(f"e2e_tenants/process/{tenant}", "e2e_tenants", "process", tenant) for tenant in range(TENANTS)]
+    assert sorted(completions) == sorted(expected)
     # Both deployments really worked in parallel: each ran some of the tenants.
     per_deployment = Counter(names[0] for names in ran_by.values())
     assert set(per_deployment) == {"A", "B"}, f"tenants per deployment: {per_deployment}"

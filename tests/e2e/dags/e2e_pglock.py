@@ -9,10 +9,10 @@ overlap. The guarded functions record what they did in the lock database:
   other deployment always arrives while the lock is held, so it must skip (busy). Each
   run inserts a row into ``e2e_reports`` (no constraint: a double run would show).
 - ``e2e_tenants``: 50 mapped tenants, one key per tenant. The lock prevents *concurrent*
-  runs only; "exactly once" needs a record of completion too: the function runs in
-  transaction mode and inserts its (period, tenant) row into ``e2e_tenants_done`` on the
-  lock's connection, so the row commits with the lock's release, and a later holder that
-  finds the row skips.
+  runs only; "exactly once" needs a record of completion too: ``once_per="{{ ds }}"``
+  records the completed (key, period) in ``pglock.completions`` under the lock, and a
+  later holder of the same tenant and period skips. Each run also inserts its row into
+  ``e2e_tenants_done`` (primary key (period, tenant): a second run would fail).
 """
 
 from __future__ import annotations
@@ -23,13 +23,12 @@ import time
 import pendulum
 import psycopg
 from airflow.sdk import dag, task
-from airflow.sdk.exceptions import AirflowSkipException
 
 LOCK_DSN = os.environ.get("PGLOCK_E2E_DSN", "")
 DEPLOYMENT = os.environ.get("PGLOCK_E2E_DEPLOYMENT", "?")
 DEPLOYMENTS = int(os.environ.get("PGLOCK_E2E_DEPLOYMENTS", "2"))
 REPORT_SECONDS = float(os.environ.get("PGLOCK_E2E_REPORT_SECONDS", "15"))
-TENANT_SECONDS = float(os.environ.get("PGLOCK_E2E_TENANT_SECONDS", "2"))
+TENANT_SECONDS = float(os.environ.get("PGLOCK_E2E_TENANT_SECONDS", "1.5"))
 TENANTS = 50
 MEET_TIMEOUT = 180.0
 
@@ -88,16 +87,13 @@ def e2e_tenants() -> None:
     def rendezvous(ds: str | None = None) -> None:
         meet("e2e_tenants", str(ds))
 
-    @task.advisory_lock(tenant_arg="tenant_id", mode="transaction")
-    def process(tenant_id: int, lock: object = None, ds: str | None = None) -> str:
-        connection = lock.connection  # type: ignore[attr-defined]
-        done = connection.execute(
-            "INSERT INTO e2e_tenants_done (period, tenant, deployment) VALUES (%s, %s, %s)"
-            " ON CONFLICT (period, tenant) DO NOTHING RETURNING deployment",
-            [ds, tenant_id, DEPLOYMENT],
-        ).fetchone()
-        if done is None:
-            raise AirflowSkipException(f"tenant {tenant_id} already processed for {ds} by the other deployment")
+    @task.advisory_lock(tenant_arg="tenant_id", once_per="{{ ds }}")
+    def process(tenant_id: int, ds: str | None = None) -> str:
+        with psycopg.connect(LOCK_DSN, autocommit=True) as conn:  # a second run would violate the primary key
+            conn.execute(
+                "INSERT INTO e2e_tenants_done (period, tenant, deployment) VALUES (%s, %s, %s)",
+                [ds, tenant_id, DEPLOYMENT],
+            )
         time.sleep(TENANT_SECONDS)
         return f"tenant {tenant_id} {ds} by {DEPLOYMENT}"
 
