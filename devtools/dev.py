@@ -3,6 +3,7 @@
 
     python3 devtools/dev.py demo    # two "deployments" run a guarded DAG at once
     python3 devtools/dev.py test    # the whole test suite (extra args go to pytest)
+    PGLOCK_AIRFLOW=2.11 python3 devtools/dev.py test    # the same suite on Airflow 2.11 (.venv-2.11)
     python3 devtools/dev.py lint    # ruff + mypy
 
 The first run creates .venv and installs the provider (editable) with the pinned
@@ -20,8 +21,9 @@ import venv
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-VENV = Path(os.environ.get("PGLOCK_VENV", ROOT / ".venv"))
 AIRFLOW_LINE = os.environ.get("PGLOCK_AIRFLOW", "3.3")
+# One virtualenv per Airflow line: .venv for the default (3.3), .venv-<line> for the others.
+VENV = Path(os.environ.get("PGLOCK_VENV", ROOT / (".venv" if AIRFLOW_LINE == "3.3" else f".venv-{AIRFLOW_LINE}")))
 CONSTRAINTS = ROOT / "constraints" / f"airflow-{AIRFLOW_LINE}.txt"
 EXTRAS = "test,docs"
 

@@ -17,6 +17,8 @@ from tests.helpers import AIRFLOW_2_HOMES
 ELSEWHERE: dict[str, tuple[str, str, str]] = {
     "BashOperator": ("airflow.providers.standard.operators.bash", "airflow.operators.bash", "BashOperator"),
     "DagBag": ("airflow.dag_processing.dagbag", "airflow.models.dagbag", "DagBag"),
+    "serialize": ("airflow.sdk.serde", "airflow.serialization.serde", "serialize"),
+    "deserialize": ("airflow.sdk.serde", "airflow.serialization.serde", "deserialize"),
     "DagSerialization": (
         "airflow.serialization.serialized_objects",
         "airflow.serialization.serialized_objects",

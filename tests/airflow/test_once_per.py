@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from airflow_pglock.hooks import schema
-from tests.helpers import advisory_locks, run_dag
+from tests.helpers import advisory_locks, for_this_airflow, run_dag
 
 pytestmark = pytest.mark.airflow
 
@@ -140,7 +140,7 @@ def _deployment(home: Path) -> dict[str, str]:
         }
     )
     (home / "dags").mkdir(parents=True)
-    (home / "dags" / "daily_report.py").write_text(ONCE_DAG)
+    (home / "dags" / "daily_report.py").write_text(for_this_airflow(ONCE_DAG))
     subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], env=env, check=True, capture_output=True)
     return env
 

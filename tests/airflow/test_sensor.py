@@ -106,12 +106,19 @@ def _reschedules(run_id: str, task_id: str) -> int:
     from sqlalchemy import func, select
 
     with create_session() as session:
-        query = (
-            select(func.count())
-            .select_from(TaskReschedule)
-            .join(TaskInstance, TaskInstance.id == TaskReschedule.ti_id)
-            .where(TaskInstance.run_id == run_id, TaskInstance.task_id == task_id)
-        )
+        if hasattr(TaskReschedule, "ti_id"):  # Airflow 3: a reschedule row points at its task instance
+            query = (
+                select(func.count())
+                .select_from(TaskReschedule)
+                .join(TaskInstance, TaskInstance.id == TaskReschedule.ti_id)
+                .where(TaskInstance.run_id == run_id, TaskInstance.task_id == task_id)
+            )
+        else:  # Airflow 2: it carries the task instance's key
+            query = (
+                select(func.count())
+                .select_from(TaskReschedule)
+                .where(TaskReschedule.run_id == run_id, TaskReschedule.task_id == task_id)
+            )
         return int(session.scalar(query) or 0)
 
 
@@ -157,7 +164,11 @@ def test_sensor_modes_timeouts_and_errors(
         assert f"key '{name}' (int64 {key.numbers[0]}) is free" in log[waiting.end() :]
     assert _reschedules(result.run_id, "wait_reschedule") >= 1
     assert "[DAG TEST] running trigger in line" in log
-    assert re.search(r"pglock waiting: key 'maint/deferred' .*AdvisoryLockTrigger", log), "the trigger did not wait"
+    trigger_waited = re.search(r"pglock waiting: key 'maint/deferred' .*AdvisoryLockTrigger", log) or any(
+        record.name.endswith("AdvisoryLockTrigger") and "pglock waiting: key 'maint/deferred'" in record.getMessage()
+        for record in caplog.records  # Airflow 2's console lines don't name the logger; its records do
+    )
+    assert trigger_waited, "the trigger did not wait"
 
     # Timeouts name the key and the holder; soft_fail turns them into skips in both modes.
     held_key = LockKey.from_name("maint/held")
@@ -184,9 +195,8 @@ def _run_trigger(trigger: Any) -> Any:
 
 
 def test_trigger_serializes_without_secrets_and_round_trips(dsn: str) -> None:
-    from airflow.sdk.serde import deserialize, serialize
-
     from airflow_pglock.triggers.advisory_lock import AdvisoryLockTrigger
+    from tests.sdk import deserialize, serialize
 
     os.environ["AIRFLOW_CONN_PGLOCK_SECRET"] = "postgresql://postgres:s3cret-pw@127.0.0.1:5432/x"
     try:
