@@ -5,6 +5,7 @@
     python3 devtools/dev.py test    # the whole test suite (extra args go to pytest)
     PGLOCK_AIRFLOW=2.11 python3 devtools/dev.py test    # the same suite on Airflow 2.11 (.venv-2.11)
     python3 devtools/dev.py lint    # ruff + mypy
+    python3 devtools/dev.py bench   # benchmarks -> docs/benchmarks.md (a few minutes; needs redis-server)
 
 The first run creates .venv and installs the provider (editable) with the pinned
 versions in constraints/airflow-3.3.txt; later runs reuse it until pyproject.toml or
@@ -26,6 +27,8 @@ AIRFLOW_LINE = os.environ.get("PGLOCK_AIRFLOW", "3.3")
 VENV = Path(os.environ.get("PGLOCK_VENV", ROOT / (".venv" if AIRFLOW_LINE == "3.3" else f".venv-{AIRFLOW_LINE}")))
 CONSTRAINTS = ROOT / "constraints" / f"airflow-{AIRFLOW_LINE}.txt"
 EXTRAS = "test,docs"
+# The benchmark's extra packages (pyproject's `bench` extra), pinned for reproducible numbers.
+BENCH_PINS = ("PALs==0.4.0", "python-redis-lock==4.0.1", "redis==8.1.0", "pyinstrument==5.1.3")
 
 
 def _python() -> Path:
@@ -60,7 +63,7 @@ def ensure_environment() -> Path:
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in {"demo", "test", "lint"}:
+    if not argv or argv[0] not in {"demo", "test", "lint", "bench"}:
         print(__doc__)
         return 2
     command, rest = argv[0], argv[1:]
@@ -68,6 +71,14 @@ def main(argv: list[str]) -> int:
     env = dict(os.environ)
     if command == "demo":
         return subprocess.call([python, str(ROOT / "devtools" / "demo.py"), *rest], cwd=ROOT, env=env)
+    if command == "bench":
+        installed = subprocess.run([python, "-c", "import pals, redis_lock, redis, pyinstrument"], capture_output=True)
+        if installed.returncode != 0:
+            print(f"[dev] installing the benchmark's packages: {', '.join(BENCH_PINS)}", flush=True)
+            pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "-q", "-c", str(CONSTRAINTS)]
+            subprocess.run([*pip, *BENCH_PINS], check=True, cwd=ROOT)
+        env["PGLOCK_BENCH_COMMAND"] = " ".join(["python3 devtools/dev.py bench", *rest])
+        return subprocess.call([python, "-m", "benchmarks.run", *rest], cwd=ROOT, env=env)
     if command == "lint":
         ruff = subprocess.call([python, "-m", "ruff", "check", "airflow_pglock", "tests", "devtools", "dags"], cwd=ROOT)
         mypy = subprocess.call([python, "-m", "mypy"], cwd=ROOT)

@@ -1,0 +1,299 @@
+"""1. Guard overhead: acquire + release around an empty function, next to the floor and the alternatives.
+
+Every variant takes and releases one exclusive lock on one key around nothing, and each
+is timed once per round, round-robin (see :func:`benchmarks.stats.interleaved`):
+
+* ``floor``: raw psycopg: connect, ``pg_try_advisory_lock``, ``pg_advisory_unlock``, close.
+* ``LockGuard``: what a guarded task does per execution (dedicated connection, server
+  checks, liveness settings, key-name registry lookup, heartbeat thread, outcome line).
+* ``LockGuard, registry installed``: the same on a database where ``airflow-pglock init-db``
+  ran (the key's name is recorded: an insert that finds the row already there).
+* ``hook.session_lock``: the hook alone (no heartbeat, no outcome line, no registry).
+* ``pals``: PyPI ``pals`` (SQLAlchemy); with its engine's connection pool warm (how it is
+  used in a long-lived process) and with ``NullPool`` (a connection per lock, like a task
+  process that starts cold).
+* ``python-redis-lock``: with ``expire`` and ``auto_renewal`` (its heartbeat thread, the
+  equivalent of a lease); on a warm client, and on a new client per lock.
+
+If ``LockGuard`` misses the 1.25x target, the where-the-time-goes table comes from
+cProfile over guarded runs of the same kind.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import logging
+import os
+import pstats
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+
+from benchmarks.proposal import OneStatementSetupHook
+from benchmarks.servers import Servers
+from benchmarks.stats import Summary, interleaved, paired_ratios, table
+
+TARGET_RATIO = 1.25
+KEY_NAME = "bench/overhead"
+REGISTRY_DATABASE = "pglock_bench_registry"
+
+
+def quiet_task_logger() -> None:
+    """Send the lock libraries' lines (INFO, as in a task log) to /dev/null, not to the console.
+
+    The lines are still formatted and written, as in a task; only the destination differs.
+    """
+    for name in ("airflow_pglock", "redis_lock"):  # python-redis-lock logs each acquisition at INFO too
+        logger = logging.getLogger(name)
+        logger.handlers[:] = [logging.FileHandler(os.devnull)]
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
+def _registry_dsn(servers: Servers) -> str:
+    from airflow_pglock.hooks.schema import migrate
+
+    with servers.admin() as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {REGISTRY_DATABASE}")
+        conn.execute(f"CREATE DATABASE {REGISTRY_DATABASE}")
+    dsn = servers.cluster.dsn_for(REGISTRY_DATABASE)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        migrate(conn)
+    return dsn
+
+
+def _pals_variants(dsn: str) -> tuple[dict[str, Callable[[], object]], Callable[[], None]]:
+    import pals
+    from sqlalchemy import create_engine
+    from sqlalchemy.pool import NullPool
+
+    url = dsn.replace("postgresql://", "postgresql+psycopg://", 1)
+    pooled = pals.Locker("bench", url, blocking_default=False)
+    unpooled = pals.Locker(
+        "bench", create_engine_callable=lambda: create_engine(url, poolclass=NullPool), blocking_default=False
+    )
+
+    def pals_lock(locker: Any) -> Callable[[], None]:
+        def run() -> None:
+            lock = locker.lock(KEY_NAME)
+            assert lock.acquire()
+            lock.release()
+
+        return run
+
+    def close() -> None:
+        pooled.engine.dispose()
+        unpooled.engine.dispose()
+
+    return {"pals, pool warm": pals_lock(pooled), "pals, NullPool": pals_lock(unpooled)}, close
+
+
+def _redis_variants(servers: Servers) -> tuple[dict[str, Callable[[], object]], Callable[[], None]]:
+    import redis
+    import redis_lock
+
+    warm_client = servers.redis.client()
+
+    def redis_warm() -> None:
+        lock = redis_lock.Lock(warm_client, KEY_NAME, expire=30, auto_renewal=True)
+        assert lock.acquire(blocking=False)
+        lock.release()
+
+    def redis_cold() -> None:
+        client = redis.Redis(host="127.0.0.1", port=servers.redis.port)
+        try:
+            lock = redis_lock.Lock(client, KEY_NAME, expire=30, auto_renewal=True)
+            assert lock.acquire(blocking=False)
+            lock.release()
+        finally:
+            client.close()
+
+    variants: dict[str, Callable[[], object]] = {
+        "python-redis-lock, warm client": redis_warm,
+        "python-redis-lock, new client": redis_cold,
+    }
+
+    def close() -> None:
+        warm_client.close()
+
+    return variants, close
+
+
+def build_variants(
+    servers: Servers, *, registry_dsn: str | None
+) -> tuple[dict[str, Callable[[], object]], Callable[[], None]]:
+    """name -> one acquire + release around nothing; and what closes the pools and clients afterwards."""
+    from airflow_pglock.guard import LockGuard, LockPolicy
+    from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+    from airflow_pglock.keys import LockKey
+
+    dsn = servers.dsn
+    key = LockKey.from_name(KEY_NAME)
+    int_key = LockKey.from_int(key.numbers[0])
+    numbers = key.numbers
+    policy = LockPolicy()
+    hook = AdvisoryLockHook(dsn=dsn)
+    proposal_hook = OneStatementSetupHook(dsn=dsn)
+    app = "dag_id=bench task_id=overhead run_id=manual__1 map_index=-1 try=1"  # an application_name of typical size
+
+    def floor() -> None:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("SELECT pg_try_advisory_lock(%s)", numbers).fetchone()
+            conn.execute("SELECT pg_advisory_unlock(%s)", numbers).fetchone()
+
+    def guarded(guard_hook: Any, guard_key: Any) -> Callable[[], None]:
+        def run() -> None:
+            with LockGuard(guard_hook, guard_key, policy, application_name=app):
+                pass
+
+        return run
+
+    def hook_only() -> None:
+        with hook.session_lock(key, application_name=app) as held:
+            assert held is not None
+
+    variants: dict[str, Callable[[], object]] = {"floor (raw psycopg)": floor, "LockGuard": guarded(hook, key)}
+    if registry_dsn is not None:
+        variants["LockGuard, registry installed"] = guarded(AdvisoryLockHook(dsn=registry_dsn), key)
+    variants["LockGuard, int64 key (no registry lookup)"] = guarded(hook, int_key)
+    variants["proposal: one-statement set-up (see below)"] = guarded(proposal_hook, int_key)
+    variants["hook.session_lock"] = hook_only
+    closers: list[Callable[[], None]] = []
+    if servers.has("pals"):
+        more, close = _pals_variants(dsn)
+        variants.update(more)
+        closers.append(close)
+    if servers.has("python-redis-lock"):
+        more, close = _redis_variants(servers)
+        variants.update(more)
+        closers.append(close)
+
+    def close_all() -> None:
+        for close in closers:
+            close()
+
+    return variants, close_all
+
+
+@dataclass
+class OverheadResult:
+    samples: dict[str, list[float]]
+    ratios: dict[str, Summary]
+    round_trip: Summary
+    connect: Summary
+    profile: list[tuple[str, float, int]]
+    profile_total: float
+    profile_runs: int
+    missing: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def guard_ratio(self) -> float:
+        return self.ratios["LockGuard"].median
+
+
+# What a guarded execution spends its time on, by function (cumulative, per execution).
+PROFILED_STEPS: tuple[tuple[str, str, str], ...] = (
+    ("connect (libpq start-up, auth, parameters)", "advisory_lock.py", "connect"),
+    ("inspect_server: 1 round trip", "advisory_lock.py", "inspect_server"),
+    ("apply_liveness (set_config x7): 1 round trip", "advisory_lock.py", "apply_liveness"),
+    ("try_lock: 1 round trip", "advisory_lock.py", "try_lock"),
+    ("key-name registry lookup: 1 round trip", "registry.py", "record_acquisition"),
+    ("heartbeat thread start", "guard.py", "_start_heartbeat"),
+    ("heartbeat thread stop + join", "guard.py", "_stop_heartbeat"),
+    ("unlock: 1 round trip", "advisory_lock.py", "unlock"),
+    ("outcome line + metrics", "guard.py", "_log_outcome"),
+    ("acquired line", "__init__.py", "info"),
+)
+
+
+def profile_guard(run: Callable[[], object], runs: int) -> tuple[list[tuple[str, float, int]], float]:
+    """cProfile ``runs`` guarded executions: (step, seconds per execution, calls) and the total."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(runs):
+        run()
+    profiler.disable()
+    collected: Any = pstats.Stats(profiler)
+    stats = collected.stats
+    steps: list[tuple[str, float, int]] = []
+    total = 0.0
+    for (filename, _line, function), (_cc, _calls, _tt, cumulative, _callers) in stats.items():
+        if function == "run_profiled" or (filename.endswith("overhead.py") and function == "guard"):
+            total = max(total, cumulative / runs)
+    for label, file_suffix, function in PROFILED_STEPS:
+        seconds, count = 0.0, 0
+        for (filename, _line, name), (_cc, calls, _tt, cumulative, _callers) in stats.items():
+            if name == function and filename.endswith(file_suffix) and (function != "info" or "logging" in filename):
+                seconds += cumulative
+                count += calls
+        steps.append((label, seconds / runs, count // runs))
+    return steps, total
+
+
+def run_overhead(servers: Servers, rounds: int, profile_runs: int) -> OverheadResult:
+    quiet_task_logger()
+    registry_dsn = _registry_dsn(servers)
+    variants, close = build_variants(servers, registry_dsn=registry_dsn)
+    # The physical floor's parts, in the same rounds: one connect + close, one round trip.
+    probe = psycopg.connect(servers.dsn, autocommit=True)
+
+    def round_trip() -> None:
+        probe.execute("SELECT 1").fetchone()
+
+    def connect_close() -> None:
+        psycopg.connect(servers.dsn, autocommit=True).close()
+
+    try:
+        samples = interleaved({**variants, "_round_trip": round_trip, "_connect": connect_close}, rounds)
+        profile, total = profile_guard(variants["LockGuard"], profile_runs)
+    finally:
+        probe.close()
+        close()
+    rtt, connect = Summary.of(samples.pop("_round_trip")), Summary.of(samples.pop("_connect"))
+    ratios = paired_ratios(samples, "floor (raw psycopg)")
+    return OverheadResult(samples, ratios, rtt, connect, profile, total, profile_runs, dict(servers.missing))
+
+
+def render(result: OverheadResult) -> str:
+    rows = []
+    for name, values in result.samples.items():
+        ratio = result.ratios[name]
+        rows.append(
+            [name, Summary.of(values).fmt(1000, " ms"), f"{ratio.median:.2f}x ({ratio.p25:.2f}-{ratio.p75:.2f})"]
+        )
+    verdict = "met" if result.guard_ratio <= TARGET_RATIO else "MISSED"
+    lines = [
+        "## 1. Guard overhead: acquire + release around an empty function",
+        "",
+        "One exclusive lock on one key, taken and released around nothing, including the dedicated connection. "
+        "All variants run in the same rounds, round-robin (order rotated each round); the ratio is taken per round "
+        "against the floor of that round, then summarised (median, p25-p75).",
+        "",
+        table(["variant", "time per acquire + release", "ratio to the floor (p25-p75)"], rows),
+        "",
+        f"Measured in the same rounds: one connect + close {result.connect.fmt(1000, ' ms')}; one round trip "
+        f"(`SELECT 1` on an open connection) {result.round_trip.fmt(1000, ' ms', 3)}.",
+        "",
+        *[f"Not measured: {reason}.\n" for reason in result.missing.values()],
+        f"**Target: LockGuard at most {TARGET_RATIO}x the floor: {verdict}** (median ratio {result.guard_ratio:.2f}x).",
+        "",
+        "pals with a warm pool and python-redis-lock with a warm client do not open a connection per lock, so they "
+        "can be faster than the floor; a guarded Airflow task runs in a fresh task process and cannot reuse one "
+        "(nor should it: `pg_try_advisory_lock` succeeds again on a session that already holds the key, so a reused "
+        "session could let two tasks both hold it). The NullPool and new-client rows are the like-for-like "
+        "comparison.",
+        "",
+        "### Where a guarded execution spends its time (cProfile)",
+        "",
+        f"cProfile over {result.profile_runs} LockGuard executions (profiling inflates the Python-heavy "
+        "steps; the round-trip steps are mostly waiting for the server):",
+        "",
+        table(
+            ["step", "ms per execution", "calls"],
+            [[label, f"{seconds * 1000:.3f}", str(calls)] for label, seconds, calls in result.profile]
+            + [["**total (profiled)**", f"**{result.profile_total * 1000:.3f}**", ""]],
+        ),
+    ]
+    return "\n".join(lines)
