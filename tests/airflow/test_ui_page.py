@@ -33,6 +33,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from airflow_pglock.compat import AIRFLOW_VERSION
 from airflow_pglock.hooks.schema import migrate
 from airflow_pglock.keys import LockKey
 from devtools.browser import BrowserUnavailableError, find_chromium, headless_flags
@@ -40,7 +41,11 @@ from devtools.pgcluster import free_port
 from tests.helpers import run_dag
 from tests.ops_helpers import dsn_uri, scratch_database
 
-pytestmark = [pytest.mark.airflow, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.airflow,
+    pytest.mark.slow,
+    pytest.mark.skipif(AIRFLOW_VERSION < (3, 1), reason="the Advisory locks UI page is an Airflow 3.1+ plugin"),
+]
 
 CONN_ID = "pglock_ui"
 USER, PASSWORD = "ops-admin", "pglock-ui-test-password"
