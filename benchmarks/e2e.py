@@ -95,6 +95,7 @@ class E2EResult:
     task: dict[str, list[float]] = field(default_factory=dict)
     states: dict[str, list[dict[str, int]]] = field(default_factory=dict)
     fanout: dict[str, dict[str, Any]] = field(default_factory=dict)
+    profile: dict[str, float] | None = None
     tenants: int = 0
     held_tenants: int = 0
     migrate_seconds: float = 0.0
@@ -133,10 +134,47 @@ def _child(result_path: str, runs: int, tenants: int) -> None:
             duration = (ti.end_date - ti.start_date).total_seconds() if ti.end_date and ti.start_date else None
             out["task"].setdefault(dag_id, []).append(duration)
             out["states"].setdefault(dag_id, []).append(states(dag_run))
+    out["profile"] = _profile_guarded(lambda: run("bench_guarded"), runs)
     for dag_id in ("bench_fanout_unguarded", "bench_fanout_guarded"):
         wall, dag_run = run(dag_id, {"tenants": tenants})
         out["fanout"][dag_id] = {"wall": wall, "states": states(dag_run)}
     Path(result_path).write_text(json.dumps(out))
+
+
+PROFILED = {
+    "run_guarded": "inside the guard (`run_guarded`: key, hook, LockGuard)",
+    "connect": "of which: opening the lock connection (`AdvisoryLockHook.connect`)",
+}
+
+
+def _profile_guarded(run: Any, runs: int) -> dict[str, float] | None:
+    """pyinstrument over ``runs`` guarded dag.test() calls: seconds per call in total and in the guard."""
+    try:
+        from pyinstrument import Profiler
+    except ImportError:
+        return None
+    profiler = Profiler(interval=0.0005)
+    profiler.start()
+    for _ in range(runs):
+        run()
+    profiler.stop()
+    root = profiler.last_session.root_frame() if profiler.last_session else None
+    if root is None:
+        return None
+    found = {"total": root.time / runs, "run_guarded": 0.0, "connect": 0.0}
+
+    def walk(frame: Any, inside: bool) -> None:
+        here = frame.function == "run_guarded" and frame.file_path.endswith("task_guard.py")
+        if here and not inside:
+            found["run_guarded"] += frame.time / runs
+        if inside and frame.function == "connect" and frame.file_path.endswith("advisory_lock.py"):
+            found["connect"] += frame.time / runs
+            return
+        for child in frame.children:
+            walk(child, inside or here)
+
+    walk(root, False)
+    return found
 
 
 # ---------------------------------------------------------------------- parent
@@ -196,6 +234,7 @@ def run_e2e(dsn: str, runs: int, tenants: int, held_tenants: int) -> E2EResult:
             data["states"],
             data["fanout"],
         )
+        result.profile = data.get("profile")
         return result
     finally:
         holder.close()
@@ -239,6 +278,7 @@ def render(result: E2EResult) -> str:
         f"**Guarded / unguarded, per pair: wall time {ratio.median:.2f}x (p25 {ratio.p25:.2f}, p75 {ratio.p75:.2f}, "
         f"n {ratio.n}); task duration {task_ratio.median:.2f}x (p25 {task_ratio.p25:.2f}, p75 {task_ratio.p75:.2f}).**",
         "",
+        *_render_profile(result),
         f"### {result.tenants}-tenant mapped fan-out",
         "",
         f"`export.expand(tenant=...)` over {result.tenants} tenants, unguarded and with "
@@ -252,6 +292,23 @@ def render(result: E2EResult) -> str:
         f"DB took {result.migrate_seconds:.0f} s and is not counted.)",
     ]
     return "\n".join(lines)
+
+
+def _render_profile(result: E2EResult) -> list[str]:
+    profile = result.profile
+    if not profile:
+        return ["(pyinstrument is not installed: no breakdown of the guarded run.)", ""]
+    total = profile["total"]
+    rows = [["whole `dag.test()` call", f"{total * 1000:.1f}", "100%"]] + [
+        [label, f"{profile[name] * 1000:.1f}", f"{profile[name] / total:.1%}"] for name, label in PROFILED.items()
+    ]
+    return [
+        f"Where a guarded `dag.test()` spends its time (pyinstrument, sampling every 0.5 ms, {result.runs} runs, "
+        "per run):",
+        "",
+        table(["", "ms per run", "share"], rows),
+        "",
+    ]
 
 
 if __name__ == "__main__":

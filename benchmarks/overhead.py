@@ -25,6 +25,8 @@ import cProfile
 import logging
 import os
 import pstats
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -186,6 +188,7 @@ class OverheadResult:
     profile: list[tuple[str, float, int]]
     profile_total: float
     profile_runs: int
+    steps: dict[str, list[float]]
     missing: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -209,19 +212,17 @@ PROFILED_STEPS: tuple[tuple[str, str, str], ...] = (
 
 
 def profile_guard(run: Callable[[], object], runs: int) -> tuple[list[tuple[str, float, int]], float]:
-    """cProfile ``runs`` guarded executions: (step, seconds per execution, calls) and the total."""
+    """cProfile ``runs`` guarded executions: (step, seconds per execution, calls) and the total per execution."""
     profiler = cProfile.Profile()
+    started = time.perf_counter()
     profiler.enable()
     for _ in range(runs):
         run()
     profiler.disable()
+    total = (time.perf_counter() - started) / runs
     collected: Any = pstats.Stats(profiler)
     stats = collected.stats
     steps: list[tuple[str, float, int]] = []
-    total = 0.0
-    for (filename, _line, function), (_cc, _calls, _tt, cumulative, _callers) in stats.items():
-        if function == "run_profiled" or (filename.endswith("overhead.py") and function == "guard"):
-            total = max(total, cumulative / runs)
     for label, file_suffix, function in PROFILED_STEPS:
         seconds, count = 0.0, 0
         for (filename, _line, name), (_cc, calls, _tt, cumulative, _callers) in stats.items():
@@ -230,6 +231,54 @@ def profile_guard(run: Callable[[], object], runs: int) -> tuple[list[tuple[str,
                 count += calls
         steps.append((label, seconds / runs, count // runs))
     return steps, total
+
+
+def decompose(servers: Servers, rounds: int) -> dict[str, list[float]]:
+    """Time each step of a guarded execution and of the floor, without a profiler.
+
+    The guard's steps are the hook's own methods, called in LockGuard's order on a fresh
+    connection; the floor's are its two statements. Both sequences alternate, round by
+    round. The heartbeat thread is timed as LockGuard starts and stops it (a thread that
+    waits on an event, then is woken and joined).
+    """
+    from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+    from airflow_pglock.hooks.schema import registry_installed
+    from airflow_pglock.keys import LockKey
+
+    hook = AdvisoryLockHook(dsn=servers.dsn)
+    key = LockKey.from_name(KEY_NAME)
+    steps: dict[str, list[float]] = {}
+
+    def timed(name: str, operation: Callable[[], Any]) -> Any:
+        started = time.perf_counter()
+        value = operation()
+        steps.setdefault(name, []).append(time.perf_counter() - started)
+        return value
+
+    def guard_steps() -> None:
+        conn = timed("guard: connect (+ keepalive options, application_name)", lambda: hook.connect("bench"))
+        info = timed("guard: inspect_server (1 statement)", lambda: hook.inspect_server(conn))
+        timed("guard: check_server (no I/O)", lambda: hook.check_server(info, "session"))
+        timed("guard: apply_liveness (1 statement)", lambda: hook.apply_liveness(conn, local=False))
+        timed("guard: try_lock (1 statement)", lambda: hook.try_lock(conn, key))
+        timed("guard: key-name registry check (1 statement)", lambda: registry_installed(conn))
+        wake = threading.Event()
+        thread = threading.Thread(target=wake.wait)
+        timed("guard: heartbeat thread start", thread.start)
+        wake.set()
+        timed("guard: heartbeat thread stop + join", thread.join)
+        timed("guard: unlock (1 statement)", lambda: hook.unlock(conn, key))
+        timed("guard: close", conn.close)
+
+    def floor_steps() -> None:
+        conn = timed("floor: connect", lambda: psycopg.connect(servers.dsn, autocommit=True))
+        lock, unlock = "SELECT pg_try_advisory_lock(%s)", "SELECT pg_advisory_unlock(%s)"
+        timed("floor: pg_try_advisory_lock", lambda: conn.execute(lock, key.numbers).fetchone())
+        timed("floor: pg_advisory_unlock", lambda: conn.execute(unlock, key.numbers).fetchone())
+        timed("floor: close", conn.close)
+
+    interleaved({"guard": guard_steps, "floor": floor_steps}, rounds)
+    return steps
 
 
 def run_overhead(servers: Servers, rounds: int, profile_runs: int) -> OverheadResult:
@@ -248,12 +297,15 @@ def run_overhead(servers: Servers, rounds: int, profile_runs: int) -> OverheadRe
     try:
         samples = interleaved({**variants, "_round_trip": round_trip, "_connect": connect_close}, rounds)
         profile, total = profile_guard(variants["LockGuard"], profile_runs)
+        steps = decompose(servers, rounds)
     finally:
         probe.close()
         close()
     rtt, connect = Summary.of(samples.pop("_round_trip")), Summary.of(samples.pop("_connect"))
     ratios = paired_ratios(samples, "floor (raw psycopg)")
-    return OverheadResult(samples, ratios, rtt, connect, profile, total, profile_runs, dict(servers.missing))
+    return OverheadResult(
+        samples, ratios, rtt, connect, profile, total, profile_runs, steps, dict(servers.missing)
+    )
 
 
 def render(result: OverheadResult) -> str:
@@ -295,5 +347,65 @@ def render(result: OverheadResult) -> str:
             [[label, f"{seconds * 1000:.3f}", str(calls)] for label, seconds, calls in result.profile]
             + [["**total (profiled)**", f"**{result.profile_total * 1000:.3f}**", ""]],
         ),
+        "",
+        *render_decomposition(result),
     ]
     return "\n".join(lines)
+
+
+GUARD_ONLY = ("inspect_server", "check_server", "apply_liveness", "registry", "heartbeat")
+
+
+def render_decomposition(result: OverheadResult) -> list[str]:
+    medians = {name: Summary.of(values).median for name, values in result.steps.items()}
+    guard = {name: value for name, value in medians.items() if name.startswith("guard:")}
+    floor = {name: value for name, value in medians.items() if name.startswith("floor:")}
+    rows = [[name, f"{value * 1000:.3f}"] for name, value in {**floor, **guard}.items()]
+    guard_total, floor_total = sum(guard.values()), sum(floor.values())
+    extra = {name: value for name, value in guard.items() if any(word in name for word in GUARD_ONLY)}
+    extra_total = sum(extra.values())
+    biggest = sorted(extra.items(), key=lambda item: -item[1])[:3]
+    connect_delta = guard.get("guard: connect (+ keepalive options, application_name)", 0.0) - floor.get(
+        "floor: connect", 0.0
+    )
+    samples = result.samples
+    int_key = samples.get("LockGuard, int64 key (no registry lookup)")
+    proposal = samples.get("proposal: one-statement set-up (see below)")
+    lines = [
+        "### The same, step by step, without a profiler",
+        "",
+        "Each step of a guarded execution timed alone (the hook's own methods, in LockGuard's order, on a fresh "
+        "connection), next to the floor's steps, the two sequences alternating round by round (medians, ms):",
+        "",
+        table(["step", "median ms"], rows),
+        "",
+        f"Sum of the medians: guard {guard_total * 1000:.2f} ms, floor {floor_total * 1000:.2f} ms "
+        f"({guard_total / floor_total:.2f}x). The steps the floor does not have add {extra_total * 1000:.2f} ms "
+        f"({extra_total / floor_total:.0%} of the floor); the largest: "
+        + "; ".join(f"{name.removeprefix('guard: ')} {value * 1000:.2f} ms" for name, value in biggest)
+        + f". The guard's connect differs from the floor's by {connect_delta * 1000:+.2f} ms.",
+        "",
+        "What this shows: on a fresh connection, a statement costs far more than the round trip measured on a warm "
+        "connection above: the new backend's catalog caches are empty, so each statement that names functions or "
+        "catalog tables first loads them. The inspection, the liveness `set_config` calls and the registry check are "
+        "paid as server work in a cold backend, not as network latency.",
+    ]
+    if int_key and proposal:
+        ratios = Summary.of([p / i for p, i in zip(proposal, int_key, strict=True)])
+        lines += [
+            "",
+            "### A proposal, measured: fewer statements",
+            "",
+            "`benchmarks/proposal.py` (not the provider's code) sets the session up in one statement instead of two: "
+            "the inspection, the liveness `set_config` calls (guarded by `pg_backend_pid()` = the pid the wire "
+            "protocol reported, so nothing is set behind a pooler, as today) and the registry schema check "
+            "(`to_regnamespace`). Against the same guard with an int64 key (no registry lookup either), per round: "
+            f"**{ratios.median:.2f}x** (p25 {ratios.p25:.2f}, p75 {ratios.p75:.2f}). "
+            + (
+                "Folding statements saves about one round trip; it does not remove the server work, so it does not "
+                "bring LockGuard near the target and is not worth the extra code path."
+                if ratios.median > 0.93
+                else "Folding statements saves a measurable share of the time."
+            ),
+        ]
+    return lines
