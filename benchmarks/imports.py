@@ -48,6 +48,8 @@ class ImportResult:
     samples: dict[str, list[float]] = field(default_factory=dict)
     heaviest: list[tuple[str, float]] = field(default_factory=list)
     new_modules: int = 0
+    decorator_total: float = 0.0
+    runtime_only: dict[str, float] = field(default_factory=dict)
 
 
 def run_imports(runs: int) -> ImportResult:
@@ -79,6 +81,11 @@ def run_imports(runs: int) -> ImportResult:
         entries.append((match.group(4), int(match.group(2)) / 1e6, depth))
     result.new_modules = len(entries)
     result.heaviest = sorted([(name, seconds) for name, seconds, _ in entries], key=lambda item: -item[1])[:12]
+    cumulative = {name: seconds for name, seconds, _ in entries}
+    result.decorator_total = cumulative.get("airflow_pglock.decorators.advisory_lock", 0.0)
+    # Needed when the task runs, not when the DAG file is parsed: the driver, and the trigger base class.
+    runtime_only = ("psycopg", "airflow.triggers.base")
+    result.runtime_only = {name: cumulative[name] for name in runtime_only if name in cumulative}
     return result
 
 
@@ -111,5 +118,21 @@ def render(result: ImportResult) -> str:
             "`airflow.sdk` and `@task`; the heaviest, cumulative (a module's time includes the modules it imports):",
             "",
             heaviest,
+            "",
+            _runtime_only_text(result),
         ]
+    )
+
+
+def _runtime_only_text(result: ImportResult) -> str:
+    if not result.runtime_only or not result.decorator_total:
+        return ""
+    parts = ", ".join(f"`{name}` {seconds * 1000:.0f} ms" for name, seconds in result.runtime_only.items())
+    share = sum(result.runtime_only.values()) / result.decorator_total
+    return (
+        f"Of the decorator module's {result.decorator_total * 1000:.0f} ms in this run, {share:.0%} is code a DAG file "
+        f"does not need while it is parsed, only when the task runs: {parts}. The decorator module imports "
+        "`airflow_pglock.guard` and `task_guard` (hence psycopg) at module level, and `compat` imports the trigger "
+        "base class for the sensor's trigger. Importing those where they are used (in `execute`, in the trigger "
+        "module) could take up to this share off every DAG file parse that uses the decorator."
     )
