@@ -107,12 +107,14 @@ class LockHolders:
 def measure_reading(servers: Servers, result: ScaleResult, rounds: int, process_rounds: int) -> None:
     from airflow_pglock.cli.main import main as cli_main
     from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+    from airflow_pglock.hooks.inspection import advisory_locks
     from airflow_pglock.keys import LockKey
 
     dsn = _prepare_database(servers, max(result.counts))
     hook = AdvisoryLockHook(dsn=dsn)
     probe_key = LockKey.from_name(_names(1)[0])
     holders = LockHolders(dsn, max(result.counts))
+    reader = psycopg.connect(dsn, autocommit=True, application_name="pglock-bench reader")
     command = [str(Path(sys.executable).with_name("airflow-pglock")), "locks", "--dsn", dsn]
     try:
         for round_no in range(rounds):
@@ -127,6 +129,7 @@ def measure_reading(servers: Servers, result: ScaleResult, rounds: int, process_
                     return value
 
                 timed("hook.holders(key)", lambda: hook.holders(probe_key))
+                timed("`locks`' SQL snapshot alone (open connection)", lambda: advisory_locks(reader))
                 out = io.StringIO()
                 timed(
                     "airflow-pglock locks (in-process, table)", lambda out=out: cli_main(["locks", "--dsn", dsn], out)
@@ -143,6 +146,7 @@ def measure_reading(servers: Servers, result: ScaleResult, rounds: int, process_
                     )
             progress(f"scale: reading round {round_no + 1}/{rounds}")
     finally:
+        reader.close()
         holders.close()
 
 
@@ -301,7 +305,9 @@ def render(result: ScaleResult) -> str:
         "",
         "`pg_locks` is a snapshot of the whole shared lock table, so every reader pays for every lock held on the "
         "server; `hook.holders(key)` filters in SQL and returns one row, `locks` also builds and prints a row per "
-        "lock. The new-process row includes the interpreter start and imports.",
+        "lock (the snapshot row is the query `locks` runs, on an already open connection: the rest of `locks` is "
+        "its connection and its Python work per row). The new-process row includes the interpreter start and "
+        "imports (Airflow's among them).",
         "",
         "### Connections per guarded task",
         "",
