@@ -226,9 +226,15 @@ class LockGuard:
             info.backend_pid,
             self._wait_seconds,
         )
-        record_acquisition(self.held, self.application_name, self.log)  # optional key-name registry
-        self._apply_run_rules()
-        self._start_heartbeat()
+        try:
+            record_acquisition(self.held, self.application_name, self.log)  # optional key-name registry
+            self._apply_run_rules()
+            self._start_heartbeat()
+        except BaseException:  # e.g. Airflow's task timeout: never leave the lock connection open
+            self._stop.set()
+            self.held.released = True
+            self.held.connection.close()
+            raise
         return LockHandle(self.held, lambda: self._lost, fencing_token=self.fencing_token, period=self.rules.period)
 
     def _apply_run_rules(self) -> None:
@@ -500,7 +506,12 @@ class LockGuard:
         commit_error: BaseException | None = None
         try:
             if held.scope == "transaction":
-                if lost is None and exc_type is None:
+                if lost is None and held.connection.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+                    lost = (
+                        "the work ended the lock's transaction itself (COMMIT or ROLLBACK on lock.connection): "
+                        "the lock ended with it, and what ran afterwards ran without the lock"
+                    )
+                elif lost is None and exc_type is None:
                     try:
                         record_success(self.rules, held, self.identity, self.fencing_token)  # same transaction
                         self.hook.commit(held.connection)

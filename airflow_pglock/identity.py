@@ -46,14 +46,13 @@ class TaskIdentity:
     def application_name(self) -> str:
         dag = _ascii(self.dag_id).replace(" ", "_")
         task = _ascii(self.task_id).replace(" ", "_")
-        if self.map_index >= 0:
-            task = f"{task}#{self.map_index}"
+        map_suffix = f"#{self.map_index}" if self.map_index >= 0 else ""  # never shortened away
         run = _ascii(self.run_id)
         for long, short in _RUN_ID_ABBREVIATIONS:
             if run.startswith(long):
                 run = short + run[len(long) :]
         parts = [dag, task, run]
-        overflow = len(" ".join([PREFIX, *parts])) - MAX_APPLICATION_NAME_BYTES
+        overflow = len(" ".join([PREFIX, *parts])) + len(map_suffix) - MAX_APPLICATION_NAME_BYTES
         # Shorten the run id first, then the task, then the DAG, keeping at least 8 chars each.
         for index in (2, 1, 0):
             if overflow <= 0:
@@ -63,6 +62,7 @@ class TaskIdentity:
             if keep < len(part):
                 overflow -= len(part) - keep - len(TRUNCATION_MARK)
                 parts[index] = part[:keep] + TRUNCATION_MARK
+        parts[1] += map_suffix
         return " ".join([PREFIX, *parts])[:MAX_APPLICATION_NAME_BYTES]
 
 

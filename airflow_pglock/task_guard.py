@@ -211,6 +211,8 @@ def run_guarded(
     except LockLostError:
         raise
     except (InvalidLockKeyError, LockConfigurationError, UnsafeSetupError) as error:
+        if guard is not None and guard.held is not None:  # raised after the lock was taken: never a skip
+            raise AirflowFailException(f"{type(error).__name__}: {error}") from error
         fail_for_configuration(spec, error, logger)
     except (PgLockError, psycopg.OperationalError) as error:
         if guard is None or guard.held is None:  # the lock could not be taken: the lock database is the problem

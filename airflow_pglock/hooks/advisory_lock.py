@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import re
 import select
 import time
 from collections.abc import Iterator, Mapping
@@ -67,6 +68,18 @@ _HOLDERS_SQL = (
     " AND l.classid = %s AND l.objid = %s AND l.objsubid = %s"
     " ORDER BY l.granted DESC, l.waitstart NULLS FIRST, l.pid"
 )
+
+
+_URI_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")
+_KEYWORD_PASSWORD = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
+
+
+def redact(text: str) -> str:
+    """``text`` with passwords in URIs (``://user:pw@``) and ``password=...`` replaced by ``***``.
+
+    libpq repeats a malformed connection string word for word in its error message.
+    """
+    return _KEYWORD_PASSWORD.sub(r"\1***", _URI_PASSWORD.sub(r"\1***@", text))
 
 
 @dataclass(frozen=True)
@@ -275,7 +288,7 @@ class AdvisoryLockHook(BaseHook):
             try:
                 return dict(psycopg.conninfo.conninfo_to_dict(self.dsn))
             except psycopg.ProgrammingError as error:
-                raise LockConfigurationError(f"invalid DSN for the lock database: {error}") from None
+                raise LockConfigurationError(f"invalid DSN for the lock database: {redact(str(error))}") from None
         return self._airflow_connection_kwargs()
 
     def _airflow_connection_kwargs(self) -> dict[str, Any]:
@@ -308,14 +321,22 @@ class AdvisoryLockHook(BaseHook):
 
         # connection= (DbApiHook's own argument), not the deprecated setter, which logs a warning
         postgres_hook = _ConnArgsOnly(postgres_conn_id=self.postgres_conn_id, connection=airflow_conn)
-        postgres_hook.get_conn()
+        opened = postgres_hook.get_conn()
+        if not captured:  # an older PostgresHook connected by itself instead of handing us its arguments
+            if opened is not None:
+                opened.close()
+            raise LockConfigurationError(
+                "this apache-airflow-providers-postgres is too old for airflow-pglock (PostgresHook has no "
+                "_create_connection); upgrade it to 6.8 or newer"
+            )
         return {k: v for k, v in captured.items() if v is not None and k not in _NON_LIBPQ_EXTRAS}
 
     def _lock_connection_kwargs(self, base: dict[str, Any], application_name: str | None) -> dict[str, Any]:
         kwargs = dict(base)
         kwargs.setdefault("connect_timeout", self.connect_timeout)
-        for name, value in self.liveness.client_settings().items():
-            kwargs.setdefault(name, value)
+        # The lease's keepalive settings win over the connection's extras: they bound how long
+        # a dead peer goes unnoticed, and a looser extra would silently break that bound.
+        kwargs.update(self.liveness.client_settings())
         if application_name:
             kwargs["application_name"] = application_name
         return kwargs
@@ -324,9 +345,11 @@ class AdvisoryLockHook(BaseHook):
     def _raise_connect_error(error: psycopg.Error, where: str) -> NoReturn:
         if isinstance(error, psycopg.ProgrammingError):
             raise LockConfigurationError(
-                f"invalid connection settings for the lock database {where}: {error}"
+                f"invalid connection settings for the lock database {where}: {redact(str(error))}"
             ) from None
-        raise LockConnectionError(f"cannot connect to the lock database {where}: {error}".strip()) from error
+        raise LockConnectionError(
+            f"cannot connect to the lock database {where}: {redact(str(error))}".strip()
+        ) from error
 
     def connect(self, application_name: str | None = None) -> psycopg.Connection[Any]:
         """Open a new dedicated autocommit connection for one lock.
@@ -520,25 +543,39 @@ class AdvisoryLockHook(BaseHook):
         base = "pg_advisory_lock" if scope == "session" else "pg_advisory_xact_lock"
         statement = self._call(self._function(base, shared), key)
         timeout_ms = f"{max(1, round(timeout * 1000))}ms"
-        set_timeout = "SELECT set_config('lock_timeout', %s, true)"
+        # lock_timeout bounds the wait; statement_timeout is lifted so that a shorter one set
+        # for the role cannot turn "still busy" into an error. Both are SET LOCAL: in session
+        # scope they end with the short transaction (the session lock outlives its commit); in
+        # transaction scope they are put back afterwards.
+        previous = None
+        if scope == "transaction":
+            previous = conn.execute(
+                "SELECT current_setting('lock_timeout'), current_setting('statement_timeout')"
+            ).fetchone()
         try:
-            if scope == "session":
-                # SET LOCAL in a short transaction: the session lock outlives the commit, the timeout doesn't.
-                with conn.transaction():
-                    conn.execute(set_timeout, [timeout_ms])
-                    conn.execute(statement, key.numbers)
-            else:
-                with conn.transaction(savepoint_name="pglock_wait"):
-                    conn.execute(set_timeout, [timeout_ms])
-                    conn.execute(statement, key.numbers)
-                conn.execute("SELECT set_config('lock_timeout', '0', true)")
+            with conn.transaction(savepoint_name="pglock_wait" if scope == "transaction" else None):
+                conn.execute(
+                    "SELECT set_config('lock_timeout', %s, true), set_config('statement_timeout', '0', true)",
+                    [timeout_ms],
+                )
+                conn.execute(statement, key.numbers)
+            if previous is not None:
+                conn.execute(
+                    "SELECT set_config('lock_timeout', %s, true), set_config('statement_timeout', %s, true)",
+                    list(previous),
+                )
         except psycopg.errors.LockNotAvailable:
             return False
         return True
 
     @staticmethod
     def commit(conn: psycopg.Connection[Any]) -> None:
-        """COMMIT, and fail loudly if PostgreSQL rolled back instead (an aborted transaction)."""
+        """COMMIT the lock's transaction; fail loudly if it was already ended or PostgreSQL rolled back."""
+        if conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+            raise psycopg.errors.NoActiveSqlTransaction(
+                "the lock's transaction was already ended on its connection (a COMMIT or ROLLBACK by the work): "
+                "the lock ended with it, and whatever ran afterwards ran without the lock"
+            )
         status = conn.execute("COMMIT").statusmessage
         if status != "COMMIT":
             raise psycopg.errors.InFailedSqlTransaction(

@@ -234,3 +234,51 @@ def test_a_second_guard_in_the_same_process_is_busy(hook: AdvisoryLockHook, admi
             pass
         assert f"pid {outer.backend_pid}" in str(busy.value)
     assert advisory_locks(admin) == []
+
+
+def test_a_malformed_dsn_never_echoes_its_password(admin: Any) -> None:
+    """Invariant 8: libpq repeats a malformed connection string in its error; we redact it."""
+    with pytest.raises(LockConfigurationError) as error:
+        AdvisoryLockHook(dsn="postgresql://pguser:s3cret-pw@[host/db").try_acquire("never")
+    assert "s3cret-pw" not in str(error.value) and "pguser:***@" in str(error.value)
+    with pytest.raises((LockConfigurationError, LockConnectionError)) as other:
+        AdvisoryLockHook(dsn="host=x password='s3cret-pw port=5432").try_acquire("never")
+    assert "s3cret-pw" not in str(other.value)
+
+
+def test_the_lease_keepalives_win_over_connection_extras(dsn: str, admin: Any) -> None:
+    loose = AdvisoryLockHook(dsn=f"{dsn} keepalives_idle=7200 tcp_user_timeout=0")
+    held = loose.try_acquire("keepalive-bound")
+    assert held is not None
+    options = {opt.keyword.decode(): (opt.val or b"").decode() for opt in held.connection.pgconn.info}
+    assert options["keepalives_idle"] == "10" and options["tcp_user_timeout"] == "30000"
+    held.release()
+
+
+def test_a_short_role_statement_timeout_does_not_turn_busy_into_an_error(dsn: str, admin: Any) -> None:
+    strict = AdvisoryLockHook(dsn=f"{dsn} options='-c statement_timeout=100'")
+    holder = strict.try_acquire("statement-timeout")
+    assert holder is not None
+    assert strict.acquire("statement-timeout", timeout=0.5) is None  # busy after the wait, not QueryCanceled
+    with strict.transaction_lock("statement-timeout-2", timeout=0.5) as held:
+        assert held is not None
+        # the role's statement_timeout is back after the wait
+        assert held.connection.execute("SHOW statement_timeout").fetchone()[0] == "100ms"
+    holder.release()
+
+
+def test_work_that_ends_the_lock_transaction_is_a_lost_lock(hook: AdvisoryLockHook, admin: Any) -> None:
+    """Invariant 7: a COMMIT by the work ends a transaction lock; the guard must not report success."""
+    from airflow_pglock.exceptions import LockLostError
+    from airflow_pglock.guard import LockGuard, LockPolicy
+
+    with (
+        pytest.raises(LockLostError, match="ended the lock's transaction"),
+        LockGuard(hook, LockKey.from_name("self-commit"), LockPolicy(mode="transaction")) as lock,
+    ):
+        assert lock.connection is not None
+        lock.connection.execute("COMMIT")
+    with pytest.raises(psycopg.errors.NoActiveSqlTransaction), hook.transaction_lock("self-commit") as held:
+        assert held is not None
+        held.connection.execute("ROLLBACK")
+    assert advisory_locks(admin) == []

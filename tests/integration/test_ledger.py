@@ -124,3 +124,8 @@ def test_concurrent_init_db_is_safe(dsn: str, admin: Any) -> None:
     assert sorted(len(r.applied) for r in results) == [0, 0, 0, schema.LATEST_VERSION]
     assert schema.schema_status(admin).installed == schema.LATEST_VERSION
     admin.execute("DROP SCHEMA pglock CASCADE")
+
+
+@pytest.mark.parametrize("name", ["refresh-forecasts", "北京/导出", "it's", "emoji 🚀"])
+def test_sql_name_key_function_follows_the_keys_rule(installed: Any, name: str) -> None:
+    assert installed.execute("SELECT pglock.name_key(%s)", [name]).fetchone()[0] == LockKey.from_name(name).numbers[0]
