@@ -54,3 +54,22 @@ def test_the_demo_command(tmp_path: Path) -> None:
     assert "starting an embedded PostgreSQL" in out
     assert "forecast_refresh ran 1 time(s) across 2 deployments" in out
     assert "SKIPPED  key 'refresh-forecasts'" in out and "is held by pid" in out
+
+
+def test_fenced_forecasts_refuses_a_stale_writer(airflow_db: Any, admin: Any) -> None:
+    import psycopg
+
+    from airflow_pglock.hooks import schema
+
+    admin.execute("DROP TABLE IF EXISTS forecasts; DROP SCHEMA IF EXISTS pglock CASCADE")
+    schema.migrate(admin)
+    try:
+        first = run_dag((DAGS / "fenced_forecasts.py").read_text(), "fenced_forecasts")
+        second = run_dag((DAGS / "fenced_forecasts.py").read_text(), "fenced_forecasts")
+        assert first.state("refresh") == second.state("refresh") == "success"
+        newest = admin.execute("SELECT max(fencing_token) FROM forecasts").fetchone()[0]
+        assert admin.execute("SELECT count(DISTINCT fencing_token) FROM forecasts").fetchone()[0] == 1
+        with pytest.raises(psycopg.errors.CheckViolation, match="stale fencing token"):
+            admin.execute("UPDATE forecasts SET temperature = -99, fencing_token = %s", [newest - 1])
+    finally:
+        admin.execute("DROP TABLE IF EXISTS forecasts; DROP SCHEMA IF EXISTS pglock CASCADE")
