@@ -7,7 +7,7 @@ guarded and unguarded DAGs alternate, round-robin. During the guarded fan-out th
 holds the keys of the first tenants, so that those are skipped: the outcome counts show
 it.
 
-    python -m benchmarks.e2e child RESULT.json RUNS TENANTS
+    python -m benchmarks.e2e child RESULT.json RUNS TENANTS FANOUT_RUNS
 """
 
 from __future__ import annotations
@@ -98,6 +98,7 @@ class E2EResult:
     profile: dict[str, float] | None = None
     tenants: int = 0
     held_tenants: int = 0
+    fanout_runs: int = 0
     migrate_seconds: float = 0.0
     error: str | None = None
 
@@ -105,7 +106,7 @@ class E2EResult:
 # ----------------------------------------------------------------------- child
 
 
-def _child(result_path: str, runs: int, tenants: int) -> None:
+def _child(result_path: str, runs: int, tenants: int, fanout_runs: int) -> None:
     dags_folder = Path(os.environ["AIRFLOW__CORE__DAGS_FOLDER"])
     path = dags_folder / "bench_dags.py"
     spec = importlib.util.spec_from_file_location("bench_dags", path)
@@ -135,9 +136,13 @@ def _child(result_path: str, runs: int, tenants: int) -> None:
             out["task"].setdefault(dag_id, []).append(duration)
             out["states"].setdefault(dag_id, []).append(states(dag_run))
     out["profile"] = _profile_guarded(lambda: run("bench_guarded"), runs)
-    for dag_id in ("bench_fanout_unguarded", "bench_fanout_guarded"):
-        wall, dag_run = run(dag_id, {"tenants": tenants})
-        out["fanout"][dag_id] = {"wall": wall, "states": states(dag_run)}
+    pair = ["bench_fanout_unguarded", "bench_fanout_guarded"]
+    for round_no in range(fanout_runs):  # ABBA...: a slow drift of the machine's load hits both alike
+        for dag_id in pair if round_no % 2 == 0 else pair[::-1]:
+            wall, dag_run = run(dag_id, {"tenants": tenants})
+            record = out["fanout"].setdefault(dag_id, {"wall": [], "states": []})
+            record["wall"].append(wall)
+            record["states"].append(states(dag_run))
     Path(result_path).write_text(json.dumps(out))
 
 
@@ -180,10 +185,10 @@ def _profile_guarded(run: Any, runs: int) -> dict[str, float] | None:
 # ---------------------------------------------------------------------- parent
 
 
-def run_e2e(dsn: str, runs: int, tenants: int, held_tenants: int) -> E2EResult:
+def run_e2e(dsn: str, runs: int, tenants: int, held_tenants: int, fanout_runs: int) -> E2EResult:
     from airflow_pglock.keys import LockKey
 
-    result = E2EResult(runs=runs, tenants=tenants, held_tenants=held_tenants)
+    result = E2EResult(runs=runs, tenants=tenants, held_tenants=held_tenants, fanout_runs=fanout_runs)
     home = Path(tempfile.mkdtemp(prefix="pglock-bench-airflow-"))
     dags_folder = home / "dags"
     dags_folder.mkdir()
@@ -217,7 +222,7 @@ def run_e2e(dsn: str, runs: int, tenants: int, held_tenants: int) -> E2EResult:
         result_path = home / "result.json"
         progress(f"e2e: {runs} guarded + {runs} unguarded dag.test() runs, then {tenants}-tenant fan-outs")
         child = subprocess.run(
-            [sys.executable, "-m", "benchmarks.e2e", "child", str(result_path), str(runs), str(tenants)],
+            [sys.executable, "-m", "benchmarks.e2e", "child", *map(str, (result_path, runs, tenants, fanout_runs))],
             env=env,
             capture_output=True,
             text=True,
@@ -263,10 +268,14 @@ def render(result: E2EResult) -> str:
     ratio, task_ratio = Summary.of(ratios), Summary.of(task_ratios)
     fan_rows = []
     for dag_id, label in (("bench_fanout_unguarded", "unguarded"), ("bench_fanout_guarded", "guarded")):
-        data = result.fanout.get(dag_id, {})
-        counts = ", ".join(f"{k} {v}" for k, v in sorted(data.get("states", {}).items()))
-        fan_rows.append([label, f"{data.get('wall', float('nan')):.1f} s", counts])
-    fan_ratio = result.fanout["bench_fanout_guarded"]["wall"] / result.fanout["bench_fanout_unguarded"]["wall"]
+        data = result.fanout.get(dag_id, {"wall": [], "states": []})
+        per_run = sorted({", ".join(f"{k} {v}" for k, v in sorted(s.items())) for s in data["states"]})
+        fan_rows.append([label, Summary.of(data["wall"]).fmt(1, " s", 1), " / ".join(per_run)])
+    guarded_walls = result.fanout["bench_fanout_guarded"]["wall"]
+    fan_ratio_values = [
+        g / u for g, u in zip(guarded_walls, result.fanout["bench_fanout_unguarded"]["wall"], strict=True)
+    ]
+    fan_ratio = Summary.of(fan_ratio_values)
     lines += [
         f"A one-task DAG whose task returns at once, guarded and unguarded, {result.runs} `dag.test()` runs each, "
         "alternating (after one warm-up run of each). The wall time is the whole `dag.test()` call (DAG run "
@@ -284,11 +293,13 @@ def render(result: E2EResult) -> str:
         f"`export.expand(tenant=...)` over {result.tenants} tenants, unguarded and with "
         '`@task.advisory_lock(tenant_arg="tenant")` (one key per tenant); during the guarded run another session '
         f"holds the keys of tenants 0-{result.held_tenants - 1}, so exactly {result.held_tenants} must be skipped. "
-        "One run each (the states include the upstream `tenants` task).",
+        f"{result.fanout_runs} runs each, in the order unguarded, guarded, guarded, unguarded, ... (the task "
+        "instance states, the same in every run, include the upstream `tenants` task).",
         "",
-        table(["fan-out", "dag.test() wall time", "task instance states"], fan_rows),
+        table(["fan-out", "dag.test() wall time", "task instance states (every run)"], fan_rows),
         "",
-        f"Guarded / unguarded fan-out wall time: {fan_ratio:.2f}x. (`airflow db migrate` of the throwaway metadata "
+        f"Guarded / unguarded fan-out wall time, per pair: {fan_ratio.median:.2f}x (min {min(fan_ratio_values):.2f}, "
+        f"max {max(fan_ratio_values):.2f}, n {fan_ratio.n}). (`airflow db migrate` of the throwaway metadata "
         f"DB took {result.migrate_seconds:.0f} s and is not counted.)",
     ]
     return "\n".join(lines)
@@ -312,7 +323,7 @@ def _render_profile(result: E2EResult) -> list[str]:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 5 and sys.argv[1] == "child":
-        _child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    if len(sys.argv) == 6 and sys.argv[1] == "child":
+        _child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
     else:
         sys.exit(__doc__)

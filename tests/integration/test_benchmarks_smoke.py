@@ -68,3 +68,4 @@ def test_quick_end_to_end_section(tmp_path: Path) -> None:
     assert "| guarded `@task.advisory_lock` |" in text and "| success 1 |" in text
     # 3 tenants, 1 of them held by another session: 1 skipped, 2 exported + the upstream task succeeded.
     assert "| guarded | " in text and "skipped 1, success 3" in text
+    assert "| skipped 1, success 3 | met |" in text  # the summary checks it too

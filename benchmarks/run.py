@@ -1,0 +1,313 @@
+"""Run every benchmark and write docs/benchmarks.md.
+
+    python3 devtools/dev.py bench                 # the full run (a few minutes on 2 cores)
+    .venv/bin/python -m benchmarks.run --quick --out /tmp/b.md   # a tiny run (the smoke test)
+
+Starts its own PostgreSQL cluster, Redis server and (as root) network namespace, and
+stops them at the end. ``--sections`` picks a subset: overhead, imports, contention,
+recovery, scale, e2e.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shlex
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import contention, e2e, imports, overhead, recovery, scale  # noqa: E402
+from benchmarks.machine import load, machine, versions  # noqa: E402
+from benchmarks.servers import servers  # noqa: E402
+from benchmarks.stats import progress, table  # noqa: E402
+
+SECTIONS = ("overhead", "imports", "contention", "recovery", "scale", "e2e")
+ALTERNATIVES = {"pals", "python-redis-lock"}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How much of each benchmark to run."""
+
+    overhead_rounds: int = 400
+    profile_runs: int = 300
+    import_runs: int = 10
+    contention_processes: tuple[int, ...] = (2, 8, 32)
+    contention_seconds: float = 1.5
+    contention_repeats: int = 2
+    lease: float = 5.0
+    recovery_cap: float = 60.0
+    recovery_trials: int = 3
+    recovery_faults: tuple[str, ...] = recovery.FAULTS
+    scale_counts: tuple[int, ...] = (10, 1_000, 10_000)
+    scale_rounds: int = 5
+    scale_process_rounds: int = 3
+    concurrent_tasks: int = 8
+    guarded_runs: int = 10_000
+    run_workers: int = 2
+    e2e_runs: int = 5
+    fanout_tenants: int = 200
+    held_tenants: int = 10
+    fanout_runs: int = 2
+
+
+QUICK = Settings(
+    overhead_rounds=5,
+    profile_runs=5,
+    import_runs=1,
+    contention_processes=(2,),
+    contention_seconds=0.3,
+    contention_repeats=1,
+    lease=3.0,
+    recovery_cap=5.0,
+    recovery_trials=1,
+    recovery_faults=(recovery.KILL,),
+    scale_counts=(10, 100),
+    scale_rounds=1,
+    scale_process_rounds=0,
+    concurrent_tasks=2,
+    guarded_runs=20,
+    run_workers=2,
+    e2e_runs=1,
+    fanout_tenants=3,
+    held_tenants=1,
+    fanout_runs=1,
+)
+
+
+def headline(results: dict[str, Any]) -> str:
+    """The summary table at the top of the document."""
+    rows: list[list[str]] = []
+    if "overhead" in results:
+        r = results["overhead"]
+        verdict = "met" if r.guard_ratio <= overhead.TARGET_RATIO else "**missed**"
+        floor = r.samples["floor (raw psycopg)"]
+        guard = r.samples["LockGuard"]
+        from benchmarks.stats import Summary
+
+        rows.append(
+            [
+                "Guard overhead (LockGuard / raw psycopg floor)",
+                f"<= {overhead.TARGET_RATIO}x",
+                f"{r.guard_ratio:.2f}x ({Summary.of(guard).median * 1000:.2f} ms vs "
+                f"{Summary.of(floor).median * 1000:.2f} ms)",
+                verdict,
+            ]
+        )
+    if "imports" in results:
+        r = results["imports"]
+        from benchmarks.stats import Summary
+
+        extra = Summary.of(
+            [a + b for a, b in zip(r.samples[imports.STEPS[2][0]], r.samples[imports.STEPS[3][0]], strict=True)]
+        ).median
+        rows.append(
+            [
+                "Import cost on top of airflow.sdk + @task",
+                f"< {imports.TARGET_SECONDS * 1000:.0f} ms",
+                f"{extra * 1000:.0f} ms",
+                "met" if extra < imports.TARGET_SECONDS else "**missed**",
+            ]
+        )
+    if "contention" in results:
+        r = results["contention"]
+        overlaps = sum(x.overlaps + x.unfinished for runs in r.runs.values() for x in runs)
+        acquired = sum(x.acquired for runs in r.runs.values() for x in runs)
+        rows.append(
+            [
+                "Overlaps under contention (all libraries, all runs)",
+                "0",
+                f"{overlaps} in {acquired:,} acquisitions",
+                "met" if overlaps == 0 else "**missed**",
+            ]
+        )
+    if "recovery" in results:
+        r = results["recovery"]
+        for fault in recovery.FAULTS:
+            ours = r.times.get(recovery.Item(recovery.PGLOCK, fault))
+            theirs = r.times.get(recovery.Item(recovery.DEFAULTS, fault))
+            if not ours:
+                continue
+            worst = max((v for v in ours if v is not None), default=None)
+            ours_text = f"{worst:.2f} s worst of {len(ours)}" if worst is not None and None not in ours else "capped"
+            theirs_text = (
+                ("capped at " + f"{r.cap:g} s")
+                if theirs and None in theirs
+                else (f"{max(v for v in theirs if v is not None):.2f} s" if theirs else "?")
+            )
+            ok = None not in ours and worst is not None and worst <= r.lease + 1
+            rows.append(
+                [
+                    f"Recovery after {fault} (lease {r.lease:g} s)",
+                    f"<= lease ({r.lease:g} s)",
+                    f"{ours_text}; PostgreSQL defaults: {theirs_text}",
+                    "met" if ok else "**missed**",
+                ]
+            )
+    if "scale" in results:
+        r = results["scale"]
+        ok = r.lock_sessions_while_held == r.concurrent_tasks and not r.left_sessions and r.left_locks == 0
+        rows.append(
+            [
+                "Connections per concurrently guarded task; left after the runs",
+                "1; 0",
+                f"{r.lock_sessions_while_held / max(r.concurrent_tasks, 1):g}; {len(r.left_sessions)} sessions, "
+                f"{r.left_locks} locks after {r.runs:,} runs",
+                "met" if ok else "**missed**",
+            ]
+        )
+    if "e2e" in results and results["e2e"].error is None:
+        r = results["e2e"]
+        from benchmarks.stats import Summary
+
+        ratio = Summary.of([g / u for g, u in zip(r.wall["bench_guarded"], r.wall["bench_unguarded"], strict=True)])
+        runs_states = r.fanout.get("bench_fanout_guarded", {}).get("states", [])
+        expected = {"skipped": r.held_tenants, "success": r.tenants - r.held_tenants + 1}
+        seen = sorted({", ".join(f"{k} {v}" for k, v in sorted(s.items())) for s in runs_states})
+        rows.append(["dag.test() guarded / unguarded (wall)", "-", f"{ratio.median:.2f}x", ""])
+        rows.append(
+            [
+                f"{r.tenants}-tenant fan-out ({r.held_tenants} held elsewhere), {len(runs_states)} runs",
+                f"{r.held_tenants} skipped, the rest success",
+                " / ".join(seen),
+                "met" if runs_states and all(s == expected for s in runs_states) else "**missed**",
+            ]
+        )
+    return table(["measure", "target", "result", ""], rows)
+
+
+def write_document(
+    path: Path,
+    command: str,
+    settings: Settings,
+    facts: dict[str, dict[str, str]],
+    results: dict[str, Any],
+    loads: tuple[str, str],
+    seconds: float,
+) -> None:
+    parts = [
+        "# Benchmarks",
+        "",
+        "Reproducible measurements of airflow-pglock next to its physical floor and next to what one would "
+        "otherwise pick (pals, python-redis-lock). Generated by the harness in `benchmarks/` - do not edit by hand; "
+        "rerun it:",
+        "",
+        f"    {command}",
+        "",
+        f"The run took {seconds / 60:.1f} min. The machine is shared and noisy: every comparison ran side by side "
+        "in one run, interleaved round-robin, and is reported as a ratio; absolute times are only valid for this "
+        "machine at this load.",
+        "",
+        "## Summary",
+        "",
+        headline(results),
+        "",
+        "## Machine and versions",
+        "",
+        table(
+            ["", ""],
+            [[k, v] for k, v in facts["machine"].items()]
+            + [["load average (1/5/15 min) at start", loads[0]], ["load average at end", loads[1]]],
+        ),
+        "",
+        table(["software", "version"], [[k, v] for k, v in facts["versions"].items()]),
+        "",
+        f"Settings: `{settings}`",
+        "",
+    ]
+    renderers: dict[str, Callable[[Any], str]] = {
+        "overhead": overhead.render,
+        "imports": imports.render,
+        "contention": contention.render,
+        "recovery": recovery.render,
+        "scale": scale.render,
+        "e2e": e2e.render,
+    }
+    for name in SECTIONS:
+        if name in results:
+            parts += [renderers[name](results[name]), ""]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(parts))
+
+
+def run(
+    sections: tuple[str, ...], settings: Settings, without: tuple[str, ...] = ()
+) -> tuple[dict[str, Any], dict[str, dict[str, str]]]:
+    overhead.quiet_task_logger()
+    logging.getLogger("sqlalchemy").setLevel(logging.WARNING)
+    results: dict[str, Any] = {}
+    s = settings
+    with servers(with_netns="recovery" in sections, without=without) as srv:
+        redis_version = srv.redis_server.version if srv.redis_server else srv.missing.get("python-redis-lock", "?")
+        facts = {"machine": machine(), "versions": versions(srv.server_version(), redis_version)}
+        if "overhead" in sections:
+            progress(f"overhead: {s.overhead_rounds} interleaved rounds")
+            results["overhead"] = overhead.run_overhead(srv, s.overhead_rounds, s.profile_runs)
+        if "imports" in sections:
+            progress(f"imports: {s.import_runs} fresh interpreters")
+            results["imports"] = imports.run_imports(s.import_runs)
+        if "contention" in sections:
+            results["contention"] = contention.run_contention(
+                srv, s.contention_processes, s.contention_seconds, s.contention_repeats
+            )
+        if "recovery" in sections:
+            results["recovery"] = recovery.run_recovery(
+                srv, s.lease, s.recovery_cap, s.recovery_trials, s.recovery_faults
+            )
+        if "scale" in sections:
+            results["scale"] = scale.run_scale(
+                srv,
+                s.scale_counts,
+                s.scale_rounds,
+                s.scale_process_rounds,
+                s.concurrent_tasks,
+                s.guarded_runs,
+                s.run_workers,
+            )
+        if "e2e" in sections:
+            results["e2e"] = e2e.run_e2e(srv.dsn, s.e2e_runs, s.fanout_tenants, s.held_tenants, s.fanout_runs)
+    return results, facts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="benchmarks.run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md", help="the markdown to write")
+    parser.add_argument("--quick", action="store_true", help="a tiny configuration (seconds; for the smoke test)")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    parser.add_argument(
+        "--without", default="", help="comma-separated alternatives to leave out: pals, python-redis-lock"
+    )
+    args = parser.parse_args(argv)
+    without = tuple(name.strip() for name in args.without.split(",") if name.strip())
+    if set(without) - ALTERNATIVES:
+        parser.error(f"--without takes {', '.join(sorted(ALTERNATIVES))}; got {args.without!r}")
+    sections = tuple(name.strip() for name in args.sections.split(",") if name.strip())
+    unknown = [name for name in sections if name not in SECTIONS]
+    if unknown:
+        parser.error(f"unknown section(s) {unknown}; choose from {', '.join(SECTIONS)}")
+    command = os.environ.get("PGLOCK_BENCH_COMMAND") or shlex.join(
+        ["python", "-m", "benchmarks.run", *(argv if argv is not None else sys.argv[1:])]
+    )
+    settings = QUICK if args.quick else Settings()
+    started, load_at_start = time.monotonic(), load()
+    progress(f"start: load average {load_at_start}; sections {', '.join(sections)}")
+    results, facts = run(sections, settings, without)
+    seconds = time.monotonic() - started
+    write_document(args.out, command, settings, facts, results, (load_at_start, load()), seconds)
+    progress(f"wrote {args.out} in {seconds / 60:.1f} min; load average {load()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
