@@ -269,8 +269,7 @@ class LockGuard:
 
     def _holders_or_empty(self) -> list[LockHolder]:
         try:
-            with self.hook.connect("pglock inspect") as conn:
-                return self.hook.holders_on(conn, self.key)
+            return self.hook.holders(self.key)
         except (PgLockError, psycopg.Error) as error:
             self.log.warning("pglock could not read the holders of %s: %s", self.key.describe(), error)
             return []

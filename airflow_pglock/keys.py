@@ -103,6 +103,18 @@ class LockKey:
         )
 
     @classmethod
+    def from_pg_locks(cls, classid: int, objid: int, objsubid: int) -> LockKey:
+        """The key at these ``pg_locks`` coordinates (the inverse of :attr:`pg_locks`); no name."""
+        if objsubid == 2:
+            first = classid - 2**32 if classid > INT32_MAX else classid
+            second = objid - 2**32 if objid > INT32_MAX else objid
+            return cls.from_pair(first, second)
+        if objsubid != 1:
+            raise InvalidLockKeyError(f"not an advisory lock key: objsubid {objsubid!r} (expected 1 or 2)")
+        value = (classid << 32) | objid
+        return cls.from_int(value - 2**64 if value > INT64_MAX else value)
+
+    @classmethod
     def for_task(cls, dag_id: str, task_id: str, tenant: str | None = None, base: str | None = None) -> LockKey:
         """The key of a task: ``base`` (default ``dag_id/task_id``), then ``/tenant`` if any."""
         name = base if base is not None else f"{dag_id}{NAME_SEPARATOR}{task_id}"

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from airflow_pglock.identity import parse_application_name
-from airflow_pglock.keys import INT32_MAX, INT64_MAX, NAME_SEPARATOR, LockKey
+from airflow_pglock.keys import LockKey
 
 if TYPE_CHECKING:
     from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
@@ -32,18 +32,6 @@ INSPECT_APPLICATION_NAME = "pglock-cli locks"
 REGISTRY_INSTALLED = "installed"
 REGISTRY_MISSING = "not installed"
 REGISTRY_NO_ACCESS = "no access"
-
-
-def key_from_coordinates(classid: int, objid: int, objsubid: int) -> LockKey:
-    """The key whose ``pg_locks`` coordinates are these (the inverse of ``LockKey.pg_locks``)."""
-    if objsubid == 2:
-        first = classid - 2**32 if classid > INT32_MAX else classid
-        second = objid - 2**32 if objid > INT32_MAX else objid
-        return LockKey.from_pair(first, second)
-    if objsubid != 1:
-        raise ValueError(f"not an advisory lock key: objsubid {objsubid!r} (expected 1 or 2)")
-    value = (classid << 32) | objid
-    return LockKey.from_int(value - 2**64 if value > INT64_MAX else value)
 
 
 def parse_key_filter(text: str) -> list[LockKey]:
@@ -189,9 +177,9 @@ def _derived_name(key: LockKey, rows: Sequence[AdvisoryLockRow]) -> str | None:
         holder = _airflow_holder(row.application_name)
         if holder is None:
             continue
-        candidate = f"{holder.dag_id}{NAME_SEPARATOR}{holder.task_id}"
-        if LockKey.from_name(candidate).pg_locks == key.pg_locks:
-            return candidate
+        candidate = LockKey.for_task(holder.dag_id, holder.task_id)
+        if candidate.pg_locks == key.pg_locks:
+            return candidate.name
     return None
 
 
@@ -220,7 +208,7 @@ def build_entries(snapshot: LockSnapshot, registered: Sequence[RegisteredName] |
 
     entries: list[LockEntry] = []
     for (database, coordinates), rows in by_key.items():
-        key = key_from_coordinates(*coordinates)
+        key = LockKey.from_pg_locks(*coordinates)
         # The registry lives in one database: its names only describe that database's keys.
         names = list(names_by_coordinates.get(coordinates, [])) if database == snapshot.database else []
         source: str | None = "registry" if names else None

@@ -27,7 +27,7 @@ from airflow_pglock.hooks.schema import (
 )
 from airflow_pglock.identity import TaskIdentity
 from airflow_pglock.keys import NAME_TO_KEY_SQL, LockKey, int64_from_name
-from airflow_pglock.lock_report import collect_lock_report, key_from_coordinates
+from airflow_pglock.lock_report import collect_lock_report
 from tests.helpers import advisory_locks
 from tests.ops_helpers import hold, run_cli, scratch_database, with_user
 
@@ -296,7 +296,7 @@ def test_locks_names_a_task_default_key_from_its_application_name(ops_dsn: str, 
 
 def test_key_coordinates_roundtrip() -> None:
     for key in (LockKey.from_int(-5), LockKey.from_int(2**63 - 1), LockKey.from_pair(-(2**31), 2**31 - 1)):
-        assert key_from_coordinates(*key.pg_locks).numbers == key.numbers
+        assert LockKey.from_pg_locks(*key.pg_locks).numbers == key.numbers
 
 
 # ------------------------------------------------------------------ key

@@ -82,3 +82,10 @@ def test_describe_and_sql() -> None:
     assert "'it''s'" in key.sql
     assert LockKey.from_pair(1, 2).sql == "1, 2"
     assert LockKey.from_int(5).describe() == "key (int64 5)"
+
+
+@pytest.mark.parametrize(
+    "key", [LockKey.from_int(-5), LockKey.from_int(INT64_MAX), LockKey.from_int(INT64_MIN), LockKey.from_pair(-1, 2)]
+)
+def test_pg_locks_coordinates_round_trip(key: LockKey) -> None:
+    assert LockKey.from_pg_locks(*key.pg_locks).numbers == key.numbers
