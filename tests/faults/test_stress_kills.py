@@ -44,7 +44,7 @@ OVERLAP_SQL = (
 
 def _worker(dsn: str, seed: int, stop: Any) -> None:
     rng = random.Random(seed)
-    hook = AdvisoryLockHook(dsn=dsn, liveness=Liveness(3))
+    hook = AdvisoryLockHook(dsn=dsn, liveness=Liveness(6))  # not about the lease: SIGKILL frees at once
     key = LockKey.from_name("stress-kills")
     try:
         with psycopg.connect(dsn, autocommit=True) as log:
