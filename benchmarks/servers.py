@@ -164,13 +164,13 @@ def servers(with_netns: bool = True, without: tuple[str, ...] = ()) -> Any:
         except NetNamespaceUnavailableError as error:
             netns, netns_error = None, str(error)
     listen = ["127.0.0.1"] + ([netns.host_addr] if netns else [])
-    cluster = Cluster(settings={**PG_SETTINGS, "listen_addresses": f"'{','.join(listen)}'"})
+    cluster = Cluster(
+        settings={**PG_SETTINGS, "listen_addresses": f"'{','.join(listen)}'"},
+        trusted_subnets=[netns.subnet] if netns else [],
+    )
     redis_server: RedisServer | None = None
     try:
         cluster.init()
-        if netns is not None:
-            with open(cluster.data_dir / "pg_hba.conf", "a") as hba:
-                hba.write(f"host all all {netns.subnet} trust\n")
         cluster.start()
         with psycopg.connect(cluster.dsn, autocommit=True) as conn:
             conn.execute(f"CREATE DATABASE {BENCH_DATABASE}")

@@ -19,7 +19,7 @@ import stat
 import subprocess
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 RUN_AS_USER = "pglock"
@@ -72,11 +72,19 @@ class Cluster:
     """One PostgreSQL cluster in a temporary directory.
 
     :param settings: extra ``postgresql.conf`` settings.
+    :param trusted_subnets: networks (CIDR) allowed in with trust authentication besides
+        127.0.0.1, e.g. a test network namespace's subnet (also set ``listen_addresses``).
     """
 
     def __init__(
-        self, settings: Mapping[str, str] | None = None, *, port: int | None = None, base_dir: Path | None = None
+        self,
+        settings: Mapping[str, str] | None = None,
+        *,
+        port: int | None = None,
+        base_dir: Path | None = None,
+        trusted_subnets: Sequence[str] = (),
     ) -> None:
+        self.trusted_subnets = tuple(trusted_subnets)
         self.bin_dir = find_bin_dir()
         self.port = port or free_port()
         self.base_dir = Path(base_dir or tempfile.mkdtemp(prefix="pglock-pg-"))
@@ -143,6 +151,9 @@ class Cluster:
         with open(self.data_dir / "postgresql.conf", "a") as conf:
             for name, value in self.settings.items():
                 conf.write(f"{name} = {value}\n")
+        with open(self.data_dir / "pg_hba.conf", "a") as hba:
+            for subnet in self.trusted_subnets:
+                hba.write(f"host all all {subnet} trust\n")
         return self
 
     def start(self) -> Cluster:

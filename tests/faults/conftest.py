@@ -59,12 +59,9 @@ def fault_server() -> Iterator[FaultServer]:
         except NetNamespaceUnavailableError as error:
             netns, netns_error = None, str(error)
     listen = "127.0.0.1" + (f",{netns.host_addr}" if netns else "")
-    cluster = Cluster(settings={"listen_addresses": f"'{listen}'"})
+    cluster = Cluster(settings={"listen_addresses": f"'{listen}'"}, trusted_subnets=[netns.subnet] if netns else [])
     try:
         cluster.init()
-        if netns is not None:
-            with open(cluster.data_dir / "pg_hba.conf", "a") as hba:
-                hba.write(f"host all all {netns.subnet} trust\n")
         cluster.start()
         with psycopg.connect(cluster.dsn, autocommit=True) as conn:
             conn.execute(f"CREATE DATABASE {FAULT_DATABASE}")
