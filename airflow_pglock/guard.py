@@ -34,7 +34,7 @@ from airflow_pglock.identity import TaskIdentity
 from airflow_pglock.keys import LockKey
 from airflow_pglock.metrics import metric_tags, record_outcome
 from airflow_pglock.registry import record_acquisition
-from airflow_pglock.run_rules import RunRules, check_before_work, record_success
+from airflow_pglock.run_rules import RunRules, check_before_work, check_not_shared, record_success
 
 T = TypeVar("T")
 OnBusy = Literal["skip", "fail", "wait"]
@@ -51,6 +51,8 @@ log = logging.getLogger("airflow_pglock")
 # Delivered to the guarded thread when its lock is lost; Airflow's supervisor uses
 # SIGUSR2, so pick a real-time signal where the platform has one.
 LOST_SIGNAL: int = getattr(signal, "SIGRTMIN", signal.SIGUSR1) + (7 if hasattr(signal, "SIGRTMIN") else 0)
+# Seconds between two sends of an interruption the main thread has not taken yet.
+_PENDING_INTERRUPT_REPEAT = 0.05
 # Errors with which the server ends a session (its locks end with it).
 _SESSION_ENDED_STATES = frozenset({"57P01", "57P02", "57P03", "57P05", "25P03"})
 
@@ -181,6 +183,7 @@ class LockGuard:
     ) -> None:
         self.hook = hook
         self.rules = rules or RunRules()
+        check_not_shared(self.rules, policy.shared)
         self.identity = identity
         self.fencing_token: int | None = None
         self.key = key
@@ -200,6 +203,9 @@ class LockGuard:
         self._server_notice: tuple[str, str] | None = None  # (sqlstate, message) of a 57P.. notice
         self._started = 0.0
         self._wait_seconds = 0.0
+        #: the busy / already-done refusal this guard raised itself (an adapter turns only
+        #: that one into a skip; the same error raised by the work is a failure).
+        self.refusal: LockBusyError | AlreadyDoneError | None = None
 
     # ------------------------------------------------------------------ acquire
 
@@ -209,49 +215,51 @@ class LockGuard:
             self.held = self._acquire()
         except LockBusyError as busy:
             outcome = "failed" if self.policy.on_busy == "fail" else "skipped"
+            self.refusal = busy
             self._log_outcome(outcome, detail=f"busy: {busy}")
             raise
         except (PgLockError, psycopg.Error) as error:
             self._log_outcome("failed", detail=f"{type(error).__name__}: {error}")
             raise
-        self._wait_seconds = time.monotonic() - self._started
-        info = self.held.server
-        self.log.info(
-            "pglock acquired %s (%s, %s) database=%r server=%s pid=%s in %.3fs",
-            self.key.describe(),
-            self.policy.mode,
-            "shared" if self.policy.shared else "exclusive",
-            info.database,
-            info.server,
-            info.backend_pid,
-            self._wait_seconds,
-        )
+        # From here on the lock is held: one try, so that nothing (an error, Airflow's task
+        # timeout, Ctrl-C) can leave the lock connection open with no outcome line.
         try:
+            self._wait_seconds = time.monotonic() - self._started
+            info = self.held.server
+            self.log.info(
+                "pglock acquired %s (%s, %s) database=%r server=%s pid=%s in %.3fs",
+                self.key.describe(),
+                self.policy.mode,
+                "shared" if self.policy.shared else "exclusive",
+                info.database,
+                info.server,
+                info.backend_pid,
+                self._wait_seconds,
+            )
             record_acquisition(self.held, self.application_name, self.log)  # optional key-name registry
-            self._apply_run_rules()
+            if self.rules.active:
+                self.fencing_token = check_before_work(self.rules, self.held, self.application_name)
             self._start_heartbeat()
-        except BaseException:  # e.g. Airflow's task timeout: never leave the lock connection open
-            self._stop.set()
-            self.held.released = True
-            self.held.connection.close()
-            raise
-        return LockHandle(self.held, lambda: self._lost, fencing_token=self.fencing_token, period=self.rules.period)
-
-    def _apply_run_rules(self) -> None:
-        """once_per / min_interval / fencing, under the lock; on a skip or error nothing is left held."""
-        if not self.rules.active:
-            return
-        assert self.held is not None
-        try:
-            self.fencing_token = check_before_work(self.rules, self.held, self.application_name)
+            return LockHandle(self.held, lambda: self._lost, fencing_token=self.fencing_token, period=self.rules.period)
         except BaseException as error:
-            self.held.released = True
-            self.held.connection.close()  # ends the session (and a transaction lock's transaction)
+            self._abandon()
             if isinstance(error, AlreadyDoneError):
+                self.refusal = error
                 self._log_outcome("skipped", detail=f"done: {error}")
             else:
                 self._log_outcome("failed", detail=f"{type(error).__name__}: {error}")
             raise
+
+    def _abandon(self) -> None:
+        """Stop everything and close the lock connection (ends the session, and a transaction
+        lock's transaction, so the lock goes with it). Safe to call more than once."""
+        self._stop.set()
+        with self._state_lock:
+            self._armed = False
+        _disarm_main_thread(self)
+        if self.held is not None:
+            self.held.released = True
+            self.held.connection.close()
 
     def _acquire(self) -> HeldLock:
         timeout = self.policy.wait_timeout if self.policy.on_busy == "wait" else None
@@ -316,11 +324,27 @@ class LockGuard:
         interval = liveness.heartbeat_interval
         grace = min(interval, 1.0)
         confirmed = held.acquired_monotonic  # the lock statement was answered: the session is not idle before
+
+        def no_answer_reason() -> str:
+            silent = time.monotonic() - confirmed
+            return (
+                f"no answer from the lock database for {silent:.1f} s (the network to {held.server.server} is "
+                "cut, or the server or this process was frozen); the server releases the lock of a session "
+                f"silent for the lease ({liveness.lease:g} s), so it is given up for lost now"
+            )
+
         while not self._stop.wait(max(0.0, confirmed + interval - time.monotonic())):
             started = time.monotonic()
             budget = max(confirmed + liveness.loss_deadline - started, grace)
             try:
-                result = self.hook.probe(held.connection, self.key, self.policy.shared, budget)
+                result = self.hook.probe(
+                    held.connection,
+                    self.key,
+                    self.policy.shared,
+                    budget,
+                    xact_id=held.xact_id,
+                    before_giving_up=lambda: self._on_lost(no_answer_reason()),  # interrupt, then close
+                )
             except psycopg.Error as error:
                 if not held.connection.closed and self._is_ordinary_error(error):
                     confirmed = started  # the session answered (e.g. the work's transaction is aborted): alive
@@ -331,21 +355,31 @@ class LockGuard:
             except Exception as error:  # never let the heartbeat die silently: a silent heartbeat loses the lock
                 self._lose(f"the heartbeat failed ({type(error).__name__}: {error})", ask_server=False)
                 return
+            if result == "busy":
+                # The work is using the connection (a statement, COPY, a stream, a pipeline), and has
+                # been since the last answer, at least one interval ago. A busy connection is no proof
+                # that the session still holds the lock: ask the server from a side connection.
+                seen = self.hook.holds_seen_from_aside(held)
+                if seen is None:  # the server cannot be reached either: silent, as a probe without answer
+                    if time.monotonic() - confirmed >= liveness.loss_deadline:
+                        self._lose(no_answer_reason(), ask_server=False)
+                        return
+                    continue
+                if not seen:
+                    self._lose(
+                        "the lock session no longer holds the key (seen from a side connection while the work kept "
+                        "the lock's connection busy: the session was terminated, or its transaction ended)",
+                        ask_server=True,
+                    )
+                    return
+                result = "held"
             if result == "held":
                 confirmed = started
-            elif result == "busy":
-                confirmed = time.monotonic()  # the work is running a statement on it: the session is not idle
             elif result == "not held":
                 self._lose(self._not_held_reason(), ask_server=False)
                 return
             else:
-                silent = time.monotonic() - confirmed
-                self._lose(
-                    f"no answer from the lock database for {silent:.1f} s (the network to {held.server.server} is "
-                    "cut, or the server or this process was frozen); the server releases the lock of a session "
-                    f"silent for the lease ({liveness.lease:g} s), so it is given up for lost now",
-                    ask_server=False,
-                )
+                self._lose(self._lost or no_answer_reason(), ask_server=False)
                 return
 
     @staticmethod
@@ -386,7 +420,7 @@ class LockGuard:
         if self.policy.mode == "transaction":
             return (
                 "the transaction holding the lock ended while the work ran (a COMMIT or ROLLBACK on the lock's "
-                "connection releases a transaction-level lock)"
+                "connection releases a transaction-level lock; a session that ended takes it along)"
             )
         return "the session is alive but no longer holds the key (something on this connection unlocked it)"
 
@@ -417,6 +451,19 @@ class LockGuard:
             with self._state_lock:
                 self._lost = refined
         self.log.error("pglock LOST %s: %s", self.key.describe(), self._lost)
+        self._keep_interrupt_pending()
+
+    def _keep_interrupt_pending(self) -> None:
+        """Main thread: send the interruption again until it is delivered or the guard disarms.
+
+        The signal handler does not raise inside a guard's own clean-up (e.g. an inner
+        guard's release, when guards nest); the signal is consumed then, so it is repeated.
+        """
+        while not self._stop.wait(_PENDING_INTERRUPT_REPEAT):
+            with self._state_lock:
+                if not self._armed or self._interrupt_delivered or self._guarded_thread is not threading.main_thread():
+                    return
+                signal.pthread_kill(self._guarded_thread.ident or 0, LOST_SIGNAL)
 
     def _on_lost(self, reason: str) -> None:
         with self._state_lock:
@@ -479,15 +526,18 @@ class LockGuard:
         handle = self.__enter__()
         error: BaseException | None = None
         try:
-            result = work(handle)
-        except BaseException as raised:
-            error = raised
-        while True:
             try:
-                self._disarm()
-                break
-            except LockLostInterrupt as late:
-                error = error or late
+                result = work(handle)
+            except BaseException as raised:
+                error = raised
+            while True:
+                try:
+                    self._disarm()
+                    break
+                except LockLostInterrupt as late:
+                    error = error or late
+        except BaseException as raised:  # e.g. Ctrl-C while disarming: still release, still one outcome
+            error = error or raised
         if error is not None:
             self.__exit__(type(error), error, error.__traceback__)
             raise error
@@ -497,43 +547,29 @@ class LockGuard:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> None:
-        self._disarm_absorbing()
-        self._stop_heartbeat()
         held = self.held
         assert held is not None
-        lost = self._lost
+        lost: str | None = None
         commit_error: BaseException | None = None
         try:
+            self._disarm_absorbing()
+            self._stop_heartbeat()
+            lost = self._lost
             if held.scope == "transaction":
-                if lost is None and held.connection.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
-                    lost = (
-                        "the work ended the lock's transaction itself (COMMIT or ROLLBACK on lock.connection): "
-                        "the lock ended with it, and what ran afterwards ran without the lock"
-                    )
-                elif lost is None and exc_type is None:
-                    try:
-                        record_success(self.rules, held, self.identity, self.fencing_token)  # same transaction
-                        self.hook.commit(held.connection)
-                    except (psycopg.Error, PgLockError) as error:
-                        commit_error = error
+                if lost is None:
+                    lost, commit_error = self._finish_transaction(held, exc_type is None)
             elif lost is None and not held.connection.closed:
-                if exc_type is None:
-                    try:
-                        record_success(self.rules, held, self.identity, self.fencing_token)
-                    except (psycopg.Error, PgLockError) as error:
-                        commit_error = error
-                try:
-                    still_held = self.hook.unlock(held.connection, self.key, shared=self.policy.shared)
-                except psycopg.Error as error:
-                    still_held = False
-                    lost = self._describe_error(error)[0]
-                if not still_held:
-                    lost = f"found at release: {lost or 'the session no longer held the key'}"
+                lost, commit_error = self._finish_session(held, exc_type is None)
             elif lost is None:
                 lost = "found at release: the lock connection was closed"
+        except BaseException as interrupted:  # an asynchronous exception during the clean-up
+            self._abandon()
+            self._log_outcome(
+                "failed", detail=f"the clean-up was interrupted: {type(interrupted).__name__}", held=held.held_seconds
+            )
+            raise
         finally:
-            held.released = True
-            held.connection.close()  # also rolls back a transaction lock's open transaction
+            self._abandon()  # also rolls back a transaction lock's open transaction
         if lost is not None:
             with self._state_lock:
                 self._lost = lost
@@ -562,6 +598,53 @@ class LockGuard:
             self._log_outcome("failed", detail=f"{exc_type.__name__}: {exc}", held=held_for)
         else:
             self._log_outcome("completed", held=held_for)
+
+    def _finish_transaction(self, held: HeldLock, succeeded: bool) -> tuple[str | None, BaseException | None]:
+        """Transaction mode: (loss found, error in finishing). Commits only if the work
+        succeeded and the session is still in the lock's transaction, holding the key."""
+        ended_by_work = (
+            "the work ended the lock's transaction itself (COMMIT or ROLLBACK on lock.connection): the lock ended "
+            "with it, and what ran afterwards ran without the lock"
+        )
+        status = held.connection.info.transaction_status
+        if status == psycopg.pq.TransactionStatus.IDLE:
+            return ended_by_work, None
+        if not succeeded:
+            return None, None  # closing the connection rolls the work back
+        try:
+            if status == psycopg.pq.TransactionStatus.INTRANS and not self.hook.is_held(
+                held.connection, self.key, self.policy.shared, held.xact_id
+            ):
+                return ended_by_work, None
+            if not record_success(self.rules, held, self.identity, self.fencing_token):  # same transaction
+                return ended_by_work, None
+            self.hook.commit(held.connection)
+        except psycopg.Error as error:
+            if held.connection.closed or not self._is_ordinary_error(error):
+                return f"found at commit: {self._describe_error(error)[0]}", None
+            return None, error
+        except PgLockError as error:
+            return None, error
+        return None, None
+
+    def _finish_session(self, held: HeldLock, succeeded: bool) -> tuple[str | None, BaseException | None]:
+        """Session mode: record the completion (only while the key is held), then unlock."""
+        commit_error: BaseException | None = None
+        lost: str | None = None
+        if succeeded:
+            try:
+                if not record_success(self.rules, held, self.identity, self.fencing_token):
+                    lost = "found at completion: the session no longer held the key (nothing recorded)"
+            except (psycopg.Error, PgLockError) as error:
+                commit_error = error
+        try:
+            still_held = self.hook.unlock(held.connection, self.key, shared=self.policy.shared)
+        except psycopg.Error as error:
+            still_held = False
+            lost = self._describe_error(error)[0]
+        if not still_held:
+            lost = f"found at release: {lost or 'the session no longer held the key'}"
+        return lost, (None if lost is not None else commit_error)
 
     # ----------------------------------------------------------------- logging
 
@@ -623,14 +706,23 @@ _handler_installed = False
 
 
 def _lost_signal_handler(signum: int, frame: FrameType | None) -> None:
-    if frame is not None and frame.f_code in _NO_INTERRUPT_CODE:
-        return
+    if _in_guard_clean_up(frame):
+        return  # the heartbeat sends it again (see LockGuard._keep_interrupt_pending)
     for guard in reversed(_armed_in_main):
         reason = guard._take_interrupt()
         if reason is not None:
             raise LockLostInterrupt(f"lost {guard.key.describe()}: {reason}")
     if callable(_chained_handler):
         _chained_handler(signum, frame)
+
+
+def _in_guard_clean_up(frame: FrameType | None) -> bool:
+    """Whether the main thread is inside some guard's clean-up (anywhere down the stack)."""
+    while frame is not None:
+        if frame.f_code in _NO_INTERRUPT_CODE:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _arm_main_thread(guard: LockGuard) -> None:
@@ -650,6 +742,9 @@ _NO_INTERRUPT_CODE = frozenset(
     function.__code__
     for function in (
         LockGuard.__exit__,
+        LockGuard._abandon,
+        LockGuard._finish_transaction,
+        LockGuard._finish_session,
         LockGuard._disarm,
         LockGuard._disarm_absorbing,
         _disarm_main_thread,

@@ -88,13 +88,49 @@ def check_before_work(rules: RunRules, held: HeldLock, application_name: str | N
                 latest,
             )
     if rules.fencing:
+        if held.scope == "transaction":
+            # Issued on a side connection (committed at once, still under the lock): a token issued
+            # inside the lock's transaction stays invisible to other sessions until it commits, so
+            # they would keep accepting the previous holder's token meanwhile.
+            with held.hook.side_connection("pglock fencing", held.hook.connect_timeout) as side:
+                return ledger.issue_fencing_token(side, held.key, application_name)
         return ledger.issue_fencing_token(conn, held.key, application_name)
     return None
 
 
-def record_success(rules: RunRules, held: HeldLock, identity: TaskIdentity | None, token: int | None) -> None:
-    """Record the completion (in transaction mode, inside the lock's transaction)."""
+def record_success(rules: RunRules, held: HeldLock, identity: TaskIdentity | None, token: int | None) -> bool:
+    """Record the completion (in transaction mode, inside the lock's transaction).
+
+    :returns: False when nothing could be recorded because the lock was not held any more
+        (the recording statement checks it itself); True otherwise.
+    """
     if not rules.records_completion:
-        return
+        return True
     period = rules.period if rules.period is not None else ledger.ROLLING_PERIOD
-    ledger.record_completion(held.connection, held.key, period, identity, token)
+    return ledger.record_completion(
+        held.connection, held.key, period, identity, token, shared=held.shared, xact_id=held.xact_id
+    )
+
+
+def check_not_shared(rules: RunRules, shared: bool) -> None:
+    """Refuse once_per / min_interval / fencing with a shared lock (before any I/O).
+
+    Shared holders run side by side: two of them would both find the period not done and
+    both do its work, and a fencing token means "the newest holder", which several shared
+    holders cannot all be.
+    """
+    if shared and rules.active:
+        used = [
+            name
+            for name, on in (
+                ("once_per", rules.period is not None),
+                ("min_interval", rules.min_interval is not None),
+                ("fencing", rules.fencing),
+            )
+            if on
+        ]
+        raise LockConfigurationError(
+            f"{' / '.join(used)} cannot be combined with shared=True: shared holders run at the same time, so "
+            "the check before the work and the record after it would not be serialized by the lock (two "
+            "holders could both run the same period). Use an exclusive lock (shared=False) for these rules"
+        )

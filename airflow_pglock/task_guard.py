@@ -33,7 +33,7 @@ from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook, Scope
 from airflow_pglock.identity import TaskIdentity
 from airflow_pglock.keys import LockKey
 from airflow_pglock.liveness import DEFAULT_LEASE_SECONDS, Liveness
-from airflow_pglock.run_rules import RunRules, seconds
+from airflow_pglock.run_rules import RunRules, check_not_shared, seconds
 
 T = TypeVar("T")
 
@@ -97,7 +97,8 @@ class LockSpec:
         except ValueError as error:
             raise LockConfigurationError(str(error)) from None
         interval = seconds(min_interval, "min_interval")
-        RunRules(min_interval=interval, fencing=fencing)  # checks both now, when the DAG is parsed
+        rules = RunRules(min_interval=interval, fencing=fencing)  # checks both now, when the DAG is parsed
+        check_not_shared(rules, policy.shared)
         return cls(
             postgres_conn_id=postgres_conn_id,
             policy=policy,
@@ -128,12 +129,17 @@ def check_key_spec(key: KeySpec, tenant: Any) -> None:
     )
 
 
-def check_once_per(once_per: Any) -> None:
-    """Parse-time check of the ``once_per`` option (a template is checked when rendered)."""
+def check_once_per(once_per: Any, spec: LockSpec | None = None) -> None:
+    """Parse-time check of the ``once_per`` option (a template is checked when rendered).
+
+    :param spec: the task's other lock options (once_per is refused with a shared lock).
+    """
     if once_per is not None and (not isinstance(once_per, str) or not once_per.strip()):
         raise LockConfigurationError(
             f"once_per must be a non-empty period or template, e.g. '{{{{ ds }}}}'; got {once_per!r}"
         )
+    if once_per is not None and spec is not None:
+        check_not_shared(RunRules(period=once_per), spec.policy.shared)
 
 
 def resolve_key(key: KeySpec, tenant: Any, dag_id: str, task_id: str) -> LockKey:
@@ -202,9 +208,12 @@ def run_guarded(
             identity=identity,
         )
         return guard.run(work_with_token)  # the airtight form of `with guard as handle: work(handle)`
-    except AlreadyDoneError as done:
-        raise AirflowSkipException(f"skipped: {done}") from done
-    except LockBusyError as busy:
+    except (AlreadyDoneError, LockBusyError) as refused:
+        if guard is None or refused is not guard.refusal:
+            raise  # raised by the work (e.g. an inner guard): a failure of this run, never a skip
+        if isinstance(refused, AlreadyDoneError):
+            raise AirflowSkipException(f"skipped: {refused}") from refused
+        busy = refused
         if spec.policy.on_busy == "fail":
             raise AirflowFailException(f"{busy} (on_busy='fail')") from busy
         raise AirflowSkipException(f"skipped: {busy}") from busy
@@ -313,7 +322,7 @@ def guard_callable(
     :param once_per: the period option (rendered at run time), or None.
     """
     check_key_spec(key, tenant)
-    check_once_per(once_per)
+    check_once_per(once_per, spec)
     wants_handle = check_callable(python_callable, tenant=tenant, tenant_arg=spec.tenant_arg)
     name = getattr(python_callable, "__name__", repr(python_callable))
     signature = inspect.signature(python_callable)

@@ -97,7 +97,7 @@ class _AdvisoryLockDecoratedOperator(DecoratedOperator, PythonOperator):
             fencing=fencing,
         )
         check_key_spec(key, tenant)
-        check_once_per(once_per)
+        check_once_per(once_per, self.lock_spec)
         self.lock_once_per = once_per
         name = getattr(python_callable, "__name__", repr(python_callable))
         op_kwargs = dict(op_kwargs or {})

@@ -12,7 +12,7 @@ import datetime as dt
 import re
 import select
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, NoReturn
 
@@ -40,12 +40,35 @@ POSTGRES_CONN_TYPES = frozenset({"postgres", "postgresql"})
 #: What a heartbeat found: the key is held; it is not; the protected work is using the
 #: connection (transaction mode: the session is busy, hence not idle); no answer in time.
 ProbeResult = Literal["held", "not held", "busy", "no answer"]
-# Whether this very session holds a key: pg_locks, filtered to our pid and database.
-_HELD_SQL = (
-    "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()"
+# Whether a session ({0}) holds a key in this database: pg_locks, filtered to that pid.
+HELD_CONDITION = (
+    "EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND pid = {0}"
     " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
-    " AND classid = {0}::oid AND objid = {1}::oid AND objsubid = {2}::int2 AND mode = {3} AND granted)"
+    " AND classid = {1}::oid AND objid = {2}::oid AND objsubid = {3}::int2 AND mode = {4} AND granted)"
 )
+# ...and, for a transaction lock, that the session is still in the transaction that took it
+# (a COMMIT then BEGIN on the lock's connection ends the lock; the key may even be taken
+# again in the new transaction, which is not the lock the guard holds).
+IN_LOCK_TRANSACTION = " AND txid_current_if_assigned() IS NOT DISTINCT FROM {0}::bigint"
+# The same seen from another session: the holder's current top-level transaction id (32 bits).
+_SIDE_IN_LOCK_TRANSACTION = (
+    " AND (SELECT backend_xid::text::bigint FROM pg_stat_activity WHERE pid = {0}) = mod({1}::bigint, 4294967296)"
+)
+
+
+def held_sql(pid: str, placeholders: tuple[str, str, str, str], xact: str | None) -> str:
+    """``SELECT <pid holds the key [in transaction xact]>`` with the given placeholders."""
+    condition = HELD_CONDITION.format(pid, *placeholders)
+    if xact is not None:
+        condition += IN_LOCK_TRANSACTION.format(xact)
+    return f"SELECT {condition}"
+
+
+def held_params(key: LockKey, shared: bool) -> list[Any]:
+    classid, objid, objsubid = key.pg_locks
+    return [classid, objid, objsubid, "ShareLock" if shared else "ExclusiveLock"]
+
+
 # The errors a server that only looks like PostgreSQL (PgBouncer's admin console, other
 # wire-compatible systems) answers to the inspection query.
 _NOT_POSTGRES_ERRORS: tuple[type[psycopg.Error], ...] = (
@@ -194,6 +217,8 @@ class HeldLock:
     :param acquired_at: when the lock was taken (UTC).
     :param acquired_monotonic: ``time.monotonic()`` at acquisition, for durations.
     :param released: True once :meth:`release` ran.
+    :param xact_id: transaction scope: the id (``txid_current()``) of the transaction that
+        holds the lock; every later check verifies the session is still in it.
     """
 
     key: LockKey
@@ -205,10 +230,11 @@ class HeldLock:
     acquired_at: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.UTC))
     acquired_monotonic: float = field(default_factory=time.monotonic)
     released: bool = False
+    xact_id: int | None = None
 
     def is_held(self) -> bool:
         """Ask the server whether this session still holds the key (a round trip)."""
-        return self.hook.is_held(self.connection, self.key, self.shared)
+        return self.hook.is_held(self.connection, self.key, self.shared, self.xact_id)
 
     def release(self) -> bool:
         """Release the lock and close its connection. Idempotent.
@@ -225,7 +251,7 @@ class HeldLock:
             if self.scope == "session" and not self.connection.closed:
                 was_held = self.hook.unlock(self.connection, self.key, shared=self.shared)
             elif self.scope == "transaction" and not self.connection.closed:
-                was_held = self.hook.is_held(self.connection, self.key, self.shared)
+                was_held = self.hook.is_held(self.connection, self.key, self.shared, self.xact_id)
         except psycopg.Error:
             was_held = False  # the connection broke: the server has dropped the lock with it
         finally:
@@ -409,6 +435,34 @@ class AdvisoryLockHook(BaseHook):
         except (psycopg.Error, PgLockError):
             return None
 
+    def side_connection(
+        self, application_name: str = INSPECT_APPLICATION_NAME, connect_timeout: int = 2
+    ) -> psycopg.Connection[Any]:
+        """A short autocommit connection next to a lock's (the settings of the last
+        :meth:`connect`, so the heartbeat thread never asks Airflow again)."""
+        kwargs = getattr(self, "_resolved_kwargs", None) or self._lock_connection_kwargs(
+            self.connection_kwargs(), application_name
+        )
+        kwargs = {**kwargs, "connect_timeout": connect_timeout, "application_name": application_name}
+        return psycopg.Connection.connect(autocommit=True, **kwargs)
+
+    def holds_seen_from_aside(self, held: HeldLock) -> bool | None:
+        """Whether ``held``'s session still holds its key (in its transaction), asked from a
+        side connection: for when the lock's own connection is busy with the work (COPY,
+        streaming). None when the server cannot be reached."""
+        pid = held.server.backend_pid
+        statement = "SELECT " + HELD_CONDITION.format("%s", "%s", "%s", "%s", "%s")
+        params: list[Any] = [pid, *held_params(held.key, held.shared)]
+        if held.xact_id is not None:
+            statement += _SIDE_IN_LOCK_TRANSACTION.format("%s", "%s")
+            params += [pid, held.xact_id]
+        try:
+            with self.side_connection() as conn:
+                row = conn.execute(statement, params).fetchone()  # type: ignore[arg-type]  # static SQL
+        except (psycopg.OperationalError, PgLockError):
+            return None
+        return bool(row and row[0])
+
     def inspect_server(self, conn: psycopg.Connection[Any]) -> ServerInfo:
         """Read what is at the other end of a lock connection, in one round trip."""
         try:
@@ -588,16 +642,29 @@ class AdvisoryLockHook(BaseHook):
         row = conn.execute(self._call(self._function("pg_advisory_unlock", shared), key), key.numbers).fetchone()
         return bool(row and row[0])
 
-    def is_held(self, conn: psycopg.Connection[Any], key: LockKey, shared: bool = False) -> bool:
-        """Whether this very session holds the key now (reads ``pg_locks``, takes nothing)."""
-        classid, objid, objsubid = key.pg_locks
-        row = conn.execute(
-            _HELD_SQL.format("%s", "%s", "%s", "%s"),
-            [classid, objid, objsubid, "ShareLock" if shared else "ExclusiveLock"],
-        ).fetchone()
+    def is_held(
+        self, conn: psycopg.Connection[Any], key: LockKey, shared: bool = False, xact_id: int | None = None
+    ) -> bool:
+        """Whether this very session holds the key now (reads ``pg_locks``, takes nothing).
+
+        :param xact_id: for a transaction lock, the transaction that took it: also check
+            that the session is still in that transaction.
+        """
+        params = held_params(key, shared) + ([] if xact_id is None else [xact_id])
+        statement = held_sql("pg_backend_pid()", ("%s", "%s", "%s", "%s"), None if xact_id is None else "%s")
+        row = conn.execute(statement, params).fetchone()  # type: ignore[arg-type]  # static SQL from this module
         return bool(row and row[0])
 
-    def probe(self, conn: psycopg.Connection[Any], key: LockKey, shared: bool, timeout: float) -> ProbeResult:
+    def probe(
+        self,
+        conn: psycopg.Connection[Any],
+        key: LockKey,
+        shared: bool,
+        timeout: float,
+        *,
+        xact_id: int | None = None,
+        before_giving_up: Callable[[], None] | None = None,
+    ) -> ProbeResult:
         """The heartbeat: does this session still hold ``key``? Never blocks much longer than ``timeout``.
 
         Unlike :meth:`is_held`, it cannot hang on a dead network or a frozen server: when no
@@ -605,13 +672,18 @@ class AdvisoryLockHook(BaseHook):
         drops the session as soon as it hears from it again) and returns ``"no answer"``.
         When the protected work is using the connection for that long (transaction mode),
         it returns ``"busy"``: a session running a statement is not idle, so the server keeps
-        its lock. A session that ended raises the server's error (``AdminShutdown``,
-        ``IdleSessionTimeout``...) or ``OperationalError`` when the connection broke.
+        its lock; also while the work has a pipeline open on it (a query sent now would be
+        queued behind the work's). A session that ended raises the server's error
+        (``AdminShutdown``, ``IdleSessionTimeout``...) or ``OperationalError`` when the
+        connection broke.
 
         :param conn: the lock's own connection.
         :param key: the key it should hold.
         :param shared: whether it holds the key in shared mode.
         :param timeout: seconds to wait for the connection and the answer together.
+        :param xact_id: transaction scope: the lock's transaction (see :meth:`is_held`).
+        :param before_giving_up: called when there is no answer, before the connection is
+            closed (closing lets the server release the lock: interrupt the work first).
         """
         deadline = time.monotonic() + max(0.0, timeout)
         lock = conn.lock  # psycopg serialises the use of a connection with this lock
@@ -621,13 +693,17 @@ class AdvisoryLockHook(BaseHook):
             if conn.closed:
                 raise psycopg.OperationalError("the lock connection is closed")
             pgconn = conn.pgconn
-            classid, objid, objsubid = key.pg_locks
-            params = [str(classid), str(objid), str(objsubid), "ShareLock" if shared else "ExclusiveLock"]
-            pgconn.send_query_params(
-                _HELD_SQL.format("$1", "$2", "$3", "$4").encode(), [value.encode() for value in params]
-            )
+            if pgconn.pipeline_status != psycopg.pq.PipelineStatus.OFF:
+                return "busy"
+            params = [str(value) for value in held_params(key, shared)]
+            if xact_id is not None:
+                params.append(str(xact_id))
+            statement = held_sql("pg_backend_pid()", ("$1", "$2", "$3", "$4"), None if xact_id is None else "$5")
+            pgconn.send_query_params(statement.encode(), [value.encode() for value in params])
             results = self._results_before(pgconn, deadline)
             if results is None:
+                if before_giving_up is not None:
+                    before_giving_up()
                 conn.close()  # the query is still in flight: this connection can never be used again
                 return "no answer"
         finally:
@@ -639,12 +715,15 @@ class AdvisoryLockHook(BaseHook):
 
     @staticmethod
     def _results_before(pgconn: psycopg.pq.abc.PGconn, deadline: float) -> list[psycopg.pq.abc.PGresult] | None:
-        """Every result of the query just sent on ``pgconn``; None if the deadline passed first."""
+        """Every result of the query just sent on ``pgconn``; None if the deadline passed first.
+
+        Past the deadline the socket is still polled once, without waiting: a thread that
+        was stalled (GIL held by a C call, CPU starvation) past its deadline must not give up
+        on an answer that arrived meanwhile.
+        """
 
         def ready(events: int) -> bool:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
+            remaining = max(0.0, deadline - time.monotonic())
             poller = select.poll()
             poller.register(pgconn.socket, events)
             return bool(poller.poll(remaining * 1000))
@@ -714,20 +793,30 @@ class AdvisoryLockHook(BaseHook):
         lock_key = LockKey.coerce(key)
         conn, info = self.open_lock_session(application_name, scope)
         try:
+            xact_id = None
             if scope == "transaction":
-                conn.execute("BEGIN")
+                # READ COMMITTED whatever the database's or role's default: under REPEATABLE READ or
+                # SERIALIZABLE the snapshot would be taken before the lock is granted, and the work
+                # (and the once_per check) would read what was there before the previous holder
+                # committed.
+                conn.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
                 self.apply_liveness(conn, local=True, server_version_num=info.version_num)
             if timeout is None:
                 acquired = self.try_lock(conn, lock_key, shared=shared, scope=scope)
             else:
                 acquired = self.wait_lock(conn, lock_key, timeout, shared=shared, scope=scope)
+            if not acquired:
+                conn.close()
+                return None
+            if scope == "transaction":
+                row = conn.execute("SELECT txid_current()").fetchone()
+                xact_id = int(row[0]) if row else None
+            return HeldLock(
+                key=lock_key, shared=shared, scope=scope, connection=conn, server=info, hook=self, xact_id=xact_id
+            )
         except BaseException:
             conn.close()
             raise
-        if not acquired:
-            conn.close()
-            return None
-        return HeldLock(key=lock_key, shared=shared, scope=scope, connection=conn, server=info, hook=self)
 
     def try_acquire(
         self,
@@ -796,6 +885,12 @@ class AdvisoryLockHook(BaseHook):
             return
         try:
             yield held
+            in_transaction = held.connection.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+            if in_transaction and not self.is_held(held.connection, held.key, held.shared, held.xact_id):
+                raise psycopg.errors.NoActiveSqlTransaction(
+                    "the lock's transaction was ended on its connection (a COMMIT or ROLLBACK by the work): the lock "
+                    "ended with it, and whatever ran afterwards ran without the lock; not committed"
+                )
             self.commit(held.connection)
         finally:
             held.released = True

@@ -12,8 +12,12 @@ Hook-level module (SQL lives here). Tables come from migration 2 of
   ``pglock.reject_stale_fencing_token`` let a protected table refuse a write that carries
   an older token than the one last issued for its key.
 
-Every function runs on the lock's own connection while the lock is held, so checks and
-records are serialized by the lock itself.
+Every function runs while an *exclusive* lock on the key is held (shared locks are refused
+with these rules), so checks and records are serialized by the lock itself. A completion is
+recorded only by a statement that checks, in itself, that the lock is still held (and, in
+transaction mode, that its transaction is still the one that took it). In transaction mode a
+fencing token is issued on a side connection: it is visible to every session at once, not
+only when the lock's transaction commits.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 import psycopg
 
 from airflow_pglock.exceptions import LockConfigurationError
+from airflow_pglock.hooks.advisory_lock import HELD_CONDITION, IN_LOCK_TRANSACTION, held_params
 from airflow_pglock.identity import TaskIdentity
 from airflow_pglock.keys import LockKey
 
@@ -216,24 +221,38 @@ def record_completion(
     period: str,
     identity: TaskIdentity | None,
     fencing_token: int | None,
-) -> None:
-    """Record that ``key`` completed ``period`` now (database clock).
+    *,
+    shared: bool = False,
+    xact_id: int | None = None,
+) -> bool:
+    """Record that ``key`` completed ``period`` now (database clock), if the lock is still held.
 
-    In transaction mode this runs inside the lock's transaction: it commits with the
-    author's writes or not at all.
+    The statement itself checks that this session holds the key (in transaction ``xact_id``,
+    for a transaction lock): no completion is ever recorded without the lock. In
+    transaction mode it runs inside the lock's transaction: it commits with the author's
+    writes or not at all.
+
+    :returns: False (nothing recorded) when the lock was not held any more.
     """
-    _run(
+    condition = HELD_CONDITION.format("pg_backend_pid()", "%(classid)s", "%(objid)s", "%(objsubid)s", "%(lock_mode)s")
+    if xact_id is not None:
+        condition += IN_LOCK_TRANSACTION.format("%(xact_id)s")
+    lock_mode = held_params(key, shared)[3]
+    cursor = _run(
         conn,
         "once_per / min_interval",
         "INSERT INTO pglock.completions (objsubid, classid, objid, key_name, period, completed_at,"
         " dag_id, task_id, run_id, map_index, fencing_token)"
-        " VALUES (%(objsubid)s, %(classid)s, %(objid)s, %(name)s, %(period)s, clock_timestamp(),"
-        " %(dag_id)s, %(task_id)s, %(run_id)s, %(map_index)s, %(token)s)"
+        " SELECT %(objsubid)s, %(classid)s, %(objid)s, %(name)s, %(period)s, clock_timestamp(),"
+        " %(dag_id)s, %(task_id)s, %(run_id)s, %(map_index)s, %(token)s"
+        f" WHERE {condition}"
         " ON CONFLICT (objsubid, classid, objid, period) DO UPDATE SET completed_at = excluded.completed_at,"
         " key_name = excluded.key_name, dag_id = excluded.dag_id, task_id = excluded.task_id,"
         " run_id = excluded.run_id, map_index = excluded.map_index, fencing_token = excluded.fencing_token",
         {
             **_coordinates(key),
+            "lock_mode": lock_mode,
+            "xact_id": xact_id,
             "name": key.name,
             "period": period,
             "dag_id": identity.dag_id if identity else None,
@@ -243,6 +262,7 @@ def record_completion(
             "token": fencing_token,
         },
     )
+    return bool(cursor.rowcount == 1)
 
 
 def issue_fencing_token(conn: psycopg.Connection[Any], key: LockKey, issued_to: str | None) -> int:

@@ -170,7 +170,7 @@ def guarded(
         fencing=fencing,
     )
     check_key_spec(key, tenant)
-    check_once_per(once_per)
+    check_once_per(once_per, spec)
     guard = OperatorGuard(spec=spec, key=key, tenant=tenant, once_per=once_per)
     setattr(operator, GUARD_ATTRIBUTE, guard)
     operator.execute = guard.execute  # type: ignore[method-assign]

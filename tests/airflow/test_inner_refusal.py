@@ -1,0 +1,48 @@
+"""A busy or already-done refusal raised *by the work* (e.g. an inner guard) is a failure of
+the task, never a skip: only the task's own guard may turn busy/done into a skip."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+from tests.helpers import run_dag
+
+pytestmark = pytest.mark.airflow
+
+INNER_BUSY_DAG = """
+import pendulum
+from airflow.sdk import dag, task
+
+from airflow_pglock.guard import LockGuard, LockPolicy
+from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+from airflow_pglock.keys import LockKey
+
+CONN = "pglock_test"
+
+
+@dag(dag_id="inner_busy", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False)
+def inner_busy():
+    @task.advisory_lock(postgres_conn_id=CONN, key="outer-step", on_busy="skip", retries=0)
+    def outer():
+        print("step 1 done (irreversible)")
+        inner = LockGuard(AdvisoryLockHook(CONN), LockKey.from_name("inner-step"), LockPolicy(on_busy="fail"))
+        inner.run(lambda lock: print("step 2 done"))
+
+    outer()
+
+
+inner_busy_dag = inner_busy()
+"""
+
+
+def test_busy_inner_guard_fails_the_outer_task(airflow_db: Any, admin: Any, holder_hook: AdvisoryLockHook) -> None:
+    blocker = holder_hook.try_acquire("inner-step")
+    assert blocker is not None
+    try:
+        result = run_dag(INNER_BUSY_DAG, "inner_busy")
+    finally:
+        blocker.release()
+    assert result.state("outer") == "failed"

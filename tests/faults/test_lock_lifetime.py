@@ -1,0 +1,459 @@
+"""The lock guard's promises over the lock's whole lifetime, on a real PostgreSQL.
+
+Never two holders inside the protected section; a lost lock never reported as success; an
+error never a silent skip; nothing left behind (the ``fault_admin`` fixture checks
+``pg_stat_activity`` and ``pg_locks`` after each test). One test (or a few) per way these
+promises used to break (issue 19), each failing on the code before its fix.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import select
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from airflow_pglock.exceptions import AlreadyDoneError, LockConfigurationError, LockLostError, LockLostInterrupt
+from airflow_pglock.guard import LockGuard, LockHandle, LockPolicy
+from airflow_pglock.hooks import schema
+from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+from airflow_pglock.keys import LockKey
+from airflow_pglock.liveness import Liveness
+from airflow_pglock.run_rules import RunRules
+from airflow_pglock.task_guard import LockSpec, check_once_per
+from tests.faults.conftest import FaultServer
+
+pytestmark = [pytest.mark.faults, pytest.mark.slow]
+
+PERIOD = "2026-11-30"
+
+
+def _hook(server: FaultServer, lease: float = 3, dsn: str | None = None) -> AdvisoryLockHook:
+    return AdvisoryLockHook(dsn=dsn or server.dsn, liveness=Liveness(lease))
+
+
+def _guard(
+    server: FaultServer,
+    key: str,
+    *,
+    lease: float = 3,
+    rules: RunRules | None = None,
+    dsn: str | None = None,
+    **policy: Any,
+) -> LockGuard:
+    return LockGuard(_hook(server, lease, dsn), LockKey.from_name(key), LockPolicy(**policy), rules=rules)
+
+
+@pytest.fixture
+def ledger(fault_server: FaultServer, fault_admin: Any) -> Iterator[Any]:
+    """The fault database with airflow-pglock's tables and an empty side-effect table."""
+    schema.migrate(fault_admin)
+    fault_admin.execute("TRUNCATE pglock.completions, pglock.fencing_tokens")
+    fault_admin.execute("DROP TABLE IF EXISTS effects; CREATE TABLE effects (note text)")
+    yield fault_admin
+    fault_admin.execute("DROP TABLE IF EXISTS effects")
+
+
+def _completions(admin: Any) -> list[str]:
+    return [row[0] for row in admin.execute("SELECT period FROM pglock.completions ORDER BY period").fetchall()]
+
+
+# ------------------------------------------------ 1: the work ends the lock's transaction
+
+
+@pytest.mark.parametrize("retake", [False, True], ids=["commit-begin", "commit-begin-retake"])
+def test_work_that_commits_and_begins_on_the_lock_connection_is_lost_not_completed(
+    fault_server: FaultServer, ledger: Any, retake: bool
+) -> None:
+    """COMMIT then BEGIN on ``lock.connection`` ends the lock (a contender gets it): the run is
+    lost, and no completion is recorded, even when the work takes the key again afterwards."""
+    contender_got_it: list[bool] = []
+    guard = _guard(fault_server, "commit-begin", mode="transaction", rules=RunRules(period=PERIOD))
+
+    def work(lock: LockHandle) -> str:
+        assert lock.connection is not None
+        lock.connection.execute("INSERT INTO effects VALUES ('before commit')")
+        lock.connection.execute("COMMIT")
+        lock.connection.execute("BEGIN")
+        other = _hook(fault_server).try_acquire(lock.key)
+        contender_got_it.append(other is not None)
+        if other is not None:
+            other.release()
+        if retake:  # the same key again, in a transaction the guard never saw
+            lock.connection.execute("SELECT pg_advisory_xact_lock(%s::bigint)", lock.key.numbers)
+        lock.connection.execute("INSERT INTO effects VALUES ('after commit')")
+        return "ok"
+
+    with pytest.raises(LockLostError, match="ended the lock's transaction"):
+        guard.run(work)
+    assert contender_got_it == [True]
+    assert guard.outcome == "lost"
+    assert _completions(ledger) == []
+    assert [r[0] for r in ledger.execute("SELECT note FROM effects").fetchall()] == ["before commit"]
+
+
+def test_heartbeat_notices_a_lock_retaken_in_another_transaction(fault_server: FaultServer, fault_admin: Any) -> None:
+    """The heartbeat checks the lock's transaction, not only the key: a key held again in a
+    new transaction on the same connection is not the lock the guard took."""
+
+    def work(lock: LockHandle) -> None:
+        assert lock.connection is not None
+        lock.connection.execute("COMMIT")
+        lock.connection.execute("BEGIN")
+        lock.connection.execute("SELECT pg_advisory_xact_lock(%s::bigint)", lock.key.numbers)
+        time.sleep(10)  # interrupted by the heartbeat (every L/3 = 1 s)
+
+    started = time.monotonic()
+    with pytest.raises(LockLostError) as error:
+        _guard(fault_server, "retaken", mode="transaction").run(work)
+    assert time.monotonic() - started < 6
+    assert isinstance(error.value.__cause__, LockLostInterrupt)
+
+
+# ------------------------------------------------ 2: shared locks with run rules
+
+
+def test_shared_with_run_rules_is_refused_when_the_dag_is_parsed() -> None:
+    with pytest.raises(LockConfigurationError, match="shared"):
+        LockSpec.build(shared=True, fencing=True)
+    with pytest.raises(LockConfigurationError, match="shared"):
+        LockSpec.build(shared=True, min_interval=60)
+    with pytest.raises(LockConfigurationError, match="shared"):
+        check_once_per("{{ ds }}", LockSpec.build(shared=True))
+    check_once_per("{{ ds }}", LockSpec.build())  # exclusive: fine
+
+
+def test_shared_guard_with_once_per_is_refused_before_any_io(fault_server: FaultServer, fault_admin: Any) -> None:
+    hook = AdvisoryLockHook(dsn="postgresql://nobody@127.0.0.1:1/none")  # never contacted
+    for rules in (RunRules(period=PERIOD), RunRules(min_interval=5), RunRules(fencing=True)):
+        with pytest.raises(LockConfigurationError, match="shared"):
+            LockGuard(hook, LockKey.from_name("shared-rules"), LockPolicy(shared=True), rules=rules)
+
+
+# ------------------------------------------------ 3: isolation level of the lock transaction
+
+
+def test_transaction_mode_reads_after_the_lock_under_a_repeatable_read_default(
+    fault_server: FaultServer, ledger: Any
+) -> None:
+    """With default_transaction_isolation = repeatable read, a waiter's once_per check must
+    still see the completion the previous holder committed while it waited."""
+    rr_dsn = psycopg.conninfo.make_conninfo(
+        fault_server.dsn, options="-c default_transaction_isolation=repeatable\\ read"
+    )
+    ran: list[str] = []
+    outcomes: dict[str, str | None] = {}
+    isolation: list[str] = []
+
+    def one(name: str, delay: float) -> None:
+        time.sleep(delay)
+        guard = _guard(
+            fault_server,
+            "rr-once",
+            dsn=rr_dsn,
+            mode="transaction",
+            on_busy="wait",
+            wait_timeout=20,
+            rules=RunRules(period=PERIOD),
+        )
+
+        def work(lock: LockHandle) -> None:
+            assert lock.connection is not None
+            isolation.append(lock.connection.execute("SHOW transaction_isolation").fetchone()[0])
+            ran.append(name)
+            lock.connection.execute("INSERT INTO effects VALUES (%s)", [name])
+            time.sleep(1.0)
+
+        try:
+            guard.run(work)
+        except AlreadyDoneError:
+            pass
+        except BaseException as error:
+            outcomes[name + " error"] = repr(error)
+        outcomes[name] = guard.outcome
+
+    threads = [threading.Thread(target=one, args=(n, d)) for n, d in (("A", 0), ("B", 0.4))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert ran == ["A"], outcomes
+    assert outcomes == {"A": "completed", "B": "skipped"}
+    assert isolation == ["read committed"]
+    assert [r[0] for r in ledger.execute("SELECT note FROM effects").fetchall()] == ["A"]
+
+
+# ------------------------------------------------ 5: work that holds the connection (COPY)
+
+
+def test_loss_during_copy_is_noticed_from_a_side_connection(fault_server: FaultServer, fault_admin: Any) -> None:
+    """While the work is inside ``cursor.copy()`` the heartbeat cannot use the lock's
+    connection; a terminated session must still interrupt the work and fail it as lost."""
+    fault_admin.execute("DROP TABLE IF EXISTS copy_target; CREATE TABLE copy_target (x int)")
+    guard = _guard(fault_server, "copy-loss", mode="transaction")
+    steps: list[str | None] = []
+
+    def work(lock: LockHandle) -> None:
+        assert lock.connection is not None
+        with lock.connection.cursor().copy("COPY copy_target FROM STDIN") as copy:
+            copy.write_row((1,))
+            time.sleep(0.3)
+            with fault_server.admin() as admin:
+                admin.execute("SELECT pg_terminate_backend(%s)", [lock.backend_pid])
+            for _ in range(20):  # e.g. side effects outside the database, 10 s in all
+                time.sleep(0.5)
+                steps.append(lock.lost)
+
+    started = time.monotonic()
+    with pytest.raises(LockLostError) as error:
+        guard.run(work)
+    assert "terminated" in error.value.cause or "side connection" in error.value.cause
+    # heartbeat (1 s) + one busy interval (1 s) + the side check + scheduling noise
+    assert time.monotonic() - started < 6, steps
+    assert guard.outcome == "lost"
+    assert len(steps) < 12
+    assert fault_admin.execute("SELECT count(*) FROM copy_target").fetchone() == (0,)
+    fault_admin.execute("DROP TABLE copy_target")
+
+
+def test_long_copy_of_a_healthy_holder_is_not_a_loss(fault_server: FaultServer, fault_admin: Any) -> None:
+    fault_admin.execute("DROP TABLE IF EXISTS copy_ok; CREATE TABLE copy_ok (x int)")
+
+    def work(lock: LockHandle) -> str | None:
+        assert lock.connection is not None
+        with lock.connection.cursor().copy("COPY copy_ok FROM STDIN") as copy:
+            for i in range(8):  # 2.4 s with the connection busy: longer than one heartbeat interval
+                copy.write_row((i,))
+                time.sleep(0.3)
+        return lock.lost
+
+    guard = _guard(fault_server, "copy-ok", mode="transaction")
+    assert guard.run(work) is None
+    assert guard.outcome == "completed"
+    assert fault_admin.execute("SELECT count(*) FROM copy_ok").fetchone() == (8,)
+    fault_admin.execute("DROP TABLE copy_ok")
+
+
+# ------------------------------------------------ 6: a pipeline on the lock's connection
+
+
+def test_pipeline_on_the_lock_connection_is_busy_not_a_network_cut(fault_server: FaultServer, fault_admin: Any) -> None:
+    fault_admin.execute("DROP TABLE IF EXISTS piped; CREATE TABLE piped (x int)")
+
+    def work(lock: LockHandle) -> str:
+        assert lock.connection is not None
+        with lock.connection.pipeline():
+            for i in range(12):  # 2.4 s: the heartbeat (every 1 s) probes during the pipeline
+                lock.connection.execute("INSERT INTO piped VALUES (%s)", [i])
+                time.sleep(0.2)
+        return "ok"
+
+    guard = _guard(fault_server, "pipeline", mode="transaction")
+    assert guard.run(work) == "ok"
+    assert guard.outcome == "completed"
+    assert fault_admin.execute("SELECT count(*) FROM piped").fetchone() == (12,)
+    fault_admin.execute("DROP TABLE piped")
+
+
+# ------------------------------------------------ 7: a reply already in the socket
+
+
+def test_probe_reads_a_reply_that_arrived_while_its_thread_was_stalled(
+    fault_server: FaultServer, fault_admin: Any
+) -> None:
+    with psycopg.connect(fault_server.dsn, autocommit=True) as conn:
+        pgconn = conn.pgconn
+        pgconn.send_query_params(b"SELECT true", None)
+        pgconn.flush()
+        poller = select.poll()
+        poller.register(pgconn.socket, select.POLLIN)
+        assert poller.poll(5000)  # the reply is in the socket...
+        deadline = time.monotonic() - 0.001  # ...but the reading thread comes back after its deadline
+        results = AdvisoryLockHook._results_before(pgconn, deadline)
+        assert results is not None and results[-1].get_value(0, 0) == b"t"
+
+
+def test_gil_holding_stalls_shorter_than_the_lease_are_not_a_loss(fault_server: FaultServer, fault_admin: Any) -> None:
+    """C calls that hold the GIL for 1.8 s each, back to back, on a 6 s lease (heartbeat 2 s,
+    holder deadline 4 s): the session stays alive on the server, so the lock is not lost."""
+    libc = ctypes.PyDLL(None)  # PyDLL: the GIL stays held during the call
+
+    def work(lock: LockHandle) -> str | None:
+        for _ in range(4):
+            libc.usleep(1_800_000)
+        return lock.lost
+
+    guard = _guard(fault_server, "gil-stall", lease=6)
+    assert guard.run(work) is None
+    assert guard.outcome == "completed"
+
+
+# ------------------------------------------------ 8: nested guards on the main thread
+
+
+def test_outer_interrupt_is_kept_pending_through_the_inner_guards_clean_up(
+    fault_server: FaultServer, fault_admin: Any
+) -> None:
+    outer = _guard(fault_server, "nested-pending-outer")
+    inner = _guard(fault_server, "nested-pending-inner")
+    steps: list[int] = []
+
+    def outer_work(lock: LockHandle) -> None:
+        def inner_work(handle: LockHandle) -> None:
+            def hold_inner_state() -> None:
+                # The inner guard's clean-up waits for its state lock while the outer lock is lost,
+                # so the outer guard's interrupt arrives inside the inner guard's clean-up.
+                with inner._state_lock:
+                    with fault_server.admin() as admin:
+                        admin.execute("SELECT pg_terminate_backend(%s)", [lock.backend_pid])
+                    time.sleep(2.5)
+
+            threading.Thread(target=hold_inner_state, daemon=True).start()
+            time.sleep(0.2)
+
+        inner.run(inner_work)
+        for step in range(12):
+            time.sleep(0.5)  # a delivered interruption lands here at once
+            steps.append(step)
+
+    with pytest.raises(LockLostError, match="nested-pending-outer") as error:
+        outer.run(outer_work)
+    assert isinstance(error.value.__cause__, LockLostInterrupt)
+    assert inner.outcome == "completed" and outer.outcome == "lost"
+    assert len(steps) < 4, steps
+
+
+# ------------------------------------------------ 9: asynchronous exceptions at the edges
+
+
+class _InterruptedLogger:
+    """Raises KeyboardInterrupt (as Ctrl-C or Airflow's execution_timeout would) while the
+    guard logs the line that starts with ``when``."""
+
+    def __init__(self, when: str) -> None:
+        self.when = when
+        self.lines: list[str] = []
+
+    def _line(self, message: str, *args: Any) -> None:
+        self.lines.append(message % args if args else message)
+        if message.startswith(self.when):
+            raise KeyboardInterrupt(f"arrived while logging {self.when!r}")
+
+    info = warning = error = _line
+
+
+def test_interrupt_while_logging_the_acquisition_leaves_nothing(fault_server: FaultServer, fault_admin: Any) -> None:
+    logger = _InterruptedLogger("pglock acquired")
+    guard = LockGuard(_hook(fault_server, lease=30), LockKey.from_name("enter-leak"), LockPolicy(), logger=logger)
+    with pytest.raises(KeyboardInterrupt):
+        guard.__enter__()
+    assert guard.held is not None and guard.held.connection.closed
+    assert guard.outcome == "failed"
+    assert any(line.startswith("pglock outcome=failed") for line in logger.lines)
+
+
+def test_interrupt_at_the_start_of_exit_leaves_nothing(fault_server: FaultServer, fault_admin: Any) -> None:
+    guard = _guard(fault_server, "exit-leak", lease=30)
+    handle = guard.__enter__()
+    stop = guard._stop_heartbeat
+
+    def interrupted() -> None:
+        stop()
+        raise KeyboardInterrupt("arrived while stopping the heartbeat")
+
+    guard._stop_heartbeat = interrupted  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        guard.__exit__(None, None, None)
+    assert handle.key == guard.key and guard.held is not None and guard.held.connection.closed
+    assert guard.outcome is not None
+
+
+def test_interrupt_while_run_disarms_leaves_nothing(fault_server: FaultServer, fault_admin: Any) -> None:
+    guard = _guard(fault_server, "disarm-leak", lease=30)
+    disarm = guard._disarm
+    calls: list[int] = []
+
+    def interrupted() -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt("arrived while disarming")
+        disarm()
+
+    guard._disarm = interrupted  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        guard.run(lambda lock: "done")
+    assert guard.held is not None and guard.held.connection.closed
+    assert guard._heartbeat is not None and not guard._heartbeat.is_alive()
+    assert guard.outcome == "failed"
+
+
+# ------------------------------------------------ 10: fencing in transaction mode
+
+
+def test_transaction_mode_fencing_token_is_visible_to_other_sessions_at_once(
+    fault_server: FaultServer, ledger: Any
+) -> None:
+    first = _guard(fault_server, "fenced-tx", mode="transaction", rules=RunRules(fencing=True))
+    first.run(lambda lock: None)
+    stale = first.fencing_token
+    assert stale is not None
+
+    def work(lock: LockHandle) -> None:
+        with fault_server.admin() as other:
+            newest = other.execute("SELECT pglock.current_fencing_token('fenced-tx')").fetchone()[0]
+            assert newest == lock.fencing_token
+            with pytest.raises(psycopg.errors.CheckViolation, match="stale fencing token"):
+                other.execute("SELECT pglock.assert_fencing_token('fenced-tx', %s::bigint)", [stale])
+
+    _guard(fault_server, "fenced-tx", mode="transaction", rules=RunRules(fencing=True)).run(work)
+
+
+# ------------------------------------------------ found correct: keep them so
+
+
+def test_release_that_finds_the_key_gone_is_lost_and_records_nothing(fault_server: FaultServer, ledger: Any) -> None:
+    guard = _guard(fault_server, "unlocked-under-us", rules=RunRules(period=PERIOD))
+
+    def work(lock: LockHandle) -> None:
+        assert guard.held is not None
+        guard.held.connection.execute("SELECT pg_advisory_unlock_all()")  # before any heartbeat
+
+    with pytest.raises(LockLostError, match="found at release"):
+        guard.run(work)
+    assert _completions(ledger) == []
+
+
+def test_a_lost_transaction_session_cannot_commit(fault_server: FaultServer, ledger: Any) -> None:
+    """The session ends between the last heartbeat and the commit: lost, nothing committed."""
+    guard = _guard(fault_server, "lost-before-commit", lease=30, mode="transaction", rules=RunRules(period=PERIOD))
+
+    def work(lock: LockHandle) -> None:
+        assert lock.connection is not None
+        lock.connection.execute("INSERT INTO effects VALUES ('uncommitted')")
+        with fault_server.admin() as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", [lock.backend_pid])
+        time.sleep(0.2)
+
+    with pytest.raises(LockLostError):
+        guard.run(work)
+    assert _completions(ledger) == []
+    assert ledger.execute("SELECT count(*) FROM effects").fetchone() == (0,)
+
+
+def test_an_interrupt_after_the_work_returned_is_absorbed(fault_server: FaultServer, fault_admin: Any) -> None:
+    """A loss signalled after the work returned still fails the run, as LockLostError (never
+    as a stray LockLostInterrupt out of the clean-up)."""
+    guard = _guard(fault_server, "late-interrupt")
+
+    def work(lock: LockHandle) -> str:
+        guard._on_lost("simulated: found lost just as the work returned")
+        return "done"
+
+    with pytest.raises(LockLostError, match="simulated"):
+        guard.run(work)
+    assert guard.outcome == "lost"
