@@ -262,6 +262,42 @@ class HeldLock:
     def held_seconds(self) -> float:
         return time.monotonic() - self.acquired_monotonic
 
+    @property
+    def transaction_open(self) -> bool:
+        """Transaction scope: False once the lock's transaction was ended on its connection."""
+        return self.connection.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
+
+    def commit_if_held(self, record: Callable[[], bool]) -> bool:
+        """Transaction scope: commit the lock's transaction if the session is still in it and
+        holds the key; ``record()`` runs first, inside it (e.g. the completion record; it
+        returns False when it found the lock not held).
+
+        Returns False, committing nothing, when the lock was not held any more (the work
+        ended the transaction, or took the key again in another one). Raises the driver's
+        error when the session ended or the transaction was aborted (nothing committed).
+        """
+        status = self.connection.info.transaction_status
+        if status == psycopg.pq.TransactionStatus.IDLE:
+            return False
+        if status == psycopg.pq.TransactionStatus.INTRANS and not self.hook.is_held(
+            self.connection, self.key, self.shared, self.xact_id
+        ):
+            return False
+        if not record():
+            return False
+        self.hook.commit(self.connection)
+        return True
+
+    def unlock_checked(self) -> bool:
+        """Session scope: unlock (the connection stays open); whether the key was still held."""
+        return self.hook.unlock(self.connection, self.key, shared=self.shared)
+
+    def close(self) -> None:
+        """Close the connection: the session ends, an open transaction rolls back, the lock goes
+        with them. Idempotent; no check (see :meth:`release` for that)."""
+        self.released = True
+        self.connection.close()
+
 
 class AdvisoryLockHook(BaseHook):
     """PostgreSQL advisory locks on dedicated connections, read from an Airflow connection.

@@ -308,7 +308,7 @@ def test_outer_interrupt_is_kept_pending_through_the_inner_guards_clean_up(
             def hold_inner_state() -> None:
                 # The inner guard's clean-up waits for its state lock while the outer lock is lost,
                 # so the outer guard's interrupt arrives inside the inner guard's clean-up.
-                with inner._state_lock:
+                with inner.interruption.lock:
                     with fault_server.admin() as admin:
                         admin.execute("SELECT pg_terminate_backend(%s)", [lock.backend_pid])
                     time.sleep(2.5)
@@ -375,7 +375,7 @@ def test_interrupt_at_the_start_of_exit_leaves_nothing(fault_server: FaultServer
 
 def test_interrupt_while_run_disarms_leaves_nothing(fault_server: FaultServer, fault_admin: Any) -> None:
     guard = _guard(fault_server, "disarm-leak", lease=30)
-    disarm = guard._disarm
+    disarm = guard.interruption.disarm
     calls: list[int] = []
 
     def interrupted() -> None:
@@ -384,11 +384,11 @@ def test_interrupt_while_run_disarms_leaves_nothing(fault_server: FaultServer, f
             raise KeyboardInterrupt("arrived while disarming")
         disarm()
 
-    guard._disarm = interrupted  # type: ignore[method-assign]
+    guard.interruption.disarm = interrupted  # type: ignore[method-assign]
     with pytest.raises(KeyboardInterrupt):
         guard.run(lambda lock: "done")
     assert guard.held is not None and guard.held.connection.closed
-    assert guard._heartbeat is not None and not guard._heartbeat.is_alive()
+    assert guard._heartbeat is not None and not guard._heartbeat.alive
     assert guard.outcome == "failed"
 
 
@@ -451,7 +451,7 @@ def test_an_interrupt_after_the_work_returned_is_absorbed(fault_server: FaultSer
     guard = _guard(fault_server, "late-interrupt")
 
     def work(lock: LockHandle) -> str:
-        guard._on_lost("simulated: found lost just as the work returned")
+        guard.interruption.lost("simulated: found lost just as the work returned")
         return "done"
 
     with pytest.raises(LockLostError, match="simulated"):

@@ -1,0 +1,140 @@
+"""The heartbeat of a held lock: a daemon thread that probes it every ``lease / 3`` s.
+
+It keeps a healthy session from looking idle to the server (which ends a session silent
+for the lease) and notices a lost lock: the session ended, the key is gone, the server
+does not answer in time. It says so once, through ``on_loss``, and stops.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import psycopg
+
+from airflow_pglock import loss
+from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook, HeldLock
+
+#: ``on_loss(reason, ask_server)``: the lock is lost; ``ask_server``: the server may tell more.
+OnLoss = Callable[[str, bool], None]
+
+
+class Heartbeat:
+    """Probe ``held`` every ``lease / 3`` s until stopped or the lock is found lost.
+
+    :param hook: the hook that took the lock (its liveness settings, its probe).
+    :param held: the lock.
+    :param on_loss: called once, from the heartbeat thread, when the lock is lost.
+    :param first_alarm: called with the reason *before* an unanswered connection is closed
+        (closing lets the server release the lock: the work must be interrupted first).
+    :param stop: set to stop the heartbeat.
+    """
+
+    def __init__(
+        self,
+        hook: AdvisoryLockHook,
+        held: HeldLock,
+        on_loss: OnLoss,
+        first_alarm: Callable[[str], None],
+        stop: threading.Event,
+    ) -> None:
+        self.hook = hook
+        self.held = held
+        self.on_loss = on_loss
+        self.first_alarm = first_alarm
+        self.stop_event = stop
+        self.server_notice: tuple[str, str] | None = None  # (sqlstate, message) of a 57P.. notice
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        # A server that ends every session (crash, immediate shutdown) says why in a notice
+        # just before it hangs up; the error the client then sees does not.
+        self.held.connection.add_notice_handler(self._on_notice)
+        self._thread = threading.Thread(
+            target=self._loop, name=f"pglock-heartbeat-{self.held.server.backend_pid}", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            # Every step of the heartbeat is bounded: a probe by the loss deadline, a server
+            # check by its 2 s connect timeout.
+            thread.join(timeout=self.hook.liveness.loss_deadline + 5)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _on_notice(self, diagnostic: psycopg.errors.Diagnostic) -> None:
+        if (diagnostic.sqlstate or "").startswith("57P"):
+            self.server_notice = (diagnostic.sqlstate or "", diagnostic.message_primary or "")
+
+    def describe_error(self, error: psycopg.Error) -> tuple[str, bool]:
+        """Why the session ended, as far as the error (or the notice before it) tells."""
+        state = getattr(error, "sqlstate", None) or ""
+        text = str(error).strip().splitlines()
+        detail = text[0] if text else type(error).__name__
+        if not state and self.server_notice is not None:
+            state, detail = self.server_notice
+        return loss.session_end_reason(state, detail, type(error).__name__, self.hook.liveness.lease)
+
+    def _loop(self) -> None:
+        """A probe must be answered within ``2 * lease / 3`` s of the last confirmed one (or
+        within a short grace when this process itself stalled past that), so the holder
+        gives its lock up for lost before the server can release it (``lease`` s of silence).
+        """
+        held = self.held
+        liveness = self.hook.liveness
+        interval = liveness.heartbeat_interval
+        grace = min(interval, 1.0)
+        confirmed = held.acquired_monotonic  # the lock statement was answered: the session is not idle before
+
+        def no_answer() -> str:
+            return loss.no_answer_reason(time.monotonic() - confirmed, held.server.server, liveness.lease)
+
+        while not self.stop_event.wait(max(0.0, confirmed + interval - time.monotonic())):
+            started = time.monotonic()
+            budget = max(confirmed + liveness.loss_deadline - started, grace)
+            try:
+                result = self.hook.probe(
+                    held.connection,
+                    held.key,
+                    held.shared,
+                    budget,
+                    xact_id=held.xact_id,
+                    before_giving_up=lambda: self.first_alarm(no_answer()),  # interrupt, then close
+                )
+            except psycopg.Error as error:
+                if not held.connection.closed and loss.is_ordinary_error(getattr(error, "sqlstate", None)):
+                    confirmed = started  # the session answered (e.g. the work's transaction is aborted): alive
+                    continue
+                self.on_loss(*self.describe_error(error))
+                return
+            except Exception as error:  # never let the heartbeat die silently: a silent heartbeat loses the lock
+                self.on_loss(f"the heartbeat failed ({type(error).__name__}: {error})", False)
+                return
+            if result == "busy":
+                # The work is using the connection (a statement, COPY, a stream, a pipeline), and has
+                # been since the last answer, at least one interval ago. A busy connection is no proof
+                # that the session still holds the lock: ask the server from a side connection.
+                seen = self.hook.holds_seen_from_aside(held)
+                if seen is None:  # the server cannot be reached either: silent, as a probe without answer
+                    if time.monotonic() - confirmed >= liveness.loss_deadline:
+                        self.on_loss(no_answer(), False)
+                        return
+                    continue
+                if not seen:
+                    self.on_loss(loss.NOT_HELD_SEEN_ASIDE, True)
+                    return
+                result = "held"
+            if result == "held":
+                confirmed = started
+            elif result == "not held":
+                self.on_loss(loss.not_held_reason(held.scope), False)
+                return
+            else:
+                self.on_loss(no_answer(), False)
+                return

@@ -1,0 +1,124 @@
+"""Why a lock was lost, in words a DAG author can act on. Pure: no I/O, no threads.
+
+The guard and its heartbeat decide *that* a lock is lost; these functions say *why*, from
+what they saw (an error's SQLSTATE, a probe that went unanswered, the server's start time).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+# Errors with which the server ends a session (its locks end with it).
+SESSION_ENDED_STATES = frozenset({"57P01", "57P02", "57P03", "57P05", "25P03"})
+
+TERMINATED = "the session was terminated (pg_terminate_backend() or a server shutdown)"
+
+ENDED_BY_WORK = (
+    "the work ended the lock's transaction itself (COMMIT or ROLLBACK on lock.connection): the lock ended "
+    "with it, and what ran afterwards ran without the lock"
+)
+
+NOT_HELD_SEEN_ASIDE = (
+    "the lock session no longer holds the key (seen from a side connection while the work kept "
+    "the lock's connection busy: the session was terminated, or its transaction ended)"
+)
+
+CLOSED_AT_RELEASE = "found at release: the lock connection was closed"
+
+NOT_HELD_AT_COMPLETION = "found at completion: the session no longer held the key (nothing recorded)"
+
+
+def is_ordinary_error(sqlstate: str | None) -> bool:
+    """An error the session survives, with its locks (e.g. a statement in an aborted transaction)."""
+    state = sqlstate or ""
+    return bool(state) and state[:2] != "08" and state not in SESSION_ENDED_STATES
+
+
+def session_end_reason(sqlstate: str, detail: str, error_name: str, lease: float) -> tuple[str, bool]:
+    """Why the session ended, from the error's SQLSTATE (or a 57P.. notice just before it).
+
+    :param detail: the first line of the error (or of the notice).
+    :param error_name: the error's class name, for an error without a known state.
+    :returns: the reason, and whether asking the server may tell more (e.g. a restart).
+    """
+    if sqlstate == "57P01":
+        return TERMINATED, True
+    if sqlstate in {"57P02", "57P03"}:
+        return f"the PostgreSQL server crashed or is shutting down ({detail})", True
+    if sqlstate == "57P05":
+        return (
+            f"the server ended the session after the lease ({lease:g} s) without a heartbeat "
+            "(idle_session_timeout): this process was frozen, stalled or cut off from the server for longer "
+            "than the lease",
+            False,
+        )
+    if sqlstate == "25P03":
+        return (
+            f"the server ended the session after the lease ({lease:g} s) idle in its transaction "
+            "(idle_in_transaction_session_timeout): this process was frozen, stalled or cut off for longer "
+            "than the lease",
+            False,
+        )
+    return f"the connection to the lock database broke ({error_name}: {detail})", True
+
+
+def not_held_reason(mode: str) -> str:
+    """The probe was answered: the session is alive but does not hold the key (any more)."""
+    if mode == "transaction":
+        return (
+            "the transaction holding the lock ended while the work ran (a COMMIT or ROLLBACK on the lock's "
+            "connection releases a transaction-level lock; a session that ended takes it along)"
+        )
+    return "the session is alive but no longer holds the key (something on this connection unlocked it)"
+
+
+def no_answer_reason(silent: float, server: str, lease: float) -> str:
+    """No answer to the heartbeat for ``silent`` seconds: given up before the server may release it."""
+    return (
+        f"no answer from the lock database for {silent:.1f} s (the network to {server} is "
+        "cut, or the server or this process was frozen); the server releases the lock of a session "
+        f"silent for the lease ({lease:g} s), so it is given up for lost now"
+    )
+
+
+def refine_with_server_start(reason: str, started_now: dt.datetime | None, started_before: dt.datetime) -> str:
+    """A vague reason made precise with the server's start time now (None: unreachable).
+
+    :param started_before: the server's start time when the lock was taken.
+    """
+    if started_now is None:
+        return (
+            "the PostgreSQL server shut down, crashed or is restarting: it does not accept connections now "
+            f"(the lock session ended with: {reason})"
+        )
+    if started_now > started_before:
+        when = started_now.isoformat(timespec="seconds")
+        return f"the PostgreSQL server restarted at {when} (the lock session ended with it)"
+    if reason.startswith("the session was terminated"):
+        return (
+            "the session was terminated by pg_terminate_backend() (an administrator or a tool ended it; "
+            "the server did not restart)"
+        )
+    return reason
+
+
+def found_at_release(reason: str | None) -> str:
+    """The unlock found the key gone (``reason``: what else was seen, if anything)."""
+    return f"found at release: {reason or 'the session no longer held the key'}"
+
+
+def found_at_commit(reason: str) -> str:
+    return f"found at commit: {reason}"
+
+
+def lost_message(key: str, reason: str, *, transaction: bool) -> str:
+    """The message of the LockLostError that fails the run."""
+    rolled_back = " (transaction mode: nothing written on the lock's connection was committed)"
+    return (
+        f"lost {key} while the task ran: {reason}. Another worker may now run the same "
+        "work; this run is marked failed instead of successful" + (rolled_back if transaction else "")
+    )
+
+
+def warned(reason: str) -> str:
+    return f"{reason} (on_lost='warn': the work went on without the lock)"
