@@ -15,13 +15,12 @@ import contextlib
 import datetime as dt
 import select
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, NoReturn
 
 import psycopg
 from psycopg import sql
-from psycopg.rows import dict_row
 
 from airflow_pglock.compat import BaseHook
 from airflow_pglock.exceptions import (
@@ -33,6 +32,7 @@ from airflow_pglock.exceptions import (
 from airflow_pglock.hooks import connection as connection_settings
 from airflow_pglock.hooks import server as server_rules
 from airflow_pglock.hooks.connection import ConnectionSettings, redact
+from airflow_pglock.hooks.holders import LockHolder, aread_holders, read_holders
 from airflow_pglock.hooks.server import MIN_SERVER_VERSION, Scope, ServerInfo
 from airflow_pglock.keys import LockKey
 from airflow_pglock.liveness import IDLE_SESSION_TIMEOUT_VERSION, Liveness
@@ -59,79 +59,6 @@ _NOT_POSTGRES_ERRORS: tuple[type[psycopg.Error], ...] = (
     psycopg.errors.FeatureNotSupported,
     psycopg.errors.SyntaxError,
 )
-
-# Holders and waiters of one key in the current database, holders first. Reads pg_locks
-# and pg_stat_activity only: it takes no lock (a sensor must never make a contender skip).
-_HOLDERS_SQL = (
-    "SELECT l.pid, l.granted, l.mode, a.application_name, host(a.client_addr) AS client_addr,"
-    " a.backend_start, l.waitstart, a.xact_start, a.usename, a.state"
-    " FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid"
-    " WHERE l.locktype = 'advisory'"
-    " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
-    " AND l.classid = %s AND l.objid = %s AND l.objsubid = %s"
-    " ORDER BY l.granted DESC, l.waitstart NULLS FIRST, l.pid"
-)
-
-
-@dataclass(frozen=True)
-class LockHolder:
-    """A session that holds or waits for a key, as ``pg_locks`` and ``pg_stat_activity`` see it.
-
-    ``since`` is when the holder's session started; airflow-pglock opens a session per lock,
-    so for its holders that is within milliseconds of the acquisition.
-
-    :param pid: the holder's backend pid.
-    :param granted: True when it holds the key, False when it waits for it.
-    :param mode: ``ExclusiveLock`` or ``ShareLock``.
-    :param application_name: the session's application_name (airflow-pglock's names the DAG,
-        task and run); None when hidden (another role without ``pg_read_all_stats``) or unset.
-    :param client_addr: the client's address; None over a local socket or when hidden.
-    :param since: when the session started (``backend_start``).
-    :param waiting_since: when a waiter started waiting (``pg_locks.waitstart``, PostgreSQL 14+).
-    :param transaction_start: start of the session's current transaction, if any.
-    :param user: the session's role.
-    :param state: ``pg_stat_activity.state`` (``idle``, ``active``, ...).
-    """
-
-    pid: int
-    granted: bool
-    mode: str
-    application_name: str | None
-    client_addr: str | None
-    since: dt.datetime | None
-    waiting_since: dt.datetime | None
-    transaction_start: dt.datetime | None
-    user: str | None
-    state: str | None
-
-    @classmethod
-    def from_row(cls, row: Mapping[str, Any]) -> LockHolder:
-        """A holder from a row of the holders query (see ``AdvisoryLockHook.holders_on``)."""
-        return cls(
-            pid=row["pid"],
-            granted=row["granted"],
-            mode=row["mode"],
-            application_name=row["application_name"],
-            client_addr=row["client_addr"],
-            since=row["backend_start"],
-            waiting_since=row["waitstart"],
-            transaction_start=row["xact_start"],
-            user=row["usename"],
-            state=row["state"],
-        )
-
-    def describe(self, now: dt.datetime | None = None) -> str:
-        """``pid 123 (application_name 'x', client 10.0.0.5) holding since 12:00:00 (3.1 s)``."""
-        role = "holding" if self.granted else "waiting"
-        start = self.since if self.granted else self.waiting_since
-        since = ""
-        if start is not None:
-            since = f" since {start.isoformat(timespec='seconds')}"
-            if now is not None:
-                since += f" ({(now - start).total_seconds():.1f} s)"
-        app = repr(self.application_name) if self.application_name else "unknown (no privilege or not set)"
-        client = self.client_addr or "local socket or hidden"
-        return f"pid {self.pid} (application_name {app}, client {client}) {role} {self.mode}{since}"
 
 
 @dataclass
@@ -560,16 +487,11 @@ class AdvisoryLockHook(BaseHook):
 
     def holders_on(self, conn: psycopg.Connection[Any], key: LockKey) -> list[LockHolder]:
         """Holders and waiters of ``key`` in the connection's database, holders first."""
-        with conn.cursor(row_factory=dict_row) as cur:
-            rows = cur.execute(_HOLDERS_SQL, list(key.pg_locks)).fetchall()
-        return [LockHolder.from_row(row) for row in rows]
+        return read_holders(conn, key)
 
     async def aholders_on(self, conn: psycopg.AsyncConnection[Any], key: LockKey) -> list[LockHolder]:
         """Async :meth:`holders_on` (for triggers): reads ``pg_locks``, takes nothing."""
-        async with conn.cursor(row_factory=dict_row) as cur:
-            await cur.execute(_HOLDERS_SQL, list(key.pg_locks))
-            rows = await cur.fetchall()
-        return [LockHolder.from_row(row) for row in rows]
+        return await aread_holders(conn, key)
 
     # --------------------------------------------------------------- lock objects
 

@@ -27,7 +27,8 @@ from airflow_pglock.exceptions import (
     PgLockError,
     UnsafeSetupError,
 )
-from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook, LockHolder
+from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+from airflow_pglock.hooks.holders import LockHolder, blocking_holders, describe_holders
 from airflow_pglock.keys import LockKey
 from airflow_pglock.options import KeySpec, LockOptions, LockSpec, declared
 from airflow_pglock.task_guard import resolve_key
@@ -36,8 +37,6 @@ from airflow_pglock.triggers.advisory_lock import (
     FREE,
     TIMEOUT,
     AdvisoryLockTrigger,
-    blocking_holders,
-    describe_holders,
 )
 
 #: The lock options a sensor takes; their declaration says which are templated and checks them.
