@@ -81,3 +81,15 @@ def test_rules_pass_a_primary_and_what_is_safe() -> None:
     assert violations(behind_pooler, "transaction", None) == []  # transaction locks work through PgBouncer
     assert violations(behind_pooler, "session", "session") == []  # declared session pooling
     assert violations(dataclasses.replace(PRIMARY, version_num=130010), "transaction", None) == []
+
+
+def test_dag_default_args_reach_the_lock_options() -> None:
+    from tests.sdk import DAG, task
+
+    with DAG("default_args_options", schedule=None, default_args={"postgres_conn_id": "locks_db", "on_busy": "fail"}):
+
+        @task.advisory_lock(key="k")
+        def work() -> None: ...
+
+        operator = work().operator
+    assert operator.lock_spec.postgres_conn_id == "locks_db" and operator.lock_spec.policy.on_busy == "fail"
