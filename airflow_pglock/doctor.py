@@ -7,7 +7,6 @@ with the fix. No SQL here: the hook and ``hooks/inspection.py`` / ``hooks/schema
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,8 +14,8 @@ from typing import Any, Literal
 
 import psycopg
 
-from airflow_pglock.exceptions import LockConnectionError, PgLockError, UnsafeSetupError
-from airflow_pglock.hooks.advisory_lock import MIN_SERVER_VERSION, AdvisoryLockHook, ServerInfo
+from airflow_pglock.exceptions import LockConnectionError, PgLockError
+from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 from airflow_pglock.hooks.inspection import PROBE_KEY, ServerFacts, probe_advisory_lock, server_facts
 from airflow_pglock.hooks.schema import (
     SchemaStatus,
@@ -24,6 +23,7 @@ from airflow_pglock.hooks.schema import (
     registry_privileges,
     schema_status,
 )
+from airflow_pglock.hooks.server import ServerInfo, Violation, violations
 
 Status = Literal["ok", "warning", "problem"]
 STATUSES: tuple[Status, ...] = ("ok", "warning", "problem")  # from best to worst
@@ -81,11 +81,12 @@ def run_doctor(hook: AdvisoryLockHook) -> DoctorReport:
 
     :param hook: the lock database, with the lease the tasks use.
     """
-    target = hook.describe_target()
+    settings = hook.resolve_settings()
+    target = settings.describe()
     report = DoctorReport(target=target)
     started = time.perf_counter()
     try:
-        conn = hook.connect(DOCTOR_APPLICATION_NAME)
+        conn = hook.connect(DOCTOR_APPLICATION_NAME, settings)
     except LockConnectionError as error:
         report.checks.append(
             Check(
@@ -101,7 +102,7 @@ def run_doctor(hook: AdvisoryLockHook) -> DoctorReport:
         elapsed = (time.perf_counter() - started) * 1000
         report.checks.append(Check("connection", "ok", f"connected to {target} in {elapsed:.0f} ms"))
         info = hook.inspect_server(conn)
-        report.checks.extend(_server_checks(hook, info))
+        report.checks.extend(_server_checks(info, settings.pool_mode))
         report.checks.append(_guarded(conn, "liveness", lambda: _liveness_check(hook, conn, info)))
         facts = server_facts(conn)
         report.checks.append(_privileges_check(facts))
@@ -128,68 +129,48 @@ _FIXES = {
 }
 
 
-def _server_checks(hook: AdvisoryLockHook, info: ServerInfo) -> list[Check]:
+def _server_checks(info: ServerInfo, pool_mode: str | None) -> list[Check]:
+    """The hook's server rules (``hooks/server.py``) for a session lock: one check per rule group."""
+    found: dict[str, Violation] = {}
+    for violation in violations(info, "session", pool_mode):
+        found.setdefault(violation.check, violation)
     checks: list[Check] = []
-    version_ok = info.version.startswith("PostgreSQL") and info.version_num >= MIN_SERVER_VERSION
-    try:
-        hook.check_server(dataclasses.replace(info, in_recovery=False, reported_pid=info.backend_pid), "session")
-    except UnsafeSetupError as error:
-        checks.append(Check("server", "problem", info.version, str(error)))
-        version_ok = False
-    else:
-        if info.version_num < WAITSTART_VERSION:
-            checks.append(
-                Check(
-                    "server",
-                    "warning",
-                    info.version,
-                    "PostgreSQL 14+ records when a session started waiting (pg_locks.waitstart); "
-                    "before it, `airflow-pglock locks` cannot say since when a task waits",
-                )
-            )
-        elif version_ok:
-            checks.append(Check("server", "ok", info.version))
-    if info.in_recovery:
+    server, recovery, pooler = found.get("server"), found.get("recovery"), found.get("pooler")
+    if server is not None:
+        checks.append(Check("server", "problem", server.problem, server.fix))
+    elif info.version_num < WAITSTART_VERSION:
         checks.append(
             Check(
-                "recovery",
-                "problem",
-                f"{info.database!r} at {info.server} is a standby in recovery: advisory locks are not replicated, "
-                "so a lock taken there excludes nobody",
-                "point the connection at the primary; with several hosts use the libpq option "
-                "target_session_attrs=read-write (connection extra) so a failover lands on the new primary",
+                "server",
+                "warning",
+                info.version,
+                "PostgreSQL 14+ records when a session started waiting (pg_locks.waitstart); "
+                "before it, `airflow-pglock locks` cannot say since when a task waits",
             )
         )
+    else:
+        checks.append(Check("server", "ok", info.version))
+    if recovery is not None:
+        checks.append(Check("recovery", "problem", recovery.problem, recovery.fix))
     else:
         checks.append(Check("recovery", "ok", f"{info.database!r} at {info.server} is a primary (not in recovery)"))
     if not info.behind_pooler:
         checks.append(
             Check("pooler", "ok", f"direct connection: the server's backend pid {info.backend_pid} is the one reported")
         )
-    elif version_ok:
-        try:
-            hook.check_server(dataclasses.replace(info, in_recovery=False), "session")
-        except UnsafeSetupError as error:
-            checks.append(
-                Check(
-                    "pooler",
-                    "problem",
-                    f"a connection pooler is in between (it reported backend pid {info.reported_pid}, "
-                    f"the server says {info.backend_pid})",
-                    str(error),
-                )
+    elif pooler is not None:
+        checks.append(Check("pooler", "problem", pooler.problem, pooler.fix))
+    elif server is None:
+        checks.append(
+            Check(
+                "pooler",
+                "warning",
+                f"a connection pooler is in between (reported pid {info.reported_pid}, server pid "
+                f"{info.backend_pid}); the connection declares pool_mode=session",
+                "make sure the pooler really runs session pooling for this database; in transaction pooling "
+                "use mode='transaction' locks",
             )
-        else:
-            checks.append(
-                Check(
-                    "pooler",
-                    "warning",
-                    f"a connection pooler is in between (reported pid {info.reported_pid}, server pid "
-                    f"{info.backend_pid}); the connection declares pool_mode=session",
-                    "make sure the pooler really runs session pooling for this database; in transaction pooling "
-                    "use mode='transaction' locks",
-                )
-            )
+        )
     return checks
 
 

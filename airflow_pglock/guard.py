@@ -34,6 +34,7 @@ from airflow_pglock.exceptions import (
 )
 from airflow_pglock.heartbeat import Heartbeat
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook, HeldLock, LockHolder, Scope
+from airflow_pglock.hooks.holders import describe_holders
 from airflow_pglock.identity import TaskIdentity
 from airflow_pglock.interruption import LOST_SIGNAL, Interruption, protect_clean_up
 from airflow_pglock.keys import LockKey
@@ -270,8 +271,7 @@ class LockGuard:
 
     def _busy_message(self, holders: list[LockHolder], timeout: float | None) -> str:
         now = dt.datetime.now(dt.UTC)
-        granted = [h for h in holders if h.granted]
-        who = "; ".join(h.describe(now) for h in granted) if granted else "a session that released it since"
+        who = describe_holders(holders, now, nobody="a session that released it since")
         waited = f" after waiting {timeout:g} s" if timeout is not None else ""
         return f"{self.key.describe()} is held by {who}{waited}"
 

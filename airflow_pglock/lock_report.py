@@ -1,8 +1,9 @@
 """Every advisory lock in the database, named and explained: what ``locks`` and the UI page show.
 
-The hook reads raw rows (``hooks/inspection.py``) and the registry's names
-(``hooks/schema.py``); this module turns them into entries a person can act on
-(invariant 6): the key by its human name and numbers, the holder by DAG / task / run (from
+The hook reads who holds what (``hooks/holders.py``: one query, one ``LockHolder``
+record) and the registry's names (``hooks/schema.py``); this module turns them into
+entries a person can act on (what invariant 6 of docs/architecture.md asks of whatever a
+person sees): the key by its human name and numbers, the holder by DAG / task / run (from
 its ``application_name``), pid, client and since when, and how many wait behind it. It
 writes no SQL; :func:`collect_lock_report` only asks the hook.
 
@@ -23,7 +24,7 @@ from airflow_pglock.keys import LockKey
 
 if TYPE_CHECKING:
     from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
-    from airflow_pglock.hooks.inspection import AdvisoryLockRow, LockSnapshot
+    from airflow_pglock.hooks.holders import LockHolder, LockSnapshot
     from airflow_pglock.hooks.schema import RegisteredName
 
 #: application_name of the sessions ``locks`` / the UI open to read (they hold no lock).
@@ -61,35 +62,28 @@ class AirflowHolder:
 
 @dataclass(frozen=True)
 class LockEntry:
-    """One session holding or waiting for one key, ready to show.
+    """One session holding or waiting for one key, named and explained, ready to show.
 
+    :param key: the key, from the holder's ``pg_locks`` coordinates.
     :param names: every name recorded or derived for the key (two or more: a collision).
+    :param name_source: ``registry``, ``application_name`` or None (name unknown).
+    :param holder: the session, as the holders query read it.
+    :param airflow: the task instance its application_name names, if any.
     :param since: holders: when the lock session started (airflow-pglock opens one per
         lock) or, for other sessions, when the session started (the lock may be younger);
         waiters: when the wait started (PostgreSQL 14+).
+    :param since_basis: which of those ``since`` is.
     :param seconds: how long, on the server clock, up to the snapshot.
-    :param waiters: sessions waiting for the same key.
     """
 
-    database: str
     key: LockKey
     names: tuple[str, ...]
     name_source: str | None
-    granted: bool
-    shared: bool
-    pid: int | None
-    application_name: str | None
+    holder: LockHolder
     airflow: AirflowHolder | None
-    user: str | None
-    client_addr: str | None
-    client_port: int | None
-    backend_type: str | None
-    session_state: str | None
     since: dt.datetime | None
     since_basis: str | None
     seconds: float | None
-    waiters: int
-    blocked_by: tuple[int, ...]
 
     @property
     def name(self) -> str | None:
@@ -101,8 +95,9 @@ class LockEntry:
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict; its keys are a stable interface (documented in docs/operations.md)."""
+        holder = self.holder
         return {
-            "database": self.database,
+            "database": holder.database,
             "key": {
                 "name": self.name,
                 "names": list(self.names),
@@ -112,10 +107,10 @@ class LockEntry:
                 "numbers": list(self.key.numbers),
                 "pg_locks": dict(zip(("classid", "objid", "objsubid"), self.key.pg_locks, strict=True)),
             },
-            "state": "holding" if self.granted else "waiting",
-            "mode": "shared" if self.shared else "exclusive",
-            "pid": self.pid,
-            "application_name": self.application_name,
+            "state": "holding" if holder.granted else "waiting",
+            "mode": "shared" if holder.shared else "exclusive",
+            "pid": holder.pid,
+            "application_name": holder.application_name,
             "airflow": None
             if self.airflow is None
             else {
@@ -124,16 +119,16 @@ class LockEntry:
                 "run_id": self.airflow.run_id,
                 "map_index": self.airflow.map_index,
             },
-            "user": self.user,
-            "client_addr": self.client_addr,
-            "client_port": self.client_port,
-            "backend_type": self.backend_type,
-            "session_state": self.session_state,
+            "user": holder.user,
+            "client_addr": holder.client_addr,
+            "client_port": holder.client_port,
+            "backend_type": holder.backend_type,
+            "session_state": holder.state,
             "since": self.since.isoformat() if self.since else None,
             "since_basis": self.since_basis,
             "seconds": None if self.seconds is None else round(self.seconds, 3),
-            "waiters": self.waiters,
-            "blocked_by": list(self.blocked_by),
+            "waiters": holder.waiters if holder.granted else 0,
+            "blocked_by": list(holder.blocked_by),
         }
 
 
@@ -172,7 +167,7 @@ def _airflow_holder(application_name: str | None) -> AirflowHolder | None:
     return AirflowHolder(parsed.dag_id, parsed.task_id, parsed.run_id, parsed.map_index)
 
 
-def _derived_name(key: LockKey, rows: Sequence[AdvisoryLockRow]) -> str | None:
+def _derived_name(key: LockKey, rows: Sequence[LockHolder]) -> str | None:
     for row in rows:
         holder = _airflow_holder(row.application_name)
         if holder is None:
@@ -183,14 +178,14 @@ def _derived_name(key: LockKey, rows: Sequence[AdvisoryLockRow]) -> str | None:
     return None
 
 
-def _since(row: AdvisoryLockRow, holder: AirflowHolder | None) -> tuple[dt.datetime | None, str | None]:
+def _since(row: LockHolder, holder: AirflowHolder | None) -> tuple[dt.datetime | None, str | None]:
     if not row.granted:
-        return row.wait_started_at, "wait start" if row.wait_started_at else None
-    if row.backend_start is None:
+        return row.waiting_since, "wait start" if row.waiting_since else None
+    if row.since is None:
         return None, None
     if holder is not None:
-        return row.backend_start, "lock session start"
-    return row.backend_start, "session start (the lock may be younger)"
+        return row.since, "lock session start"
+    return row.since, "session start (the lock may be younger)"
 
 
 def build_entries(snapshot: LockSnapshot, registered: Sequence[RegisteredName] | None) -> tuple[LockEntry, ...]:
@@ -198,7 +193,7 @@ def build_entries(snapshot: LockSnapshot, registered: Sequence[RegisteredName] |
 
     :param registered: the registry's names for the snapshot's keys (None: no registry).
     """
-    by_key: dict[tuple[str, tuple[int, int, int]], list[AdvisoryLockRow]] = {}
+    by_key: dict[tuple[str, tuple[int, int, int]], list[LockHolder]] = {}
     for row in snapshot.rows:
         by_key.setdefault((row.database, row.coordinates), []).append(row)
     names_by_coordinates: dict[tuple[int, int, int], list[str]] = {}
@@ -221,25 +216,14 @@ def build_entries(snapshot: LockSnapshot, registered: Sequence[RegisteredName] |
             since, basis = _since(row, holder)
             entries.append(
                 LockEntry(
-                    database=database,
                     key=key,
                     names=tuple(names),
                     name_source=source,
-                    granted=row.granted,
-                    shared=row.mode == "ShareLock",
-                    pid=row.pid,
-                    application_name=row.application_name,
+                    holder=row,
                     airflow=holder,
-                    user=row.user,
-                    client_addr=row.client_addr,
-                    client_port=row.client_port,
-                    backend_type=row.backend_type,
-                    session_state=row.state,
                     since=since,
                     since_basis=basis,
                     seconds=None if since is None else max(0.0, (snapshot.taken_at - since).total_seconds()),
-                    waiters=row.waiters if row.granted else 0,
-                    blocked_by=row.blocked_by,
                 )
             )
     return tuple(entries)
@@ -259,8 +243,8 @@ def filter_entries(
         wanted = {candidate.pg_locks for candidate in parse_key_filter(key)}
         selected = [e for e in selected if e.key.pg_locks in wanted or key in e.names]
     if dag is not None:
-        keys_of_dag = {(e.database, e.key.pg_locks) for e in selected if e.airflow and e.airflow.dag_id == dag}
-        selected = [e for e in selected if (e.database, e.key.pg_locks) in keys_of_dag]
+        keys_of_dag = {(e.holder.database, e.key.pg_locks) for e in selected if e.airflow and e.airflow.dag_id == dag}
+        selected = [e for e in selected if (e.holder.database, e.key.pg_locks) in keys_of_dag]
     return tuple(selected)
 
 
@@ -280,7 +264,7 @@ def collect_lock_report(
     """
     import psycopg
 
-    from airflow_pglock.hooks.inspection import advisory_locks
+    from airflow_pglock.hooks.holders import advisory_locks
     from airflow_pglock.hooks.schema import registered_names
 
     if key is not None:

@@ -8,11 +8,10 @@ the author asked), lost -> failed.
 
 from __future__ import annotations
 
-import datetime as dt
 import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from contextvars import ContextVar
 from typing import Any, NoReturn, TypeVar
 
 import jinja2
@@ -28,12 +27,11 @@ from airflow_pglock.exceptions import (
     PgLockError,
     UnsafeSetupError,
 )
-from airflow_pglock.guard import LockGuard, LockHandle, LockPolicy, OnBusy, OnError, OnLost
-from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook, Scope
+from airflow_pglock.guard import LockGuard, LockHandle
 from airflow_pglock.identity import TaskIdentity
 from airflow_pglock.keys import LockKey
-from airflow_pglock.liveness import DEFAULT_LEASE_SECONDS, Liveness
-from airflow_pglock.run_rules import RunRules, check_not_shared, seconds
+from airflow_pglock.options import KeySpec, LockSpec, check_key_spec
+from airflow_pglock.run_rules import RunRules
 
 T = TypeVar("T")
 
@@ -43,103 +41,8 @@ FENCING_TOKEN_XCOM_KEY = "pglock_fencing_token"
 #: A protected function that declares a parameter with this name receives the LockHandle.
 LOCK_HANDLE_PARAM = "lock"
 
-KeySpec = str | int | tuple[int, int] | list[int] | LockKey | None
-
-
-@dataclass(frozen=True)
-class LockSpec:
-    """The lock options of a guarded task (everything but the templated key parts).
-
-    :param postgres_conn_id: Airflow connection of the lock database.
-    :param policy: mode, shared, on_busy, wait_timeout, on_lost, on_error.
-    :param lease: seconds a dead holder may keep the lock on the server.
-    :param tenant_arg: name of the function argument whose value is the tenant.
-    :param min_interval: seconds; skip while the key's last completion is more recent.
-    :param fencing: issue a fencing token per acquisition (handle and XCom).
-    """
-
-    postgres_conn_id: str
-    policy: LockPolicy
-    lease: float
-    tenant_arg: str | None = None
-    min_interval: float | None = None
-    fencing: bool = False
-
-    @classmethod
-    def build(
-        cls,
-        *,
-        postgres_conn_id: str = AdvisoryLockHook.default_conn_name,
-        mode: Scope = "session",
-        shared: bool = False,
-        on_busy: OnBusy = "skip",
-        wait_timeout: float | dt.timedelta | None = None,
-        on_lost: OnLost = "fail",
-        on_error: OnError = "fail",
-        lease: float | dt.timedelta = DEFAULT_LEASE_SECONDS,
-        tenant_arg: str | None = None,
-        min_interval: float | dt.timedelta | None = None,
-        fencing: bool = False,
-    ) -> LockSpec:
-        if not isinstance(postgres_conn_id, str) or not postgres_conn_id.strip():
-            raise LockConfigurationError(f"postgres_conn_id must be a non-empty string, got {postgres_conn_id!r}")
-        if tenant_arg is not None and (not isinstance(tenant_arg, str) or not tenant_arg.isidentifier()):
-            raise LockConfigurationError(f"tenant_arg must be the name of a function argument, got {tenant_arg!r}")
-        if isinstance(wait_timeout, dt.timedelta):
-            wait_timeout = wait_timeout.total_seconds()
-        if isinstance(lease, dt.timedelta):
-            lease = lease.total_seconds()
-        policy = LockPolicy(
-            mode=mode, shared=shared, on_busy=on_busy, wait_timeout=wait_timeout, on_lost=on_lost, on_error=on_error
-        )
-        try:
-            Liveness(lease)
-        except ValueError as error:
-            raise LockConfigurationError(str(error)) from None
-        interval = seconds(min_interval, "min_interval")
-        rules = RunRules(min_interval=interval, fencing=fencing)  # checks both now, when the DAG is parsed
-        check_not_shared(rules, policy.shared)
-        return cls(
-            postgres_conn_id=postgres_conn_id,
-            policy=policy,
-            lease=float(lease),
-            tenant_arg=tenant_arg,
-            min_interval=interval,
-            fencing=fencing,
-        )
-
-    def hook(self) -> AdvisoryLockHook:
-        return AdvisoryLockHook(self.postgres_conn_id, liveness=Liveness(self.lease))
-
-
-def check_key_spec(key: KeySpec, tenant: Any) -> None:
-    """Parse-time check of the key options (templates are checked when rendered)."""
-    if key is None or isinstance(key, str | LockKey):
-        return
-    if isinstance(key, int | tuple | list):
-        LockKey.coerce(tuple(key) if isinstance(key, list) else key)
-        if tenant is not None:
-            raise LockConfigurationError(
-                f"tenant={tenant!r} cannot be combined with the numeric key {key!r}: a tenant is appended to a "
-                "key *name*; use key='<name>' or encode the tenant in the numbers yourself"
-            )
-        return
-    raise InvalidLockKeyError(
-        f"key must be a name (str), an int64 or an (int32, int32) pair, got {key!r} ({type(key).__name__})"
-    )
-
-
-def check_once_per(once_per: Any, spec: LockSpec | None = None) -> None:
-    """Parse-time check of the ``once_per`` option (a template is checked when rendered).
-
-    :param spec: the task's other lock options (once_per is refused with a shared lock).
-    """
-    if once_per is not None and (not isinstance(once_per, str) or not once_per.strip()):
-        raise LockConfigurationError(
-            f"once_per must be a non-empty period or template, e.g. '{{{{ ds }}}}'; got {once_per!r}"
-        )
-    if once_per is not None and spec is not None:
-        check_not_shared(RunRules(period=once_per), spec.policy.shared)
+#: The held lock of the guarded work running in this context (see :func:`hand_over_lock`).
+_HELD: ContextVar[LockHandle | None] = ContextVar("pglock_held", default=None)
 
 
 def resolve_key(key: KeySpec, tenant: Any, dag_id: str, task_id: str) -> LockKey:
@@ -189,7 +92,11 @@ def run_guarded(
     def work_with_token(handle: LockHandle) -> T:
         if handle.fencing_token is not None:
             context["ti"].xcom_push(key=FENCING_TOKEN_XCOM_KEY, value=handle.fencing_token)
-        return work(handle)
+        held = _HELD.set(handle)
+        try:
+            return work(handle)
+        finally:
+            _HELD.reset(held)
 
     try:
         lock_key = resolve_key(key, tenant, identity.dag_id, identity.task_id)
@@ -247,15 +154,15 @@ def _skip_if_asked(spec: LockSpec, error: BaseException, logger: Any) -> None:
 # Shared by @task.advisory_lock and the composable @advisory_lock decorator.
 
 
-def check_callable(python_callable: Callable[..., Any], *, tenant: Any, tenant_arg: str | None) -> bool:
-    """Parse-time checks of a guarded function's options; True if it takes the lock handle.
+def check_callable(python_callable: Callable[..., Any], spec: LockSpec) -> None:
+    """Parse-time checks of a guarded function against its options (``tenant_arg``).
 
     :param python_callable: the function to guard.
-    :param tenant: the ``tenant`` option (exclusive with ``tenant_arg``).
-    :param tenant_arg: name of the function argument holding the tenant, or None.
+    :param spec: its lock options.
     """
-    parameters = inspect.signature(python_callable).parameters
+    tenant, tenant_arg = spec.templated["tenant"], spec.tenant_arg
     if tenant_arg is not None:
+        parameters = inspect.signature(python_callable).parameters
         name = getattr(python_callable, "__name__", repr(python_callable))
         if tenant is not None:
             raise LockConfigurationError(f"give either tenant={tenant!r} or tenant_arg={tenant_arg!r}, not both")
@@ -263,7 +170,43 @@ def check_callable(python_callable: Callable[..., Any], *, tenant: Any, tenant_a
             raise LockConfigurationError(
                 f"tenant_arg={tenant_arg!r} is not an argument of {name}(); its arguments are {list(parameters)}"
             )
-    return LOCK_HANDLE_PARAM in parameters
+
+
+def hand_over_lock(python_callable: Callable[..., T]) -> Callable[..., T]:
+    """The one way a guarded function receives its lock: a parameter named ``lock``.
+
+    Returns ``python_callable`` itself when it has no such parameter. Otherwise returns a
+    wrapper whose signature lacks it (so the task flavour neither asks for it nor fills it
+    in) and which passes the :class:`LockHandle` of the guard running it (set by
+    :func:`run_guarded`). Passing ``lock`` yourself is refused.
+
+    :param python_callable: the function to guard.
+    """
+    signature = inspect.signature(python_callable)
+    if LOCK_HANDLE_PARAM not in signature.parameters:
+        return python_callable
+    name = getattr(python_callable, "__name__", repr(python_callable))
+
+    @functools.wraps(python_callable)
+    def with_lock(*args: Any, **kwargs: Any) -> T:
+        refuse_lock_argument(name, kwargs)
+        handle = _HELD.get()
+        if handle is None:
+            raise LockConfigurationError(f"{name}() takes the held lock but runs outside its lock guard")
+        return python_callable(*args, **{**kwargs, LOCK_HANDLE_PARAM: handle})
+
+    with_lock.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=[p for p in signature.parameters.values() if p.name != LOCK_HANDLE_PARAM]
+    )
+    return with_lock
+
+
+def refuse_lock_argument(name: str, kwargs: Mapping[str, Any]) -> None:
+    """The ``lock`` argument is the guard's to fill: refuse a caller that passes it."""
+    if LOCK_HANDLE_PARAM in kwargs:
+        raise LockConfigurationError(
+            f"{name}() argument {LOCK_HANDLE_PARAM!r} receives the held lock; do not pass it yourself"
+        )
 
 
 def tenant_from_arguments(
@@ -277,37 +220,33 @@ def tenant_from_arguments(
     return value
 
 
-def render_lock_option(value: Any, context: Mapping[str, Any], *, option: str) -> Any:
-    """Render a string ``key``/``tenant`` option with the task's Jinja environment.
+def render_lock_options(spec: LockSpec, context: Mapping[str, Any]) -> dict[str, Any]:
+    """The templated options (key, tenant, once_per) rendered with the task's Jinja environment.
 
-    Used where the option is not one of the operator's ``template_fields`` (guarded
-    operators, the composable decorator). Rendered from a string, never loaded as a
-    template file, whatever the operator's ``template_ext`` says.
+    Used where the options are not the operator's ``template_fields`` (guarded
+    operators, the composable decorator). A string is rendered from the string, never
+    loaded as a template file, whatever the operator's ``template_ext`` says.
 
-    :param value: the option as the DAG author wrote it.
+    :param spec: the lock options; ``spec.templated`` holds them as the DAG author wrote them.
     :param context: the task's template context.
-    :param option: ``"key"`` or ``"tenant"`` (for the error message).
     """
-    if not isinstance(value, str):
-        return value
     task = context["task"]
-    try:
-        return task.get_template_env().from_string(value).render(context)
-    except jinja2.TemplateError as error:
-        raise LockConfigurationError(
-            f"the {option} template {value!r} of task {task.task_id!r} cannot be rendered: "
-            f"{type(error).__name__}: {error}"
-        ) from None
+    rendered: dict[str, Any] = {}
+    for option, value in spec.templated.items():
+        if not isinstance(value, str):
+            rendered[option] = value
+            continue
+        try:
+            rendered[option] = task.get_template_env().from_string(value).render(context)
+        except jinja2.TemplateError as error:
+            raise LockConfigurationError(
+                f"the {option} template {value!r} of task {task.task_id!r} cannot be rendered: "
+                f"{type(error).__name__}: {error}"
+            ) from None
+    return rendered
 
 
-def guard_callable(
-    python_callable: Callable[..., T],
-    spec: LockSpec,
-    *,
-    key: KeySpec = None,
-    tenant: Any = None,
-    once_per: str | None = None,
-) -> Callable[..., T]:
+def guard_callable(python_callable: Callable[..., T], spec: LockSpec) -> Callable[..., T]:
     """Wrap a Python callable so that each call runs while holding its advisory lock.
 
     The wrapper finds its task instance with ``get_current_context()`` when called, so
@@ -316,48 +255,26 @@ def guard_callable(
     ``@task.advisory_lock``: both go through :func:`run_guarded`.
 
     :param python_callable: the function to guard.
-    :param spec: the lock options (from :meth:`LockSpec.build`).
-    :param key: the key option (a Jinja template string is rendered at run time).
-    :param tenant: the tenant option (rendered at run time).
-    :param once_per: the period option (rendered at run time), or None.
+    :param spec: the lock options (from :meth:`LockSpec.from_options`).
     """
-    check_key_spec(key, tenant)
-    check_once_per(once_per, spec)
-    wants_handle = check_callable(python_callable, tenant=tenant, tenant_arg=spec.tenant_arg)
+    check_callable(python_callable, spec)
+    function = hand_over_lock(python_callable)
     name = getattr(python_callable, "__name__", repr(python_callable))
-    signature = inspect.signature(python_callable)
 
-    @functools.wraps(python_callable)
+    @functools.wraps(function)
     def guarded_call(*args: Any, **kwargs: Any) -> T:
-        if wants_handle and LOCK_HANDLE_PARAM in kwargs:
-            raise LockConfigurationError(
-                f"{name}() argument {LOCK_HANDLE_PARAM!r} receives the held lock; do not pass it yourself"
-            )
+        if function is not python_callable:
+            refuse_lock_argument(name, kwargs)
         context = _current_context(name)
         task = context["task"]
         try:
-            rendered_key = render_lock_option(key, context, option="key")
+            rendered = render_lock_options(spec, context)
             if spec.tenant_arg is not None:
-                rendered_tenant = tenant_from_arguments(python_callable, spec.tenant_arg, args, kwargs)
-            else:
-                rendered_tenant = render_lock_option(tenant, context, option="tenant")
-            rendered_once_per = render_lock_option(once_per, context, option="once_per")
+                rendered["tenant"] = tenant_from_arguments(function, spec.tenant_arg, args, kwargs)
         except LockConfigurationError as error:
             fail_for_configuration(spec, error, task.log)
+        return run_guarded(spec, context, lambda _: function(*args, **kwargs), task.log, **rendered)
 
-        def work(handle: LockHandle) -> T:
-            if wants_handle:
-                return python_callable(*args, **{**kwargs, LOCK_HANDLE_PARAM: handle})
-            return python_callable(*args, **kwargs)
-
-        return run_guarded(
-            spec, context, work, task.log, key=rendered_key, tenant=rendered_tenant, once_per=rendered_once_per
-        )
-
-    if wants_handle:  # the task flavour on top must not ask for (or inject into) the lock argument
-        guarded_call.__signature__ = signature.replace(  # type: ignore[attr-defined]
-            parameters=[p for p in signature.parameters.values() if p.name != LOCK_HANDLE_PARAM]
-        )
     return guarded_call
 
 

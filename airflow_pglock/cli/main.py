@@ -28,7 +28,10 @@ import json
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from airflow_pglock.lock_report import LockEntry
 
 EXIT_OK = 0
 EXIT_PROBLEM = 1
@@ -237,7 +240,7 @@ def cmd_locks(args: argparse.Namespace, out: TextIO) -> int:
     )
     if not report.entries:
         return EXIT_OK
-    rows = [_lock_row(e) + ([e.database] if report.all_databases else []) for e in report.entries]
+    rows = [_lock_row(e) + ([e.holder.database] if report.all_databases else []) for e in report.entries]
     headers = ["KEY", "NUMBERS", "STATE", "WAITERS", "HOLDER (DAG / TASK / RUN or application)", "PID", "CLIENT"]
     headers += ["SINCE", "FOR"] + (["DATABASE"] if report.all_databases else [])
     _table(headers, rows, out)
@@ -246,30 +249,31 @@ def cmd_locks(args: argparse.Namespace, out: TextIO) -> int:
     return EXIT_OK
 
 
-def _lock_row(e: Any) -> list[str]:
+def _lock_row(e: LockEntry) -> list[str]:
+    h = e.holder
     name = " | ".join(e.names) + (" (COLLISION)" if e.collision else "") if e.names else "?"
     if e.airflow is not None:
         mapped = f"[{e.airflow.map_index}]" if e.airflow.map_index >= 0 else ""
         holder = f"{e.airflow.dag_id} / {e.airflow.task_id}{mapped} / {e.airflow.run_id}"
     else:
-        holder = e.application_name or ("(hidden: no privilege)" if e.user is None else "(no application_name)")
+        holder = h.application_name or ("(hidden: no privilege)" if h.user is None else "(no application_name)")
     since = "?" if e.since is None else e.since.isoformat(timespec="seconds")
     if e.since_basis and e.since_basis.startswith("session start"):
         since = "~" + since
-    if e.granted:
-        queue = str(e.waiters)
-    elif e.blocked_by:
-        queue = "behind " + ",".join(map(str, e.blocked_by))
+    if h.granted:
+        queue = str(h.waiters)
+    elif h.blocked_by:
+        queue = "behind " + ",".join(map(str, h.blocked_by))
     else:
         queue = "-"
     return [
         name,
         e.key.numbers_text + (" (pair)" if e.key.is_pair else ""),
-        ("holding" if e.granted else "waiting") + (" shared" if e.shared else ""),
+        ("holding" if h.granted else "waiting") + (" shared" if h.shared else ""),
         queue,
         holder,
-        str(e.pid) if e.pid is not None else "prepared xact",
-        e.client_addr or ("local" if e.user else "?"),
+        str(h.pid) if h.pid is not None else "prepared xact",
+        h.client_addr or ("local" if h.user else "?"),
         since,
         human_duration(e.seconds),
     ]

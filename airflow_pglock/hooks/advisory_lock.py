@@ -1,24 +1,26 @@
-"""AdvisoryLockHook: the only place in airflow-pglock that speaks SQL.
+"""AdvisoryLockHook: the Airflow-facing entry point to the lock database, and the lock SQL.
 
 Every lock gets its own dedicated psycopg 3 connection, opened for it and closed after
 it (never a pooled one: ``pg_try_advisory_lock`` returns true again on a session that
-already holds the key, so a reused session would let two tasks "both" hold it).
+already holds the key, so a reused session would let two tasks "both" hold it). The
+other SQL of the provider lives next to it in ``hooks/``: the holders query
+(``holders.py``), the operators' views (``inspection.py``), the schema (``schema.py``,
+``ledger.py``). Where the database is comes from ``connection.py``; whether the server
+at the other end is safe for a lock, from the rules in ``server.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import re
 import select
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, NoReturn
 
 import psycopg
 from psycopg import sql
-from psycopg.rows import dict_row
 
 from airflow_pglock.compat import BaseHook
 from airflow_pglock.exceptions import (
@@ -27,16 +29,19 @@ from airflow_pglock.exceptions import (
     PgLockError,
     UnsafeSetupError,
 )
+from airflow_pglock.hooks import connection as connection_settings
+from airflow_pglock.hooks import server as server_rules
+from airflow_pglock.hooks.connection import ConnectionSettings, redact
+from airflow_pglock.hooks.holders import LockHolder, aread_holders, read_holders
+from airflow_pglock.hooks.server import MIN_SERVER_VERSION, Scope, ServerInfo
 from airflow_pglock.keys import LockKey
 from airflow_pglock.liveness import IDLE_SESSION_TIMEOUT_VERSION, Liveness
 
-Scope = Literal["session", "transaction"]
+__all__ = ["MIN_SERVER_VERSION", "AdvisoryLockHook", "HeldLock", "LockHolder", "Scope", "ServerInfo", "redact"]
 
 DEFAULT_CONNECT_TIMEOUT = 10
 #: application_name of the short sessions that only read who holds a key.
 INSPECT_APPLICATION_NAME = "pglock inspect"
-MIN_SERVER_VERSION = 120000  # tcp_user_timeout needs PostgreSQL 12
-POSTGRES_CONN_TYPES = frozenset({"postgres", "postgresql"})
 #: What a heartbeat found: the key is held; it is not; the protected work is using the
 #: connection (transaction mode: the session is busy, hence not idle); no answer in time.
 ProbeResult = Literal["held", "not held", "busy", "no answer"]
@@ -77,130 +82,6 @@ _NOT_POSTGRES_ERRORS: tuple[type[psycopg.Error], ...] = (
     psycopg.errors.FeatureNotSupported,
     psycopg.errors.SyntaxError,
 )
-# PostgresHook extras that are not libpq parameters (it drops these too).
-_NON_LIBPQ_EXTRAS = frozenset({"cursor", "pool_mode"})
-
-# Holders and waiters of one key in the current database, holders first. Reads pg_locks
-# and pg_stat_activity only: it takes no lock (a sensor must never make a contender skip).
-_HOLDERS_SQL = (
-    "SELECT l.pid, l.granted, l.mode, a.application_name, host(a.client_addr) AS client_addr,"
-    " a.backend_start, l.waitstart, a.xact_start, a.usename, a.state"
-    " FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid"
-    " WHERE l.locktype = 'advisory'"
-    " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
-    " AND l.classid = %s AND l.objid = %s AND l.objsubid = %s"
-    " ORDER BY l.granted DESC, l.waitstart NULLS FIRST, l.pid"
-)
-
-
-_URI_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")
-_KEYWORD_PASSWORD = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
-
-
-def redact(text: str) -> str:
-    """``text`` with passwords in URIs (``://user:pw@``) and ``password=...`` replaced by ``***``.
-
-    libpq repeats a malformed connection string word for word in its error message.
-    """
-    return _KEYWORD_PASSWORD.sub(r"\1***", _URI_PASSWORD.sub(r"\1***@", text))
-
-
-@dataclass(frozen=True)
-class ServerInfo:
-    """What a lock connection found at the other end.
-
-    :param backend_pid: ``pg_backend_pid()`` of the lock session.
-    :param reported_pid: the backend pid the wire protocol reported; a pooler fakes it.
-    :param version_num: ``server_version_num``, e.g. 150004.
-    :param version: the server's version string.
-    :param database: the database connected to.
-    :param server_addr: ``inet_server_addr()``; None over a local socket.
-    :param server_port: ``inet_server_port()``; None over a local socket.
-    :param in_recovery: ``pg_is_in_recovery()``: True on a standby (refused for locks).
-    :param started_at: ``pg_postmaster_start_time()``.
-    """
-
-    backend_pid: int
-    reported_pid: int
-    version_num: int
-    version: str
-    database: str
-    server_addr: str | None
-    server_port: int | None
-    in_recovery: bool
-    started_at: dt.datetime
-
-    @property
-    def behind_pooler(self) -> bool:
-        """True when a connection pooler (PgBouncer, Odyssey, RDS Proxy...) sits in between."""
-        return self.reported_pid != self.backend_pid
-
-    @property
-    def server(self) -> str:
-        if self.server_addr is None:
-            return "local socket"
-        return f"{self.server_addr}:{self.server_port}"
-
-
-@dataclass(frozen=True)
-class LockHolder:
-    """A session that holds or waits for a key, as ``pg_locks`` and ``pg_stat_activity`` see it.
-
-    ``since`` is when the holder's session started; airflow-pglock opens a session per lock,
-    so for its holders that is within milliseconds of the acquisition.
-
-    :param pid: the holder's backend pid.
-    :param granted: True when it holds the key, False when it waits for it.
-    :param mode: ``ExclusiveLock`` or ``ShareLock``.
-    :param application_name: the session's application_name (airflow-pglock's names the DAG,
-        task and run); None when hidden (another role without ``pg_read_all_stats``) or unset.
-    :param client_addr: the client's address; None over a local socket or when hidden.
-    :param since: when the session started (``backend_start``).
-    :param waiting_since: when a waiter started waiting (``pg_locks.waitstart``, PostgreSQL 14+).
-    :param transaction_start: start of the session's current transaction, if any.
-    :param user: the session's role.
-    :param state: ``pg_stat_activity.state`` (``idle``, ``active``, ...).
-    """
-
-    pid: int
-    granted: bool
-    mode: str
-    application_name: str | None
-    client_addr: str | None
-    since: dt.datetime | None
-    waiting_since: dt.datetime | None
-    transaction_start: dt.datetime | None
-    user: str | None
-    state: str | None
-
-    @classmethod
-    def from_row(cls, row: Mapping[str, Any]) -> LockHolder:
-        """A holder from a row of the holders query (see ``AdvisoryLockHook.holders_on``)."""
-        return cls(
-            pid=row["pid"],
-            granted=row["granted"],
-            mode=row["mode"],
-            application_name=row["application_name"],
-            client_addr=row["client_addr"],
-            since=row["backend_start"],
-            waiting_since=row["waitstart"],
-            transaction_start=row["xact_start"],
-            user=row["usename"],
-            state=row["state"],
-        )
-
-    def describe(self, now: dt.datetime | None = None) -> str:
-        """``pid 123 (application_name 'x', client 10.0.0.5) holding since 12:00:00 (3.1 s)``."""
-        role = "holding" if self.granted else "waiting"
-        start = self.since if self.granted else self.waiting_since
-        since = ""
-        if start is not None:
-            since = f" since {start.isoformat(timespec='seconds')}"
-            if now is not None:
-                since += f" ({(now - start).total_seconds():.1f} s)"
-        app = repr(self.application_name) if self.application_name else "unknown (no privilege or not set)"
-        client = self.client_addr or "local socket or hidden"
-        return f"pid {self.pid} (application_name {app}, client {client}) {role} {self.mode}{since}"
 
 
 @dataclass
@@ -340,68 +221,27 @@ class AdvisoryLockHook(BaseHook):
         self.dsn = dsn
         self.connect_timeout = connect_timeout
         self.liveness = liveness or Liveness()
-        self._declared_pool_mode: str | None = None
+        self._last_settings: ConnectionSettings | None = None
 
     # ----------------------------------------------------------------- connections
 
+    def resolve_settings(self) -> ConnectionSettings:
+        """Where the lock database is (the DSN, or the Airflow connection as PostgresHook reads it).
+
+        Resolved anew for each lock connection, as ``PostgresHook.get_conn`` does: an IAM
+        token or a rotated password is fresh each time.
+        """
+        if self.dsn is not None:
+            return connection_settings.from_dsn(self.dsn)
+        return connection_settings.from_airflow(self.postgres_conn_id, self.get_connection)
+
+    def get_conn(self) -> psycopg.Connection[Any]:
+        """A new dedicated autocommit connection to the lock database (Airflow's hook API); close it."""
+        return self.connect()
+
     def connection_kwargs(self) -> dict[str, Any]:
         """libpq parameters of the configured connection (no liveness, no app name)."""
-        if self.dsn is not None:
-            try:
-                return dict(psycopg.conninfo.conninfo_to_dict(self.dsn))
-            except psycopg.ProgrammingError as error:
-                raise LockConfigurationError(f"invalid DSN for the lock database: {redact(str(error))}") from None
-        return self._airflow_connection_kwargs()
-
-    def _airflow_connection_kwargs(self) -> dict[str, Any]:
-        from airflow.providers.postgres.hooks.postgres import PostgresHook
-
-        try:
-            airflow_conn = self.get_connection(self.postgres_conn_id)
-        except Exception as error:  # Airflow raises its own NotFound types, which differ by version
-            raise LockConfigurationError(
-                f"Airflow connection {self.postgres_conn_id!r} was not found ({type(error).__name__}: {error}); "
-                "create a connection of type 'postgres' with that id in the Airflow UI or as "
-                f"AIRFLOW_CONN_{self.postgres_conn_id.upper()}"
-            ) from None
-        conn_type = (airflow_conn.conn_type or "").lower()
-        if conn_type not in POSTGRES_CONN_TYPES:
-            raise LockConfigurationError(
-                f"Airflow connection {self.postgres_conn_id!r} has conn_type {airflow_conn.conn_type!r}; "
-                "advisory locks need a PostgreSQL connection (conn_type 'postgres')"
-            )
-        self._declared_pool_mode = airflow_conn.extra_dejson.get("pool_mode")
-
-        captured: dict[str, Any] = {}
-
-        class _ConnArgsOnly(PostgresHook):
-            # PostgresHook.get_conn() resolves extras and IAM tokens, then hands the libpq
-            # arguments to _create_connection: keep them, open nothing.
-            def _create_connection(self, conn_args: dict[str, Any]) -> Any:
-                captured.update(conn_args)
-                return None
-
-        # connection= (DbApiHook's own argument), not the deprecated setter, which logs a warning
-        postgres_hook = _ConnArgsOnly(postgres_conn_id=self.postgres_conn_id, connection=airflow_conn)
-        opened = postgres_hook.get_conn()
-        if not captured:  # an older PostgresHook connected by itself instead of handing us its arguments
-            if opened is not None:
-                opened.close()
-            raise LockConfigurationError(
-                "this apache-airflow-providers-postgres is too old for airflow-pglock (PostgresHook has no "
-                "_create_connection); upgrade it to 6.8 or newer"
-            )
-        return {k: v for k, v in captured.items() if v is not None and k not in _NON_LIBPQ_EXTRAS}
-
-    def _lock_connection_kwargs(self, base: dict[str, Any], application_name: str | None) -> dict[str, Any]:
-        kwargs = dict(base)
-        kwargs.setdefault("connect_timeout", self.connect_timeout)
-        # The lease's keepalive settings win over the connection's extras: they bound how long
-        # a dead peer goes unnoticed, and a looser extra would silently break that bound.
-        kwargs.update(self.liveness.client_settings())
-        if application_name:
-            kwargs["application_name"] = application_name
-        return kwargs
+        return dict(self.resolve_settings().params)
 
     @staticmethod
     def _raise_connect_error(error: psycopg.Error, where: str) -> NoReturn:
@@ -413,16 +253,18 @@ class AdvisoryLockHook(BaseHook):
             f"cannot connect to the lock database {where}: {redact(str(error))}".strip()
         ) from error
 
-    def connect(self, application_name: str | None = None) -> psycopg.Connection[Any]:
+    def connect(
+        self, application_name: str | None = None, settings: ConnectionSettings | None = None
+    ) -> psycopg.Connection[Any]:
         """Open a new dedicated autocommit connection for one lock.
 
         :param application_name: names the holder in ``pg_stat_activity``.
+        :param settings: where to connect (default: :meth:`resolve_settings`).
         """
-        kwargs = self._lock_connection_kwargs(self.connection_kwargs(), application_name)
-        # Kept for server_started_at(), which the heartbeat thread calls: it must not ask
-        # Airflow for the connection again (the task's channel to Airflow is not thread-safe).
-        self._resolved_kwargs = kwargs
-        where = self.describe_target(kwargs)
+        settings = settings or self.resolve_settings()
+        self._last_settings = settings  # for side_connection(), see there
+        kwargs = settings.session_params(application_name, self.liveness, self.connect_timeout)
+        where = connection_settings.describe_params(kwargs, settings.source)
         try:
             return psycopg.Connection.connect(autocommit=True, **kwargs)
         except psycopg.Error as error:
@@ -438,34 +280,22 @@ class AdvisoryLockHook(BaseHook):
         """
         from asgiref.sync import sync_to_async
 
-        base = await sync_to_async(self.connection_kwargs)()
-        kwargs = self._lock_connection_kwargs(base, application_name)
-        where = self.describe_target(kwargs)
+        settings = await sync_to_async(self.resolve_settings)()
+        kwargs = settings.session_params(application_name, self.liveness, self.connect_timeout)
+        where = connection_settings.describe_params(kwargs, settings.source)
         try:
             return await psycopg.AsyncConnection.connect(autocommit=True, **kwargs)
         except psycopg.Error as error:
             self._raise_connect_error(error, where)
 
-    def describe_target(self, kwargs: Mapping[str, Any] | None = None) -> str:
+    def describe_target(self) -> str:
         """``'db' on host:port as user (conn id 'x')``; never the password."""
-        kwargs = kwargs if kwargs is not None else self.connection_kwargs()
-        source = "DSN" if self.dsn is not None else f"conn id {self.postgres_conn_id!r}"
-        host = kwargs.get("host") or "local socket"
-        port = kwargs.get("port") or 5432
-        database = kwargs.get("dbname") or "(default database)"
-        user = kwargs.get("user") or "(default user)"
-        return f"{database!r} on {host}:{port} as {user!r} ({source})"
+        return self.resolve_settings().describe()
 
     def server_started_at(self) -> dt.datetime | None:
-        """``pg_postmaster_start_time()`` on a fresh short connection; None if unreachable.
-
-        Reuses the settings of the last :meth:`connect` (never asks Airflow again: it is
-        called from the heartbeat thread), with a 2 s connect timeout.
-        """
+        """``pg_postmaster_start_time()`` on a :meth:`side_connection`; None if unreachable."""
         try:
-            kwargs = getattr(self, "_resolved_kwargs", None) or self.connection_kwargs()
-            kwargs = {**kwargs, "connect_timeout": 2, "application_name": INSPECT_APPLICATION_NAME}
-            with psycopg.Connection.connect(autocommit=True, **kwargs) as conn:
+            with self.side_connection() as conn:
                 row = conn.execute("SELECT pg_postmaster_start_time()").fetchone()
                 return row[0] if row else None
         except (psycopg.Error, PgLockError):
@@ -474,12 +304,17 @@ class AdvisoryLockHook(BaseHook):
     def side_connection(
         self, application_name: str = INSPECT_APPLICATION_NAME, connect_timeout: int = 2
     ) -> psycopg.Connection[Any]:
-        """A short autocommit connection next to a lock's (the settings of the last
-        :meth:`connect`, so the heartbeat thread never asks Airflow again)."""
-        kwargs = getattr(self, "_resolved_kwargs", None) or self._lock_connection_kwargs(
-            self.connection_kwargs(), application_name
-        )
-        kwargs = {**kwargs, "connect_timeout": connect_timeout, "application_name": application_name}
+        """A short autocommit connection next to a lock's.
+
+        Reuses the settings of the last :meth:`connect`: it is called from the heartbeat
+        thread, which must not ask Airflow for the connection again (the task's channel to
+        Airflow is not thread-safe).
+        """
+        settings = self._last_settings or self.resolve_settings()
+        kwargs = {
+            **settings.session_params(application_name, self.liveness, self.connect_timeout),
+            "connect_timeout": connect_timeout,
+        }
         return psycopg.Connection.connect(autocommit=True, **kwargs)
 
     def holds_seen_from_aside(self, held: HeldLock) -> bool | None:
@@ -527,41 +362,15 @@ class AdvisoryLockHook(BaseHook):
             started_at=row[7],
         )
 
-    def check_server(self, info: ServerInfo, scope: Scope) -> None:
-        """Refuse set-ups where an advisory lock would exclude nobody."""
-        if not info.version.startswith("PostgreSQL") or any(
-            fork in info.version for fork in ("Redshift", "CockroachDB", "YugabyteDB")
-        ):
-            raise UnsafeSetupError(
-                f"the lock database is not PostgreSQL ({info.version!r}); "
-                f"advisory locks need PostgreSQL {MIN_SERVER_VERSION // 10000}+"
-            )
-        if info.version_num < MIN_SERVER_VERSION:
-            raise UnsafeSetupError(
-                f"PostgreSQL {info.version_num} is too old; "
-                f"airflow-pglock needs PostgreSQL {MIN_SERVER_VERSION // 10000} or newer"
-            )
-        if scope == "session" and info.version_num < IDLE_SESSION_TIMEOUT_VERSION:
-            raise UnsafeSetupError(
-                f"PostgreSQL {info.version_num} has no idle_session_timeout (it appeared in PostgreSQL 14), so a "
-                "frozen holder would keep a session lock until TCP keepalives give up, if ever. Use mode='transaction' "
-                "(bounded by idle_in_transaction_session_timeout) or PostgreSQL 14+"
-            )
-        if info.in_recovery:
-            raise UnsafeSetupError(
-                f"the lock database {info.database!r} at {info.server} is a standby in recovery: advisory locks "
-                "are not replicated, so a lock taken there excludes nobody. Point the connection at the primary "
-                "(with libpq, target_session_attrs=read-write)"
-            )
-        if scope == "session" and info.behind_pooler and self._declared_pool_mode != "session":
-            raise UnsafeSetupError(
-                f"the lock connection goes through a connection pooler (the pooler reported backend pid "
-                f"{info.reported_pid}, the server says {info.backend_pid}). A session-level advisory lock is unsafe "
-                "under transaction pooling (PgBouncer's pool_mode=transaction): the next statement may run on "
-                "another server session. Use mode='transaction' (transaction-level locks work through PgBouncer), "
-                "connect directly to PostgreSQL, or, if the pooler really runs in session pooling, set the "
-                'connection extra {"pool_mode": "session"}'
-            )
+    @staticmethod
+    def check_server(info: ServerInfo, scope: Scope, pool_mode: str | None = None) -> None:
+        """Refuse set-ups where an advisory lock would exclude nobody (the rules of ``hooks/server.py``).
+
+        :param info: what the lock connection found at the other end.
+        :param scope: the lock's scope (``"session"`` or ``"transaction"``).
+        :param pool_mode: the connection's declared ``pool_mode`` extra, if any.
+        """
+        server_rules.check_server(info, scope, pool_mode)
 
     def apply_liveness(
         self, conn: psycopg.Connection[Any], *, local: bool, server_version_num: int = IDLE_SESSION_TIMEOUT_VERSION
@@ -581,10 +390,11 @@ class AdvisoryLockHook(BaseHook):
         self, application_name: str | None, scope: Scope
     ) -> tuple[psycopg.Connection[Any], ServerInfo]:
         """Connect, check the server and set liveness; on any error nothing is left open."""
-        conn = self.connect(application_name)
+        settings = self.resolve_settings()
+        conn = self.connect(application_name, settings)
         try:
             info = self.inspect_server(conn)
-            self.check_server(info, scope)
+            self.check_server(info, scope, settings.pool_mode)
             if info.behind_pooler:
                 # Through PgBouncer, a server-side prepared statement may outlive the transaction on a
                 # server session another client gets next: never prepare on a lock connection.
@@ -786,16 +596,11 @@ class AdvisoryLockHook(BaseHook):
 
     def holders_on(self, conn: psycopg.Connection[Any], key: LockKey) -> list[LockHolder]:
         """Holders and waiters of ``key`` in the connection's database, holders first."""
-        with conn.cursor(row_factory=dict_row) as cur:
-            rows = cur.execute(_HOLDERS_SQL, list(key.pg_locks)).fetchall()
-        return [LockHolder.from_row(row) for row in rows]
+        return read_holders(conn, key)
 
     async def aholders_on(self, conn: psycopg.AsyncConnection[Any], key: LockKey) -> list[LockHolder]:
         """Async :meth:`holders_on` (for triggers): reads ``pg_locks``, takes nothing."""
-        async with conn.cursor(row_factory=dict_row) as cur:
-            await cur.execute(_HOLDERS_SQL, list(key.pg_locks))
-            rows = await cur.fetchall()
-        return [LockHolder.from_row(row) for row in rows]
+        return await aread_holders(conn, key)
 
     # --------------------------------------------------------------- lock objects
 

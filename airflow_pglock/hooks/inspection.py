@@ -1,128 +1,28 @@
-"""Read-only views of the lock database for operators: every advisory lock, and server facts.
+"""Read-only views of the lock database for operators: server facts, and the doctor's probe.
 
-Hook-level module (the SQL of ``airflow-pglock locks`` / ``doctor`` and of the UI page).
-Every function takes an open connection and only reads ``pg_locks``, ``pg_stat_activity``
-and settings: nothing here takes, waits for or releases a lock, except
+Hook-level module (the SQL of ``airflow-pglock doctor`` and ``key``; who holds what is
+``hooks/holders.py``). Every function takes an open connection and only reads settings
+and catalogs: nothing here takes, waits for or releases a lock, except
 :func:`probe_advisory_lock`, which tries a transaction-level lock on a key of its own and
 rolls back.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import psycopg
-from psycopg import sql
 
+from airflow_pglock.hooks.holders import LockSnapshot, advisory_locks
 from airflow_pglock.keys import LockKey
+
+__all__ = ["PROBE_KEY", "LockSnapshot", "ServerFacts", "advisory_locks", "probe_advisory_lock", "server_facts"]
 
 #: The key ``doctor`` tries (and releases at once) to prove the role can take advisory locks.
 PROBE_KEY = LockKey.from_name("airflow-pglock/doctor-probe")
-
-
-@dataclass(frozen=True)
-class AdvisoryLockRow:
-    """One row of ``pg_locks`` for an advisory lock, with its session from ``pg_stat_activity``.
-
-    Columns of other roles' sessions (client address, session start, ...) are None unless
-    the reading role has the privileges of ``pg_read_all_stats``.
-
-    :param waiters: how many sessions wait for this key (same database and coordinates).
-    :param blocked_by: for a waiter, the pids it waits for (``pg_blocking_pids``).
-    """
-
-    database: str
-    pid: int | None
-    classid: int
-    objid: int
-    objsubid: int
-    mode: str
-    granted: bool
-    wait_started_at: dt.datetime | None
-    application_name: str | None
-    user: str | None
-    client_addr: str | None
-    client_port: int | None
-    backend_start: dt.datetime | None
-    xact_start: dt.datetime | None
-    state: str | None
-    backend_type: str | None
-    waiters: int
-    blocked_by: tuple[int, ...]
-
-    @property
-    def coordinates(self) -> tuple[int, int, int]:
-        return self.classid, self.objid, self.objsubid
-
-
-@dataclass(frozen=True)
-class LockSnapshot:
-    """All advisory locks at one instant, and the server clock at that instant."""
-
-    taken_at: dt.datetime
-    database: str
-    rows: tuple[AdvisoryLockRow, ...]
-
-
-def advisory_locks(conn: psycopg.Connection[Any], *, all_databases: bool = False) -> LockSnapshot:
-    """Every advisory lock held or awaited, holders before waiters, grouped by key.
-
-    :param all_databases: include other databases of the cluster (advisory keys are
-        per database: the same numbers in two databases are two different locks).
-    """
-    version = conn.info.server_version
-    wait_start = sql.SQL("l.waitstart") if version >= 140000 else sql.SQL("NULL::timestamptz")
-    query = sql.SQL(
-        "SELECT d.datname, l.pid, l.classid::bigint, l.objid::bigint, l.objsubid::int, l.mode, l.granted,"
-        " {wait_start}, a.application_name, a.usename, host(a.client_addr), a.client_port, a.backend_start,"
-        " a.xact_start, a.state, a.backend_type,"
-        " count(*) FILTER (WHERE NOT l.granted) OVER (PARTITION BY l.database, l.classid, l.objid, l.objsubid),"
-        " CASE WHEN l.granted OR l.pid IS NULL THEN ARRAY[]::int[] ELSE pg_blocking_pids(l.pid) END,"
-        " current_database(), clock_timestamp()"
-        " FROM pg_catalog.pg_locks l"
-        " JOIN pg_catalog.pg_database d ON d.oid = l.database"
-        " LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid"
-        " WHERE l.locktype = 'advisory' AND (%(all)s OR d.datname = current_database())"
-        " ORDER BY d.datname, l.classid, l.objid, l.objsubid, l.granted DESC, {wait_start} NULLS FIRST, l.pid"
-    ).format(wait_start=wait_start)
-    rows = conn.execute(query, {"all": all_databases}).fetchall()
-    if rows:
-        database, taken_at = rows[0][18], rows[0][19]
-    else:
-        head = conn.execute("SELECT current_database(), clock_timestamp()").fetchone()
-        assert head is not None
-        database, taken_at = head
-    return LockSnapshot(
-        taken_at=taken_at,
-        database=database,
-        rows=tuple(
-            AdvisoryLockRow(
-                database=r[0],
-                pid=r[1],
-                classid=r[2],
-                objid=r[3],
-                objsubid=r[4],
-                mode=r[5],
-                granted=r[6],
-                wait_started_at=r[7],
-                application_name=r[8],
-                user=r[9],
-                client_addr=r[10],
-                client_port=r[11],
-                backend_start=r[12],
-                xact_start=r[13],
-                state=r[14],
-                backend_type=r[15],
-                waiters=int(r[16]),
-                blocked_by=tuple(r[17] or ()),
-            )
-            for r in rows
-        ),
-    )
 
 
 def compute_name_key(conn: psycopg.Connection[Any], name: str) -> int:

@@ -1,11 +1,13 @@
 """airflow-pglock's own tables: a versioned, forward-only schema in the ``pglock`` schema.
 
 Hook-level module: the SQL of ``airflow-pglock init-db`` and of the key-name registry.
-Nothing here is needed to take a lock; every table is optional and created only by an
-explicit ``airflow-pglock init-db``.
+Nothing here is needed to take a plain lock; every table is optional and created only by
+an explicit ``airflow-pglock init-db``. Version 1 is the key-name registry, version 2 the
+ledger of ``once_per`` / ``min_interval`` completions and fencing tokens (its SQL is in
+``hooks/ledger.py``).
 
-Adding a table later (e.g. once-per-period records, fencing tokens) means appending a
-:class:`Migration` to :data:`MIGRATIONS` with the next version number. Never edit or
+Adding a table means appending a :class:`Migration` to :data:`MIGRATIONS` with the next
+version number. Never edit or
 reorder a released migration: databases that already applied it will not run it again.
 
 :func:`migrate` is idempotent and safe when run concurrently: it runs in one transaction

@@ -27,17 +27,20 @@ from airflow_pglock.exceptions import (
     PgLockError,
     UnsafeSetupError,
 )
-from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook, LockHolder
+from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+from airflow_pglock.hooks.holders import LockHolder, blocking_holders, describe_holders
 from airflow_pglock.keys import LockKey
-from airflow_pglock.task_guard import KeySpec, check_key_spec, resolve_key
+from airflow_pglock.options import KeySpec, LockOptions, LockSpec, declared
+from airflow_pglock.task_guard import resolve_key
 from airflow_pglock.triggers.advisory_lock import (
     ERROR,
     FREE,
     TIMEOUT,
     AdvisoryLockTrigger,
-    blocking_holders,
-    describe_holders,
 )
+
+#: The lock options a sensor takes; their declaration says which are templated and checks them.
+SENSOR_OPTIONS = ("key", "tenant", "shared", "postgres_conn_id")
 
 _ERRORS: dict[str, type[Exception]] = {
     cls.__name__: cls for cls in (LockConfigurationError, LockConnectionError, UnsafeSetupError, InvalidLockKeyError)
@@ -63,8 +66,8 @@ class AdvisoryLockSensor(BaseSensorOperator):
     :param deferrable: wait in the triggerer instead of a worker slot.
     """
 
-    template_fields: Sequence[str] = ("key", "tenant")
-    template_fields_renderers = {"key": "py", "tenant": "py"}
+    template_fields: Sequence[str] = tuple(name for name in SENSOR_OPTIONS if declared(LockOptions)[name].templated)
+    template_fields_renderers = dict.fromkeys(template_fields, "py")
     ui_color = "#c6e0f5"
 
     def __init__(
@@ -83,11 +86,8 @@ class AdvisoryLockSensor(BaseSensorOperator):
                 f"AdvisoryLockSensor {self.task_id!r} needs key=: the key to wait for (a name, an int64 or an "
                 "(int32, int32) pair); a @task.advisory_lock task with the default key uses '<dag_id>/<task_id>'"
             )
-        check_key_spec(key, tenant)
-        if not isinstance(shared, bool):
-            raise LockConfigurationError(f"shared must be True or False, got {shared!r}")
-        if not isinstance(postgres_conn_id, str) or not postgres_conn_id.strip():
-            raise LockConfigurationError(f"postgres_conn_id must be a non-empty string, got {postgres_conn_id!r}")
+        options = {"key": key, "tenant": tenant, "shared": shared, "postgres_conn_id": postgres_conn_id}
+        LockSpec.from_options(options, declaration=LockOptions, caller=type(self).__name__)  # checks them
         self.key = key
         self.tenant = tenant
         self.shared = shared

@@ -20,25 +20,12 @@ import psycopg
 
 from airflow_pglock.compat import BaseTrigger, TriggerEvent
 from airflow_pglock.exceptions import PgLockError
-from airflow_pglock.hooks.advisory_lock import DEFAULT_CONNECT_TIMEOUT, AdvisoryLockHook, LockHolder
+from airflow_pglock.hooks.advisory_lock import DEFAULT_CONNECT_TIMEOUT, AdvisoryLockHook
+from airflow_pglock.hooks.holders import blocking_holders, describe_holders
 from airflow_pglock.keys import LockKey
 
 #: ``event["status"]`` values.
 FREE, TIMEOUT, ERROR = "free", "timeout", "error"
-
-
-EXCLUSIVE_MODE = "ExclusiveLock"  # pg_locks.mode of an exclusive advisory lock ("ShareLock" when shared)
-
-
-def blocking_holders(holders: Sequence[LockHolder], shared: bool) -> list[LockHolder]:
-    """The granted holders that keep the key from being taken (only exclusive ones when ``shared``)."""
-    return [h for h in holders if h.granted and (not shared or h.mode == EXCLUSIVE_MODE)]
-
-
-def describe_holders(holders: Sequence[LockHolder], now: dt.datetime) -> str:
-    """``pid 1 (...) holding since ... (3.0 s); pid 2 ...`` for the sessions holding a key."""
-    granted = [holder for holder in holders if holder.granted]
-    return "; ".join(holder.describe(now) for holder in granted) or "nobody"
 
 
 class AdvisoryLockTrigger(BaseTrigger):

@@ -24,8 +24,8 @@ from airflow_pglock.hooks import schema
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 from airflow_pglock.keys import LockKey
 from airflow_pglock.liveness import Liveness
+from airflow_pglock.options import LockOptions, LockSpec
 from airflow_pglock.run_rules import RunRules
-from airflow_pglock.task_guard import LockSpec, check_once_per
 from tests.faults.conftest import FaultServer
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
@@ -118,14 +118,18 @@ def test_heartbeat_notices_a_lock_retaken_in_another_transaction(fault_server: F
 # ------------------------------------------------ 2: shared locks with run rules
 
 
+def _spec(**options: Any) -> LockSpec:
+    return LockSpec.from_options(options, declaration=LockOptions, caller="test")
+
+
 def test_shared_with_run_rules_is_refused_when_the_dag_is_parsed() -> None:
     with pytest.raises(LockConfigurationError, match="shared"):
-        LockSpec.build(shared=True, fencing=True)
+        _spec(shared=True, fencing=True)
     with pytest.raises(LockConfigurationError, match="shared"):
-        LockSpec.build(shared=True, min_interval=60)
+        _spec(shared=True, min_interval=60)
     with pytest.raises(LockConfigurationError, match="shared"):
-        check_once_per("{{ ds }}", LockSpec.build(shared=True))
-    check_once_per("{{ ds }}", LockSpec.build())  # exclusive: fine
+        _spec(shared=True, once_per="{{ ds }}")
+    _spec(once_per="{{ ds }}")  # exclusive: fine
 
 
 def test_shared_guard_with_once_per_is_refused_before_any_io(fault_server: FaultServer, fault_admin: Any) -> None:

@@ -1,0 +1,133 @@
+"""Where the lock database is: an Airflow connection or a DSN, resolved into one immutable value.
+
+:func:`resolve` reads the Airflow connection the way ``PostgresHook`` does (SSL extras,
+IAM tokens, ``options``) and returns :class:`ConnectionSettings`: the libpq parameters
+and what the connection declares about the path to the server (``pool_mode``). Nothing
+here opens a connection to PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+
+from airflow_pglock.exceptions import LockConfigurationError
+from airflow_pglock.liveness import Liveness
+
+POSTGRES_CONN_TYPES = frozenset({"postgres", "postgresql"})
+# PostgresHook extras that are not libpq parameters (it drops these too).
+_NON_LIBPQ_EXTRAS = frozenset({"cursor", "pool_mode"})
+
+_URI_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")
+_KEYWORD_PASSWORD = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
+
+
+def redact(text: str) -> str:
+    """``text`` with passwords in URIs (``://user:pw@``) and ``password=...`` replaced by ``***``.
+
+    libpq repeats a malformed connection string word for word in its error message.
+    """
+    return _KEYWORD_PASSWORD.sub(r"\1***", _URI_PASSWORD.sub(r"\1***@", text))
+
+
+@dataclass(frozen=True)
+class ConnectionSettings:
+    """The lock database's connection, resolved once.
+
+    :param params: libpq parameters (no liveness settings, no application_name).
+    :param source: ``DSN`` or ``conn id 'x'``, for messages.
+    :param pool_mode: the connection extra ``pool_mode`` (``"session"`` declares a pooler in
+        session pooling, where session locks are safe); None when not declared.
+    """
+
+    params: Mapping[str, Any]
+    source: str
+    pool_mode: str | None = None
+
+    def describe(self) -> str:
+        """``'db' on host:port as user (conn id 'x')``; never the password."""
+        return describe_params(self.params, self.source)
+
+    def session_params(self, application_name: str | None, liveness: Liveness, connect_timeout: int) -> dict[str, Any]:
+        """The libpq parameters of one lock session: these, plus its name and liveness settings.
+
+        :param application_name: names the holder in ``pg_stat_activity``.
+        :param liveness: the lease's client-side settings (keepalives, ``tcp_user_timeout``).
+        :param connect_timeout: used when the connection sets none of its own.
+        """
+        params = dict(self.params)
+        params.setdefault("connect_timeout", connect_timeout)
+        # The lease's keepalive settings win over the connection's extras: they bound how long
+        # a dead peer goes unnoticed, and a looser extra would silently break that bound.
+        params.update(liveness.client_settings())
+        if application_name:
+            params["application_name"] = application_name
+        return params
+
+
+def describe_params(params: Mapping[str, Any], source: str) -> str:
+    """``'db' on host:port as user (source)`` from libpq parameters; never the password."""
+    host = params.get("host") or "local socket"
+    port = params.get("port") or 5432
+    database = params.get("dbname") or "(default database)"
+    user = params.get("user") or "(default user)"
+    return f"{database!r} on {host}:{port} as {user!r} ({source})"
+
+
+def from_dsn(dsn: str) -> ConnectionSettings:
+    """Settings from a libpq connection string or URI (checked, never echoed with its password)."""
+    try:
+        return ConnectionSettings(params=dict(psycopg.conninfo.conninfo_to_dict(dsn)), source="DSN")
+    except psycopg.ProgrammingError as error:
+        raise LockConfigurationError(f"invalid DSN for the lock database: {redact(str(error))}") from None
+
+
+def from_airflow(conn_id: str, get_connection: Callable[[str], Any]) -> ConnectionSettings:
+    """Settings from an Airflow Postgres connection, as ``PostgresHook.get_conn`` would connect.
+
+    :param conn_id: the Airflow connection id.
+    :param get_connection: the hook's ``get_connection`` (secrets backends, env variables...).
+    """
+    from airflow.providers.postgres.hooks.postgres import PostgresHook
+
+    try:
+        airflow_conn = get_connection(conn_id)
+    except Exception as error:  # Airflow raises its own NotFound types, which differ by version
+        raise LockConfigurationError(
+            f"Airflow connection {conn_id!r} was not found ({type(error).__name__}: {error}); "
+            "create a connection of type 'postgres' with that id in the Airflow UI or as "
+            f"AIRFLOW_CONN_{conn_id.upper()}"
+        ) from None
+    conn_type = (airflow_conn.conn_type or "").lower()
+    if conn_type not in POSTGRES_CONN_TYPES:
+        raise LockConfigurationError(
+            f"Airflow connection {conn_id!r} has conn_type {airflow_conn.conn_type!r}; "
+            "advisory locks need a PostgreSQL connection (conn_type 'postgres')"
+        )
+    captured: dict[str, Any] = {}
+
+    class _ConnArgsOnly(PostgresHook):
+        # PostgresHook.get_conn() resolves extras and IAM tokens, then hands the libpq
+        # arguments to _create_connection: keep them, open nothing.
+        def _create_connection(self, conn_args: dict[str, Any]) -> Any:
+            captured.update(conn_args)
+            return None
+
+    # connection= (DbApiHook's own argument), not the deprecated setter, which logs a warning
+    opened = _ConnArgsOnly(postgres_conn_id=conn_id, connection=airflow_conn).get_conn()
+    if not captured:  # an older PostgresHook connected by itself instead of handing us its arguments
+        if opened is not None:
+            opened.close()
+        raise LockConfigurationError(
+            "this apache-airflow-providers-postgres is too old for airflow-pglock (PostgresHook has no "
+            "_create_connection); upgrade it to 6.8 or newer"
+        )
+    return ConnectionSettings(
+        params={k: v for k, v in captured.items() if v is not None and k not in _NON_LIBPQ_EXTRAS},
+        source=f"conn id {conn_id!r}",
+        pool_mode=airflow_conn.extra_dejson.get("pool_mode"),
+    )

@@ -1,0 +1,95 @@
+"""The lock options are declared once and every adapter follows the declaration; the
+server safety rules are pure functions whose messages the hook raises and doctor lists."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import inspect
+
+import pytest
+
+from airflow_pglock.exceptions import UnsafeSetupError
+from airflow_pglock.hooks.server import RULES, ServerInfo, check_server, violations
+from airflow_pglock.options import TEMPLATED, FunctionLockOptions, LockOptions, LockSpec, declared
+
+PRIMARY = ServerInfo(
+    backend_pid=7,
+    reported_pid=7,
+    version_num=160002,
+    version="PostgreSQL 16.2 on x86_64",
+    database="locks",
+    server_addr="10.0.0.1",
+    server_port=5432,
+    in_recovery=False,
+    started_at=dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc),  # noqa: UP017 (dt.UTC is Python 3.11+)
+)
+
+
+def test_every_adapter_takes_the_declared_options() -> None:
+    from airflow_pglock.decorators.advisory_lock import _AdvisoryLockDecoratedOperator, advisory_lock
+    from airflow_pglock.operators.advisory_lock import guarded
+
+    function_options, operator_options = set(declared(FunctionLockOptions)), set(declared(LockOptions))
+    assert function_options == operator_options | {"tenant_arg"}
+    # The typed signatures (IDE completion, mypy) come from the declaration.
+    assert inspect.signature(advisory_lock).parameters["options"].annotation == "Unpack[FunctionLockOptions]"
+    assert inspect.signature(guarded).parameters["options"].annotation == "Unpack[LockOptions]"
+    # The decorated operator names every option in its signature (Airflow fills them from default_args).
+    parameters = inspect.signature(_AdvisoryLockDecoratedOperator.__init__).parameters
+    assert function_options <= set(parameters)
+    assert {name: parameters[name].default for name in function_options} == {
+        name: option.default for name, option in declared(FunctionLockOptions).items()
+    }
+    assert TEMPLATED == ("key", "tenant", "once_per")
+    assert {f"lock_{name}" for name in TEMPLATED} <= set(_AdvisoryLockDecoratedOperator.template_fields)
+
+
+def test_defaults_apply_and_unknown_options_are_refused() -> None:
+    spec = LockSpec.from_options({"key": "k", "lease": dt.timedelta(seconds=12)}, declaration=LockOptions, caller="x")
+    assert spec.lease == 12.0 and spec.policy.on_busy == "skip" and spec.postgres_conn_id == "postgres_default"
+    assert spec.templated == {"key": "k", "tenant": None, "once_per": None}
+    with pytest.raises(TypeError, match=r"guarded\(\) got an unexpected keyword argument 'tenant_arg'"):
+        LockSpec.from_options({"tenant_arg": "t"}, declaration=LockOptions, caller="guarded")
+
+
+@pytest.mark.parametrize(
+    ("change", "scope", "pool_mode", "check", "fragment"),
+    [
+        ({"version": "CockroachDB CCL v23"}, "session", None, "server", "is not PostgreSQL"),
+        ({"version_num": 110000}, "transaction", None, "server", "too old"),
+        ({"version_num": 130010}, "session", None, "server", "no idle_session_timeout"),
+        ({"in_recovery": True}, "transaction", None, "recovery", "standby in recovery"),
+        ({"reported_pid": 99}, "session", None, "pooler", "connection pooler is in between"),
+    ],
+)
+def test_each_rule_is_one_message_for_the_hook_and_doctor(
+    change: dict[str, object], scope: str, pool_mode: str | None, check: str, fragment: str
+) -> None:
+    info = dataclasses.replace(PRIMARY, **change)  # type: ignore[arg-type]
+    [violation] = violations(info, scope, pool_mode)  # type: ignore[arg-type]
+    assert violation.check == check and fragment in violation.problem and violation.fix
+    with pytest.raises(UnsafeSetupError) as error:
+        check_server(info, scope, pool_mode)  # type: ignore[arg-type]
+    assert str(error.value) == f"{violation.problem}; {violation.fix}"
+
+
+def test_rules_pass_a_primary_and_what_is_safe() -> None:
+    assert len(RULES) == 5
+    assert violations(PRIMARY, "session", None) == []
+    behind_pooler = dataclasses.replace(PRIMARY, reported_pid=99)
+    assert violations(behind_pooler, "transaction", None) == []  # transaction locks work through PgBouncer
+    assert violations(behind_pooler, "session", "session") == []  # declared session pooling
+    assert violations(dataclasses.replace(PRIMARY, version_num=130010), "transaction", None) == []
+
+
+def test_dag_default_args_reach_the_lock_options() -> None:
+    from tests.sdk import DAG, task
+
+    with DAG("default_args_options", schedule=None, default_args={"postgres_conn_id": "locks_db", "on_busy": "fail"}):
+
+        @task.advisory_lock(key="k")
+        def work() -> None: ...
+
+        operator = work().operator
+    assert operator.lock_spec.postgres_conn_id == "locks_db" and operator.lock_spec.policy.on_busy == "fail"
