@@ -31,7 +31,7 @@ from airflow_pglock.exceptions import (
 from airflow_pglock.guard import LockGuard, LockHandle, LockPolicy, OnBusy, OnError, OnLost
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook, Scope
 from airflow_pglock.identity import TaskIdentity
-from airflow_pglock.keys import LockKey
+from airflow_pglock.keys import LockKey, tenant_text
 from airflow_pglock.liveness import DEFAULT_LEASE_SECONDS, Liveness
 from airflow_pglock.run_rules import RunRules, seconds
 
@@ -113,6 +113,8 @@ class LockSpec:
 
 def check_key_spec(key: KeySpec, tenant: Any) -> None:
     """Parse-time check of the key options (templates are checked when rendered)."""
+    if tenant is not None and not isinstance(tenant, str):
+        tenant_text(tenant)  # a dict or an object has no stable text form
     if key is None or isinstance(key, str | LockKey):
         return
     if isinstance(key, int | tuple | list):
@@ -143,9 +145,9 @@ def resolve_key(key: KeySpec, tenant: Any, dag_id: str, task_id: str) -> LockKey
     if tenant is not None and isinstance(tenant, str) and not tenant.strip():
         raise InvalidLockKeyError(f"the tenant of task {task_id!r} rendered to an empty value ({tenant!r})")
     if key is None:
-        return LockKey.for_task(dag_id, task_id, None if tenant is None else str(tenant))
+        return LockKey.for_task(dag_id, task_id, tenant)
     if isinstance(key, str):
-        return LockKey.for_task(dag_id, task_id, None if tenant is None else str(tenant), base=key)
+        return LockKey.for_task(dag_id, task_id, tenant, base=key)
     if tenant is not None:
         check_key_spec(key, tenant)
     return LockKey.coerce(tuple(key) if isinstance(key, list) else key)

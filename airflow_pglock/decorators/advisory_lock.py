@@ -19,6 +19,7 @@ from airflow_pglock.task_guard import (
     check_callable,
     check_key_spec,
     check_once_per,
+    fail_for_configuration,
     guard_callable,
     run_guarded,
     tenant_from_arguments,
@@ -124,7 +125,10 @@ class _AdvisoryLockDecoratedOperator(DecoratedOperator, PythonOperator):
         return tenant_from_arguments(self.python_callable, tenant_arg, self.op_args, self.op_kwargs)
 
     def execute(self, context: Context) -> Any:
-        tenant = self.lock_tenant if self.lock_spec.tenant_arg is None else self._tenant_from_args()
+        try:
+            tenant = self.lock_tenant if self.lock_spec.tenant_arg is None else self._tenant_from_args()
+        except LockConfigurationError as error:  # a setting to fix: no retry
+            fail_for_configuration(self.lock_spec, error, self.log)
         return run_guarded(
             self.lock_spec,
             context,

@@ -82,6 +82,12 @@ def redact(text: str) -> str:
     return _KEYWORD_PASSWORD.sub(r"\1***", _URI_PASSWORD.sub(r"\1***@", text))
 
 
+def check_wait_timeout(timeout: object) -> None:
+    """Refuse a wait timeout that is not a positive number of seconds (LockConfigurationError)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+        raise LockConfigurationError(f"wait timeout must be a positive number of seconds, got {timeout!r}")
+
+
 @dataclass(frozen=True)
 class ServerInfo:
     """What a lock connection found at the other end.
@@ -207,8 +213,25 @@ class HeldLock:
     released: bool = False
 
     def is_held(self) -> bool:
-        """Ask the server whether this session still holds the key (a round trip)."""
-        return self.hook.is_held(self.connection, self.key, self.shared)
+        """Ask the server whether this session still holds the key (a round trip).
+
+        False once the session has ended (the lease ran out while the connection sat idle,
+        the session was terminated, the connection broke): the server released the lock
+        with it. The reason is logged as a warning; the error never reaches the caller.
+        """
+        if self.connection.closed:
+            return False
+        try:
+            return self.hook.is_held(self.connection, self.key, self.shared)
+        except psycopg.OperationalError as error:  # AdminShutdown, IdleSessionTimeout, a broken connection...
+            self.hook.log.warning(
+                "pglock %s is no longer held: its session ended (%s: %s)",
+                self.key.describe(),
+                type(error).__name__,
+                str(error).strip(),
+            )
+            self.connection.close()
+            return False
 
     def release(self) -> bool:
         """Release the lock and close its connection. Idempotent.
@@ -538,8 +561,7 @@ class AdvisoryLockHook(BaseHook):
 
         Returns False when the wait timed out; a timed-out wait holds nothing.
         """
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
-            raise LockConfigurationError(f"wait timeout must be a positive number of seconds, got {timeout!r}")
+        check_wait_timeout(timeout)
         base = "pg_advisory_lock" if scope == "session" else "pg_advisory_xact_lock"
         statement = self._call(self._function(base, shared), key)
         timeout_ms = f"{max(1, round(timeout * 1000))}ms"
@@ -712,6 +734,8 @@ class AdvisoryLockHook(BaseHook):
         :param timeout: None to try once, or seconds to wait (enforced by the server).
         """
         lock_key = LockKey.coerce(key)
+        if timeout is not None:
+            check_wait_timeout(timeout)  # before any I/O: a bad setting is not a connection problem
         conn, info = self.open_lock_session(application_name, scope)
         try:
             if scope == "transaction":

@@ -23,6 +23,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from airflow_pglock.exceptions import PgLockError
 from airflow_pglock.hooks.ledger import MIGRATION_STATEMENTS as LEDGER_STATEMENTS
 from airflow_pglock.keys import LockKey
 
@@ -139,7 +140,7 @@ class MigrationResult:
 def _check_migrations(migrations: Sequence[Migration]) -> None:
     versions = [m.version for m in migrations]
     if versions != list(range(1, len(versions) + 1)):
-        raise RuntimeError(f"airflow-pglock migrations must be numbered 1, 2, 3, ... in order; got {versions}")
+        raise PgLockError(f"airflow-pglock migrations must be numbered 1, 2, 3, ... in order; got {versions}")
 
 
 def _version_table() -> sql.Composed:
