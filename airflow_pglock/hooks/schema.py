@@ -25,6 +25,7 @@ from psycopg import sql
 
 from airflow_pglock.exceptions import PgLockError
 from airflow_pglock.hooks.ledger import MIGRATION_STATEMENTS as LEDGER_STATEMENTS
+from airflow_pglock.hooks.ledger import STRICT_FENCING_STATEMENTS
 from airflow_pglock.keys import LockKey
 
 SCHEMA = "pglock"
@@ -86,6 +87,11 @@ MIGRATIONS: tuple[Migration, ...] = (
             "GRANT USAGE ON SEQUENCE pglock.fencing_token_seq TO {role}",
             "GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA pglock TO {role}",
         ),
+    ),
+    Migration(
+        version=3,
+        description="fencing: refuse a token for a key that was never issued one (a typo in the key name)",
+        statements=STRICT_FENCING_STATEMENTS,
     ),
 )
 
