@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from airflow_pglock.identity import parse_application_name
+from airflow_pglock.identity import is_provider_session, parse_application_name
 from airflow_pglock.keys import LockKey
 
 if TYPE_CHECKING:
@@ -188,7 +188,7 @@ def _since(row: AdvisoryLockRow, holder: AirflowHolder | None) -> tuple[dt.datet
         return row.wait_started_at, "wait start" if row.wait_started_at else None
     if row.backend_start is None:
         return None, None
-    if holder is not None:
+    if holder is not None or is_provider_session(row.application_name):  # one session per lock
         return row.backend_start, "lock session start"
     return row.backend_start, "session start (the lock may be younger)"
 

@@ -27,6 +27,7 @@ from airflow_pglock.exceptions import (
     PgLockError,
     UnsafeSetupError,
 )
+from airflow_pglock.identity import hook_application_name
 from airflow_pglock.keys import LockKey
 from airflow_pglock.liveness import IDLE_SESSION_TIMEOUT_VERSION, Liveness
 
@@ -362,6 +363,8 @@ class AdvisoryLockHook(BaseHook):
         kwargs.update(self.liveness.client_settings())
         if application_name:
             kwargs["application_name"] = application_name
+        else:  # never anonymous: `locks` shows the provider, the program and its pid
+            kwargs.setdefault("application_name", hook_application_name())
         return kwargs
 
     @staticmethod
@@ -753,6 +756,23 @@ class AdvisoryLockHook(BaseHook):
             return None
         return HeldLock(key=lock_key, shared=shared, scope=scope, connection=conn, server=info, hook=self)
 
+    def _acquire_and_record(
+        self,
+        key: LockKey | str | int | tuple[int, int],
+        *,
+        shared: bool,
+        scope: Scope,
+        timeout: float | None,
+        application_name: str | None,
+    ) -> HeldLock | None:
+        """:meth:`acquire_lock`, then record the key's name in the key-name registry, as guarded tasks do."""
+        held = self.acquire_lock(key, shared=shared, scope=scope, timeout=timeout, application_name=application_name)
+        if held is not None:
+            from airflow_pglock.registry import record_acquisition  # registry imports this module
+
+            record_acquisition(held, held.connection.info.parameter_status("application_name"), self.log)
+        return held
+
     def try_acquire(
         self,
         key: LockKey | str | int | tuple[int, int],
@@ -761,7 +781,9 @@ class AdvisoryLockHook(BaseHook):
         application_name: str | None = None,
     ) -> HeldLock | None:
         """Try once to take a session lock on a new dedicated connection; None if busy."""
-        return self.acquire_lock(key, shared=shared, scope="session", timeout=None, application_name=application_name)
+        return self._acquire_and_record(
+            key, shared=shared, scope="session", timeout=None, application_name=application_name
+        )
 
     def acquire(
         self,
@@ -772,7 +794,7 @@ class AdvisoryLockHook(BaseHook):
         application_name: str | None = None,
     ) -> HeldLock | None:
         """Wait at most ``timeout`` seconds (server-side) for a session lock; None if it ran out."""
-        return self.acquire_lock(
+        return self._acquire_and_record(
             key, shared=shared, scope="session", timeout=timeout, application_name=application_name
         )
 
@@ -789,7 +811,7 @@ class AdvisoryLockHook(BaseHook):
 
         The lock is released and its connection closed when the block ends, however it ends.
         """
-        held = self.acquire_lock(
+        held = self._acquire_and_record(
             key, shared=shared, scope="session", timeout=timeout, application_name=application_name
         )
         try:
@@ -812,7 +834,7 @@ class AdvisoryLockHook(BaseHook):
         The transaction commits when the block ends normally (releasing the lock with it)
         and rolls back when it raises. Yields None when the key is busy.
         """
-        held = self.acquire_lock(
+        held = self._acquire_and_record(
             key, shared=shared, scope="transaction", timeout=timeout, application_name=application_name
         )
         if held is None:

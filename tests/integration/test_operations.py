@@ -15,6 +15,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from airflow_pglock.exceptions import PgLockError
 from airflow_pglock.guard import LockGuard, LockPolicy
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 from airflow_pglock.hooks.schema import (
@@ -131,7 +132,7 @@ def test_later_migrations_apply_forward_only_and_atomically(ops_db: str) -> None
         result = migrate(conn, (*MIGRATIONS, extra))
         assert [m.version for m in result.applied] == [extra.version]
         assert migrate(conn, (*MIGRATIONS, extra)).applied == ()
-        with pytest.raises(RuntimeError, match="numbered 1, 2, 3"):
+        with pytest.raises(PgLockError, match="numbered 1, 2, 3"):
             migrate(conn, (extra,))
 
 
@@ -292,6 +293,37 @@ def test_locks_names_a_task_default_key_from_its_application_name(ops_dsn: str, 
     finally:
         held.release()
         other.close()
+
+
+def test_hook_locks_name_the_provider_and_the_process(ops_db: str, capsys: Any) -> None:
+    """A lock taken through the hook without an application_name is not anonymous: `locks` shows
+    an airflow-pglock hook session of this process, and the registry gives its key's name."""
+    import os
+    import socket
+
+    password_dsn = ops_db + " password=s3cret-pw"  # trust auth ignores it; it must not show anywhere
+    held = AdvisoryLockHook(dsn=password_dsn).try_acquire("billing/close-month")
+    assert held is not None
+    try:
+        result = run_cli("locks", "--dsn", ops_db, "--key", "billing/close-month", "--output", "json", capsys=capsys)
+        [entry] = result.json()["locks"]
+        assert entry["pid"] == held.server.backend_pid
+        assert entry["key"]["name"] == "billing/close-month" and entry["key"]["name_source"] == "registry"
+        application_name = entry["application_name"]
+        assert application_name.startswith("pglock-hook ") and f"pid {os.getpid()}" in application_name
+        assert socket.gethostname()[:8] in application_name and "s3cret" not in application_name
+        assert entry["since_basis"] == "lock session start"  # one session per lock: its start is the lock's
+        table = run_cli("locks", "--dsn", ops_db, "--key", "billing/close-month", capsys=capsys)
+        assert "billing/close-month" in table.out and application_name in table.out
+        assert "not an airflow-pglock session" not in table.out
+    finally:
+        held.release()
+    with AdvisoryLockHook(dsn=ops_db).session_lock("explicit", application_name="billing close-month") as named:
+        assert named is not None
+        [entry] = run_cli("locks", "--dsn", ops_db, "--key", "explicit", "--output", "json", capsys=capsys).json()[
+            "locks"
+        ]
+        assert entry["application_name"] == "billing close-month" and entry["key"]["name"] == "explicit"
 
 
 def test_key_coordinates_roundtrip() -> None:
