@@ -770,7 +770,11 @@ class AdvisoryLockHook(BaseHook):
         if held is not None:
             from airflow_pglock.registry import record_acquisition  # registry imports this module
 
-            record_acquisition(held, held.connection.info.parameter_status("application_name"), self.log)
+            try:  # never raises an Exception; an interrupt must not leave the lock held
+                record_acquisition(held, held.connection.info.parameter_status("application_name"), self.log)
+            except BaseException:
+                held.release()
+                raise
         return held
 
     def try_acquire(
