@@ -1,8 +1,12 @@
 """``airflow-pglock doctor``: connect the way a task does and say what is right and what is not.
 
-Each check ends as ``ok``, ``warning`` (works, but something an operator should know or
-fix) or ``problem`` (a guarded task would fail, or the lock would not exclude anybody),
-with the fix. No SQL here: the hook and ``hooks/inspection.py`` / ``hooks/schema.py`` read.
+Each check ends as ``ok``, ``note`` (an optional extra is not set up: the provider works
+as documented without it), ``warning`` (works, but something an operator should fix: a
+set-up left halfway, a guarantee weakened) or ``problem`` (a guarded task would fail, or
+the lock would not exclude anybody), with the fix. *Ready* means no warning and no
+problem: ``doctor --strict`` exits 0 for the least-privilege role of
+docs/howto-least-privilege.md (CONNECT only, no ``pg_read_all_stats``, no ``init-db``).
+No SQL here: the hook and ``hooks/inspection.py`` / ``hooks/schema.py`` read.
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ from airflow_pglock.hooks.schema import (
 )
 from airflow_pglock.hooks.server import ServerInfo, Violation, violations
 
-Status = Literal["ok", "warning", "problem"]
-STATUSES: tuple[Status, ...] = ("ok", "warning", "problem")  # from best to worst
+Status = Literal["ok", "note", "warning", "problem"]
+STATUSES: tuple[Status, ...] = ("ok", "note", "warning", "problem")  # from best to worst
 
 #: application_name of doctor's session (it looks like a lock session, holds nothing).
 DOCTOR_APPLICATION_NAME = "pglock-cli doctor"
@@ -44,7 +48,7 @@ class Check:
     """One verdict.
 
     :param name: short id of the check (stable: scripts may match on it).
-    :param status: ``ok``, ``warning`` or ``problem``.
+    :param status: ``ok``, ``note``, ``warning`` or ``problem``.
     :param summary: what was found, one line.
     :param fix: what to do about it (None when there is nothing to do).
     """
@@ -211,9 +215,9 @@ def _privileges_check(facts: ServerFacts) -> Check:
         return Check(
             "privileges", "ok", f"role {facts.user!r} has pg_read_all_stats: `locks` sees every holder's details"
         )
-    return Check(
+    return Check(  # optional: with one role for every lock session, nothing is hidden
         "privileges",
-        "warning",
+        "note",
         f"role {facts.user!r} lacks pg_read_all_stats: for other roles' sessions `locks` and busy-skip messages "
         "show no client address, session start or state",
         f"GRANT pg_read_all_stats TO {facts.user};",
@@ -276,9 +280,9 @@ def _registry_checks(conn: psycopg.Connection[Any], facts: ServerFacts) -> list[
     privileges = registry_privileges(conn)  # None: not installed
     if privileges is None:
         return [
-            Check(
+            Check(  # optional: init-db is an explicit choice
                 "registry",
-                "warning",
+                "note",
                 "the key-name registry is not installed: `locks` names only keys that a holder's DAG/task explains",
                 "airflow-pglock init-db (optional; creates schema pglock; see docs/operations.md)",
             )

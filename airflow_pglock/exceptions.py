@@ -1,11 +1,16 @@
-"""Errors raised by airflow-pglock. Pure: no Airflow, no database driver."""
+"""Errors raised by airflow-pglock. Pure: no Airflow, no database driver.
+
+Every error the provider raises is a :class:`PgLockError` (``except PgLockError`` catches
+them all); the ones about a bad value are also ``ValueError``. Two things are not errors
+of this family on purpose: :class:`LockLostInterrupt` (a BaseException, see there) and
+the ``AirflowSkipException`` / ``AirflowFailException`` that the Airflow adapters turn
+outcomes into.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
-
-from airflow_pglock.keys import InvalidLockKeyError
 
 if TYPE_CHECKING:
     from airflow_pglock.hooks.advisory_lock import LockHolder
@@ -20,6 +25,7 @@ __all__ = [
     "LockLostError",
     "LockLostInterrupt",
     "PgLockError",
+    "UnknownLockOptionError",
     "UnsafeSetupError",
 ]
 
@@ -28,8 +34,16 @@ class PgLockError(Exception):
     """Base class of every airflow-pglock error."""
 
 
+class InvalidLockKeyError(PgLockError, ValueError):
+    """A key (name, number, pair or tenant) that cannot be an advisory lock key."""
+
+
 class LockConfigurationError(PgLockError, ValueError):
     """A setting the DAG author or operator must fix (connection, parameter, key template)."""
+
+
+class UnknownLockOptionError(LockConfigurationError, TypeError):
+    """A keyword argument that is not a lock option (a TypeError, as Python raises for any call)."""
 
 
 class UnsafeSetupError(PgLockError):

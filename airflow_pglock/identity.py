@@ -11,9 +11,14 @@ only DAG, task and run ids.
 
 from __future__ import annotations
 
+import os
+import socket
+import sys
 from dataclasses import dataclass
 
 PREFIX = "pglock"
+#: Prefix of the application_name of a lock taken through the hook without one.
+HOOK_PREFIX = "pglock-hook"
 MAX_APPLICATION_NAME_BYTES = 63
 TRUNCATION_MARK = "~"
 _RUN_ID_ABBREVIATIONS = (
@@ -74,6 +79,27 @@ class ParsedApplicationName:
     task_id: str
     run_id: str
     map_index: int = -1
+
+
+def hook_application_name() -> str:
+    """``pglock-hook <program> pid <pid> on <host>``: a hook lock session, when its caller names none.
+
+    Only the program's file name, the pid and the host name: never arguments or environment
+    (where secrets live). Shortened to PostgreSQL's 63 bytes, program first.
+    """
+    program = _ascii(os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python").replace(" ", "_")
+    tail = f" pid {os.getpid()} on {_ascii(socket.gethostname()).replace(' ', '_')}"
+    room = MAX_APPLICATION_NAME_BYTES - len(HOOK_PREFIX) - 1 - len(tail)
+    if len(program) > room:
+        program = program[: max(1, room - len(TRUNCATION_MARK))] + TRUNCATION_MARK
+    return f"{HOOK_PREFIX} {program}{tail}"[:MAX_APPLICATION_NAME_BYTES]
+
+
+def is_provider_session(application_name: str | None) -> bool:
+    """True for an airflow-pglock lock session: a guarded task's or a hook's (one session per lock)."""
+    return parse_application_name(application_name) is not None or bool(
+        application_name and application_name.startswith(HOOK_PREFIX + " ")
+    )
 
 
 def parse_application_name(application_name: str | None) -> ParsedApplicationName | None:

@@ -13,8 +13,11 @@ Pure module: no I/O, no Airflow. A key is one of
 from __future__ import annotations
 
 import hashlib
+import uuid
 from dataclasses import dataclass
 from typing import Any
+
+from airflow_pglock.exceptions import InvalidLockKeyError as InvalidLockKeyError  # also importable from here
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
@@ -27,10 +30,6 @@ NAME_TO_KEY_SQL = "('x' || left(encode(sha256(convert_to(%s, 'UTF8')), 'hex'), 1
 #: Separator between the parts of a derived name: DAG id, task id, tenant. Airflow ids
 #: never contain it, so ``dag/task`` cannot be confused with another DAG's task.
 NAME_SEPARATOR = "/"
-
-
-class InvalidLockKeyError(ValueError):
-    """A key (name, number or pair) that cannot be an advisory lock key."""
 
 
 def int64_from_name(name: str) -> int:
@@ -115,14 +114,14 @@ class LockKey:
         return cls.from_int(value - 2**64 if value > INT64_MAX else value)
 
     @classmethod
-    def for_task(cls, dag_id: str, task_id: str, tenant: str | None = None, base: str | None = None) -> LockKey:
-        """The key of a task: ``base`` (default ``dag_id/task_id``), then ``/tenant`` if any."""
+    def for_task(cls, dag_id: str, task_id: str, tenant: Any = None, base: str | None = None) -> LockKey:
+        """The key of a task: ``base`` (default ``dag_id/task_id``), then ``/tenant`` if any.
+
+        :param tenant: a str, an int or a UUID (see :func:`tenant_text`), or None.
+        """
         name = base if base is not None else f"{dag_id}{NAME_SEPARATOR}{task_id}"
         if tenant is not None:
-            tenant_text = str(tenant)
-            if not tenant_text.strip():
-                raise InvalidLockKeyError(f"tenant must be non-empty, got {tenant!r} for key {name!r}")
-            name = f"{name}{NAME_SEPARATOR}{tenant_text}"
+            name = f"{name}{NAME_SEPARATOR}{tenant_text(tenant, key=name)}"
         return cls.from_name(name)
 
     @property
@@ -163,6 +162,29 @@ class LockKey:
 
     def __str__(self) -> str:
         return self.describe()
+
+
+def tenant_text(tenant: Any, key: str | None = None) -> str:
+    """The text a tenant adds to a key name: a str as is, an int or a UUID in its usual form.
+
+    Anything else (a dict, a list, a float, a bool, an object) is refused: its text form is
+    not a stable identity (``{'a': 1}`` and ``{'a': 1.0}`` are one tenant spelled two ways,
+    an object's repr changes between runs), so two runs could hold different locks for one
+    tenant.
+
+    :param tenant: the tenant value.
+    :param key: the key name the tenant is appended to (for the error message).
+    """
+    where = f" for key {key!r}" if key is not None else ""
+    if isinstance(tenant, bool) or not isinstance(tenant, str | int | uuid.UUID):
+        raise InvalidLockKeyError(
+            f"tenant must be a str, an int or a UUID (a value with one stable text form), got {tenant!r} "
+            f"({type(tenant).__name__}){where}; pass the tenant's id, e.g. tenant['id']"
+        )
+    text = str(tenant)
+    if not text.strip():
+        raise InvalidLockKeyError(f"tenant must be non-empty, got {tenant!r}{where}")
+    return text
 
 
 def _check_int(what: str, value: Any, low: int, high: int) -> None:

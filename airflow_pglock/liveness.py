@@ -26,6 +26,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from airflow_pglock.exceptions import LockConfigurationError
+
 DEFAULT_LEASE_SECONDS = 30.0
 MIN_LEASE_SECONDS = 3.0
 #: ``idle_session_timeout`` and ``client_connection_check_interval`` appeared in PostgreSQL 14.
@@ -43,9 +45,9 @@ class Liveness:
 
     def __post_init__(self) -> None:
         if isinstance(self.lease, bool) or not isinstance(self.lease, int | float) or not math.isfinite(self.lease):
-            raise ValueError(f"lease must be a number of seconds, got {self.lease!r}")
+            raise LockConfigurationError(f"lease must be a number of seconds, got {self.lease!r}")
         if self.lease < MIN_LEASE_SECONDS:
-            raise ValueError(f"lease must be at least {MIN_LEASE_SECONDS:g} s, got {self.lease!r}")
+            raise LockConfigurationError(f"lease must be at least {MIN_LEASE_SECONDS:g} s, got {self.lease!r}")
 
     @property
     def heartbeat_interval(self) -> float:

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from airflow_pglock.identity import parse_application_name
+from airflow_pglock.identity import is_provider_session, parse_application_name
 from airflow_pglock.keys import LockKey
 
 if TYPE_CHECKING:
@@ -183,7 +183,7 @@ def _since(row: LockHolder, holder: AirflowHolder | None) -> tuple[dt.datetime |
         return row.waiting_since, "wait start" if row.waiting_since else None
     if row.since is None:
         return None, None
-    if holder is not None:
+    if holder is not None or is_provider_session(row.application_name):  # one session per lock
         return row.since, "lock session start"
     return row.since, "session start (the lock may be younger)"
 

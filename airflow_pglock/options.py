@@ -20,10 +20,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, TypedDict
 
-from airflow_pglock.exceptions import InvalidLockKeyError, LockConfigurationError
+from airflow_pglock.exceptions import InvalidLockKeyError, LockConfigurationError, UnknownLockOptionError
 from airflow_pglock.guard import LockPolicy, OnBusy, OnError, OnLost
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook, Scope
-from airflow_pglock.keys import LockKey
+from airflow_pglock.keys import LockKey, tenant_text
 from airflow_pglock.liveness import DEFAULT_LEASE_SECONDS, Liveness
 from airflow_pglock.run_rules import RunRules, check_not_shared, seconds
 
@@ -141,7 +141,7 @@ class LockSpec:
         known = declared(declaration)
         for name in options:
             if name not in known:
-                raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}")
+                raise UnknownLockOptionError(f"{caller}() got an unexpected keyword argument {name!r}")
         given = {name: options.get(name, option.default) for name, option in known.items()}
         postgres_conn_id, tenant_arg = given["postgres_conn_id"], given.get("tenant_arg")
         if not isinstance(postgres_conn_id, str) or not postgres_conn_id.strip():
@@ -187,6 +187,8 @@ class LockSpec:
 
 def check_key_spec(key: KeySpec, tenant: Any) -> None:
     """Parse-time check of the key options (templates are checked when rendered)."""
+    if tenant is not None and not isinstance(tenant, str):
+        tenant_text(tenant)  # a dict or an object has no stable text form
     if key is None or isinstance(key, str | LockKey):
         return
     if isinstance(key, int | tuple | list):

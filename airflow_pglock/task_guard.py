@@ -52,9 +52,9 @@ def resolve_key(key: KeySpec, tenant: Any, dag_id: str, task_id: str) -> LockKey
     if tenant is not None and isinstance(tenant, str) and not tenant.strip():
         raise InvalidLockKeyError(f"the tenant of task {task_id!r} rendered to an empty value ({tenant!r})")
     if key is None:
-        return LockKey.for_task(dag_id, task_id, None if tenant is None else str(tenant))
+        return LockKey.for_task(dag_id, task_id, tenant)
     if isinstance(key, str):
-        return LockKey.for_task(dag_id, task_id, None if tenant is None else str(tenant), base=key)
+        return LockKey.for_task(dag_id, task_id, tenant, base=key)
     if tenant is not None:
         check_key_spec(key, tenant)
     return LockKey.coerce(tuple(key) if isinstance(key, list) else key)

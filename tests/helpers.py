@@ -51,6 +51,7 @@ def wait_until_no_sessions(conn: Any, timeout: float = 5.0) -> list[tuple[int, s
 class DagResult:
     states: dict[tuple[str, int], str]
     run_id: str
+    tries: dict[tuple[str, int], int] | None = None  # try_number of each task instance
 
     def state(self, task_id: str, map_index: int = -1) -> str:
         return self.states[(task_id, map_index)]
@@ -152,7 +153,8 @@ def run_dag(source: str, dag_id: str, conf: dict[str, Any] | None = None) -> Dag
         (ti.task_id, ti.map_index): str(ti.state.value if hasattr(ti.state, "value") else ti.state)
         for ti in dag_run.get_task_instances()
     }
-    return DagResult(states=states, run_id=dag_run.run_id)
+    tries = {(ti.task_id, ti.map_index): ti.try_number for ti in dag_run.get_task_instances()}
+    return DagResult(states=states, run_id=dag_run.run_id, tries=tries)
 
 
 def pglock_env() -> dict[str, str]:

@@ -12,7 +12,7 @@ hook layer (``airflow_pglock.hooks``).
 
 Exit codes (see docs/operations.md):
 
-* 0 - done; ``doctor``: no problem (warnings allowed unless ``--strict``)
+* 0 - done; ``doctor``: no problem (notes allowed; warnings too, unless ``--strict``)
 * 1 - ``doctor`` found a problem (or a warning, with ``--strict``); ``key --verify``: the
   server computed another key
 * 2 - usage error (unknown option, missing argument)
@@ -90,7 +90,7 @@ ARGS: dict[str, ArgSpec] = {
         ("--lease",),
         {"help": "the lease the tasks use, in seconds (default 30)", "default": None, "metavar": "SECONDS"},
     ),
-    "strict": (("--strict",), {"help": "exit 1 on warnings too", "action": "store_true"}),
+    "strict": (("--strict",), {"help": "exit 1 on warnings too (notes never fail)", "action": "store_true"}),
     "grant": (
         ("--grant",),
         {

@@ -10,6 +10,7 @@ from airflow_pglock.exceptions import LockConfigurationError
 from airflow_pglock.options import TEMPLATED, FunctionLockOptions, LockSpec, declared, signature_with_options
 from airflow_pglock.task_guard import (
     check_callable,
+    fail_for_configuration,
     guard_callable,
     hand_over_lock,
     refuse_lock_argument,
@@ -67,9 +68,12 @@ class _AdvisoryLockDecoratedOperator(DecoratedOperator, PythonOperator):
     def execute(self, context: Context) -> Any:
         rendered = {name: getattr(self, f"lock_{name}") for name in TEMPLATED}
         if self.lock_spec.tenant_arg is not None:
-            rendered["tenant"] = tenant_from_arguments(
-                self.python_callable, self.lock_spec.tenant_arg, self.op_args, self.op_kwargs
-            )
+            try:
+                rendered["tenant"] = tenant_from_arguments(
+                    self.python_callable, self.lock_spec.tenant_arg, self.op_args, self.op_kwargs
+                )
+            except LockConfigurationError as error:  # a setting to fix: no retry
+                fail_for_configuration(self.lock_spec, error, self.log)
         return run_guarded(self.lock_spec, context, lambda _: self._execute_function(context), self.log, **rendered)
 
     def _execute_function(self, context: Context) -> Any:

@@ -84,6 +84,13 @@ _NOT_POSTGRES_ERRORS: tuple[type[psycopg.Error], ...] = (
 )
 
 
+
+def check_wait_timeout(timeout: object) -> None:
+    """Refuse a wait timeout that is not a positive number of seconds (LockConfigurationError)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+        raise LockConfigurationError(f"wait timeout must be a positive number of seconds, got {timeout!r}")
+
+
 @dataclass
 class HeldLock:
     """A lock held on its own dedicated connection. Release it (or let a context manager).
@@ -114,8 +121,25 @@ class HeldLock:
     xact_id: int | None = None
 
     def is_held(self) -> bool:
-        """Ask the server whether this session still holds the key (a round trip)."""
-        return self.hook.is_held(self.connection, self.key, self.shared, self.xact_id)
+        """Ask the server whether this session still holds the key (a round trip).
+
+        False once the session has ended (the lease ran out while the connection sat idle,
+        the session was terminated, the connection broke): the server released the lock
+        with it. The reason is logged as a warning; the error never reaches the caller.
+        """
+        if self.connection.closed:
+            return False
+        try:
+            return self.hook.is_held(self.connection, self.key, self.shared, self.xact_id)
+        except psycopg.OperationalError as error:  # AdminShutdown, IdleSessionTimeout, a broken connection...
+            self.hook.log.warning(
+                "pglock %s is no longer held: its session ended (%s: %s)",
+                self.key.describe(),
+                type(error).__name__,
+                str(error).strip(),
+            )
+            self.connection.close()
+            return False
 
     def release(self) -> bool:
         """Release the lock and close its connection. Idempotent.
@@ -438,8 +462,7 @@ class AdvisoryLockHook(BaseHook):
 
         Returns False when the wait timed out; a timed-out wait holds nothing.
         """
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
-            raise LockConfigurationError(f"wait timeout must be a positive number of seconds, got {timeout!r}")
+        check_wait_timeout(timeout)
         base = "pg_advisory_lock" if scope == "session" else "pg_advisory_xact_lock"
         statement = self._call(self._function(base, shared), key)
         timeout_ms = f"{max(1, round(timeout * 1000))}ms"
@@ -632,6 +655,8 @@ class AdvisoryLockHook(BaseHook):
         :param timeout: None to try once, or seconds to wait (enforced by the server).
         """
         lock_key = LockKey.coerce(key)
+        if timeout is not None:
+            check_wait_timeout(timeout)  # before any I/O: a bad setting is not a connection problem
         conn, info = self.open_lock_session(application_name, scope)
         try:
             xact_id = None
@@ -659,6 +684,27 @@ class AdvisoryLockHook(BaseHook):
             conn.close()
             raise
 
+    def _acquire_and_record(
+        self,
+        key: LockKey | str | int | tuple[int, int],
+        *,
+        shared: bool,
+        scope: Scope,
+        timeout: float | None,
+        application_name: str | None,
+    ) -> HeldLock | None:
+        """:meth:`acquire_lock`, then record the key's name in the key-name registry, as guarded tasks do."""
+        held = self.acquire_lock(key, shared=shared, scope=scope, timeout=timeout, application_name=application_name)
+        if held is not None:
+            from airflow_pglock.registry import record_acquisition  # registry imports this module
+
+            try:  # never raises an Exception; an interrupt must not leave the lock held
+                record_acquisition(held, held.connection.info.parameter_status("application_name"), self.log)
+            except BaseException:
+                held.release()
+                raise
+        return held
+
     def try_acquire(
         self,
         key: LockKey | str | int | tuple[int, int],
@@ -667,7 +713,9 @@ class AdvisoryLockHook(BaseHook):
         application_name: str | None = None,
     ) -> HeldLock | None:
         """Try once to take a session lock on a new dedicated connection; None if busy."""
-        return self.acquire_lock(key, shared=shared, scope="session", timeout=None, application_name=application_name)
+        return self._acquire_and_record(
+            key, shared=shared, scope="session", timeout=None, application_name=application_name
+        )
 
     def acquire(
         self,
@@ -678,7 +726,7 @@ class AdvisoryLockHook(BaseHook):
         application_name: str | None = None,
     ) -> HeldLock | None:
         """Wait at most ``timeout`` seconds (server-side) for a session lock; None if it ran out."""
-        return self.acquire_lock(
+        return self._acquire_and_record(
             key, shared=shared, scope="session", timeout=timeout, application_name=application_name
         )
 
@@ -695,7 +743,7 @@ class AdvisoryLockHook(BaseHook):
 
         The lock is released and its connection closed when the block ends, however it ends.
         """
-        held = self.acquire_lock(
+        held = self._acquire_and_record(
             key, shared=shared, scope="session", timeout=timeout, application_name=application_name
         )
         try:
@@ -718,7 +766,7 @@ class AdvisoryLockHook(BaseHook):
         The transaction commits when the block ends normally (releasing the lock with it)
         and rolls back when it raises. Yields None when the key is busy.
         """
-        held = self.acquire_lock(
+        held = self._acquire_and_record(
             key, shared=shared, scope="transaction", timeout=timeout, application_name=application_name
         )
         if held is None:

@@ -16,6 +16,7 @@ from typing import Any
 import psycopg
 
 from airflow_pglock.exceptions import LockConfigurationError
+from airflow_pglock.identity import hook_application_name
 from airflow_pglock.liveness import Liveness
 
 POSTGRES_CONN_TYPES = frozenset({"postgres", "postgresql"})
@@ -66,6 +67,8 @@ class ConnectionSettings:
         params.update(liveness.client_settings())
         if application_name:
             params["application_name"] = application_name
+        else:  # never anonymous: `locks` shows the provider, the program and its pid
+            params.setdefault("application_name", hook_application_name())
         return params
 
 

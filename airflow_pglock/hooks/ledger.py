@@ -120,6 +120,36 @@ MIGRATION_STATEMENTS: tuple[str, ...] = (
     """,
 )
 
+#: Migration 3: a token is valid only for a key that was issued one. Migration 2's
+#: assert_fencing_token let any token pass for a key without tokens (a typo in the key name).
+STRICT_FENCING_STATEMENTS: tuple[str, ...] = (
+    """
+    CREATE OR REPLACE FUNCTION pglock.assert_fencing_token(key bigint, token bigint, label text DEFAULT NULL)
+    RETURNS bigint LANGUAGE plpgsql STABLE AS
+    $$
+    DECLARE
+        newest bigint := pglock.current_fencing_token(key);
+        shown text := coalesce(quote_literal(label) || ' ', '') || '(int64 ' || key || ')';
+    BEGIN
+        IF token IS NULL THEN
+            RAISE EXCEPTION 'no fencing token given for lock key %', shown USING ERRCODE = 'check_violation';
+        END IF;
+        IF newest IS NULL THEN
+            RAISE EXCEPTION 'no fencing token was ever issued for lock key %', shown
+                USING ERRCODE = 'check_violation',
+                      HINT = 'check the key name (a typo?) and that the task holding it runs with fencing=True';
+        END IF;
+        IF token < newest THEN
+            RAISE EXCEPTION 'stale fencing token % for lock key %: token % was issued since', token, shown, newest
+                USING ERRCODE = 'check_violation',
+                      HINT = 'the writer lost its lock and another holder took it; this write is refused';
+        END IF;
+        RETURN token;
+    END
+    $$
+    """,
+)
+
 
 @dataclass(frozen=True)
 class Completion:

@@ -25,7 +25,9 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from airflow_pglock.exceptions import PgLockError
 from airflow_pglock.hooks.ledger import MIGRATION_STATEMENTS as LEDGER_STATEMENTS
+from airflow_pglock.hooks.ledger import STRICT_FENCING_STATEMENTS
 from airflow_pglock.keys import LockKey
 
 SCHEMA = "pglock"
@@ -88,6 +90,11 @@ MIGRATIONS: tuple[Migration, ...] = (
             "GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA pglock TO {role}",
         ),
     ),
+    Migration(
+        version=3,
+        description="fencing: refuse a token for a key that was never issued one (a typo in the key name)",
+        statements=STRICT_FENCING_STATEMENTS,
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version
@@ -141,7 +148,7 @@ class MigrationResult:
 def _check_migrations(migrations: Sequence[Migration]) -> None:
     versions = [m.version for m in migrations]
     if versions != list(range(1, len(versions) + 1)):
-        raise RuntimeError(f"airflow-pglock migrations must be numbered 1, 2, 3, ... in order; got {versions}")
+        raise PgLockError(f"airflow-pglock migrations must be numbered 1, 2, 3, ... in order; got {versions}")
 
 
 def _version_table() -> sql.Composed:

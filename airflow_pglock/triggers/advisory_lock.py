@@ -19,7 +19,7 @@ from typing import Any
 import psycopg
 
 from airflow_pglock.compat import BaseTrigger, TriggerEvent
-from airflow_pglock.exceptions import PgLockError
+from airflow_pglock.exceptions import InvalidLockKeyError, LockConfigurationError, PgLockError
 from airflow_pglock.hooks.advisory_lock import DEFAULT_CONNECT_TIMEOUT, AdvisoryLockHook
 from airflow_pglock.hooks.holders import blocking_holders, describe_holders
 from airflow_pglock.keys import LockKey
@@ -62,11 +62,11 @@ class AdvisoryLockTrigger(BaseTrigger):
         elif len(numbers) == 1:
             self.key = LockKey.from_int(numbers[0], name=key_name)
         else:
-            raise ValueError(f"key_numbers must be [int64] or [int32, int32], got {key_numbers!r}")
+            raise InvalidLockKeyError(f"key_numbers must be [int64] or [int32, int32], got {key_numbers!r}")
         if isinstance(poll_interval, bool) or not isinstance(poll_interval, int | float) or not poll_interval > 0:
-            raise ValueError(f"poll_interval must be a positive number of seconds, got {poll_interval!r}")
+            raise LockConfigurationError(f"poll_interval must be a positive number of seconds, got {poll_interval!r}")
         if deadline is not None and (isinstance(deadline, bool) or not math.isfinite(deadline)):
-            raise ValueError(f"deadline must be a UNIX time or None, got {deadline!r}")
+            raise LockConfigurationError(f"deadline must be a UNIX time or None, got {deadline!r}")
         self.postgres_conn_id = postgres_conn_id
         self.poll_interval = float(poll_interval)
         self.deadline = None if deadline is None else float(deadline)

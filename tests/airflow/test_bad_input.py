@@ -88,6 +88,26 @@ def bad_native_keys():
 bad_native_keys_dag = bad_native_keys()
 """
 
+TENANT_DAG = """
+import datetime as dt
+
+import pendulum
+from airflow.sdk import dag, task
+
+
+@dag(dag_id="bad_tenants", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False,
+     default_args={"retries": 2, "retry_delay": dt.timedelta(0)})
+def bad_tenants():
+    @task.advisory_lock(postgres_conn_id="pglock_test", tenant_arg="tenant")
+    def export_one(tenant):
+        raise AssertionError("must not run")
+
+    export_one.expand(tenant=[None, "", {"id": 1}])
+
+
+bad_tenants_dag = bad_tenants()
+"""
+
 
 @pytest.fixture
 def bad_connections(dsn: str) -> Any:
@@ -156,6 +176,10 @@ def test_bad_native_keys_fail_naming_the_value(airflow_db: Any, admin: Any, capf
         ({"key": (1, 2, 3)}, "(1, 2, 3)"),
         ({"key": 7, "tenant": "acme"}, "cannot be combined with the numeric key 7"),
         ({"tenant_arg": "customer"}, "tenant_arg='customer' is not an argument of work()"),
+        (
+            {"tenant": {"a": 1}},
+            "tenant must be a str, an int or a UUID (a value with one stable text form), got {'a': 1} (dict)",
+        ),
         ({"lease": 1}, "lease must be at least"),
         ({"postgres_conn_id": ""}, "postgres_conn_id must be a non-empty string"),
         ({"shared": "yes"}, "shared must be True or False"),
@@ -171,3 +195,16 @@ def test_bad_options_are_refused_when_the_dag_is_parsed(options: dict[str, Any],
 
         work()
     assert fragment in str(error.value)
+
+
+def test_bad_tenant_values_fail_without_retries(airflow_db: Any, admin: Any, capfd: Any) -> None:
+    """None, "" and a dict from tenant_arg are settings to fix: each fails on its first try, never retried."""
+    result = run_dag(TENANT_DAG, "bad_tenants")
+    log = "".join(capfd.readouterr())
+    bad = [("export_one", 0), ("export_one", 1), ("export_one", 2)]
+    assert result.states == dict.fromkeys(bad, "failed")
+    assert result.tries == dict.fromkeys(bad, 1), "a configuration error was retried"
+    assert "tenant_arg 'tenant' has no value in this task instance (got None)" in log
+    assert "tenant of task 'export_one' rendered to an empty value" in log
+    assert "{'id': 1} (dict)" in log
+    assert advisory_locks(admin) == []

@@ -56,6 +56,28 @@ def test_the_demo_command(tmp_path: Path) -> None:
     assert "SKIPPED  key 'refresh-forecasts'" in out and "is held by pid" in out
 
 
+@pytest.mark.slow
+def test_the_getting_started_dags_test_commands(airflow_db: Any, admin: Any, tmp_path: Path) -> None:
+    """docs/getting-started.md's `airflow dags test ...` lines, run as written with dags/ as the dags folder."""
+    import re
+
+    guide = (ROOT / "docs" / "getting-started.md").read_text()
+    block = re.search(r"<!-- dags-test[^>]*-->\n```bash\n(.*?)```", guide, re.DOTALL)
+    assert block is not None, "docs/getting-started.md lost its dags-test block"
+    commands = [line for line in block[1].splitlines() if line.strip()]
+    assert commands and all(line.startswith("airflow dags test ") for line in commands)
+    env = {**os.environ, "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS)}  # "copy them into your dags folder"
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    for command in commands:
+        result = subprocess.run(
+            ["bash", "-e", "-c", command], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300
+        )
+        out = result.stdout + result.stderr
+        assert result.returncode == 0, f"{command}:\n{out[-3000:]}"
+        assert "pglock outcome=completed" in out, f"{command}: no guarded task completed\n{out[-3000:]}"
+    assert advisory_locks(admin) == []
+
+
 def test_fenced_forecasts_refuses_a_stale_writer(airflow_db: Any, admin: Any) -> None:
     import psycopg
 

@@ -100,6 +100,41 @@ def test_wait_timeout_must_be_positive(hook: AdvisoryLockHook, admin: Any, bad: 
         hook.acquire("x", timeout=bad)
 
 
+@pytest.mark.parametrize("bad", [-1, 0, "5"])
+def test_a_bad_wait_timeout_is_refused_before_connecting(bad: object) -> None:
+    """With the database down, a bad timeout is still reported as the setting to fix, not as a connection error."""
+    from devtools.pgcluster import free_port
+
+    down = AdvisoryLockHook(dsn=f"postgresql://postgres@127.0.0.1:{free_port()}/postgres", connect_timeout=2)
+    with pytest.raises(LockConfigurationError, match=f"wait timeout must be a positive number of seconds, got {bad!r}"):
+        down.acquire("k", timeout=bad)  # type: ignore[arg-type]
+    with pytest.raises(LockConfigurationError, match="wait timeout"), down.session_lock("k", timeout=bad):  # type: ignore[arg-type]
+        pass
+
+
+def test_is_held_answers_false_once_the_lease_expired(dsn: str, admin: Any) -> None:
+    """An idle hook lock past its lease: the server ended the session; is_held() says so, no driver error."""
+    from airflow_pglock.liveness import Liveness
+
+    held = AdvisoryLockHook(dsn=dsn, liveness=Liveness(lease=3)).try_acquire("expiring")
+    assert held is not None
+    deadline = time.monotonic() + 30
+    while held.server.backend_pid in [row[0] for row in advisory_locks(admin)]:  # the server's timer, not ours
+        assert time.monotonic() < deadline, "the server did not end the idle lock session"
+        time.sleep(0.2)
+    assert held.is_held() is False
+    assert held.is_held() is False  # asked again on the dead connection: the same answer
+    assert held.release() is False
+
+
+def test_is_held_answers_false_after_the_session_was_terminated(hook: AdvisoryLockHook, admin: Any) -> None:
+    held = hook.try_acquire("terminated")
+    assert held is not None and held.is_held() is True
+    admin.execute("SELECT pg_terminate_backend(%s)", [held.server.backend_pid])
+    assert held.is_held() is False
+    assert held.release() is False
+
+
 def test_release_is_idempotent_and_reports_whether_held(hook: AdvisoryLockHook, admin: Any) -> None:
     held = hook.try_acquire("idempotent")
     assert held is not None

@@ -83,6 +83,33 @@ def test_stale_token_write_is_rejected_by_the_sql_helpers(hook: AdvisoryLockHook
     installed.execute("DROP TABLE forecasts")
 
 
+def test_a_key_that_never_had_a_token_is_refused(hook: AdvisoryLockHook, installed: Any) -> None:
+    """A token is valid only for a key that was issued one: a typo in the key name must not pass."""
+    with hook.session_lock("refresh-forecasts") as held:
+        assert held is not None
+        token = ledger.issue_fencing_token(held.connection, held.key, "holder")
+    typo = "no fencing token was ever issued for lock key 'refresh-forecsts'"
+    with pytest.raises(psycopg.errors.CheckViolation, match=typo):
+        installed.execute("SELECT pglock.assert_fencing_token('refresh-forecsts', %s)", [token])
+    never = LockKey.from_int(4242)
+    with pytest.raises(psycopg.errors.CheckViolation, match=r"ever issued for lock key \(int64 4242\)"):
+        installed.execute("SELECT pglock.assert_fencing_token(%s::bigint, %s)", [never.numbers[0], token])
+    installed.execute(
+        "CREATE TABLE typo_forecasts (station int, fencing_token bigint);"
+        " CREATE TRIGGER typo_fenced BEFORE INSERT ON typo_forecasts FOR EACH ROW"
+        " EXECUTE FUNCTION pglock.reject_stale_fencing_token('refresh-forecsts')"
+    )
+    try:
+        with pytest.raises(psycopg.errors.CheckViolation, match="'refresh-forecsts'"):
+            installed.execute("INSERT INTO typo_forecasts VALUES (1, %s)", [token])
+        assert installed.execute("SELECT count(*) FROM typo_forecasts").fetchone() == (0,)
+    finally:
+        installed.execute("DROP TABLE typo_forecasts")
+    assert installed.execute("SELECT pglock.assert_fencing_token('refresh-forecasts', %s)", [token]).fetchone() == (
+        token,
+    )
+
+
 def test_completions_on_the_database_clock(hook: AdvisoryLockHook, installed: Any) -> None:
     key = LockKey.from_name("settle")
     identity = TaskIdentity("settlement", "settle", "scheduled__2026-11-30T02:00:00+00:00")

@@ -2,15 +2,17 @@
 
 ``python -m build`` makes the sdist, then builds the wheel *from the sdist*: a file
 missing from the sdist would be missing from the wheel, which must hold every module of
-the checkout. The wheel goes into a new virtualenv with the pinned Airflow 3.3
-environment (constraints/airflow-3.3.txt), where Airflow must discover the provider and
-the console script must run.
+the checkout. Then the install commands of docs/getting-started.md run as written in a new
+virtualenv with the pinned Airflow 3.3 environment (constraints/airflow-3.3.txt), where
+Airflow must discover the provider and the console script must run.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -31,6 +33,8 @@ if not importlib.import_module("airflow_pglock.compat").AIRFLOW_V_3_PLUS:
     )
 
 ROOT = Path(__file__).resolve().parents[2]
+#: What a fresh checkout does not hold (virtualenvs, caches, build output).
+_NOT_IN_A_CHECKOUT = (".git", ".venv*", "*.egg-info", "build", "dist", "site", "__pycache__", ".*_cache", ".pglock-*")
 CONSTRAINTS = ROOT / "constraints" / "airflow-3.3.txt"
 VERSION = airflow_pglock.__version__
 
@@ -74,20 +78,43 @@ def test_sdist_and_wheel_contents(artifacts: dict[str, Path]) -> None:
     assert "airflow-pglock = airflow_pglock.cli.main:main" in entry_points
 
 
-def test_wheel_installs_into_a_fresh_airflow_33(artifacts: dict[str, Path], tmp_path: Path) -> None:
+def _documented_install() -> str:
+    """The install commands of docs/getting-started.md, exactly as a reader copies them."""
+    guide = (ROOT / "docs" / "getting-started.md").read_text()
+    block = re.search(r"<!-- install-from-checkout[^>]*-->\n```bash\n(.*?)```", guide, re.DOTALL)
+    assert block is not None, "docs/getting-started.md lost its install-from-checkout block"
+    return block[1]
+
+
+def test_the_documented_install_works_in_a_fresh_airflow_33(tmp_path: Path) -> None:
+    """getting-started's install commands, run as written into an Airflow 3.3 environment.
+
+    The distribution is not on PyPI yet: the guide builds a wheel from a checkout (a copy of
+    this one, named as in the guide) and installs it with pip; Airflow discovers the provider.
+    """
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)
     python, bin_dir = env_dir / "bin" / "python", env_dir / "bin"
+    # The reader's Airflow environment: Airflow 3.3 and the Postgres provider, pinned.
     _run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "-c", str(CONSTRAINTS),
-          f"{artifacts['wheel']}[binary]"])  # fmt: skip
+          "apache-airflow", "apache-airflow-providers-postgres"])  # fmt: skip
+    workdir = tmp_path / "work"
+    shutil.copytree(ROOT, workdir / "airflow-pglock", ignore=shutil.ignore_patterns(*_NOT_IN_A_CHECKOUT))
+    home = tmp_path / "airflow-home"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "PYTHON", "VIRTUAL_ENV"))}
+    env.update({"AIRFLOW_HOME": str(home), "AIRFLOW__CORE__LOAD_EXAMPLES": "False", "PATH": f"{bin_dir}:{env['PATH']}"})
+    env["PIP_CONSTRAINT"] = str(CONSTRAINTS)  # the environment stays pinned; the commands are the guide's
+    commands = _documented_install()
+    installed = _run(["bash", "-e", "-o", "pipefail", "-c", commands], env=env, cwd=workdir)
+    assert "airflow-provider-pglock" in installed.stdout  # the guide's check: `airflow providers list | grep pglock`
+    assert list((workdir / "dist").glob(f"airflow_provider_pglock-{VERSION}-py3-none-any.whl"))
+
     frozen = _run([str(python), "-m", "pip", "freeze"]).stdout
-    assert "apache-airflow==3.3.2" in frozen and "airflow-provider-pglock @ file://" in frozen
+    assert "apache-airflow==3.3.2" in frozen and f"airflow-provider-pglock=={VERSION}" in frozen
+    assert "psycopg-binary==" in frozen  # the [binary] extra
     check = _run([str(python), "-m", "pip", "check"])
     assert "No broken requirements" in check.stdout
 
-    home = tmp_path / "airflow-home"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "PYTHON"))}
-    env.update({"AIRFLOW_HOME": str(home), "AIRFLOW__CORE__LOAD_EXAMPLES": "False", "PATH": f"{bin_dir}:{env['PATH']}"})
     # Outside the checkout, so that nothing is imported from the source tree.
     providers = _run([str(bin_dir / "airflow"), "providers", "list", "-o", "json"], env=env, cwd=tmp_path).stdout
     assert '"package_name": "airflow-provider-pglock"' in providers and f'"version": "{VERSION}"' in providers

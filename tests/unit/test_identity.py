@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from airflow_pglock.identity import MAX_APPLICATION_NAME_BYTES, TaskIdentity, parse_application_name
 
 
@@ -41,3 +43,21 @@ def test_non_ascii_is_replaced() -> None:
 def test_other_applications_are_not_parsed() -> None:
     assert parse_application_name("psql") is None
     assert parse_application_name(None) is None
+
+
+def test_hook_sessions_name_the_program_pid_and_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import socket
+    import sys
+
+    from airflow_pglock.identity import hook_application_name, is_provider_session
+
+    monkeypatch.setattr(sys, "argv", ["/opt/billing/close_month.py", "--password", "s3cret"])
+    name = hook_application_name()
+    assert name == f"pglock-hook close_month.py pid {os.getpid()} on {socket.gethostname()}"[:63]
+    assert "s3cret" not in name and is_provider_session(name)
+    monkeypatch.setattr(sys, "argv", ["/x/" + "a-very-long-program-name" * 4])
+    long_name = hook_application_name()
+    assert len(long_name.encode()) <= 63 and "~ pid " in long_name and f"pid {os.getpid()}" in long_name
+    assert not is_provider_session("psql") and not is_provider_session(None)
+    assert is_provider_session("pglock dag task manual__1")

@@ -1,0 +1,69 @@
+"""The error family: every error airflow-pglock raises is a PgLockError (issue 17 items 4 and 5)."""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import uuid
+from pathlib import Path
+
+import pytest
+
+from airflow_pglock.exceptions import InvalidLockKeyError, LockConfigurationError, PgLockError
+from airflow_pglock.keys import LockKey
+from airflow_pglock.liveness import Liveness
+
+PACKAGE = Path(__file__).resolve().parents[2] / "airflow_pglock"
+
+
+def test_a_bad_key_is_a_pglock_error_and_a_value_error() -> None:
+    with pytest.raises(PgLockError) as error:
+        LockKey.coerce(True)
+    assert isinstance(error.value, InvalidLockKeyError) and isinstance(error.value, ValueError)
+    with pytest.raises(PgLockError, match=str(2**63)):
+        LockKey.from_int(2**63)
+
+
+@pytest.mark.parametrize("lease", [0, 1, float("nan"), "30", True])
+def test_a_bad_lease_is_a_pglock_error_naming_the_value(lease: object) -> None:
+    with pytest.raises(LockConfigurationError, match="lease must be") as error:
+        Liveness(lease)  # type: ignore[arg-type]
+    assert isinstance(error.value, PgLockError) and isinstance(error.value, ValueError)
+
+
+def _builtin_raises(path: Path) -> list[str]:
+    """``raise ValueError(...)``-style statements: a built-in exception raised by the provider."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Raise) or node.exc is None:
+            continue
+        target = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+        if isinstance(target, ast.Name) and isinstance(getattr(builtins, target.id, None), type):
+            found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} raise {target.id}")
+    return found
+
+
+def test_the_provider_raises_no_builtin_exception() -> None:
+    """exceptions.py promises `except PgLockError` catches every error of the provider."""
+    offenders = [line for path in sorted(PACKAGE.rglob("*.py")) for line in _builtin_raises(path)]
+    assert offenders == []
+
+
+@pytest.mark.parametrize(
+    ("tenant", "shown"),
+    [({"a": 1}, "{'a': 1} (dict)"), ([1, 2], "[1, 2] (list)"), (1.5, "1.5 (float)"), (True, "True (bool)"),
+     (object, "(type)")],
+)  # fmt: skip
+def test_a_tenant_without_a_stable_text_form_is_refused(tenant: object, shown: str) -> None:
+    with pytest.raises(InvalidLockKeyError, match="tenant must be a str, an int or a UUID") as error:
+        LockKey.for_task("tenant_exports", "export_one", tenant)
+    assert shown in str(error.value) and "'tenant_exports/export_one'" in str(error.value)
+
+
+def test_scalar_tenants_keep_their_text() -> None:
+    tenant_id = uuid.UUID("12345678-1234-5678-1234-567812345678")
+    assert LockKey.for_task("d", "t", 42).name == "d/t/42"
+    assert LockKey.for_task("d", "t", "acme").name == "d/t/acme"
+    assert LockKey.for_task("d", "t", tenant_id).name == f"d/t/{tenant_id}"
+    with pytest.raises(InvalidLockKeyError, match="non-empty"):
+        LockKey.for_task("d", "t", "  ")
