@@ -10,6 +10,7 @@ CAP_SYS_ADMIN) and iproute2's ``ip``.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
@@ -87,6 +88,27 @@ class NetNamespace:
                 raise OSError(errno, f"setns into {self.name}: {os.strerror(errno)}")
         finally:
             os.close(fd)
+
+    def command(self, argv: list[str], hostname: str | None = None) -> list[str]:
+        """``argv`` run inside the namespace (``ip netns exec``), optionally with its own host name
+        (a UTS namespace: the program sees ``hostname`` as this machine's name, like a separate host)."""
+        prefix = ["ip", "netns", "exec", self.name]
+        if hostname is None:
+            return [*prefix, *argv]
+        return [*prefix, "unshare", "--uts", "--", "sh", "-c", 'hostname "$0" && exec "$@"', hostname, *argv]
+
+    def pids(self) -> list[int]:
+        """Every process inside the namespace (as ``ip netns pids`` lists them)."""
+        listed = _ip("netns", "pids", self.name, check=False).stdout.split()
+        return [int(pid) for pid in listed if pid.isdigit()]
+
+    def signal_all(self, signum: int) -> list[int]:
+        """Send ``signum`` to every process inside the namespace (the whole "host" at once); the pids."""
+        pids = self.pids()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+        return pids
 
     def cut(self) -> None:
         """Drop every packet between the namespace and the host, silently."""
