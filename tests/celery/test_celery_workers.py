@@ -171,7 +171,9 @@ def celery() -> Iterator[Celery]:
     try:
         try:
             for index in NAMESPACE_INDICES.values():
-                namespaces.append(NetNamespace(index).create())
+                leftover = NetNamespace(index)
+                leftover.signal_all(signal.SIGKILL)  # workers of an earlier run of this suite that was killed
+                namespaces.append(leftover.create())
         except NetNamespaceUnavailableError as error:
             pytest.skip(f"no network namespace on this machine: {error}")
         host_addrs = [ns.host_addr for ns in namespaces]
