@@ -120,10 +120,13 @@ class CeleryDeployment(Deployment):
 
     # ------------------------------------------------------------------ processes
 
-    def start_control_plane(self) -> None:
-        """api-server, then (once it answers) scheduler, dag-processor and triggerer."""
+    def start(self, workers: list[Worker]) -> None:
+        """api-server and the workers at once, then (once the api-server answers) scheduler,
+        dag-processor and triggerer."""
         self.home.mkdir(parents=True, exist_ok=True)
         self._spawn_role("api-server")
+        for worker in workers:
+            self.start_worker(worker)
         self.wait_for_api()
         for role in ("scheduler", "dag-processor", "triggerer"):
             self._spawn_role(role)

@@ -202,9 +202,7 @@ def celery() -> Iterator[Celery]:
         )
         migrated = deployment.airflow("db", "migrate")
         assert migrated.returncode == 0, f"db migrate failed:\n{migrated.stdout[-3000:]}\n{migrated.stderr[-3000:]}"
-        deployment.start_control_plane()
-        for name, ns in zip(NAMESPACE_INDICES, namespaces, strict=True):
-            deployment.start_worker(Worker(name, ns))
+        deployment.start([Worker(name, ns) for name, ns in zip(NAMESPACE_INDICES, namespaces, strict=True)])
         deployment.wait_for_dags([f"celery_{f}_{w}" for f in ("skip", "wait") for w in NAMESPACE_INDICES])
         deployment.wait_for_workers()
         yield Celery(deployment, cluster, journal)
