@@ -17,6 +17,8 @@ import shutil
 import subprocess
 
 CLONE_NEWNET = 0x40000000
+#: Namespaces named from a pid use indices 1..PID_BASED_INDICES; the rest are for explicit use.
+PID_BASED_INDICES = 230
 
 
 class NetNamespaceUnavailableError(RuntimeError):
@@ -33,11 +35,12 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 class NetNamespace:
     """One namespace ``pglock<n>`` with veth ``plh<n>`` (host side) / ``pln<n>`` (inside).
 
-    :param index: 1..250, picks the names and the /30 subnet 10.213.<index>.0 (default: from the pid).
+    :param index: 1..250, picks the names and the /30 subnet 10.213.<index>.0. Default: from
+        the pid, in 1..230; 231..250 are left for explicit indices (the Celery suite's workers).
     """
 
     def __init__(self, index: int | None = None) -> None:
-        self.index = index if index is not None else os.getpid() % 250 + 1
+        self.index = index if index is not None else os.getpid() % PID_BASED_INDICES + 1
         self.name = f"pglock{self.index}"
         self.host_if = f"plh{self.index}"
         self.ns_if = f"pln{self.index}"
