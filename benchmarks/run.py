@@ -5,7 +5,7 @@
 
 Starts its own PostgreSQL cluster, Redis server and (as root) network namespace, and
 stops them at the end. ``--sections`` picks a subset: overhead, imports, contention,
-recovery, scale, e2e.
+recovery, scale, e2e, capacity.
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import contention, e2e, imports, overhead, recovery, scale  # noqa: E402
+from benchmarks import capacity, contention, e2e, imports, overhead, recovery, scale  # noqa: E402
 from benchmarks.machine import load, machine, versions  # noqa: E402
 from benchmarks.servers import servers  # noqa: E402
 from benchmarks.stats import progress, table  # noqa: E402
 
-SECTIONS = ("overhead", "imports", "contention", "recovery", "scale", "e2e")
+SECTIONS = ("overhead", "imports", "contention", "recovery", "scale", "e2e", "capacity")
 ALTERNATIVES = {"pals", "python-redis-lock"}
 
 
@@ -58,6 +58,9 @@ class Settings:
     fanout_tenants: int = 200
     held_tenants: int = 10
     fanout_runs: int = 2
+    capacity_holders: int = 1_000
+    capacity_processes: int = 4
+    capacity_rounds: int = 5
 
 
 QUICK = Settings(
@@ -81,6 +84,9 @@ QUICK = Settings(
     fanout_tenants=3,
     held_tenants=1,
     fanout_runs=1,
+    capacity_holders=60,
+    capacity_processes=2,
+    capacity_rounds=2,
 )
 
 
@@ -182,6 +188,19 @@ def headline(results: dict[str, Any]) -> str:
                 "met" if runs_states and all(s == expected for s in runs_states) else "**missed**",
             ]
         )
+    if "capacity" in results:
+        r = results["capacity"]
+        ok = r.lock_sessions == r.holders and capacity.stages_met(r) and (r.left_sessions, r.left_locks) == (0, 0)
+        rows.append(
+            [
+                f"{r.holders:,} guarded locks at once: slots per holder; doctor thresholds; left after",
+                "1; as documented; 0",
+                f"{r.lock_sessions / max(r.holders, 1):g}; "
+                f"{'all stages as expected' if capacity.stages_met(r) else 'stages differ'}; "
+                f"{r.left_sessions} sessions, {r.left_locks} locks",
+                "met" if ok else "**missed**",
+            ]
+        )
     return table(["measure", "target", "result", ""], rows)
 
 
@@ -231,6 +250,7 @@ def write_document(
         "recovery": recovery.render,
         "scale": scale.render,
         "e2e": e2e.render,
+        "capacity": capacity.render,
     }
     for name in SECTIONS:
         if name in results:
@@ -275,6 +295,9 @@ def run(
             )
         if "e2e" in sections:
             results["e2e"] = e2e.run_e2e(srv.dsn, s.e2e_runs, s.fanout_tenants, s.held_tenants, s.fanout_runs)
+        if "capacity" in sections:
+            progress(f"capacity: {s.capacity_holders:,} guarded locks held at once")
+            results["capacity"] = capacity.run_capacity(s.capacity_holders, s.capacity_processes, s.capacity_rounds)
     return results, facts
 
 

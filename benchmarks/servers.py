@@ -9,93 +9,19 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import shutil
-import subprocess
-import tempfile
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import psycopg
 
 from devtools.netns import NetNamespace, NetNamespaceUnavailableError
-from devtools.pgcluster import Cluster, free_port
+from devtools.pgcluster import Cluster
+from devtools.redisserver import RedisServer
 
 BENCH_DATABASE = "pglock_bench"
 # 10,000 advisory locks held at once (scale) need lock-table room: the shared lock table has
 # max_locks_per_transaction * (max_connections + max_prepared_transactions) slots.
 PG_SETTINGS = {"max_connections": "300", "max_locks_per_transaction": "512"}
-
-
-@dataclass
-class RedisServer:
-    """``redis-server`` on a free port, no persistence, stopped by :meth:`stop`."""
-
-    port: int
-    bind: tuple[str, ...]
-    directory: Path
-    version: str = ""
-
-    @classmethod
-    def start(cls, bind: tuple[str, ...]) -> RedisServer:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError("redis-server is not installed (Debian: apt-get install -y redis-server)")
-        port = free_port()
-        directory = Path(tempfile.mkdtemp(prefix="pglock-bench-redis-"))
-        subprocess.run(
-            [
-                binary,
-                "--port",
-                str(port),
-                "--bind",
-                *bind,
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--protected-mode",
-                "no",
-                "--daemonize",
-                "yes",
-                "--dir",
-                str(directory),
-                "--pidfile",
-                str(directory / "redis.pid"),
-                "--logfile",
-                str(directory / "redis.log"),
-            ],
-            check=True,
-            capture_output=True,
-            timeout=30,
-        )
-        server = cls(port, bind, directory)
-        server.version = server._wait_version()
-        return server
-
-    def client(self, host: str = "127.0.0.1") -> Any:
-        import redis
-
-        return redis.Redis(host=host, port=self.port)
-
-    def _wait_version(self) -> str:
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                return str(self.client().info("server")["redis_version"])
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-
-    def stop(self) -> None:
-        with contextlib.suppress(Exception):
-            self.client().shutdown(nosave=True)
-        pid_file = self.directory / "redis.pid"
-        deadline = time.monotonic() + 10
-        while pid_file.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 @dataclass

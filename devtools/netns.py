@@ -10,12 +10,15 @@ CAP_SYS_ADMIN) and iproute2's ``ip``.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
 import subprocess
 
 CLONE_NEWNET = 0x40000000
+#: Namespaces named from a pid use indices 1..PID_BASED_INDICES; the rest are for explicit use.
+PID_BASED_INDICES = 230
 
 
 class NetNamespaceUnavailableError(RuntimeError):
@@ -32,11 +35,12 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 class NetNamespace:
     """One namespace ``pglock<n>`` with veth ``plh<n>`` (host side) / ``pln<n>`` (inside).
 
-    :param index: 1..250, picks the names and the /30 subnet 10.213.<index>.0 (default: from the pid).
+    :param index: 1..250, picks the names and the /30 subnet 10.213.<index>.0. Default: from
+        the pid, in 1..230; 231..250 are left for explicit indices (the Celery suite's workers).
     """
 
     def __init__(self, index: int | None = None) -> None:
-        self.index = index if index is not None else os.getpid() % 250 + 1
+        self.index = index if index is not None else os.getpid() % PID_BASED_INDICES + 1
         self.name = f"pglock{self.index}"
         self.host_if = f"plh{self.index}"
         self.ns_if = f"pln{self.index}"
@@ -87,6 +91,27 @@ class NetNamespace:
                 raise OSError(errno, f"setns into {self.name}: {os.strerror(errno)}")
         finally:
             os.close(fd)
+
+    def command(self, argv: list[str], hostname: str | None = None) -> list[str]:
+        """``argv`` run inside the namespace (``ip netns exec``), optionally with its own host name
+        (a UTS namespace: the program sees ``hostname`` as this machine's name, like a separate host)."""
+        prefix = ["ip", "netns", "exec", self.name]
+        if hostname is None:
+            return [*prefix, *argv]
+        return [*prefix, "unshare", "--uts", "--", "sh", "-c", 'hostname "$0" && exec "$@"', hostname, *argv]
+
+    def pids(self) -> list[int]:
+        """Every process inside the namespace (as ``ip netns pids`` lists them)."""
+        listed = _ip("netns", "pids", self.name, check=False).stdout.split()
+        return [int(pid) for pid in listed if pid.isdigit()]
+
+    def signal_all(self, signum: int) -> list[int]:
+        """Send ``signum`` to every process inside the namespace (the whole "host" at once); the pids."""
+        pids = self.pids()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+        return pids
 
     def cut(self) -> None:
         """Drop every packet between the namespace and the host, silently."""

@@ -69,3 +69,21 @@ def test_quick_end_to_end_section(tmp_path: Path) -> None:
     # 3 tenants, 1 of them held by another session: 1 skipped, 2 exported + the upstream task succeeded.
     assert "| guarded | " in text and "skipped 1, success 3" in text
     assert "| skipped 1, success 3 | met |" in text  # the summary checks it too
+
+
+@pytest.mark.slow
+def test_quick_capacity_section(tmp_path: Path) -> None:
+    text = run_quick(tmp_path, "capacity")
+    assert "## 7. Capacity of one lock database" in text
+    assert "**60 lock sessions** and **60 granted advisory locks**" in text  # one slot per running guarded task
+    assert "**1 slot per running guarded task**" in text
+    # doctor's connections check: one holder below and at each threshold, as the thresholds say.
+    assert "Every stage as expected: **yes**." in text
+    assert re.search(r"\| \d+ \| \d+ of \d+ \(4\d\.\d+%\) \| \d+ \| ok \| ok \|", text)
+    assert re.search(r"\| \d+ \| \d+ of \d+ \(5\d\.\d+%\) \| \d+ \| warning \| warning \|", text)
+    assert re.search(r"\| \d+ \| \d+ of \d+ \(8\d\.\d+%\) \| \d+ \| problem \| problem \|", text)
+    assert re.search(r"\| USS \(private pages.*\| [\d.]+ MiB \(p25", text)
+    # Both readers saw every held lock: `locks` and the UI's JSON through a real api-server.
+    assert "`locks` listed 60 of the 60 capacity locks; the UI's JSON 60." in text
+    assert "Afterwards, all released: **0 sessions** and **0 advisory locks** left" in text
+    assert "Errors" not in text
