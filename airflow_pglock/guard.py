@@ -32,8 +32,9 @@ from airflow_pglock.exceptions import (
     LockLostInterrupt,
     PgLockError,
 )
+from airflow_pglock.finish import finish_session, finish_transaction
 from airflow_pglock.heartbeat import Heartbeat
-from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook, HeldLock, LockHolder, Scope
+from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook, HeldLock, Scope
 from airflow_pglock.hooks.holders import describe_holders
 from airflow_pglock.identity import TaskIdentity
 from airflow_pglock.interruption import LOST_SIGNAL, Interruption, protect_clean_up
@@ -145,6 +146,18 @@ class LockHandle:
 
     def __repr__(self) -> str:
         return f"LockHandle({self.key.describe()}, mode={self.mode}, shared={self.shared})"
+
+
+def busy_error(hook: AdvisoryLockHook, key: LockKey, timeout: float | None, logger: Any) -> LockBusyError:
+    """The refusal for a busy key, naming who holds it (as far as the server can still tell)."""
+    try:
+        holders = hook.holders(key)
+    except (PgLockError, psycopg.Error) as error:
+        logger.warning("pglock could not read the holders of %s: %s", key.describe(), error)
+        holders = []
+    who = describe_holders(holders, dt.datetime.now(dt.UTC), nobody="a session that released it since")
+    waited = f" after waiting {timeout:g} s" if timeout is not None else ""
+    return LockBusyError(f"{key.describe()} is held by {who}{waited}", key, holders)
 
 
 class LockGuard:
@@ -259,21 +272,7 @@ class LockGuard:
         )
         if held is not None:
             return held
-        holders = self._holders_or_empty()
-        raise LockBusyError(self._busy_message(holders, timeout), self.key, holders)
-
-    def _holders_or_empty(self) -> list[LockHolder]:
-        try:
-            return self.hook.holders(self.key)
-        except (PgLockError, psycopg.Error) as error:
-            self.log.warning("pglock could not read the holders of %s: %s", self.key.describe(), error)
-            return []
-
-    def _busy_message(self, holders: list[LockHolder], timeout: float | None) -> str:
-        now = dt.datetime.now(dt.UTC)
-        who = describe_holders(holders, now, nobody="a session that released it since")
-        waited = f" after waiting {timeout:g} s" if timeout is not None else ""
-        return f"{self.key.describe()} is held by {who}{waited}"
+        raise busy_error(self.hook, self.key, timeout, self.log)
 
     def _log_acquired(self, held: HeldLock) -> None:
         self.log.info(
@@ -352,10 +351,11 @@ class LockGuard:
             self.interruption.disarm_absorbing()
             self._stop_heartbeat()
             lost = self.lost
+            record = lambda: record_success(self.rules, held, self.identity, self.fencing_token)  # noqa: E731
             if lost is None and held.scope == "transaction":
-                lost, commit_error = self._finish_transaction(held, exc_type is None)
+                lost, commit_error = finish_transaction(held, exc_type is None, record, self._describe_error)
             elif lost is None and not held.connection.closed:
-                lost, commit_error = self._finish_session(held, exc_type is None)
+                lost, commit_error = finish_session(held, exc_type is None, record, self._describe_error)
             elif lost is None:
                 lost = loss.CLOSED_AT_RELEASE
         except BaseException as interrupted:  # an asynchronous exception during the clean-up
@@ -393,44 +393,6 @@ class LockGuard:
         if self._heartbeat is not None:
             self._heartbeat.stop()
 
-    def _finish_transaction(self, held: HeldLock, succeeded: bool) -> tuple[str | None, BaseException | None]:
-        """Transaction mode: (loss found, error in finishing). Commits only if the work
-        succeeded and the session is still in the lock's transaction, holding the key."""
-        if not held.transaction_open:
-            return loss.ENDED_BY_WORK, None
-        if not succeeded:
-            return None, None  # closing the connection rolls the work back
-        try:
-            record = lambda: record_success(self.rules, held, self.identity, self.fencing_token)  # noqa: E731
-            if not held.commit_if_held(record):
-                return loss.ENDED_BY_WORK, None
-        except psycopg.Error as error:
-            if held.connection.closed or not loss.is_ordinary_error(getattr(error, "sqlstate", None)):
-                return loss.found_at_commit(self._describe_error(error)), None
-            return None, error
-        except PgLockError as error:
-            return None, error
-        return None, None
-
-    def _finish_session(self, held: HeldLock, succeeded: bool) -> tuple[str | None, BaseException | None]:
-        """Session mode: record the completion (only while the key is held), then unlock."""
-        commit_error: BaseException | None = None
-        lost: str | None = None
-        if succeeded:
-            try:
-                if not record_success(self.rules, held, self.identity, self.fencing_token):
-                    lost = loss.NOT_HELD_AT_COMPLETION
-            except (psycopg.Error, PgLockError) as error:
-                commit_error = error
-        try:
-            still_held = held.unlock_checked()
-        except psycopg.Error as error:
-            still_held = False
-            lost = self._describe_error(error)
-        if not still_held:
-            lost = loss.found_at_release(lost)
-        return lost, (None if lost is not None else commit_error)
-
     def _describe_error(self, error: psycopg.Error) -> str:
         if self._heartbeat is not None:
             return self._heartbeat.describe_error(error)[0]
@@ -453,4 +415,4 @@ class LockGuard:
             return f"conn id {self.hook.postgres_conn_id!r}"
 
 
-protect_clean_up(LockGuard.__exit__, LockGuard._abandon, LockGuard._finish_transaction, LockGuard._finish_session)
+protect_clean_up(LockGuard.__exit__, LockGuard._abandon, finish_transaction, finish_session)
