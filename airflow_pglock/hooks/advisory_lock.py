@@ -355,12 +355,15 @@ class AdvisoryLockHook(LockDatabase):
         scope: Scope,
         timeout: float | None,
         application_name: str | None,
+        record_name: bool = False,
     ) -> HeldLock | None:
         """Open a dedicated connection and take the lock on it; None (and no connection) if busy.
 
         :param scope: ``"session"`` (autocommit; held until released) or ``"transaction"``
             (a transaction is opened and stays open; the lock ends with it).
         :param timeout: None to try once, or seconds to wait (enforced by the server).
+        :param record_name: record the key's name in the key-name registry (the guard does
+            that itself, after logging the acquisition).
         """
         lock_key = LockKey.coerce(key)
         if timeout is not None:
@@ -373,20 +376,7 @@ class AdvisoryLockHook(LockDatabase):
             raise
         if held is None:
             conn.close()
-        return held
-
-    def _acquire_and_record(
-        self,
-        key: LockKey | str | int | tuple[int, int],
-        *,
-        shared: bool,
-        scope: Scope,
-        timeout: float | None,
-        application_name: str | None,
-    ) -> HeldLock | None:
-        """:meth:`acquire_lock`, then record the key's name in the key-name registry, as guarded tasks do."""
-        held = self.acquire_lock(key, shared=shared, scope=scope, timeout=timeout, application_name=application_name)
-        if held is not None:
+        elif record_name:
             from airflow_pglock.registry import record_acquisition  # registry imports this module
 
             try:  # never raises an Exception; an interrupt must not leave the lock held
@@ -404,8 +394,8 @@ class AdvisoryLockHook(LockDatabase):
         application_name: str | None = None,
     ) -> HeldLock | None:
         """Try once to take a session lock on a new dedicated connection; None if busy."""
-        return self._acquire_and_record(
-            key, shared=shared, scope="session", timeout=None, application_name=application_name
+        return self.acquire_lock(
+            key, shared=shared, scope="session", timeout=None, application_name=application_name, record_name=True
         )
 
     def acquire(
@@ -417,8 +407,8 @@ class AdvisoryLockHook(LockDatabase):
         application_name: str | None = None,
     ) -> HeldLock | None:
         """Wait at most ``timeout`` seconds (server-side) for a session lock; None if it ran out."""
-        return self._acquire_and_record(
-            key, shared=shared, scope="session", timeout=timeout, application_name=application_name
+        return self.acquire_lock(
+            key, shared=shared, scope="session", timeout=timeout, application_name=application_name, record_name=True
         )
 
     @contextlib.contextmanager
@@ -486,8 +476,8 @@ class AdvisoryLockHook(LockDatabase):
             ``held.connection``; it commits when the block ends normally, rolls back if it raises.
         :param timeout: None to try once, or seconds to wait for the key (server-side).
         """
-        held = self._acquire_and_record(
-            key, shared=shared, scope=mode, timeout=timeout, application_name=application_name
+        held = self.acquire_lock(
+            key, shared=shared, scope=mode, timeout=timeout, application_name=application_name, record_name=True
         )
         if held is None:
             yield None
