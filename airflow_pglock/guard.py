@@ -12,11 +12,12 @@ Airflow outcomes.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal, TypeVar
@@ -39,6 +40,7 @@ from airflow_pglock.hooks.holders import describe_holders
 from airflow_pglock.identity import TaskIdentity
 from airflow_pglock.interruption import LOST_SIGNAL, Interruption, protect_clean_up
 from airflow_pglock.keys import LockKey
+from airflow_pglock.lock_set import AnyKey, LockSet, SubLock
 from airflow_pglock.outcome import OutcomeContext, OutcomeLine
 from airflow_pglock.registry import record_acquisition
 from airflow_pglock.run_rules import RunRules, check_before_work, check_not_shared, record_success
@@ -132,6 +134,31 @@ class LockHandle:
         self.server: str = held.server.server
         self.backend_pid: int = held.server.backend_pid
         self.connection: psycopg.Connection[Any] | None = held.connection if held.scope == "transaction" else None
+        self._keys = LockSet(held.connection, lost_reason, reserved=held.key, can_wait=held.scope == "session")
+
+    # Sub-keys on the task's own connection, covered by its heartbeat (see lock_set.LockSet).
+
+    def try_lock(self, key: AnyKey, shared: bool = False) -> contextlib.AbstractContextManager[SubLock | None]:
+        """Try once to take another key (e.g. a tenant) for a ``with`` block; None when busy."""
+        return self._keys.try_lock(key, shared)
+
+    def lock(
+        self, key: AnyKey, *, timeout: float, shared: bool = False
+    ) -> contextlib.AbstractContextManager[SubLock | None]:
+        """Wait at most ``timeout`` seconds (server-side) for another key; None if it ran out."""
+        return self._keys.lock(key, timeout=timeout, shared=shared)
+
+    def try_lock_many(self, keys: Iterable[AnyKey], shared: bool = False) -> list[SubLock]:
+        """Try many keys in one round trip; the ones taken (held until released or the task ends)."""
+        return self._keys.try_lock_many(keys, shared)
+
+    def release(self, *locks: SubLock | AnyKey) -> bool:
+        """Release sub-keys taken through this handle; whether each was still held."""
+        return self._keys.release(*locks)
+
+    def held(self) -> list[LockKey]:
+        """The sub-keys held now (not the task's own key)."""
+        return self._keys.held()
 
     @property
     def lost(self) -> str | None:

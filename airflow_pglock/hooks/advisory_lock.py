@@ -50,6 +50,7 @@ from airflow_pglock.liveness import IDLE_SESSION_TIMEOUT_VERSION, Liveness
 
 if TYPE_CHECKING:
     from airflow_pglock.guard import LockHandle, OnBusy, OnLost
+    from airflow_pglock.lock_set import LockSession
 
 __all__ = [
     "HELD_CONDITION",
@@ -494,6 +495,32 @@ class AdvisoryLockHook(LockDatabase):
                 held.release()
             else:
                 held.close()  # closing an open transaction rolls it back
+
+    @contextlib.contextmanager
+    def lock_session(self, *, application_name: str | None = None) -> Iterator[LockSession]:
+        """A lock session for many keys: one dedicated connection, kept alive by a heartbeat.
+
+        Yields a :class:`~airflow_pglock.lock_set.LockSession` (``try_lock``, ``lock``,
+        ``try_lock_many``, ``release``, ``held``). When the block ends, however it ends, the
+        heartbeat stops and the connection closes, releasing every key. A session lost during
+        the block raises :class:`~airflow_pglock.exceptions.LockLostError` at its end (when
+        the block itself did not raise).
+        """
+        from airflow_pglock.lock_set import LockSession  # it builds on this module's statements
+
+        conn, info = self.open_lock_session(application_name, "session")
+        try:
+            session = LockSession(conn, info, self.liveness)
+        except BaseException:
+            conn.close()
+            raise
+        try:
+            yield session
+        finally:
+            lost = session.lost
+            session.close()
+        if lost is not None:
+            raise LockLostError(f"the lock session was lost: {lost}", LockKey.from_int(info.backend_pid), lost)
 
     def session_lock(self, key: LockKey | str | int | tuple[int, int], **options: Any) -> _HeldContext:
         """Deprecated: :meth:`lock` (with a heartbeat), or :meth:`lock_without_heartbeat`."""

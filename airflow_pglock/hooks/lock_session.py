@@ -135,6 +135,45 @@ def wait_lock(
     return True
 
 
+#: Keys per statement of :func:`try_lock_many` / :func:`unlock_many` (a few round trips for many thousands).
+MANY_KEYS_PER_STATEMENT = 5000
+
+
+def _each_key(function: str) -> sql.Composed:
+    """``function`` applied to every key of three parallel arrays (int64s; or the two halves
+    of a pair), in the order given: one statement, one round trip."""
+    call = sql.SQL(
+        "SELECT CASE WHEN k.whole IS NOT NULL THEN {f}(k.whole) ELSE {f}(k.first, k.second) END"
+        " FROM unnest(%s::bigint[], %s::integer[], %s::integer[]) WITH ORDINALITY AS k(whole, first, second, n)"
+        " ORDER BY k.n"
+    )
+    return call.format(f=sql.Identifier(function))
+
+
+def _for_each_key(conn: psycopg.Connection[Any], function: str, keys: list[LockKey]) -> list[bool]:
+    answers: list[bool] = []
+    for start in range(0, len(keys), MANY_KEYS_PER_STATEMENT):
+        chunk = keys[start : start + MANY_KEYS_PER_STATEMENT]
+        wholes = [key.int64 for key in chunk]
+        pairs = [key.numbers if key.is_pair else (None, None) for key in chunk]
+        firsts = [pair[0] for pair in pairs]
+        seconds = [pair[-1] for pair in pairs]
+        rows = conn.execute(_each_key(function), [wholes, firsts, seconds]).fetchall()
+        answers += [bool(row[0]) for row in rows]
+    return answers
+
+
+def try_lock_many(conn: psycopg.Connection[Any], keys: list[LockKey], *, shared: bool = False) -> list[bool]:
+    """``pg_try_advisory_lock[_shared]`` for each key, in one round trip per
+    :data:`MANY_KEYS_PER_STATEMENT` keys; whether each was taken, in order."""
+    return _for_each_key(conn, _function("pg_try_advisory_lock", shared), keys)
+
+
+def unlock_many(conn: psycopg.Connection[Any], keys: list[LockKey], *, shared: bool = False) -> list[bool]:
+    """``pg_advisory_unlock[_shared]`` for each key (as :func:`try_lock_many`); whether each was held."""
+    return _for_each_key(conn, _function("pg_advisory_unlock", shared), keys)
+
+
 def commit(conn: psycopg.Connection[Any]) -> None:
     """COMMIT the lock's transaction; fail loudly if it was already ended or PostgreSQL rolled back."""
     if conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
@@ -170,7 +209,7 @@ def is_held(conn: psycopg.Connection[Any], key: LockKey, shared: bool = False, x
 
 def probe(
     conn: psycopg.Connection[Any],
-    key: LockKey,
+    key: LockKey | None,
     shared: bool,
     timeout: float,
     *,
@@ -190,7 +229,8 @@ def probe(
     connection broke.
 
     :param conn: the lock's own connection.
-    :param key: the key it should hold.
+    :param key: the key it should hold; None: only whether the session is alive (a lock
+        session: its locks can only end with it or by its own unlock), ``"held"`` if so.
     :param shared: whether it holds the key in shared mode.
     :param timeout: seconds to wait for the connection and the answer together.
     :param xact_id: transaction scope: the lock's transaction (see :func:`is_held`).
@@ -207,10 +247,13 @@ def probe(
         pgconn = conn.pgconn
         if pgconn.pipeline_status != psycopg.pq.PipelineStatus.OFF:
             return "busy"
-        params = [str(value) for value in held_params(key, shared)]
-        if xact_id is not None:
-            params.append(str(xact_id))
-        statement = held_sql("pg_backend_pid()", ("$1", "$2", "$3", "$4"), None if xact_id is None else "$5")
+        if key is None:
+            statement, params = "SELECT true", []
+        else:
+            params = [str(value) for value in held_params(key, shared)]
+            if xact_id is not None:
+                params.append(str(xact_id))
+            statement = held_sql("pg_backend_pid()", ("$1", "$2", "$3", "$4"), None if xact_id is None else "$5")
         pgconn.send_query_params(statement.encode(), [value.encode() for value in params])
         results = results_before(pgconn, deadline)
         if results is None:
