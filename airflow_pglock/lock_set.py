@@ -35,8 +35,9 @@ AnyKey = LockKey | str | int | tuple[int, int]
 class SubLock:
     """One key held in a :class:`LockSet`, until :meth:`release` or the end of its session.
 
-    :ivar key: the key.
-    :ivar shared: whether it is held shared.
+    :param owner: the set that holds it.
+    :param key: the key.
+    :param shared: whether it is held shared.
     :ivar acquired_at: when it was taken (UTC).
     """
 
@@ -137,7 +138,9 @@ class LockSet:
             answers: list[bool] = []
             with self._session_errors(subs[0].key):
                 for shared, keys in by_mode.items():
-                    if keys:
+                    if len(keys) == 1:
+                        answers.append(statements.unlock(self.connection, keys[0], shared=shared))
+                    elif keys:
                         answers += statements.unlock_many(self.connection, keys, shared=shared)
             return len(subs) == len(wanted) and all(answers)
 
@@ -200,7 +203,9 @@ class LockSession(LockSet):
     it or by its own unlock); when it is not, every key is lost and the next operation,
     and the end of the ``with`` block, raise :class:`~airflow_pglock.exceptions.LockLostError`.
 
-    :ivar server: what the connection found at the other end.
+    :param connection: the session's dedicated connection (from ``open_lock_session``).
+    :param server: what the connection found at the other end.
+    :param liveness: the lease: heartbeat interval and loss deadline.
     """
 
     def __init__(self, connection: psycopg.Connection[Any], server: ServerInfo, liveness: Liveness) -> None:

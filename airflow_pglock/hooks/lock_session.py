@@ -78,8 +78,27 @@ def check_wait_timeout(timeout: object) -> None:
 
 
 def _call(function: str, key: LockKey) -> sql.Composed:
-    casts = [sql.SQL("%s::bigint")] if not key.is_pair else [sql.SQL("%s::integer")] * 2
+    return _CALLS[(function, key.is_pair)]
+
+
+def _compose(function: str, pair: bool) -> sql.Composed:
+    casts = [sql.SQL("%s::integer")] * 2 if pair else [sql.SQL("%s::bigint")]
     return sql.SQL("SELECT {}({})").format(sql.Identifier(function), sql.SQL(", ").join(casts))
+
+
+# Composed once: a lock session takes and releases keys in a tight loop.
+_CALLS = {
+    (f"{base}{suffix}", pair): _compose(f"{base}{suffix}", pair)
+    for base in (
+        "pg_try_advisory_lock",
+        "pg_try_advisory_xact_lock",
+        "pg_advisory_lock",
+        "pg_advisory_xact_lock",
+        "pg_advisory_unlock",
+    )
+    for suffix in ("", "_shared")
+    for pair in (False, True)
+}
 
 
 def _function(base: str, shared: bool) -> str:
