@@ -275,7 +275,7 @@ class LockGuard:
             return []
 
     def _busy_message(self, holders: list[LockHolder], timeout: float | None) -> str:
-        now = dt.datetime.now(dt.UTC)
+        now = dt.datetime.now(dt.timezone.utc)
         granted = [h for h in holders if h.granted]
         who = "; ".join(h.describe(now) for h in granted) if granted else "a session that released it since"
         waited = f" after waiting {timeout:g} s" if timeout is not None else ""
