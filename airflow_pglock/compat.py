@@ -90,6 +90,18 @@ def get_stats() -> Any:
     return sdk_stats.Stats
 
 
+def rendered_task(context: Any) -> Any:
+    """The operator the task runner executes: the copy whose template fields were rendered.
+
+    Airflow 3.0 builds the context before it copies the task for execution and renders the
+    copy, so there ``context["task"]`` is the unrendered parse-time object and only
+    ``context["ti"].task`` is the one that runs. Elsewhere both are that copy.
+    """
+    if AIRFLOW_VERSION == (3, 0):
+        return context["ti"].task
+    return context["task"]
+
+
 def use_server_connections() -> None:
     """Let connection look-ups outside a task also read the metadata database.
 
@@ -128,6 +140,7 @@ __all__ = [
     "conf",
     "get_current_context",
     "get_stats",
+    "rendered_task",
     "task_decorator_factory",
     "use_server_connections",
 ]

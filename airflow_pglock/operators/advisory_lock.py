@@ -20,7 +20,7 @@ import datetime as dt
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from airflow_pglock.compat import BaseOperator, Context, MappedOperator, TaskDeferred
+from airflow_pglock.compat import BaseOperator, Context, MappedOperator, TaskDeferred, rendered_task
 from airflow_pglock.exceptions import LockConfigurationError, LockLostError
 from airflow_pglock.guard import LockHandle, OnBusy, OnError, OnLost
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook, Scope
@@ -62,7 +62,7 @@ class OperatorGuard:
         :param context: the task context; its ``task`` is the operator copy to run.
         :param kwargs: passed on to the operator's ``execute`` (Airflow 2's task runner adds a marker).
         """
-        task = context["task"]  # the copy the task runner executes, template fields rendered
+        task = rendered_task(context)  # the copy the task runner executes, template fields rendered
         try:
             key = render_lock_option(self.key, context, option="key")
             tenant = render_lock_option(self.tenant, context, option="tenant")
