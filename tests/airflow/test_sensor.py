@@ -51,15 +51,15 @@ def hold_for(name, seconds):
 def sensors():
     @task
     def hold_poke_key():
-        hold_for("maint/poke", 1.5)
+        hold_for("maint/poke", 8)
 
     @task(trigger_rule=DONE)
     def hold_reschedule_key():
-        hold_for("maint/reschedule", 1.5)
+        hold_for("maint/reschedule", 8)
 
     @task(trigger_rule=DONE)
     def hold_deferred_key():
-        hold_for("maint/deferred", 1.5)
+        hold_for("maint/deferred", 8)
 
     common = dict(postgres_conn_id=CONN, trigger_rule=DONE)
     chain(
@@ -122,6 +122,7 @@ def _reschedules(run_id: str, task_id: str) -> int:
         return int(session.scalar(query) or 0)
 
 
+@pytest.mark.matrix("sensor-poke", "sensor-deferrable")
 def test_sensor_modes_timeouts_and_errors(
     airflow_db: Any, hook: AdvisoryLockHook, admin: Any, unreachable_conn: str, capfd: Any, caplog: Any
 ) -> None:
