@@ -50,6 +50,8 @@ RESOLVER_PINS: dict[str, tuple[str, ...]] = {
     # and svcs 26 (its lifespan never sets app.state.svcs_registry: "KeyError: 'svcs_registry'").
     "3.2": ("fastapi==0.150.0", "svcs==25.1.0"),
 }
+#: The Pythons the package admits (pyproject's requires-python and classifiers).
+PYTHONS = ("3.10", "3.11", "3.12", "3.13")
 AIRFLOW_LINE = os.environ.get("PGLOCK_AIRFLOW", DEFAULT_LINE)
 PYTHON_VERSION = os.environ.get("PGLOCK_PYTHON") or f"{sys.version_info.major}.{sys.version_info.minor}"
 OWN_PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}" == PYTHON_VERSION
@@ -67,6 +69,8 @@ BENCH_PINS = ("PALs==0.4.0", "python-redis-lock==4.0.1", "redis==8.1.0", "pyinst
 
 def find_interpreter() -> Path:
     """The interpreter for PGLOCK_PYTHON: this one, a pyenv version, or pythonX.Y on PATH."""
+    if PYTHON_VERSION not in PYTHONS:
+        sys.exit(f"PGLOCK_PYTHON={PYTHON_VERSION}: airflow-pglock supports Python {', '.join(PYTHONS)}")
     if OWN_PYTHON:
         return Path(sys.executable)
     pyenv_root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
