@@ -179,11 +179,11 @@ def render_versions_doc() -> int:
         sys.exit(f"no results in {RESULTS.relative_to(ROOT)}/: run `python3 devtools/dev.py matrix` (or test) first")
     runs.sort(key=lambda run: ([int(p) for p in run["airflow"].split(".")], [int(p) for p in run["python"].split(".")]))
     labels: dict[str, str] = {}
-    for run in runs:
+    for run in sorted(runs, key=lambda run: run["recorded"]):  # the newest run's wording wins
         labels.update({feature: result["label"] for feature, result in run["features"].items()})
 
     def row(cells: list[str]) -> str:
-        return "| " + " | ".join(cells) + " |"
+        return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
 
     header = ["feature", *(f"Airflow {run['airflow']}<br>Python {run['python']}" for run in runs)]
     rows = [

@@ -114,8 +114,8 @@ def write_dag(source: str, dag_id: str) -> Path:
 def failure_reasons_reach_the_test_log() -> bool:
     """Whether a task's failure exception (not the provider's own log lines) reaches the test's output.
 
-    Under pytest, Airflow 3.0's dag.test() prints a failed task's exception nowhere the test
-    can read (run as a script it does print it); every other line does.
+    Airflow 3.0's dag.test() prints a failed task's exception only as a boxed traceback whose
+    lines are wrapped at the terminal width, so a whole message is never on one line there.
     """
     from airflow_pglock.compat import AIRFLOW_VERSION
 

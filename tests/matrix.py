@@ -36,7 +36,7 @@ FEATURES: dict[str, str] = {
     "branch": "`@advisory_lock` under `@task.branch`",
     "every-entry-point": "one DAG file using every entry point parses and runs",
     "examples": "the example DAGs in `dags/` parse",
-    "console-script": "`airflow-pglock locks | key | doctor | init-db`",
+    "console-script": "`airflow-pglock` console script (locks, key, doctor, init-db)",
     "cli-group": "`airflow pglock ...` (Airflow 3.2+)",
     "ui-page": "Browse → Advisory locks page (Airflow 3.1+)",
 }
