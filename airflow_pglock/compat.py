@@ -8,18 +8,39 @@ from typing import Any
 AIRFLOW_VERSION: tuple[int, int] = tuple(int(part) for part in _version("apache-airflow").split(".")[:2])  # type: ignore[assignment]
 AIRFLOW_V_3_PLUS = AIRFLOW_VERSION >= (3, 0)
 
+#: ``airflow pglock ...``: Airflow reads a provider's ``cli`` entry from 3.2 on (older lines ignore it).
+PROVIDER_CLI_SINCE = (3, 2)
+#: The "Advisory locks" UI page: an api-server plugin with ``external_views``, Airflow 3.1+.
+UI_PAGE_SINCE = (3, 1)
+HAS_PROVIDER_CLI = AIRFLOW_VERSION >= PROVIDER_CLI_SINCE
+HAS_UI_PAGE = AIRFLOW_VERSION >= UI_PAGE_SINCE
+
 if AIRFLOW_V_3_PLUS:
-    from airflow.sdk import BaseHook, BaseOperator, BaseSensorOperator, Context, get_current_context
+    from airflow.sdk import BaseOperator, BaseSensorOperator, Context, get_current_context
     from airflow.sdk.bases.decorator import DecoratedOperator, TaskDecorator, task_decorator_factory
-    from airflow.sdk.configuration import conf
     from airflow.sdk.definitions.mappedoperator import MappedOperator
-    from airflow.sdk.exceptions import (
-        AirflowFailException,
-        AirflowSensorTimeout,
-        AirflowSkipException,
-        TaskDeferred,
-    )
     from airflow.triggers.base import BaseTrigger, TriggerEvent  # triggers stay in core: the triggerer runs them
+
+    if AIRFLOW_VERSION >= (3, 1):
+        from airflow.sdk import BaseHook
+    else:  # Airflow 3.0: hooks still live in core
+        from airflow.hooks.base import BaseHook  # type: ignore[no-redef]
+    if AIRFLOW_VERSION >= (3, 2):
+        from airflow.sdk.configuration import conf
+        from airflow.sdk.exceptions import (
+            AirflowFailException,
+            AirflowSensorTimeout,
+            AirflowSkipException,
+            TaskDeferred,
+        )
+    else:  # Airflow 3.0, 3.1: no airflow.sdk.configuration; the task runner catches core's exceptions
+        from airflow.configuration import conf  # type: ignore[no-redef]
+        from airflow.exceptions import (  # type: ignore[no-redef]
+            AirflowFailException,
+            AirflowSensorTimeout,
+            AirflowSkipException,
+            TaskDeferred,
+        )
 else:  # Airflow 2.x
     from airflow.configuration import conf  # type: ignore[no-redef]
     from airflow.decorators.base import (  # type: ignore[no-redef]
@@ -69,6 +90,18 @@ def get_stats() -> Any:
     return sdk_stats.Stats
 
 
+def rendered_task(context: Any) -> Any:
+    """The operator the task runner executes: the copy whose template fields were rendered.
+
+    Airflow 3.0 builds the context before it copies the task for execution and renders the
+    copy, so there ``context["task"]`` is the unrendered parse-time object and only
+    ``context["ti"].task`` is the one that runs. Elsewhere both are that copy.
+    """
+    if AIRFLOW_VERSION == (3, 0):
+        return context["ti"].task
+    return context["task"]
+
+
 def use_server_connections() -> None:
     """Let connection look-ups outside a task also read the metadata database.
 
@@ -86,6 +119,10 @@ def use_server_connections() -> None:
 __all__ = [
     "AIRFLOW_VERSION",
     "AIRFLOW_V_3_PLUS",
+    "HAS_PROVIDER_CLI",
+    "HAS_UI_PAGE",
+    "PROVIDER_CLI_SINCE",
+    "UI_PAGE_SINCE",
     "AirflowFailException",
     "AirflowSensorTimeout",
     "AirflowSkipException",
@@ -103,6 +140,7 @@ __all__ = [
     "conf",
     "get_current_context",
     "get_stats",
+    "rendered_task",
     "task_decorator_factory",
     "use_server_connections",
 ]

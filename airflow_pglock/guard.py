@@ -182,7 +182,7 @@ def busy_error(hook: AdvisoryLockHook, key: LockKey, timeout: float | None, logg
     except (PgLockError, psycopg.Error) as error:
         logger.warning("pglock could not read the holders of %s: %s", key.describe(), error)
         holders = []
-    who = describe_holders(holders, dt.datetime.now(dt.UTC), nobody="a session that released it since")
+    who = describe_holders(holders, dt.datetime.now(dt.timezone.utc), nobody="a session that released it since")
     waited = f" after waiting {timeout:g} s" if timeout is not None else ""
     return LockBusyError(f"{key.describe()} is held by {who}{waited}", key, holders)
 

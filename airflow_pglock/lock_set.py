@@ -44,7 +44,7 @@ class SubLock:
     def __init__(self, owner: LockSet, key: LockKey, shared: bool) -> None:
         self.key = key
         self.shared = shared
-        self.acquired_at = dt.datetime.now(dt.UTC)
+        self.acquired_at = dt.datetime.now(dt.timezone.utc)
         self._owner = owner
 
     @property

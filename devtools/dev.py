@@ -1,72 +1,221 @@
 #!/usr/bin/env python3
-"""Set up and run airflow-pglock's two commands with nothing but Python 3.11+.
+"""Set up and run airflow-pglock's commands with nothing but Python 3.11+.
 
     python3 devtools/dev.py demo    # two "deployments" run a guarded DAG at once
     python3 devtools/dev.py test    # the whole test suite (extra args go to pytest)
-    PGLOCK_AIRFLOW=2.11 python3 devtools/dev.py test    # the same suite on Airflow 2.11 (.venv-2.11)
+    python3 devtools/dev.py matrix  # the entry-point suite (pytest -m matrix) on one Airflow line / Python
     python3 devtools/dev.py lint    # ruff + mypy
     python3 devtools/dev.py bench   # benchmarks -> docs/benchmarks.md (a few minutes; needs redis-server)
+    python3 devtools/dev.py constraints   # re-resolve constraints/airflow-<line>[-py<X.Y>].txt in a fresh venv
+    python3 devtools/dev.py versions-doc  # matrix-results/*.json -> the table in docs/airflow-versions.md
 
-The first run creates .venv and installs the provider (editable) with the pinned
-versions in constraints/airflow-3.3.txt; later runs reuse it until pyproject.toml or
-the constraints change. Standard library only: it runs before anything is installed.
+Which Airflow and which Python (any command):
+
+    PGLOCK_AIRFLOW=2.11|3.0|3.1|3.2|3.3   the Airflow line (default 3.3)
+    PGLOCK_PYTHON=3.10|3.11|3.12|3.13     the interpreter (default: the python3 running this script),
+                                          found as pythonX.Y under $PYENV_ROOT/versions or on PATH
+
+The default (3.3, this python3) lives in .venv, every other combination in its own
+.venv-<line>[-py<X.Y>], installed (editable) with the pinned versions of
+constraints/airflow-<line>-py<X.Y>.txt if that file exists, else constraints/airflow-<line>.txt.
+A venv is reinstalled when pyproject.toml or its constraints change. A full `test` run and
+every `matrix` run record which feature passed in matrix-results/ (read by versions-doc).
+Standard library only: it runs before anything is installed.
 """
 
 from __future__ import annotations
 
+import glob
 import hashlib
+import json
 import os
+import shutil
 import subprocess
 import sys
-import venv
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-AIRFLOW_LINE = os.environ.get("PGLOCK_AIRFLOW", "3.3")
-# One virtualenv per Airflow line: .venv for the default (3.3), .venv-<line> for the others.
-VENV = Path(os.environ.get("PGLOCK_VENV", ROOT / (".venv" if AIRFLOW_LINE == "3.3" else f".venv-{AIRFLOW_LINE}")))
-CONSTRAINTS = ROOT / "constraints" / f"airflow-{AIRFLOW_LINE}.txt"
+DEFAULT_LINE = "3.3"
+#: The Airflow release each line is tested on (the newest patch; `pip index versions apache-airflow`).
+RELEASES = {"2.11": "2.11.2", "3.0": "3.0.6", "3.1": "3.1.8", "3.2": "3.2.2", "3.3": "3.3.2"}
+#: Pins the resolver needs help with when `constraints` re-resolves a line, and why.
+RESOLVER_PINS: dict[str, tuple[str, ...]] = {
+    # Airflow 3.0.6 resolved alone takes fastapi 0.165 / cadwyn 9 / pydantic 2.14, and every
+    # task fails in the execution API ("Remote server returned validation error": the body
+    # "should be a valid dictionary"). The FastAPI stack of its time runs it.
+    "3.0": ("fastapi[standard]==0.116.1", "cadwyn==5.4.4", "pydantic==2.11.7", "svcs==25.1.0"),
+    # Airflow 3.2.2 resolved alone takes fastapi 0.165 (every task fails: "PydanticUserError:
+    # Model 'TITerminalStatePayload' needs a discriminator field", with any pydantic 2.11 - 2.14)
+    # and svcs 26 (its lifespan never sets app.state.svcs_registry: "KeyError: 'svcs_registry'").
+    "3.2": ("fastapi==0.150.0", "svcs==25.1.0"),
+}
+#: The Pythons the package admits (pyproject's requires-python and classifiers).
+PYTHONS = ("3.10", "3.11", "3.12", "3.13")
+AIRFLOW_LINE = os.environ.get("PGLOCK_AIRFLOW", DEFAULT_LINE)
+PYTHON_VERSION = os.environ.get("PGLOCK_PYTHON") or f"{sys.version_info.major}.{sys.version_info.minor}"
+OWN_PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}" == PYTHON_VERSION
+_SUFFIX = ("" if AIRFLOW_LINE == DEFAULT_LINE else f"-{AIRFLOW_LINE}") + ("" if OWN_PYTHON else f"-py{PYTHON_VERSION}")
+VENV = Path(os.environ.get("PGLOCK_VENV", ROOT / f".venv{_SUFFIX}"))
+LINE_CONSTRAINTS = ROOT / "constraints" / f"airflow-{AIRFLOW_LINE}.txt"
+PYTHON_CONSTRAINTS = ROOT / "constraints" / f"airflow-{AIRFLOW_LINE}-py{PYTHON_VERSION}.txt"
+CONSTRAINTS = PYTHON_CONSTRAINTS if PYTHON_CONSTRAINTS.exists() else LINE_CONSTRAINTS
+RESULTS = ROOT / "matrix-results"
+VERSIONS_DOC = ROOT / "docs" / "airflow-versions.md"
 EXTRAS = "test,docs"
 # The benchmark's extra packages (pyproject's `bench` extra), pinned for reproducible numbers.
 BENCH_PINS = ("PALs==0.4.0", "python-redis-lock==4.0.1", "redis==8.1.0", "pyinstrument==5.1.3")
+
+
+def find_interpreter() -> Path:
+    """The interpreter for PGLOCK_PYTHON: this one, a pyenv version, or pythonX.Y on PATH."""
+    if PYTHON_VERSION not in PYTHONS:
+        sys.exit(f"PGLOCK_PYTHON={PYTHON_VERSION}: airflow-pglock supports Python {', '.join(PYTHONS)}")
+    if OWN_PYTHON:
+        return Path(sys.executable)
+    pyenv_root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
+    pattern = pyenv_root / "versions" / f"{PYTHON_VERSION}.*" / "bin" / f"python{PYTHON_VERSION}"
+    candidates = sorted(glob.glob(str(pattern)))
+    on_path = shutil.which(f"python{PYTHON_VERSION}")
+    for candidate in [*reversed(candidates), *([on_path] if on_path else [])]:
+        probe = subprocess.run(
+            [candidate, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"], capture_output=True, text=True
+        )
+        if probe.returncode == 0 and probe.stdout.strip() == PYTHON_VERSION:
+            return Path(candidate)
+    sys.exit(
+        f"PGLOCK_PYTHON={PYTHON_VERSION}: no working python{PYTHON_VERSION} found (looked in "
+        f"{pyenv_root}/versions/{PYTHON_VERSION}.*/bin and on PATH); install it (e.g. `pyenv install {PYTHON_VERSION}`)"
+    )
 
 
 def _python() -> Path:
     return VENV / "bin" / "python"
 
 
-def _stamp() -> str:
+def _stamp(interpreter: Path) -> str:
     digest = hashlib.sha256()
     for path in (ROOT / "pyproject.toml", CONSTRAINTS):
         digest.update(path.read_bytes())
-    digest.update(sys.version.encode())
+    digest.update(str(interpreter).encode())
     return digest.hexdigest()
 
 
+def _create_venv(interpreter: Path, where: Path) -> Path:
+    print(f"[dev] creating {where} (Python {PYTHON_VERSION})", flush=True)
+    subprocess.run([str(interpreter), "-m", "venv", str(where)], check=True)
+    python = where / "bin" / "python"
+    pip = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "--upgrade", "pip"], check=True)
+    return python
+
+
 def ensure_environment() -> Path:
-    if sys.version_info < (3, 11):  # noqa: UP036 - this script runs on whatever python3 is first
-        sys.exit(f"airflow-pglock needs Python 3.11 or newer; this is {sys.version.split()[0]}")
+    if sys.version_info < (3, 11):
+        sys.exit(f"devtools/dev.py needs Python 3.11 or newer to run; this is {sys.version.split()[0]}")
+    if AIRFLOW_LINE not in RELEASES:
+        sys.exit(f"PGLOCK_AIRFLOW={AIRFLOW_LINE!r}: expected one of {', '.join(RELEASES)}")
     if not CONSTRAINTS.exists():
-        sys.exit(f"no constraints file for Airflow {AIRFLOW_LINE}: {CONSTRAINTS} (see PGLOCK_AIRFLOW)")
+        sys.exit(
+            f"no constraints file for Airflow {AIRFLOW_LINE}: {CONSTRAINTS.relative_to(ROOT)} "
+            f"(make it with `PGLOCK_AIRFLOW={AIRFLOW_LINE} python3 devtools/dev.py constraints`)"
+        )
+    interpreter = find_interpreter()
     stamp_file = VENV / ".pglock-installed"
-    if stamp_file.exists() and stamp_file.read_text() == _stamp() and _python().exists():
+    if stamp_file.exists() and stamp_file.read_text() == _stamp(interpreter) and _python().exists():
         return _python()
     if not _python().exists():
-        print(f"[dev] creating {VENV}", flush=True)
-        venv.EnvBuilder(with_pip=True, clear=False).create(VENV)
+        _create_venv(interpreter, VENV)
     print(f"[dev] installing airflow-provider-pglock[{EXTRAS}] with {CONSTRAINTS.name} (first run only)", flush=True)
     pip = [str(_python()), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "--upgrade", "pip"], check=True)
     subprocess.run([*pip, "-c", str(CONSTRAINTS), "-e", f"{ROOT}[{EXTRAS}]"], check=True, cwd=ROOT)
-    stamp_file.write_text(_stamp())
+    stamp_file.write_text(_stamp(interpreter))
     return _python()
 
 
+def regenerate_constraints() -> int:
+    """Resolve the line's newest Airflow + the provider's extras in a fresh venv and freeze it."""
+    if AIRFLOW_LINE not in RELEASES:
+        sys.exit(f"PGLOCK_AIRFLOW={AIRFLOW_LINE!r}: expected one of {', '.join(RELEASES)}")
+    interpreter = find_interpreter()
+    with tempfile.TemporaryDirectory(prefix="pglock-constraints-") as scratch:
+        python = _create_venv(interpreter, Path(scratch) / "venv")
+        pins = (f"apache-airflow=={RELEASES[AIRFLOW_LINE]}", *RESOLVER_PINS.get(AIRFLOW_LINE, ()))
+        print(f"[dev] resolving {', '.join(pins)} + airflow-provider-pglock[{EXTRAS}] (unconstrained)", flush=True)
+        pip = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
+        subprocess.run([*pip, *pins, "-e", f"{ROOT}[{EXTRAS}]"], check=True, cwd=ROOT)
+        frozen = subprocess.run(
+            [str(python), "-m", "pip", "freeze", "--exclude-editable"], check=True, capture_output=True, text=True
+        ).stdout
+    lines = sorted(
+        (line for line in frozen.splitlines() if line and not line.lower().startswith("airflow-provider-pglock")),
+        key=str.lower,
+    )
+    text = "\n".join(lines) + "\n"
+    target = LINE_CONSTRAINTS if OWN_PYTHON else PYTHON_CONSTRAINTS
+    if target == PYTHON_CONSTRAINTS and LINE_CONSTRAINTS.exists() and LINE_CONSTRAINTS.read_text() == text:
+        print(f"[dev] Python {PYTHON_VERSION} resolves the same pins as {LINE_CONSTRAINTS.name}: no separate file")
+        PYTHON_CONSTRAINTS.unlink(missing_ok=True)
+        return 0
+    target.write_text(text)
+    print(f"[dev] wrote {target.relative_to(ROOT)} ({len(lines)} pins); run the tests on it before committing")
+    return 0
+
+
+def _cell(features: dict[str, dict[str, str]], feature: str) -> str:
+    result = features.get(feature)
+    if result is None:
+        return "not run"
+    outcome = result["outcome"]
+    return {"passed": "✅ works", "absent": f"— {result.get('detail', 'absent')}", "failed": "❌ fails"}.get(
+        outcome, f"skipped ({result.get('detail', '')})"
+    )
+
+
+def render_versions_doc() -> int:
+    """The feature x (Airflow, Python) table in docs/airflow-versions.md, from matrix-results/*.json."""
+    runs = [json.loads(path.read_text()) for path in sorted(RESULTS.glob("*.json"))]
+    if not runs:
+        sys.exit(f"no results in {RESULTS.relative_to(ROOT)}/: run `python3 devtools/dev.py matrix` (or test) first")
+    runs.sort(key=lambda run: ([int(p) for p in run["airflow"].split(".")], [int(p) for p in run["python"].split(".")]))
+    labels: dict[str, str] = {}
+    for run in sorted(runs, key=lambda run: run["recorded"]):  # the newest run's wording wins
+        labels.update({feature: result["label"] for feature, result in run["features"].items()})
+
+    def row(cells: list[str]) -> str:
+        return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
+
+    header = ["feature", *(f"Airflow {run['airflow']}<br>Python {run['python']}" for run in runs)]
+    rows = [
+        row(header),
+        "|" + "---|" * len(header),
+        *(row([label, *(_cell(run["features"], feature) for run in runs)]) for feature, label in labels.items()),
+        row(["suite", *(f"{run['suite']}: {run['passed']} passed, {run['failed']} failed" for run in runs)]),
+        row(["recorded", *(f"{run['recorded']} ({run['duration_s']} s)" for run in runs)]),
+    ]
+    start, end = "<!-- matrix:start -->", "<!-- matrix:end -->"
+    doc = VERSIONS_DOC.read_text()
+    if start not in doc or end not in doc:
+        sys.exit(f"{VERSIONS_DOC.relative_to(ROOT)} has no {start} ... {end} markers")
+    head, rest = doc.split(start, 1)
+    tail = rest.split(end, 1)[1]
+    note = "<!-- generated by `python3 devtools/dev.py versions-doc` from matrix-results/: do not edit -->"
+    generated = "\n".join(["", note, *rows, ""])
+    VERSIONS_DOC.write_text(f"{head}{start}{generated}{end}{tail}")
+    print(f"[dev] {VERSIONS_DOC.relative_to(ROOT)}: {len(labels)} features x {len(runs)} runs")
+    return 0
+
+
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in {"demo", "test", "lint", "bench"}:
+    commands = {"demo", "test", "matrix", "lint", "bench", "constraints", "versions-doc"}
+    if not argv or argv[0] not in commands:
         print(__doc__)
         return 2
     command, rest = argv[0], argv[1:]
+    if command == "constraints":
+        return regenerate_constraints()
+    if command == "versions-doc":
+        return render_versions_doc()
     python = str(ensure_environment())
     env = dict(os.environ)
     if command == "demo":
@@ -83,6 +232,13 @@ def main(argv: list[str]) -> int:
         ruff = subprocess.call([python, "-m", "ruff", "check", "airflow_pglock", "tests", "devtools", "dags"], cwd=ROOT)
         mypy = subprocess.call([python, "-m", "mypy"], cwd=ROOT)
         return ruff or mypy
+    if command == "matrix":
+        env.setdefault("PGLOCK_MATRIX_RESULTS", str(RESULTS))
+        env["PGLOCK_MATRIX_SUITE"] = "matrix"
+        return subprocess.call([python, "-m", "pytest", "-m", "matrix", *rest], cwd=ROOT, env=env)
+    if not rest:  # the whole suite records its matrix features too
+        env.setdefault("PGLOCK_MATRIX_RESULTS", str(RESULTS))
+        env["PGLOCK_MATRIX_SUITE"] = "full suite"
     return subprocess.call([python, "-m", "pytest", *rest], cwd=ROOT, env=env)
 
 

@@ -37,6 +37,7 @@ from devtools.pgcluster import Cluster  # noqa: E402
 from tests.helpers import TEST_CONN_ID, wait_until_no_sessions  # noqa: E402
 
 TEST_DATABASE = "pglock_tests"
+pytest_plugins = ["tests.matrix"]  # records which public feature passed on this Airflow / Python
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

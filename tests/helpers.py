@@ -112,18 +112,29 @@ def write_dag(source: str, dag_id: str) -> Path:
     return path
 
 
+def failure_reasons_reach_the_test_log() -> bool:
+    """Whether a task's failure exception (not the provider's own log lines) reaches the test's output.
+
+    Airflow 3.0's dag.test() prints a failed task's exception only as a boxed traceback whose
+    lines are wrapped at the terminal width, so a whole message is never on one line there.
+    """
+    from airflow_pglock.compat import AIRFLOW_VERSION
+
+    return AIRFLOW_VERSION != (3, 0)
+
+
 @contextlib.contextmanager
 def _task_log_printed_once() -> Iterator[None]:
-    """Airflow 2's dag.test() adds a stdout handler to ``airflow.task``, which also propagates to
-    the root console handler: every task log line would reach stdout twice (Airflow 3 prints
-    once). On 2.x: no propagation during the run, and the handler (bound to this test's stdout)
-    is removed afterwards so that the next run adds a fresh one.
+    """The dag.test() of Airflow 2 and 3.0 adds a stdout handler to ``airflow.task``, which also
+    propagates to the root console handler: every task log line would reach stdout twice
+    (Airflow 3.1+ prints once). There: no propagation during the run, and the handler (bound
+    to this test's stdout) is removed afterwards so that the next run adds a fresh one.
     """
-    from airflow_pglock.compat import AIRFLOW_V_3_PLUS
+    from airflow_pglock.compat import AIRFLOW_VERSION
 
     task_logger = logging.getLogger("airflow.task")
     propagate, handlers = task_logger.propagate, list(task_logger.handlers)
-    if not AIRFLOW_V_3_PLUS:
+    if AIRFLOW_VERSION < (3, 1):
         task_logger.propagate = False
     try:
         yield

@@ -30,8 +30,12 @@ ELSEWHERE: dict[str, tuple[str, str, str]] = {
 def __getattr__(name: str) -> Any:
     if name in ELSEWHERE:
         three, two, two_name = ELSEWHERE[name]
-        module, attribute = (three, name) if AIRFLOW_V_3_PLUS else (two, two_name)
-        return getattr(importlib.import_module(module), attribute)
+        if AIRFLOW_V_3_PLUS:
+            try:
+                return getattr(importlib.import_module(three), name)
+            except (ModuleNotFoundError, AttributeError):  # Airflow 3.0, 3.1: still in the 2.x home
+                pass
+        return getattr(importlib.import_module(two), two_name)
     if AIRFLOW_V_3_PLUS:
         return getattr(importlib.import_module("airflow.sdk"), name)
     homes = AIRFLOW_2_HOMES["airflow.sdk"]

@@ -347,7 +347,7 @@ class HeldLock:
     connection: psycopg.Connection[Any]
     server: ServerInfo
     hook: AdvisoryLockHook
-    acquired_at: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.UTC))
+    acquired_at: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.timezone.utc))
     acquired_monotonic: float = field(default_factory=time.monotonic)
     released: bool = False
     xact_id: int | None = None

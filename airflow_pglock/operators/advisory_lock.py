@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from airflow_pglock.compat import BaseOperator, Context, MappedOperator, TaskDeferred
+from airflow_pglock.compat import BaseOperator, Context, MappedOperator, TaskDeferred, rendered_task
 from airflow_pglock.exceptions import LockConfigurationError, LockLostError
 from airflow_pglock.guard import LockHandle
 from airflow_pglock.options import LockOptions, LockSpec
@@ -49,7 +49,7 @@ class OperatorGuard:
         :param context: the task context; its ``task`` is the operator copy to run.
         :param kwargs: passed on to the operator's ``execute`` (Airflow 2's task runner adds a marker).
         """
-        task = context["task"]  # the copy the task runner executes, template fields rendered
+        task = rendered_task(context)  # the copy the task runner executes, template fields rendered
         try:
             rendered = render_lock_options(self.spec, context)
         except LockConfigurationError as error:

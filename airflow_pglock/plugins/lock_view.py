@@ -25,6 +25,8 @@ from typing import Any
 from airflow.configuration import conf
 from airflow.plugins_manager import AirflowPlugin
 
+from airflow_pglock.compat import HAS_UI_PAGE
+
 URL_PREFIX = "/pglock"
 DEFAULT_REFRESH_SECONDS = 5
 LOCK_ICON = (
@@ -201,8 +203,13 @@ def _external_views() -> list[dict[str, Any]]:
 
 
 class PgLockPlugin(AirflowPlugin):
-    """Registers the advisory-lock page (through the provider's ``plugins`` entry and ``airflow.plugins``)."""
+    """Registers the advisory-lock page (through the provider's ``plugins`` entry and ``airflow.plugins``).
+
+    Empty before Airflow 3.1 (no ``external_views`` there): the page is absent, the CLI and
+    the API stay available.
+    """
 
     name = "pglock"
-    fastapi_apps = [{"app": LazyApp(create_app), "url_prefix": URL_PREFIX, "name": "airflow-pglock advisory locks"}]
-    external_views = _external_views()
+    if HAS_UI_PAGE:
+        fastapi_apps = [{"app": LazyApp(create_app), "url_prefix": URL_PREFIX, "name": "airflow-pglock advisory locks"}]
+        external_views = _external_views()

@@ -119,7 +119,7 @@ class AdvisoryLockSensor(BaseSensorOperator):
         if not blocking_holders(holders, self.shared):
             self.log.info("pglock sensor: %s is free%s", key.describe(), " for a shared lock" if self.shared else "")
             return True
-        self._last_holders = describe_holders(holders, dt.datetime.now(dt.UTC))
+        self._last_holders = describe_holders(holders, dt.datetime.now(dt.timezone.utc))
         self.log.info("pglock waiting: %s is held by %s", key.describe(), self._last_holders)
         return False
 

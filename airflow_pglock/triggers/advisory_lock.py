@@ -127,7 +127,7 @@ class AdvisoryLockTrigger(BaseTrigger):
                 self.log.error("pglock trigger: %s", message)
                 yield TriggerEvent({"status": ERROR, "error_type": type(error).__name__, "message": message})
                 return
-            now = dt.datetime.now(dt.UTC)
+            now = dt.datetime.now(dt.timezone.utc)
             if not blocking_holders(holders, self.shared):
                 yield TriggerEvent({"status": FREE, "message": f"{key} is free"})
                 return

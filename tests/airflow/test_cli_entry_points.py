@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from airflow_pglock.compat import AIRFLOW_VERSION
+from airflow_pglock.compat import HAS_PROVIDER_CLI, PROVIDER_CLI_SINCE
 from airflow_pglock.keys import LockKey
 from tests.ops_helpers import dsn_uri, hold, run_console_script, scratch_database
 
@@ -30,6 +30,7 @@ def ops_dsn(pg_server: str) -> Iterator[str]:
         yield dsn
 
 
+@pytest.mark.matrix("console-script")
 def test_console_script_reads_a_metadata_db_connection(airflow_db: Path, ops_dsn: str) -> None:
     from airflow.models import Connection
     from airflow.utils.session import create_session
@@ -54,8 +55,9 @@ def test_console_script_reads_a_metadata_db_connection(airflow_db: Path, ops_dsn
     assert run_console_script("locks", "--output", "yaml").code == 2
 
 
+@pytest.mark.matrix("cli-group", since=PROVIDER_CLI_SINCE)
 @pytest.mark.skipif(
-    AIRFLOW_VERSION < (3, 2),
+    not HAS_PROVIDER_CLI,
     reason="`airflow pglock` comes from the provider's 'cli' entry, which Airflow reads from 3.2",
 )
 def test_airflow_pglock_group(ops_dsn: str) -> None:

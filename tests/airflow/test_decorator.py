@@ -126,6 +126,7 @@ def settlements(admin: Any) -> Any:
     admin.execute("DROP TABLE settlements")
 
 
+@pytest.mark.matrix("task-session", "task-transaction", "tenant-arg")
 def test_guarded_dag(airflow_db: Any, holder_hook: AdvisoryLockHook, settlements: Any, capfd: Any) -> None:
     hook = holder_hook
     held = [

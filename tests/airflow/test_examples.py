@@ -17,6 +17,7 @@ DAGS = Path(__file__).resolve().parents[2] / "dags"
 ROOT = DAGS.parent
 
 
+@pytest.mark.matrix("examples")
 def test_example_dags_import_without_errors() -> None:
     from tests.sdk import DagBag
 

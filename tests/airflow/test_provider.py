@@ -11,6 +11,7 @@ import pytest
 pytestmark = pytest.mark.airflow
 
 
+@pytest.mark.matrix("provider")
 def test_providers_manager_knows_the_provider_and_its_decorator() -> None:
     from airflow.providers_manager import ProvidersManager
 
@@ -23,6 +24,7 @@ def test_providers_manager_knows_the_provider_and_its_decorator() -> None:
     assert decorators["advisory_lock"] is advisory_lock_task
 
 
+@pytest.mark.matrix("provider")
 def test_airflow_providers_list_shows_it(airflow_db: Any) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "airflow", "providers", "list", "-o", "plain"], capture_output=True, text=True

@@ -33,7 +33,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from airflow_pglock.compat import AIRFLOW_VERSION
+from airflow_pglock.compat import HAS_UI_PAGE, UI_PAGE_SINCE
 from airflow_pglock.hooks.schema import migrate
 from airflow_pglock.keys import LockKey
 from devtools.browser import BrowserUnavailableError, find_chromium, headless_flags
@@ -44,7 +44,7 @@ from tests.ops_helpers import dsn_uri, scratch_database
 pytestmark = [
     pytest.mark.airflow,
     pytest.mark.slow,
-    pytest.mark.skipif(AIRFLOW_VERSION < (3, 1), reason="the Advisory locks UI page is an Airflow 3.1+ plugin"),
+    pytest.mark.skipif(not HAS_UI_PAGE, reason="the Advisory locks UI page is an Airflow 3.1+ plugin"),
 ]
 
 CONN_ID = "pglock_ui"
@@ -160,6 +160,7 @@ def api_server(airflow_db: Path, ui_db: str) -> Iterator[ApiServer]:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+@pytest.mark.matrix("ui-page", since=UI_PAGE_SINCE)
 def test_json_endpoint_needs_authentication_and_an_allowed_connection(api_server: ApiServer, ui_db: str) -> None:
     assert api_server.get("/pglock/api/locks")[0] == 401
     assert api_server.get("/pglock/locks")[0] == 401

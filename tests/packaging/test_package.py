@@ -72,7 +72,8 @@ def test_sdist_and_wheel_contents(artifacts: dict[str, Path]) -> None:
     assert "airflow_pglock/py.typed" in names
     # The metadata states the supported matrix.
     assert "Requires-Dist: apache-airflow>=2.11" in metadata
-    assert "Requires-Python: >=3.11" in metadata
+    assert "Requires-Python: >=3.10" in metadata
+    assert all(f"Classifier: Programming Language :: Python :: 3.{minor}" in metadata for minor in (10, 11, 12, 13))
     assert "Classifier: Framework :: Apache Airflow :: Provider" in metadata
     assert "provider_info = airflow_pglock.get_provider_info:get_provider_info" in entry_points
     assert "airflow-pglock = airflow_pglock.cli.main:main" in entry_points

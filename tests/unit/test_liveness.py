@@ -60,7 +60,7 @@ def test_session_locks_need_idle_session_timeout() -> None:
         server_addr="10.0.0.1",
         server_port=5432,
         in_recovery=False,
-        started_at=dt.datetime(2026, 1, 1, tzinfo=dt.UTC),
+        started_at=dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc),
     )
     hook = AdvisoryLockHook(dsn="postgresql://localhost/db")
     with pytest.raises(UnsafeSetupError, match="idle_session_timeout") as error:

@@ -52,7 +52,7 @@ def test_no_answer_reason_says_how_long_and_the_lease() -> None:
 
 
 def test_reason_refined_with_the_server_start_time() -> None:
-    before = dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.timezone.utc)  # noqa: UP017 - Python 3.10
+    before = dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.timezone.utc)
     later = before + dt.timedelta(minutes=5)
     assert loss.refine_with_server_start(loss.TERMINATED, None, before).startswith(
         "the PostgreSQL server shut down, crashed or is restarting"

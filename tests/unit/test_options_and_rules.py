@@ -22,7 +22,7 @@ PRIMARY = ServerInfo(
     server_addr="10.0.0.1",
     server_port=5432,
     in_recovery=False,
-    started_at=dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc),  # noqa: UP017 (dt.UTC is Python 3.11+)
+    started_at=dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc),
 )
 
 

@@ -1,0 +1,108 @@
+"""The version matrix: which public feature each test shows working, recorded per Airflow line and Python.
+
+A test that shows a feature carries ``@pytest.mark.matrix("<feature>")``; ``pytest -m matrix``
+(``python3 devtools/dev.py matrix``) runs exactly those tests. A feature that needs a newer
+Airflow also has a test of its absence on older lines; both carry ``since=(major, minor)``,
+and on an older line the feature is recorded as absent when that test passed.
+
+When ``PGLOCK_MATRIX_RESULTS`` names a directory (``devtools/dev.py`` sets it for ``matrix``
+and for a full ``test`` run), the session writes ``airflow-<line>-py<X.Y>.json`` there;
+``python3 devtools/dev.py versions-doc`` renders them into docs/airflow-versions.md.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import time
+from collections.abc import Generator
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+#: feature id -> what the versions page calls it (in this order).
+FEATURES: dict[str, str] = {
+    "provider": "provider registers (`airflow providers list`, `@task.advisory_lock`)",
+    "task-session": "`@task.advisory_lock`: runs when free, skips when busy (session mode)",
+    "task-transaction": '`@task.advisory_lock(mode="transaction")`',
+    "tenant-arg": "`tenant_arg` on a mapped task",
+    "guarded": "`guarded(BashOperator(...))`",
+    "sensor-poke": "`AdvisoryLockSensor` (poke, reschedule)",
+    "sensor-deferrable": "`AdvisoryLockSensor(deferrable=True)`",
+    "branch": "`@advisory_lock` under `@task.branch`",
+    "every-entry-point": "one DAG file using every entry point parses and runs",
+    "examples": "the example DAGs in `dags/` parse",
+    "console-script": "`airflow-pglock` console script (locks, key, doctor, init-db)",
+    "cli-group": "`airflow pglock ...` (Airflow 3.2+)",
+    "ui-page": "Browse → Advisory locks page (Airflow 3.1+)",
+}
+
+_outcomes: dict[str, list[tuple[str, str]]] = {}
+_since: dict[str, tuple[int, int]] = {}
+_totals = {"passed": 0, "failed": 0, "skipped": 0}
+_started = time.monotonic()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        for marker in item.iter_markers("matrix"):
+            unknown = [feature for feature in marker.args if feature not in FEATURES]
+            if unknown or not marker.args:
+                expected = ", ".join(FEATURES)
+                given = unknown or "none"
+                raise pytest.UsageError(f"{item.nodeid}: matrix features {given}, expected some of: {expected}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: Any) -> Generator[None, Any, None]:
+    outcome = yield
+    report = outcome.get_result()
+    decisive = report.when == "call" or (report.when == "setup" and not report.passed) or report.failed
+    if not decisive:
+        return
+    result = "failed" if report.failed else "skipped" if report.skipped else "passed"
+    _totals[result] += 1
+    reason = str(report.longrepr[2]) if report.skipped and isinstance(report.longrepr, tuple) else ""
+    for marker in item.iter_markers("matrix"):
+        for feature in marker.args:
+            _outcomes.setdefault(feature, []).append((result, reason.removeprefix("Skipped: ")))
+            if "since" in marker.kwargs:
+                _since[feature] = tuple(marker.kwargs["since"])  # type: ignore[assignment]
+
+
+def _summary(feature: str, airflow: tuple[int, int]) -> dict[str, str]:
+    results = _outcomes[feature]
+    entry = {"label": FEATURES[feature]}
+    if any(result == "failed" for result, _ in results):
+        return {**entry, "outcome": "failed"}
+    if any(result == "passed" for result, _ in results):
+        since = _since.get(feature)
+        if since is not None and airflow < since:
+            return {**entry, "outcome": "absent", "detail": f"absent (needs Airflow {since[0]}.{since[1]})"}
+        return {**entry, "outcome": "passed"}
+    return {**entry, "outcome": "skipped", "detail": results[0][1]}
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    directory = os.environ.get("PGLOCK_MATRIX_RESULTS")
+    if not directory or not _outcomes:
+        return
+    airflow_version = version("apache-airflow")
+    airflow = tuple(int(part) for part in airflow_version.split(".")[:2])
+    python = platform.python_version()
+    record = {
+        "airflow": airflow_version,
+        "python": python,
+        "suite": os.environ.get("PGLOCK_MATRIX_SUITE", "pytest -m matrix"),
+        "recorded": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "duration_s": round(time.monotonic() - _started),
+        **_totals,
+        "features": {feature: _summary(feature, airflow) for feature in FEATURES if feature in _outcomes},  # type: ignore[arg-type]
+    }
+    path = Path(directory) / f"airflow-{airflow[0]}.{airflow[1]}-py{'.'.join(python.split('.')[:2])}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n")
