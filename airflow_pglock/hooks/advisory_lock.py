@@ -31,6 +31,7 @@ from airflow_pglock.exceptions import (
 )
 from airflow_pglock.hooks import connection as connection_settings
 from airflow_pglock.hooks import server as server_rules
+from airflow_pglock.hooks import wakeups
 from airflow_pglock.hooks.connection import ConnectionSettings, redact
 from airflow_pglock.hooks.holders import LockHolder, aread_holders, read_holders
 from airflow_pglock.hooks.server import MIN_SERVER_VERSION, Scope, ServerInfo
@@ -507,8 +508,14 @@ class AdvisoryLockHook(BaseHook):
             )
 
     def unlock(self, conn: psycopg.Connection[Any], key: LockKey, *, shared: bool = False) -> bool:
-        """``pg_advisory_unlock[_shared]``: True if this session held the key."""
-        row = conn.execute(self._call(self._function("pg_advisory_unlock", shared), key), key.numbers).fetchone()
+        """``pg_advisory_unlock[_shared]``: True if this session held the key.
+
+        The same statement announces the release to waiting triggers (``pg_notify``, see
+        :mod:`~airflow_pglock.hooks.wakeups`): no extra round trip.
+        """
+        unlock = self._call(self._function("pg_advisory_unlock", shared), key)
+        statement = sql.SQL("{}, pg_notify({}, %s)").format(unlock, sql.Literal(wakeups.RELEASED_CHANNEL))
+        row = conn.execute(statement, [*key.numbers, wakeups.payload(key)]).fetchone()
         return bool(row and row[0])
 
     def is_held(
