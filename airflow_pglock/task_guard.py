@@ -104,8 +104,9 @@ def run_guarded(
     if policy.on_busy == "defer":
         deadline = time.time() + float(policy.wait_timeout or 0) if deadline is None else float(deadline)
         if time.time() >= deadline:  # the last try: busy now ends the wait
-            policy = dataclasses.replace(policy, on_busy="fail" if spec.on_wait_timeout == "fail" else "skip")
-            policy = dataclasses.replace(policy, wait_timeout=None)
+            policy = dataclasses.replace(
+                policy, on_busy="fail" if spec.on_wait_timeout == "fail" else "skip", wait_timeout=None
+            )
 
     def work_with_token(handle: LockHandle) -> T:
         if handle.fencing_token is not None:
@@ -180,6 +181,13 @@ def defer_until_released(
     # No Airflow deferral timeout: it would fail the task; the trigger's deadline ends the wait instead.
     context["task"].defer(trigger=trigger, method_name=RESUME_METHOD, kwargs={"deadline": deadline})
     raise AssertionError("defer() returned")  # pragma: no cover - defer always raises TaskDeferred
+
+
+def resume_deadline(event: Any, deadline: float | None) -> float | None:
+    """The deadline a deferred task resumes with: its deferral kwargs, else the trigger's event."""
+    if deadline is None and isinstance(event, Mapping) and isinstance(event.get("deadline"), int | float):
+        return float(event["deadline"])
+    return deadline
 
 
 def fail_for_configuration(spec: LockSpec, error: BaseException, logger: Any) -> NoReturn:

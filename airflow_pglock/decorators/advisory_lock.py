@@ -14,6 +14,7 @@ from airflow_pglock.task_guard import (
     guard_callable,
     hand_over_lock,
     refuse_lock_argument,
+    resume_deadline,
     run_guarded,
     tenant_from_arguments,
 )
@@ -75,7 +76,7 @@ class _AdvisoryLockDecoratedOperator(DecoratedOperator, PythonOperator):
         :param event: the trigger's event (free, timeout or error: the new try finds out itself).
         :param deadline: the UNIX time the whole wait ends.
         """
-        return self._execute_guarded(context, deadline=deadline)
+        return self._execute_guarded(context, deadline=resume_deadline(event, deadline))
 
     def _execute_guarded(self, context: Context, deadline: float | None) -> Any:
         rendered = {name: getattr(self, f"lock_{name}") for name in TEMPLATED}

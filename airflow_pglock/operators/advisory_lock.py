@@ -23,7 +23,13 @@ from airflow_pglock.compat import BaseOperator, Context, MappedOperator, TaskDef
 from airflow_pglock.exceptions import LockConfigurationError, LockLostError
 from airflow_pglock.guard import LockHandle
 from airflow_pglock.options import LockOptions, LockSpec
-from airflow_pglock.task_guard import RESUME_METHOD, fail_for_configuration, render_lock_options, run_guarded
+from airflow_pglock.task_guard import (
+    RESUME_METHOD,
+    fail_for_configuration,
+    render_lock_options,
+    resume_deadline,
+    run_guarded,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -58,7 +64,7 @@ class OperatorGuard:
         :param event: the trigger's event (free, timeout or error: the new try finds out itself).
         :param deadline: the UNIX time the whole wait ends.
         """
-        return self._execute(context, {}, deadline=deadline)
+        return self._execute(context, {}, deadline=resume_deadline(event, deadline))
 
     def _execute(self, context: Context, kwargs: dict[str, Any], deadline: float | None) -> Any:
         task = context["task"]  # the copy the task runner executes, template fields rendered

@@ -36,6 +36,8 @@ CONNECT_TIMEOUT = 10
 class AdvisoryLockTrigger(BaseTrigger):
     """Fire once the key has no holder, or at the deadline, or on an error.
 
+    Every event carries the ``deadline`` (a deferred task resumes with it even where
+    Airflow drops the deferral's own kwargs: ``dag.test()`` on Airflow 3).
     Events: ``{"status": "free"}``; ``{"status": "timeout", "holders": ...}`` when the
     key is still held at ``deadline``; ``{"status": "error", "error_type": ...}`` when
     the lock database cannot be read. Each event has a ``message`` naming the key.
@@ -137,15 +139,16 @@ class AdvisoryLockTrigger(BaseTrigger):
                 )
                 free = await waiter.wait(remaining)
             if free:
-                yield TriggerEvent({"status": FREE, "message": f"{key} is free"})
+                yield TriggerEvent({"status": FREE, "message": f"{key} is free", "deadline": self.deadline})
                 return
             who = await self._holders_text()
             message = f"{key} is still held by {who} at the sensor's deadline"
-            yield TriggerEvent({"status": TIMEOUT, "holders": who, "message": message})
+            yield TriggerEvent({"status": TIMEOUT, "holders": who, "message": message, "deadline": self.deadline})
         except Exception as error:  # the hub's error (connection, settings): the task reports it
             message = f"could not read who holds {key} ({type(error).__name__}: {error})"
             self.log.error("pglock trigger: %s", message)
-            yield TriggerEvent({"status": ERROR, "error_type": type(error).__name__, "message": message})
+            event = {"status": ERROR, "error_type": type(error).__name__, "message": message, "deadline": self.deadline}
+            yield TriggerEvent(event)
 
     async def _holders_text(self) -> str:
         """Who holds the key now (for the deadline's message), on a short connection."""
@@ -160,4 +163,4 @@ class AdvisoryLockTrigger(BaseTrigger):
             )
         except Exception as error:  # the deadline passed either way; the names are a courtesy
             return f"a holder that could not be named ({type(error).__name__})"
-        return describe_holders(holders, dt.datetime.now(dt.UTC))
+        return describe_holders(holders, dt.datetime.now().astimezone())
