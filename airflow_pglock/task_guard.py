@@ -19,7 +19,7 @@ from typing import Any, NoReturn, TypeVar
 import jinja2
 import psycopg
 
-from airflow_pglock.compat import AirflowFailException, AirflowSkipException, get_current_context
+from airflow_pglock.compat import AirflowFailException, AirflowSkipException, TaskDeferred, get_current_context
 from airflow_pglock.exceptions import (
     AlreadyDoneError,
     InvalidLockKeyError,
@@ -88,10 +88,10 @@ def run_guarded(
 ) -> T:
     """Run ``work`` while holding the key of this task instance; map each outcome to Airflow's.
 
-    With ``on_busy="defer"`` a busy key defers the task (``context["task"].defer``) to the
-    triggerer until the key is released; the task resumes with :data:`RESUME_METHOD`,
-    which calls this again with the same ``deadline``. At the deadline the last try skips
-    (or fails: ``on_wait_timeout``).
+    With ``on_busy="defer"`` a busy key defers the task to the triggerer until the key is
+    released (``TaskDeferred``); the task resumes with :data:`RESUME_METHOD`, which calls
+    this again with the same ``deadline``. At the deadline the last try skips (or fails:
+    ``on_wait_timeout``).
 
     :param key: the rendered ``key`` option (None: the DAG id and task id).
     :param tenant: the rendered tenant (or the ``tenant_arg`` value), or None.
@@ -141,7 +141,7 @@ def run_guarded(
             raise AirflowSkipException(f"skipped: {refused}") from refused
         busy = refused
         if policy.on_busy == "defer" and deadline is not None:
-            defer_until_released(spec, context, guard.key, busy, deadline, logger)
+            defer_until_released(spec, guard.key, busy, deadline, logger)
         if policy.on_busy == "fail":
             reason = "at the deadline, on_wait_timeout='fail'" if spec.policy.on_busy == "defer" else "on_busy='fail'"
             raise AirflowFailException(f"{busy} ({reason})") from busy
@@ -161,7 +161,7 @@ def run_guarded(
 
 
 def defer_until_released(
-    spec: LockSpec, context: Mapping[str, Any], key: LockKey, busy: LockBusyError, deadline: float, logger: Any
+    spec: LockSpec, key: LockKey, busy: LockBusyError, deadline: float, logger: Any
 ) -> NoReturn:
     """Defer the task to the triggerer until ``key`` is released (or the deadline); it resumes with a new try."""
     from airflow_pglock.triggers.advisory_lock import DEFAULT_POLL_INTERVAL, AdvisoryLockTrigger
@@ -178,9 +178,9 @@ def defer_until_released(
         deadline=deadline,
         shared=spec.policy.shared,
     )
-    # No Airflow deferral timeout: it would fail the task; the trigger's deadline ends the wait instead.
-    context["task"].defer(trigger=trigger, method_name=RESUME_METHOD, kwargs={"deadline": deadline})
-    raise AssertionError("defer() returned")  # pragma: no cover - defer always raises TaskDeferred
+    # What task.defer() raises. No Airflow deferral timeout: it would fail the task; the
+    # trigger's deadline ends the wait instead.
+    raise TaskDeferred(trigger=trigger, method_name=RESUME_METHOD, kwargs={"deadline": deadline})
 
 
 def resume_deadline(event: Any, deadline: float | None) -> float | None:
