@@ -100,6 +100,13 @@ class WakeupHub:
         return min((w.poll_interval for ws in self.waiters.values() for w in ws), default=5.0)
 
     async def _serve(self) -> None:
+        try:
+            await self._connect_and_watch()
+        except Exception as error:  # anything unforeseen: the waiters report it instead of waiting forever
+            log.exception("pglock wakeups: stopped")
+            self._fail_all(error)
+
+    async def _connect_and_watch(self) -> None:
         hook = AdvisoryLockHook(self.postgres_conn_id, connect_timeout=self.connect_timeout)
         connected_once = False
         while self.waiters:
