@@ -48,11 +48,11 @@ from airflow_pglock.run_rules import RunRules, check_before_work, check_not_shar
 __all__ = ["LOST_SIGNAL", "LockGuard", "LockHandle", "LockPolicy", "OnBusy", "OnError", "OnLost"]
 
 T = TypeVar("T")
-OnBusy = Literal["skip", "fail", "wait"]
+OnBusy = Literal["skip", "fail", "wait", "defer"]
 OnLost = Literal["fail", "warn"]
 OnError = Literal["fail", "skip"]
 
-ON_BUSY_CHOICES: tuple[str, ...] = ("skip", "fail", "wait")
+ON_BUSY_CHOICES: tuple[str, ...] = ("skip", "fail", "wait", "defer")
 ON_LOST_CHOICES: tuple[str, ...] = ("fail", "warn")
 ON_ERROR_CHOICES: tuple[str, ...] = ("fail", "skip")
 MODE_CHOICES: tuple[str, ...] = ("session", "transaction")
@@ -72,8 +72,10 @@ class LockPolicy:
     :param mode: ``"session"`` (the lock spans any work) or ``"transaction"`` (the work
         runs inside the transaction that holds the lock, on the lock's connection).
     :param shared: take a shared lock (readers) instead of an exclusive one.
-    :param on_busy: ``"skip"``, ``"fail"`` or ``"wait"`` (up to ``wait_timeout``, then skip).
-    :param wait_timeout: seconds ``on_busy="wait"`` waits, enforced by the server.
+    :param on_busy: ``"skip"``, ``"fail"``, ``"wait"`` (up to ``wait_timeout``, then skip) or
+        ``"defer"`` (try once; the Airflow adapter defers the task to the triggerer when busy).
+    :param wait_timeout: seconds ``on_busy="wait"`` waits, enforced by the server (with
+        ``"defer"``: the whole wait across deferrals).
     :param on_lost: ``"fail"`` (interrupt the work, fail) or ``"warn"`` (log and go on).
     :param on_error: ``"fail"`` or ``"skip"`` when the lock database cannot be used.
     """
@@ -92,15 +94,17 @@ class LockPolicy:
         _check_choice("on_error", self.on_error, ON_ERROR_CHOICES)
         if not isinstance(self.shared, bool):
             raise LockConfigurationError(f"shared must be True or False, got {self.shared!r}")
-        if self.on_busy == "wait":
+        if self.on_busy in ("wait", "defer"):
             timeout = self.wait_timeout
             if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
                 raise LockConfigurationError(
-                    "on_busy='wait' needs wait_timeout, a positive number of seconds (the wait is bounded); "
-                    f"got {timeout!r}"
+                    f"on_busy={self.on_busy!r} needs wait_timeout, a positive number of seconds (the wait is "
+                    f"bounded); got {timeout!r}"
                 )
         elif self.wait_timeout is not None:
-            raise LockConfigurationError(f"wait_timeout={self.wait_timeout!r} only applies with on_busy='wait'")
+            raise LockConfigurationError(
+                f"wait_timeout={self.wait_timeout!r} only applies with on_busy='wait' or on_busy='defer'"
+            )
 
 
 class LockHandle:
@@ -262,7 +266,8 @@ class LockGuard:
             self.held = self._acquire()
         except LockBusyError as busy:
             self.refusal = busy
-            self._report("failed" if self.policy.on_busy == "fail" else "skipped", detail=f"busy: {busy}")
+            outcome = {"fail": "failed", "defer": "deferred"}.get(self.policy.on_busy, "skipped")
+            self._report(outcome, detail=f"busy: {busy}")
             raise
         except (PgLockError, psycopg.Error) as error:
             self._report("failed", detail=f"{type(error).__name__}: {error}")

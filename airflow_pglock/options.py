@@ -18,7 +18,7 @@ import inspect
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Annotated, Any, TypedDict
+from typing import Annotated, Any, Literal, TypedDict
 
 from airflow_pglock.exceptions import InvalidLockKeyError, LockConfigurationError, UnknownLockOptionError
 from airflow_pglock.guard import LockPolicy, OnBusy, OnError, OnLost
@@ -59,9 +59,12 @@ class LockOptions(TypedDict, total=False):
     shared: Annotated[bool, Option(False)]
     """Take a shared lock instead of an exclusive one."""
     on_busy: Annotated[OnBusy, Option("skip")]
-    """``"skip"`` (default), ``"fail"`` or ``"wait"`` (then ``wait_timeout``)."""
+    """``"skip"`` (default), ``"fail"``, ``"wait"`` (hold a worker slot and wait) or ``"defer"`` (free the
+    worker slot and wait in the triggerer; woken when the key is released): both need ``wait_timeout``."""
     wait_timeout: Annotated[Seconds | None, Option(None)]
-    """Seconds (or timedelta) to wait with ``on_busy="wait"``."""
+    """Seconds (or timedelta) to wait with ``on_busy="wait"`` or ``"defer"`` (the whole wait)."""
+    on_wait_timeout: Annotated[Literal["skip", "fail"], Option("skip")]
+    """``"skip"`` (default) or ``"fail"`` when the key is still busy after ``wait_timeout``."""
     on_lost: Annotated[OnLost, Option("fail")]
     """``"fail"`` (default) or ``"warn"`` when the lock is lost mid-run."""
     on_error: Annotated[OnError, Option("fail")]
@@ -119,6 +122,7 @@ class LockSpec:
     :param tenant_arg: name of the function argument whose value is the tenant.
     :param min_interval: seconds; skip while the key's last completion is more recent.
     :param fencing: issue a fencing token per acquisition (handle and XCom).
+    :param on_wait_timeout: ``"skip"`` or ``"fail"`` when the key is still busy after ``wait_timeout``.
     :param templated: the options rendered at run time (key, tenant, once_per), as written.
     """
 
@@ -129,6 +133,7 @@ class LockSpec:
     min_interval: float | None = None
     fencing: bool = False
     templated: Mapping[str, Any] = field(default_factory=dict)
+    on_wait_timeout: str = "skip"
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], *, declaration: type, caller: str) -> LockSpec:
@@ -165,6 +170,10 @@ class LockSpec:
             Liveness(lease)
         except ValueError as error:
             raise LockConfigurationError(str(error)) from None
+        if given["on_wait_timeout"] not in ("skip", "fail"):
+            raise LockConfigurationError(f"on_wait_timeout must be 'skip' or 'fail'; got {given['on_wait_timeout']!r}")
+        if given["on_wait_timeout"] != "skip" and policy.on_busy not in ("wait", "defer"):
+            raise LockConfigurationError("on_wait_timeout only applies with on_busy='wait' or on_busy='defer'")
         interval = seconds(given["min_interval"], "min_interval")
         check_key_spec(given["key"], given["tenant"])
         check_once_per(given["once_per"])
@@ -179,6 +188,7 @@ class LockSpec:
             min_interval=interval,
             fencing=given["fencing"],
             templated={name: given[name] for name in TEMPLATED},
+            on_wait_timeout=given["on_wait_timeout"],
         )
 
     def hook(self) -> AdvisoryLockHook:

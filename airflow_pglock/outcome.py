@@ -1,6 +1,6 @@
 """The one outcome line (and metric) of a guarded execution.
 
-``pglock outcome=<completed|skipped|failed|lost> <key> mode=... database=... server=...
+``pglock outcome=<completed|skipped|deferred|failed|lost> <key> mode=... database=... server=...
 pid=... waited=...s held=...s - <detail>``: exactly one per execution, whatever happens.
 """
 
@@ -74,7 +74,7 @@ class OutcomeLine:
         if detail:
             parts.append(f"- {detail}")
         line = " ".join(part for part in parts if part)
-        if (outcome == "completed" and not detail) or outcome == "skipped":
+        if (outcome == "completed" and not detail) or outcome in {"skipped", "deferred"}:
             self.log.info(line)
         else:
             self.log.error(line) if outcome in {"failed", "lost"} else self.log.warning(line)

@@ -8,8 +8,10 @@ the author asked), lost -> failed.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
+import time
 from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any, NoReturn, TypeVar
@@ -17,7 +19,7 @@ from typing import Any, NoReturn, TypeVar
 import jinja2
 import psycopg
 
-from airflow_pglock.compat import AirflowFailException, AirflowSkipException, get_current_context
+from airflow_pglock.compat import AirflowFailException, AirflowSkipException, TaskDeferred, get_current_context
 from airflow_pglock.exceptions import (
     AlreadyDoneError,
     InvalidLockKeyError,
@@ -40,6 +42,9 @@ FENCING_TOKEN_XCOM_KEY = "pglock_fencing_token"
 
 #: A protected function that declares a parameter with this name receives the LockHandle.
 LOCK_HANDLE_PARAM = "lock"
+
+#: The method a task deferred by ``on_busy="defer"`` resumes with (it tries the key again).
+RESUME_METHOD = "pglock_resume"
 
 #: The held lock of the guarded work running in this context (see :func:`hand_over_lock`).
 _HELD: ContextVar[LockHandle | None] = ContextVar("pglock_held", default=None)
@@ -79,15 +84,29 @@ def run_guarded(
     key: KeySpec,
     tenant: Any,
     once_per: Any = None,
+    deadline: float | None = None,
 ) -> T:
     """Run ``work`` while holding the key of this task instance; map each outcome to Airflow's.
+
+    With ``on_busy="defer"`` a busy key defers the task to the triggerer until the key is
+    released (``TaskDeferred``); the task resumes with :data:`RESUME_METHOD`, which calls
+    this again with the same ``deadline``. At the deadline the last try skips (or fails:
+    ``on_wait_timeout``).
 
     :param key: the rendered ``key`` option (None: the DAG id and task id).
     :param tenant: the rendered tenant (or the ``tenant_arg`` value), or None.
     :param once_per: the rendered ``once_per`` period, or None.
+    :param deadline: ``on_busy="defer"``: UNIX time the whole wait ends (None: this is the first try).
     """
     identity = task_identity(context)
     guard: LockGuard | None = None
+    policy = spec.policy
+    if policy.on_busy == "defer":
+        deadline = time.time() + float(policy.wait_timeout or 0) if deadline is None else float(deadline)
+        if time.time() >= deadline:  # the last try: busy now ends the wait
+            policy = dataclasses.replace(
+                policy, on_busy="fail" if spec.on_wait_timeout == "fail" else "skip", wait_timeout=None
+            )
 
     def work_with_token(handle: LockHandle) -> T:
         if handle.fencing_token is not None:
@@ -108,7 +127,7 @@ def run_guarded(
         guard = LockGuard(
             spec.hook(),
             lock_key,
-            spec.policy,
+            policy,
             application_name=identity.application_name(),
             logger=logger,
             rules=rules,
@@ -121,8 +140,13 @@ def run_guarded(
         if isinstance(refused, AlreadyDoneError):
             raise AirflowSkipException(f"skipped: {refused}") from refused
         busy = refused
-        if spec.policy.on_busy == "fail":
-            raise AirflowFailException(f"{busy} (on_busy='fail')") from busy
+        if policy.on_busy == "defer" and deadline is not None:
+            defer_until_released(spec, guard.key, busy, deadline, logger)
+        if policy.on_busy == "fail":
+            reason = "at the deadline, on_wait_timeout='fail'" if spec.policy.on_busy == "defer" else "on_busy='fail'"
+            raise AirflowFailException(f"{busy} ({reason})") from busy
+        if policy.on_busy == "wait" and spec.on_wait_timeout == "fail":
+            raise AirflowFailException(f"{busy} after wait_timeout (on_wait_timeout='fail')") from busy
         raise AirflowSkipException(f"skipped: {busy}") from busy
     except LockLostError:
         raise
@@ -134,6 +158,36 @@ def run_guarded(
         if guard is None or guard.held is None:  # the lock could not be taken: the lock database is the problem
             _skip_if_asked(spec, error, logger)
         raise
+
+
+def defer_until_released(
+    spec: LockSpec, key: LockKey, busy: LockBusyError, deadline: float, logger: Any
+) -> NoReturn:
+    """Defer the task to the triggerer until ``key`` is released (or the deadline); it resumes with a new try."""
+    from airflow_pglock.triggers.advisory_lock import DEFAULT_POLL_INTERVAL, AdvisoryLockTrigger
+
+    logger.info(
+        "pglock deferred: %s; waiting in the triggerer (no worker slot) until it is released, at most %.0f s more",
+        busy,
+        max(0.0, deadline - time.time()),
+    )
+    trigger = AdvisoryLockTrigger.for_key(
+        key,
+        postgres_conn_id=spec.postgres_conn_id,
+        poll_interval=DEFAULT_POLL_INTERVAL,
+        deadline=deadline,
+        shared=spec.policy.shared,
+    )
+    # What task.defer() raises. No Airflow deferral timeout: it would fail the task; the
+    # trigger's deadline ends the wait instead.
+    raise TaskDeferred(trigger=trigger, method_name=RESUME_METHOD, kwargs={"deadline": deadline})
+
+
+def resume_deadline(event: Any, deadline: float | None) -> float | None:
+    """The deadline a deferred task resumes with: its deferral kwargs, else the trigger's event."""
+    if deadline is None and isinstance(event, Mapping) and isinstance(event.get("deadline"), int | float):
+        return float(event["deadline"])
+    return deadline
 
 
 def fail_for_configuration(spec: LockSpec, error: BaseException, logger: Any) -> NoReturn:

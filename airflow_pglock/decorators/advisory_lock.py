@@ -14,6 +14,7 @@ from airflow_pglock.task_guard import (
     guard_callable,
     hand_over_lock,
     refuse_lock_argument,
+    resume_deadline,
     run_guarded,
     tenant_from_arguments,
 )
@@ -66,6 +67,18 @@ class _AdvisoryLockDecoratedOperator(DecoratedOperator, PythonOperator):
     __init__.__signature__ = signature_with_options(__init__, FunctionLockOptions)  # type: ignore[attr-defined]
 
     def execute(self, context: Context) -> Any:
+        return self._execute_guarded(context, deadline=None)
+
+    def pglock_resume(self, context: Context, event: Any = None, deadline: float | None = None) -> Any:
+        """Resume after ``on_busy="defer"``: try the key again (the trigger's ``event`` says why it fired).
+
+        :param context: the task context.
+        :param event: the trigger's event (free, timeout or error: the new try finds out itself).
+        :param deadline: the UNIX time the whole wait ends.
+        """
+        return self._execute_guarded(context, deadline=resume_deadline(event, deadline))
+
+    def _execute_guarded(self, context: Context, deadline: float | None) -> Any:
         rendered = {name: getattr(self, f"lock_{name}") for name in TEMPLATED}
         if self.lock_spec.tenant_arg is not None:
             try:
@@ -74,7 +87,9 @@ class _AdvisoryLockDecoratedOperator(DecoratedOperator, PythonOperator):
                 )
             except LockConfigurationError as error:  # a setting to fix: no retry
                 fail_for_configuration(self.lock_spec, error, self.log)
-        return run_guarded(self.lock_spec, context, lambda _: self._execute_function(context), self.log, **rendered)
+        return run_guarded(
+            self.lock_spec, context, lambda _: self._execute_function(context), self.log, deadline=deadline, **rendered
+        )
 
     def _execute_function(self, context: Context) -> Any:
         return super().execute(context)
@@ -120,6 +135,12 @@ def advisory_lock(python_callable: Callable[..., Any] | None = None, **options: 
     :param options: the lock options (:class:`~airflow_pglock.options.FunctionLockOptions`).
     """
     spec = LockSpec.from_options(options, declaration=FunctionLockOptions, caller="advisory_lock")
+    if spec.policy.on_busy == "defer":
+        raise LockConfigurationError(
+            "@advisory_lock(on_busy='defer') cannot defer: the task flavour above it (@task, @task.branch...) "
+            "owns the task and has no way to resume it. Use @task.advisory_lock(on_busy='defer', ...) or "
+            "guarded(operator, on_busy='defer', ...), or on_busy='wait' here"
+        )
 
     def decorate(function: Callable[..., Any]) -> Callable[..., Any]:
         if hasattr(function, "operator_class") or not callable(function):  # a @task-decorated function

@@ -21,6 +21,7 @@ import psycopg
 from psycopg import sql
 
 from airflow_pglock.exceptions import LockConfigurationError
+from airflow_pglock.hooks import wakeups
 from airflow_pglock.hooks.server import Scope, ServerInfo
 from airflow_pglock.keys import LockKey
 
@@ -189,7 +190,10 @@ def try_lock_many(conn: psycopg.Connection[Any], keys: list[LockKey], *, shared:
 
 
 def unlock_many(conn: psycopg.Connection[Any], keys: list[LockKey], *, shared: bool = False) -> list[bool]:
-    """``pg_advisory_unlock[_shared]`` for each key (as :func:`try_lock_many`); whether each was held."""
+    """``pg_advisory_unlock[_shared]`` for each key (as :func:`try_lock_many`); whether each was held.
+
+    Not announced to waiting triggers: they see these keys free at their next poll.
+    """
     return _for_each_key(conn, _function("pg_advisory_unlock", shared), keys)
 
 
@@ -209,8 +213,15 @@ def commit(conn: psycopg.Connection[Any]) -> None:
 
 
 def unlock(conn: psycopg.Connection[Any], key: LockKey, *, shared: bool = False) -> bool:
-    """``pg_advisory_unlock[_shared]``: True if this session held the key."""
-    row = conn.execute(_call(_function("pg_advisory_unlock", shared), key), key.numbers).fetchone()
+    """``pg_advisory_unlock[_shared]``: True if this session held the key.
+
+    The same statement announces the release to waiting triggers (``pg_notify``, see
+    :mod:`~airflow_pglock.hooks.wakeups`): no extra round trip.
+    """
+    statement = sql.SQL("{}, pg_notify({}, %s)").format(
+        _call(_function("pg_advisory_unlock", shared), key), sql.Literal(wakeups.RELEASED_CHANNEL)
+    )
+    row = conn.execute(statement, [*key.numbers, wakeups.payload(key)]).fetchone()
     return bool(row and row[0])
 
 

@@ -23,7 +23,13 @@ from airflow_pglock.compat import BaseOperator, Context, MappedOperator, TaskDef
 from airflow_pglock.exceptions import LockConfigurationError, LockLostError
 from airflow_pglock.guard import LockHandle
 from airflow_pglock.options import LockOptions, LockSpec
-from airflow_pglock.task_guard import fail_for_configuration, render_lock_options, run_guarded
+from airflow_pglock.task_guard import (
+    RESUME_METHOD,
+    fail_for_configuration,
+    render_lock_options,
+    resume_deadline,
+    run_guarded,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -49,6 +55,18 @@ class OperatorGuard:
         :param context: the task context; its ``task`` is the operator copy to run.
         :param kwargs: passed on to the operator's ``execute`` (Airflow 2's task runner adds a marker).
         """
+        return self._execute(context, kwargs, deadline=None)
+
+    def resume(self, context: Context, event: Any = None, deadline: float | None = None) -> Any:
+        """Resume after ``on_busy="defer"`` (the operator's ``pglock_resume``): try the key again.
+
+        :param context: the task context.
+        :param event: the trigger's event (free, timeout or error: the new try finds out itself).
+        :param deadline: the UNIX time the whole wait ends.
+        """
+        return self._execute(context, {}, deadline=resume_deadline(event, deadline))
+
+    def _execute(self, context: Context, kwargs: dict[str, Any], deadline: float | None) -> Any:
         task = rendered_task(context)  # the copy the task runner executes, template fields rendered
         try:
             rendered = render_lock_options(self.spec, context)
@@ -56,7 +74,12 @@ class OperatorGuard:
             fail_for_configuration(self.spec, error, task.log)
         try:
             return run_guarded(
-                self.spec, context, lambda handle: self._run(task, handle, context, kwargs), task.log, **rendered
+                self.spec,
+                context,
+                lambda handle: self._run(task, handle, context, kwargs),
+                task.log,
+                deadline=deadline,
+                **rendered,
             )
         except LockLostError:
             _stop_external_work(task)
@@ -108,6 +131,7 @@ def guarded(operator: OperatorT, **options: Unpack[LockOptions]) -> OperatorT:
     guard = OperatorGuard(spec=LockSpec.from_options(options, declaration=LockOptions, caller="guarded"))
     setattr(operator, GUARD_ATTRIBUTE, guard)
     operator.execute = guard.execute  # type: ignore[method-assign]
+    setattr(operator, RESUME_METHOD, guard.resume)  # where a task deferred by on_busy="defer" resumes
     return operator
 
 

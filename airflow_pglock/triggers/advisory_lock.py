@@ -1,36 +1,43 @@
 """AdvisoryLockTrigger: wait in the triggerer until an advisory lock key is free.
 
-It only reads ``pg_locks`` (through the hook's async holders query), never takes the
-key, and holds no connection between two polls. It carries no secret: its kwargs name
-the Airflow connection, which is resolved in the triggerer. Its deadline is absolute, so
-a trigger that is restarted or runs twice (triggerer failover) neither extends the
-wait nor changes the outcome.
+It only reads ``pg_locks``, never takes the key. All the triggers of a triggerer process
+that wait on the same lock database share one connection (:mod:`.wakeups`): it is woken
+the moment an airflow-pglock guard releases the key, and re-reads every waiting key once
+per ``poll_interval`` (holders that died or are not airflow-pglock). It carries no
+secret: its kwargs name the Airflow connection, which is resolved in the triggerer. Its
+deadline is absolute, so a trigger that is restarted or runs twice (triggerer failover)
+neither extends the wait nor changes the outcome.
+
+This module is imported on the triggerer's event loop: it imports nothing heavy (no
+driver, no hook); :meth:`AdvisoryLockTrigger.run` imports those in a worker thread.
 """
 
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
+import importlib
 import math
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-import psycopg
-
 from airflow_pglock.compat import BaseTrigger, TriggerEvent
-from airflow_pglock.exceptions import InvalidLockKeyError, LockConfigurationError, PgLockError
-from airflow_pglock.hooks.advisory_lock import DEFAULT_CONNECT_TIMEOUT, AdvisoryLockHook
-from airflow_pglock.hooks.holders import blocking_holders, describe_holders
+from airflow_pglock.exceptions import InvalidLockKeyError, LockConfigurationError
 from airflow_pglock.keys import LockKey
 
 #: ``event["status"]`` values.
 FREE, TIMEOUT, ERROR = "free", "timeout", "error"
+#: Default seconds between two reads of every waiting key (a release by airflow-pglock wakes at once).
+DEFAULT_POLL_INTERVAL = 5.0
+#: Seconds to wait for a connection (the hook's ``DEFAULT_CONNECT_TIMEOUT``; not imported, see above).
+CONNECT_TIMEOUT = 10
 
 
 class AdvisoryLockTrigger(BaseTrigger):
     """Fire once the key has no holder, or at the deadline, or on an error.
 
+    Every event carries the ``deadline`` (a deferred task resumes with it even where
+    Airflow drops the deferral's own kwargs: ``dag.test()`` on Airflow 3).
     Events: ``{"status": "free"}``; ``{"status": "timeout", "holders": ...}`` when the
     key is still held at ``deadline``; ``{"status": "error", "error_type": ...}`` when
     the lock database cannot be read. Each event has a ``message`` naming the key.
@@ -38,7 +45,7 @@ class AdvisoryLockTrigger(BaseTrigger):
     :param key_name: the key's human name (None for a bare numeric key).
     :param key_numbers: the key's numbers: ``[int64]`` or ``[int32, int32]``.
     :param postgres_conn_id: the Airflow connection of the lock database (resolved in the triggerer).
-    :param poll_interval: seconds between two reads of ``pg_locks``.
+    :param poll_interval: seconds between two reads of ``pg_locks`` when no release is announced.
     :param deadline: UNIX time after which a still-held key ends the wait (None: no deadline).
     :param shared: wait only for exclusive holders to go (the key is free for a shared lock).
     :param connect_timeout: seconds to wait for each connection.
@@ -50,10 +57,10 @@ class AdvisoryLockTrigger(BaseTrigger):
         key_name: str | None,
         key_numbers: Sequence[int],
         postgres_conn_id: str,
-        poll_interval: float = 60.0,
+        poll_interval: float = DEFAULT_POLL_INTERVAL,
         deadline: float | None = None,
         shared: bool = False,
-        connect_timeout: int = DEFAULT_CONNECT_TIMEOUT,
+        connect_timeout: int = CONNECT_TIMEOUT,
     ) -> None:
         super().__init__()
         numbers = list(key_numbers)
@@ -116,26 +123,44 @@ class AdvisoryLockTrigger(BaseTrigger):
         )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        """Poll ``pg_locks`` until the key is free, the deadline passes or the database fails."""
-        hook = AdvisoryLockHook(self.postgres_conn_id, connect_timeout=self.connect_timeout)
+        """Wait until the key is free (woken by its release, or seen at a poll), the deadline or an error."""
+        # psycopg and the hook are imported in a worker thread: an import on the loop blocks every trigger.
+        wakeups = await asyncio.to_thread(importlib.import_module, "airflow_pglock.triggers.wakeups")
         key = self.key.describe()
-        while True:
-            try:
-                holders = await hook.aholders(self.key)
-            except (PgLockError, psycopg.Error, OSError) as error:
-                message = f"could not read who holds {key} ({type(error).__name__}: {error})"
-                self.log.error("pglock trigger: %s", message)
-                yield TriggerEvent({"status": ERROR, "error_type": type(error).__name__, "message": message})
+        hub = wakeups.hub_for(self.postgres_conn_id, self.connect_timeout)
+        try:
+            async with hub.watch(self.key, shared=self.shared, poll_interval=self.poll_interval) as waiter:
+                remaining = None if self.deadline is None else self.deadline - time.time()
+                self.log.info(
+                    "pglock waiting: %s until it is free (woken when it is released; re-read every %g s%s)",
+                    key,
+                    self.poll_interval,
+                    "" if remaining is None else f"; deadline in {max(0.0, remaining):.0f} s",
+                )
+                free = await waiter.wait(remaining)
+            if free:
+                yield TriggerEvent({"status": FREE, "message": f"{key} is free", "deadline": self.deadline})
                 return
-            now = dt.datetime.now(dt.timezone.utc)
-            if not blocking_holders(holders, self.shared):
-                yield TriggerEvent({"status": FREE, "message": f"{key} is free"})
-                return
-            who = describe_holders(holders, now)
-            remaining = None if self.deadline is None else self.deadline - time.time()
-            if remaining is not None and remaining <= 0:
-                message = f"{key} is still held by {who} at the sensor's deadline"
-                yield TriggerEvent({"status": TIMEOUT, "holders": who, "message": message})
-                return
-            self.log.info("pglock waiting: %s is held by %s", key, who)
-            await asyncio.sleep(self.poll_interval if remaining is None else min(self.poll_interval, remaining))
+            who = await self._holders_text()
+            message = f"{key} is still held by {who} at the sensor's deadline"
+            yield TriggerEvent({"status": TIMEOUT, "holders": who, "message": message, "deadline": self.deadline})
+        except Exception as error:  # the hub's error (connection, settings): the task reports it
+            message = f"could not read who holds {key} ({type(error).__name__}: {error})"
+            self.log.error("pglock trigger: %s", message)
+            event = {"status": ERROR, "error_type": type(error).__name__, "message": message, "deadline": self.deadline}
+            yield TriggerEvent(event)
+
+    async def _holders_text(self) -> str:
+        """Who holds the key now (for the deadline's message), on a short connection."""
+        import datetime as dt
+
+        from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+        from airflow_pglock.hooks.holders import describe_holders
+
+        try:
+            holders = await AdvisoryLockHook(self.postgres_conn_id, connect_timeout=self.connect_timeout).aholders(
+                self.key
+            )
+        except Exception as error:  # the deadline passed either way; the names are a courtesy
+            return f"a holder that could not be named ({type(error).__name__})"
+        return describe_holders(holders, dt.datetime.now().astimezone())

@@ -27,6 +27,7 @@ PROCESSES = (
     ("api-server", ("api-server", "--apps", "execution", "--workers", "1", "--host", "127.0.0.1")),
     ("scheduler", ("scheduler",)),
     ("dag-processor", ("dag-processor",)),
+    ("triggerer", ("triggerer",)),  # started only by the tests that defer (start_triggerer)
 )
 
 
@@ -91,11 +92,21 @@ class Deployment:
         self._spawn("scheduler")
         self._spawn("dag-processor")
 
+    def start_triggerer(self) -> None:
+        """``airflow triggerer`` (deferred tasks wait in it); a restart appends to the same log."""
+        self._spawn("triggerer")
+
+    def kill(self, role: str) -> None:
+        """SIGKILL one process and what it forked (a crash, not a shutdown)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.processes[role].pid, signal.SIGKILL)
+        self.processes[role].wait(timeout=30)
+
     def _spawn(self, role: str) -> None:
         args = dict(PROCESSES)[role]
         if role == "api-server":
             args = (*args, "--port", str(self.api_port))
-        with open(self.home / f"{role}.log", "wb") as log:  # the child keeps its own descriptor
+        with open(self.home / f"{role}.log", "ab") as log:  # the child keeps its own descriptor
             self.processes[role] = subprocess.Popen(
                 [sys.executable, "-m", "airflow", *args],
                 env=self.env,

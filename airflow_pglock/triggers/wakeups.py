@@ -1,0 +1,165 @@
+"""Wake-ups for waiting triggers: one listening connection per triggerer process and lock database.
+
+Every :class:`~airflow_pglock.triggers.advisory_lock.AdvisoryLockTrigger` of a process
+that waits on the same Airflow connection registers its key with one :class:`WakeupHub`.
+The hub keeps one connection that ``LISTEN`` s for released keys (a guard announces its
+release in its unlock statement) and re-checks a key when it is announced; once per poll
+interval it re-checks every waiting key in one statement, which covers holders that
+died or are not airflow-pglock. After (re)connecting it checks every key at once, so a
+restarted triggerer or lock database loses at most one poll interval, never the wake-up.
+
+Nothing here blocks the event loop: the Airflow connection is read in a worker thread
+(``AdvisoryLockHook.aconnect``), the rest is asyncio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import weakref
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import psycopg
+
+from airflow_pglock.exceptions import LockConfigurationError, PgLockError, UnsafeSetupError
+from airflow_pglock.hooks import wakeups
+from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+from airflow_pglock.hooks.wakeups import Coordinates
+from airflow_pglock.keys import LockKey
+
+log = logging.getLogger("airflow_pglock.wakeups")
+
+#: application_name of the hub's listening connection.
+WAKEUP_APPLICATION_NAME = "airflow-pglock wakeups"
+#: Seconds between two looks for announcements (and for keys that started waiting).
+LISTEN_SLICE = 0.1
+#: Seconds between two attempts to reconnect after the lock database went away.
+RECONNECT_DELAY = 1.0
+
+
+@dataclass(eq=False)
+class Waiter:
+    """One waiting trigger: its key, and events the hub sets."""
+
+    coordinates: Coordinates
+    shared: bool
+    poll_interval: float
+    checked: asyncio.Event = field(default_factory=asyncio.Event)
+    free: asyncio.Event = field(default_factory=asyncio.Event)
+    error: BaseException | None = None
+
+    async def wait(self, timeout: float | None) -> bool:
+        """True once the key is free; False at ``timeout`` (after at least one check). Raises the hub's error."""
+        await self.checked.wait()
+        if not self.free.is_set() and self.error is None and (timeout is None or timeout > 0):
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.free.wait(), timeout)
+        if self.error is not None:
+            raise self.error
+        return self.free.is_set()
+
+    def settle(self, held_exclusively: bool | None) -> None:
+        """The hub read the key: None (nobody holds it), True (held exclusively), False (held shared)."""
+        if held_exclusively is None or (self.shared and not held_exclusively):
+            self.free.set()
+        self.checked.set()
+
+
+class WakeupHub:
+    """The waiting keys of one event loop and one Airflow connection, and the connection that watches them."""
+
+    def __init__(self, postgres_conn_id: str, connect_timeout: int) -> None:
+        self.postgres_conn_id = postgres_conn_id
+        self.connect_timeout = connect_timeout
+        self.waiters: dict[Coordinates, set[Waiter]] = {}
+        self.pending: set[Coordinates] = set()
+        self._task: asyncio.Task[None] | None = None
+
+    @contextlib.asynccontextmanager
+    async def watch(self, key: LockKey, *, shared: bool, poll_interval: float) -> AsyncIterator[Waiter]:
+        """Register ``key`` while the block runs; the hub checks it at once, then on wake-ups and polls."""
+        waiter = Waiter(key.pg_locks, shared, poll_interval)
+        self.waiters.setdefault(waiter.coordinates, set()).add(waiter)
+        self.pending.add(waiter.coordinates)
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._serve(), name="pglock wakeups")
+        try:
+            yield waiter
+        finally:
+            same_key = self.waiters.get(waiter.coordinates)
+            if same_key is not None:
+                same_key.discard(waiter)
+                if not same_key:
+                    del self.waiters[waiter.coordinates]
+
+    @property
+    def poll_interval(self) -> float:
+        return min((w.poll_interval for ws in self.waiters.values() for w in ws), default=5.0)
+
+    async def _serve(self) -> None:
+        try:
+            await self._connect_and_watch()
+        except Exception as error:  # anything unforeseen: the waiters report it instead of waiting forever
+            log.exception("pglock wakeups: stopped")
+            self._fail_all(error)
+
+    async def _connect_and_watch(self) -> None:
+        hook = AdvisoryLockHook(self.postgres_conn_id, connect_timeout=self.connect_timeout)
+        connected_once = False
+        while self.waiters:
+            try:
+                conn = await hook.aconnect(WAKEUP_APPLICATION_NAME)
+            except (PgLockError, psycopg.Error, OSError) as error:
+                if not connected_once or isinstance(error, LockConfigurationError | UnsafeSetupError):
+                    self._fail_all(error)  # a setting to fix, or no database at all: the waiters report it
+                    return
+                log.warning("pglock wakeups: cannot reconnect to the lock database (%s); retrying", error)
+                await asyncio.sleep(RECONNECT_DELAY)
+                continue
+            connected_once = True
+            try:
+                async with conn:
+                    await wakeups.alisten(conn)
+                    self.pending |= set(self.waiters)  # anything released while we were away
+                    await self._watch(conn)
+            except (psycopg.Error, OSError) as error:
+                log.warning("pglock wakeups: lost the lock database connection (%s); reconnecting", error)
+                await asyncio.sleep(RECONNECT_DELAY)
+
+    async def _watch(self, conn: psycopg.AsyncConnection[object]) -> None:
+        next_poll = time.monotonic() + self.poll_interval
+        while self.waiters:
+            if time.monotonic() >= next_poll:
+                self.pending |= set(self.waiters)
+                next_poll = time.monotonic() + self.poll_interval
+            keys = self.pending & set(self.waiters)
+            self.pending.clear()
+            if keys:
+                held = await wakeups.aheld(conn, keys)
+                for coordinates in keys:
+                    for waiter in list(self.waiters.get(coordinates, ())):
+                        waiter.settle(held.get(coordinates))
+            async for notify in conn.notifies(timeout=LISTEN_SLICE, stop_after=1):
+                announced = wakeups.coordinates(notify.payload)
+                if announced is not None and announced in self.waiters:
+                    self.pending.add(announced)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for waiters in self.waiters.values():
+            for waiter in waiters:
+                waiter.error = error
+                waiter.checked.set()
+
+
+_HUBS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, int], WakeupHub]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def hub_for(postgres_conn_id: str, connect_timeout: int) -> WakeupHub:
+    """The hub of the running event loop for this Airflow connection (created on first use)."""
+    hubs = _HUBS.setdefault(asyncio.get_running_loop(), {})
+    return hubs.setdefault((postgres_conn_id, connect_timeout), WakeupHub(postgres_conn_id, connect_timeout))

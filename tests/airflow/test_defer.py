@@ -1,0 +1,124 @@
+"""on_busy="defer" in a real Airflow on a real PostgreSQL (dag.test() runs the trigger in line).
+
+A busy task defers, its trigger is woken by the holder's release (announced by the unlock
+statement) and the task tries again and runs; a key that stays held ends the whole wait
+as a skip, or a failure with on_wait_timeout="fail". The composable decorator refuses
+"defer" when the DAG is parsed. The real triggerer is in tests/e2e/test_defer_triggerer.py.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from airflow_pglock.exceptions import LockConfigurationError
+from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+from airflow_pglock.liveness import Liveness
+from tests.helpers import run_dag
+
+pytestmark = pytest.mark.airflow
+
+DEFER_DAG = '''
+import threading
+
+import pendulum
+from airflow.sdk import chain, dag, task
+
+from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+from airflow_pglock.operators.advisory_lock import guarded
+from tests.sdk import BashOperator
+
+CONN = "pglock_test"
+DONE = "all_done"
+
+
+def hold_for(name, seconds):
+    """Another session takes the key now; a threading.Timer releases it after `seconds`."""
+    held = AdvisoryLockHook(CONN).try_acquire(name, application_name="export holder")
+    assert held is not None, name
+    threading.Timer(seconds, held.release).start()
+
+
+@dag(dag_id="defer", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False)
+def defer():
+    @task
+    def hold_task_key():
+        hold_for("defer/task", 1.5)
+
+    @task.advisory_lock(key="defer/task", on_busy="defer", wait_timeout=120, postgres_conn_id=CONN,
+                        trigger_rule=DONE)
+    def after_holder():
+        return "ran"
+
+    @task(trigger_rule=DONE)
+    def hold_operator_key():
+        hold_for("defer/operator", 1.5)
+
+    @task.advisory_lock(key="defer/held", on_busy="defer", wait_timeout=2, postgres_conn_id=CONN,
+                        trigger_rule=DONE)
+    def deadline_skips():
+        return "never"
+
+    @task.advisory_lock(key="defer/held", on_busy="defer", wait_timeout=1, on_wait_timeout="fail",
+                        postgres_conn_id=CONN, trigger_rule=DONE)
+    def deadline_fails():
+        return "never"
+
+    chain(
+        hold_task_key(),
+        after_holder(),
+        hold_operator_key(),
+        guarded(BashOperator(task_id="operator_after_holder", bash_command="echo ran", trigger_rule=DONE),
+                key="defer/operator", on_busy="defer", wait_timeout=120, postgres_conn_id=CONN),
+        deadline_skips(),
+        deadline_fails(),
+    )
+
+
+defer_dag = defer()
+'''
+
+
+def test_defer_waits_in_the_trigger_and_runs_after_the_release(
+    airflow_db: Any, hook: AdvisoryLockHook, capfd: Any, caplog: Any
+) -> None:
+    holder = AdvisoryLockHook(dsn=hook.dsn, liveness=Liveness(lease=600))
+    held = holder.try_acquire("defer/held", application_name="nightly holder")
+    assert held is not None
+    try:
+        result = run_dag(DEFER_DAG, "defer")
+    finally:
+        held.release()
+    log = "".join(capfd.readouterr()) + caplog.text
+
+    assert result.states == {
+        ("hold_task_key", -1): "success",
+        ("after_holder", -1): "success",
+        ("hold_operator_key", -1): "success",
+        ("operator_after_holder", -1): "success",
+        ("deadline_skips", -1): "skipped",
+        ("deadline_fails", -1): "failed",
+    }, log[-5000:]
+    # It said that it deferred and who held the key, then acquired it and completed.
+    deferred = re.search(r"pglock deferred: .*key 'defer/task'.*export holder.*waiting in the triggerer", log)
+    assert deferred, log[-5000:]
+    assert re.search(r"pglock outcome=completed key 'defer/task'", log[deferred.end() :]), log[-5000:]
+    assert re.search(r"pglock deferred: .*key 'defer/operator'", log)
+    assert re.search(r"pglock outcome=completed key 'defer/operator'", log)
+    # At the deadline: the holder is named, then a skip (or the failure asked for).
+    assert re.search(r"pglock outcome=skipped key 'defer/held'.*nightly holder", log), log[-5000:]
+    assert "on_wait_timeout='fail'" in log
+
+
+def test_defer_needs_a_bounded_wait_and_a_flavour_that_can_resume(airflow_db: Any) -> None:
+    from airflow_pglock.decorators.advisory_lock import advisory_lock
+    from airflow_pglock.options import LockOptions, LockSpec
+
+    with pytest.raises(LockConfigurationError, match="on_busy='defer' needs wait_timeout"):
+        LockSpec.from_options({"on_busy": "defer"}, declaration=LockOptions, caller="guarded")
+    with pytest.raises(LockConfigurationError, match="on_wait_timeout only applies"):
+        LockSpec.from_options({"on_wait_timeout": "fail"}, declaration=LockOptions, caller="guarded")
+    with pytest.raises(LockConfigurationError, match=r"@advisory_lock\(on_busy='defer'\) cannot defer"):
+        advisory_lock(key="k", on_busy="defer", wait_timeout=10)

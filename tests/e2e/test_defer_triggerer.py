@@ -1,0 +1,151 @@
+"""on_busy="defer" and the deferrable sensor in a real ``airflow triggerer`` (Airflow 3).
+
+One deployment (api-server, scheduler with LocalExecutor, dag-processor, triggerer) with
+its metadata database in one PostgreSQL cluster and the lock database in another, so the
+lock database can restart alone. The test process holds the keys, as another deployment
+would. While the tasks wait in the triggerer: the triggerer is killed and restarted, then
+the lock database restarts (the holder takes its key back at once). Then the holder
+releases: the deferred task runs exactly once, the sensor succeeds, and the task whose
+key stays held ends as a skip at its deadline. The triggerer never warns that a trigger
+blocked its event loop, and all waiting triggers share one connection.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook, HeldLock
+from airflow_pglock.liveness import Liveness
+from devtools.pgcluster import Cluster, free_port
+from tests.conftest import AIRFLOW_HOME
+from tests.e2e.deployment import Deployment
+
+pytestmark = [pytest.mark.slow, pytest.mark.airflow]
+
+airflow_compat = pytest.importorskip("airflow_pglock.compat")
+if not airflow_compat.AIRFLOW_V_3_PLUS:
+    pytest.skip("drives Airflow 3 processes; 2.11 covers on_busy='defer' with dag.test()", allow_module_level=True)
+
+DAGS = Path(__file__).parent / "defer_dags"
+DEADLINE_SECONDS = 300
+BLOCKED_WARNING = "async thread was blocked"
+
+
+@pytest.fixture(scope="module")
+def clusters() -> Iterator[tuple[Cluster, Cluster]]:
+    with Cluster() as metadata, Cluster() as locks:
+        yield metadata, locks
+
+
+@pytest.fixture(scope="module")
+def deployment(clusters: tuple[Cluster, Cluster]) -> Iterator[Deployment]:
+    metadata, locks = clusters
+    with psycopg.connect(metadata.dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier("meta_defer")))
+    with psycopg.connect(locks.dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE e2e_defer_runs (task_id text, at timestamptz DEFAULT clock_timestamp())")
+    env = {"AIRFLOW_CONN_POSTGRES_DEFAULT": locks.dsn, "PGLOCK_E2E_DSN": locks.dsn}
+    home = AIRFLOW_HOME / "e2e-defer"
+    d = Deployment("D", home, metadata.dsn_for("meta_defer"), free_port(), DAGS, env)
+    d.home.mkdir(parents=True)
+    migrated = d.airflow("db", "migrate")
+    assert migrated.returncode == 0, migrated.stdout[-3000:] + migrated.stderr[-3000:]
+    try:
+        d.start_api_server()
+        d.start_scheduling()
+        d.start_triggerer()
+        yield d
+    finally:
+        d.stop()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def _states(d: Deployment) -> dict[str, str | None]:
+    return dict(d.query("SELECT task_id, state FROM task_instance WHERE dag_id = 'e2e_defer'"))  # type: ignore[arg-type]
+
+
+def _wait_for(d: Deployment, done: object, what: str) -> dict[str, str | None]:
+    deadline = time.monotonic() + DEADLINE_SECONDS
+    while time.monotonic() < deadline:
+        states = _states(d)
+        if callable(done) and done(states):
+            return states
+        d.check_alive()
+        time.sleep(0.5)
+    raise AssertionError(f"{what}: not reached after {DEADLINE_SECONDS} s: {_states(d)}\n{d.logs('triggerer')}")
+
+
+def _hold(hook: AdvisoryLockHook, key: str) -> HeldLock:
+    held = hook.try_acquire(key, application_name="other deployment")
+    assert held is not None, key
+    return held
+
+
+def _hold_again(hook: AdvisoryLockHook, key: str) -> HeldLock:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            return _hold(hook, key)
+        except Exception:  # the server is still starting
+            time.sleep(0.02)
+    raise AssertionError(f"could not take {key} back after the restart")
+
+
+def test_deferred_tasks_wait_in_the_triggerer_and_resume_after_the_release(
+    deployment: Deployment, clusters: tuple[Cluster, Cluster]
+) -> None:
+    _, locks = clusters
+    hook = AdvisoryLockHook(dsn=locks.dsn, liveness=Liveness(lease=600))
+    waiting, held = _hold(hook, "e2e/defer"), _hold(hook, "e2e/held")
+    try:
+        states = _wait_for(
+            deployment,
+            lambda s: s.get("after_holder") == "deferred"
+            and s.get("sensor") == "deferred"
+            and s.get("deadline") in ("skipped", "failed"),
+            "both waiting in the triggerer, the deadline passed",
+        )
+        assert states["deadline"] == "skipped"
+        with psycopg.connect(locks.dsn, autocommit=True) as conn:
+            watchers = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'airflow-pglock wakeups'"
+            ).fetchone()
+        assert watchers == (1,), watchers  # every waiting trigger of the process shares one connection
+
+        deployment.kill("triggerer")  # a crash mid-wait: the tasks stay deferred
+        deployment.start_triggerer()
+        time.sleep(5)
+        locks.restart()  # the lock database restarts mid-wait; the other deployment takes its keys back
+        waiting, held = _hold_again(hook, "e2e/defer"), _hold_again(hook, "e2e/held")
+
+        time.sleep(3)
+        states = _states(deployment)
+        assert states["after_holder"] == "deferred" and states["sensor"] == "deferred", states
+        released_at = time.monotonic()
+        waiting.release()  # announced in the unlock statement: the triggerer wakes the waiters
+        states = _wait_for(
+            deployment,
+            lambda s: s.get("after_holder") == "success" and s.get("sensor") == "success",
+            "resumed after the release",
+        )
+        print(f"e2e defer: both resumed and finished {time.monotonic() - released_at:.1f} s after the release")
+    finally:
+        waiting.release()
+        held.release()
+    with psycopg.connect(locks.dsn, autocommit=True) as conn:
+        runs = conn.execute("SELECT task_id FROM e2e_defer_runs").fetchall()
+    assert runs == [("after_holder",)]  # exactly once, triggerer crash and database restart included
+    log = deployment.logs("triggerer", tail=10**7)
+    assert "Starting the triggerer" in log or "triggerer" in log.lower()
+    assert BLOCKED_WARNING not in log, [line for line in log.splitlines() if BLOCKED_WARNING in line]
+    # The triggers' own lines go to the tasks' logs (the trigger part of each attempt's log).
+    task_logs = "".join(path.read_text(errors="replace") for path in (deployment.home / "logs").rglob("*.log*"))
+    assert "pglock waiting: key 'e2e/defer'" in task_logs
+    assert "pglock deferred: " in task_logs and "other deployment" in task_logs
