@@ -17,9 +17,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import psycopg
 
@@ -27,7 +26,6 @@ from airflow_pglock import loss
 from airflow_pglock.exceptions import (
     AlreadyDoneError,
     LockBusyError,
-    LockConfigurationError,
     LockLostError,
     LockLostInterrupt,
     PgLockError,
@@ -39,65 +37,15 @@ from airflow_pglock.identity import TaskIdentity
 from airflow_pglock.interruption import LOST_SIGNAL, Interruption, protect_clean_up
 from airflow_pglock.keys import LockKey
 from airflow_pglock.outcome import OutcomeContext, OutcomeLine
+from airflow_pglock.policy import LockPolicy, OnBusy, OnError, OnLost
 from airflow_pglock.registry import record_acquisition
 from airflow_pglock.run_rules import RunRules, check_before_work, check_not_shared, record_success
 
 __all__ = ["LOST_SIGNAL", "LockGuard", "LockHandle", "LockPolicy", "OnBusy", "OnError", "OnLost"]
 
 T = TypeVar("T")
-OnBusy = Literal["skip", "fail", "wait"]
-OnLost = Literal["fail", "warn"]
-OnError = Literal["fail", "skip"]
-
-ON_BUSY_CHOICES: tuple[str, ...] = ("skip", "fail", "wait")
-ON_LOST_CHOICES: tuple[str, ...] = ("fail", "warn")
-ON_ERROR_CHOICES: tuple[str, ...] = ("fail", "skip")
-MODE_CHOICES: tuple[str, ...] = ("session", "transaction")
 
 log = logging.getLogger("airflow_pglock")
-
-
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise LockConfigurationError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
-
-
-@dataclass(frozen=True)
-class LockPolicy:
-    """What a guarded execution does in each situation.
-
-    :param mode: ``"session"`` (the lock spans any work) or ``"transaction"`` (the work
-        runs inside the transaction that holds the lock, on the lock's connection).
-    :param shared: take a shared lock (readers) instead of an exclusive one.
-    :param on_busy: ``"skip"``, ``"fail"`` or ``"wait"`` (up to ``wait_timeout``, then skip).
-    :param wait_timeout: seconds ``on_busy="wait"`` waits, enforced by the server.
-    :param on_lost: ``"fail"`` (interrupt the work, fail) or ``"warn"`` (log and go on).
-    :param on_error: ``"fail"`` or ``"skip"`` when the lock database cannot be used.
-    """
-
-    mode: Scope = "session"
-    shared: bool = False
-    on_busy: OnBusy = "skip"
-    wait_timeout: float | None = None
-    on_lost: OnLost = "fail"
-    on_error: OnError = "fail"
-
-    def __post_init__(self) -> None:
-        _check_choice("mode", self.mode, MODE_CHOICES)
-        _check_choice("on_busy", self.on_busy, ON_BUSY_CHOICES)
-        _check_choice("on_lost", self.on_lost, ON_LOST_CHOICES)
-        _check_choice("on_error", self.on_error, ON_ERROR_CHOICES)
-        if not isinstance(self.shared, bool):
-            raise LockConfigurationError(f"shared must be True or False, got {self.shared!r}")
-        if self.on_busy == "wait":
-            timeout = self.wait_timeout
-            if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
-                raise LockConfigurationError(
-                    "on_busy='wait' needs wait_timeout, a positive number of seconds (the wait is bounded); "
-                    f"got {timeout!r}"
-                )
-        elif self.wait_timeout is not None:
-            raise LockConfigurationError(f"wait_timeout={self.wait_timeout!r} only applies with on_busy='wait'")
 
 
 class LockHandle:

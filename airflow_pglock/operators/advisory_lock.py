@@ -21,12 +21,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from airflow_pglock.compat import BaseOperator, Context, MappedOperator, TaskDeferred
 from airflow_pglock.exceptions import LockConfigurationError, LockLostError
-from airflow_pglock.guard import LockHandle
 from airflow_pglock.options import LockOptions, LockSpec
 from airflow_pglock.task_guard import fail_for_configuration, render_lock_options, run_guarded
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
+
+    from airflow_pglock.guard import LockHandle
 
 OperatorT = TypeVar("OperatorT", bound=BaseOperator)
 
