@@ -111,16 +111,12 @@ def headline(results: dict[str, Any]) -> str:
         )
     if "imports" in results:
         r = results["imports"]
-        from benchmarks.stats import Summary
-
-        extra = Summary.of(
-            [a + b for a, b in zip(r.samples[imports.STEPS[2][0]], r.samples[imports.STEPS[3][0]], strict=True)]
-        ).median
+        extra = r.over_bash()
         rows.append(
             [
-                "Import cost on top of airflow.sdk + @task",
+                "DAG parse-time imports, over another provider's decorator (@task.bash)",
                 f"< {imports.TARGET_SECONDS * 1000:.0f} ms",
-                f"{extra * 1000:.0f} ms",
+                f"{extra * 1000:.0f} ms (ours {r.ours().median * 1000:.0f} ms)",
                 "met" if extra < imports.TARGET_SECONDS else "**missed**",
             ]
         )
