@@ -83,7 +83,9 @@ class Heartbeat:
         return self._thread is not None and self._thread.is_alive()
 
     def _on_notice(self, diagnostic: psycopg.errors.Diagnostic) -> None:
-        if (diagnostic.sqlstate or "").startswith("57P"):
+        # A FATAL read by the socket watch (the server ending an idle session: terminated, the
+        # lease's timeout) comes as a notice too: libpq hands errors on an idle connection there.
+        if (diagnostic.sqlstate or "").startswith("57P") or diagnostic.severity_nonlocalized in ("FATAL", "PANIC"):
             self.server_notice = (diagnostic.sqlstate or "", diagnostic.message_primary or "")
 
     def describe_error(self, error: psycopg.Error) -> tuple[str, bool]:
@@ -127,11 +129,11 @@ class Heartbeat:
         if not conn.lock.acquire(blocking=False):
             return False
         try:
+            if conn.closed:
+                raise psycopg.OperationalError("the lock session's connection is closed")
             pgconn = conn.pgconn
             if pgconn.pipeline_status != psycopg.pq.PipelineStatus.OFF:
                 return False
-            if conn.closed:
-                raise psycopg.OperationalError("the lock session's connection is closed")
             try:
                 pgconn.consume_input()
                 pgconn.is_busy()  # parses what was read: a message sent unasked goes to the notice handler

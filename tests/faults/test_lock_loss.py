@@ -91,6 +91,7 @@ def test_terminated_session_fails_within_one_heartbeat(fault_server: FaultServer
     key = "fault-terminate"
     with Holder(HolderConfig(fault_server.dsn, key, lease=LEASE)) as holder:
         pid = holder.wait_for("acquired", 30)["backend_pid"]
+        time.sleep(0.2)  # into the work's loop: the loss is seen at once, it must land where the work can see it
         terminated = time.monotonic()
         assert fault_admin.execute("SELECT pg_terminate_backend(%s)", [pid]).fetchone() == (True,)
         interrupted = holder.wait_for("interrupted", INTERVAL + 5)
