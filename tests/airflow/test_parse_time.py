@@ -99,3 +99,10 @@ def test_a_bad_option_is_still_refused_at_parse_time(tmp_path: Path) -> None:
     )
     assert out.returncode != 0
     assert "on_busy must be one of" in out.stderr and "got 'sometimes'" in out.stderr
+
+
+def test_the_default_connection_id_is_the_hooks() -> None:
+    from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+    from airflow_pglock.options import DEFAULT_CONN_ID
+
+    assert AdvisoryLockHook.default_conn_name == DEFAULT_CONN_ID
