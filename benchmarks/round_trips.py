@@ -160,6 +160,20 @@ def render(result: RoundTripResult) -> str:
             ("ahead of pals NullPool on loopback", checks["pals"]),
         )
     ]
+    floor_flights, guard_flights = result.flights[FLOOR], result.flights[GUARD]
+    per_flight = Summary.of(result.delayed[FLOOR]).median / floor_flights
+    reading = (
+        f"Reading: through the relay a flight costs about {per_flight * 1000:.1f} ms on this machine, so the round "
+        f"trips alone would make the guard {guard_flights / floor_flights:.2f}x the floor; what it costs beyond that, "
+        "and what separates it on loopback from the hook forms that make the same flights, is CPU time in the guard "
+        "(the heartbeat thread, the interruption set-up, the outcome line), which a loaded 2-core machine magnifies."
+    )
+    delayed = paired_ratios(result.delayed, FLOOR)
+    if PALS in delayed and delayed[PALS].median > delayed[GUARD].median:
+        reading += (
+            " pals with NullPool makes the most flights (its engine's own start-up queries), which is why the guard "
+            "is ahead of it through the relay whatever the loopback ratio."
+        )
     return "\n".join(
         [
             "## 8. Round trips, and their cost on a network",
@@ -185,6 +199,8 @@ def render(result: RoundTripResult) -> str:
             ),
             "",
             *lines,
+            "",
+            reading,
             "",
             "The floor's 5 flights: SSL request, start-up (trust auth answers it in one flight), the try-lock, the "
             "unlock, the terminate message. A guarded execution adds, today: the server inspection (one statement: "

@@ -130,6 +130,7 @@ def test_terminated_session_interrupts_work_in_a_non_main_thread(fault_server: F
     key = "fault-terminate-thread"
     with Holder(HolderConfig(fault_server.dsn, key, lease=LEASE, in_thread=True)) as holder:
         pid = holder.wait_for("acquired", 30)["backend_pid"]
+        time.sleep(0.2)  # into the work's loop: the loss is seen at once, it must land where the work can see it
         terminated = time.monotonic()
         fault_admin.execute("SELECT pg_terminate_backend(%s)", [pid])
         interrupted = holder.wait_for("interrupted", INTERVAL + 5)
