@@ -5,7 +5,7 @@
 
 Starts its own PostgreSQL cluster, Redis server and (as root) network namespace, and
 stops them at the end. ``--sections`` picks a subset: overhead, imports, contention,
-recovery, scale, e2e, capacity.
+recovery, scale, e2e, capacity, round_trips.
 """
 
 from __future__ import annotations
