@@ -12,11 +12,12 @@ Airflow outcomes.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -30,12 +31,14 @@ from airflow_pglock.exceptions import (
     LockLostInterrupt,
     PgLockError,
 )
+from airflow_pglock.finish import finish_session, finish_transaction
 from airflow_pglock.heartbeat import Heartbeat
-from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook, HeldLock, LockHolder, Scope
+from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook, HeldLock, Scope
 from airflow_pglock.hooks.holders import describe_holders
 from airflow_pglock.identity import TaskIdentity
 from airflow_pglock.interruption import LOST_SIGNAL, Interruption, protect_clean_up
 from airflow_pglock.keys import LockKey
+from airflow_pglock.lock_set import AnyKey, LockSet, SubLock
 from airflow_pglock.outcome import OutcomeContext, OutcomeLine
 from airflow_pglock.policy import LockPolicy, OnBusy, OnError, OnLost
 from airflow_pglock.registry import record_acquisition
@@ -79,6 +82,31 @@ class LockHandle:
         self.server: str = held.server.server
         self.backend_pid: int = held.server.backend_pid
         self.connection: psycopg.Connection[Any] | None = held.connection if held.scope == "transaction" else None
+        self._keys = LockSet(held.connection, lost_reason, reserved=held.key, can_wait=held.scope == "session")
+
+    # Sub-keys on the task's own connection, covered by its heartbeat (see lock_set.LockSet).
+
+    def try_lock(self, key: AnyKey, shared: bool = False) -> contextlib.AbstractContextManager[SubLock | None]:
+        """Try once to take another key (e.g. a tenant) for a ``with`` block; None when busy."""
+        return self._keys.try_lock(key, shared)
+
+    def lock(
+        self, key: AnyKey, *, timeout: float, shared: bool = False
+    ) -> contextlib.AbstractContextManager[SubLock | None]:
+        """Wait at most ``timeout`` seconds (server-side) for another key; None if it ran out."""
+        return self._keys.lock(key, timeout=timeout, shared=shared)
+
+    def try_lock_many(self, keys: Iterable[AnyKey], shared: bool = False) -> list[SubLock]:
+        """Try many keys in one round trip; the ones taken (held until released or the task ends)."""
+        return self._keys.try_lock_many(keys, shared)
+
+    def release(self, *locks: SubLock | AnyKey) -> bool:
+        """Release sub-keys taken through this handle; whether each was still held."""
+        return self._keys.release(*locks)
+
+    def held(self) -> list[LockKey]:
+        """The sub-keys held now (not the task's own key)."""
+        return self._keys.held()
 
     @property
     def lost(self) -> str | None:
@@ -93,6 +121,18 @@ class LockHandle:
 
     def __repr__(self) -> str:
         return f"LockHandle({self.key.describe()}, mode={self.mode}, shared={self.shared})"
+
+
+def busy_error(hook: AdvisoryLockHook, key: LockKey, timeout: float | None, logger: Any) -> LockBusyError:
+    """The refusal for a busy key, naming who holds it (as far as the server can still tell)."""
+    try:
+        holders = hook.holders(key)
+    except (PgLockError, psycopg.Error) as error:
+        logger.warning("pglock could not read the holders of %s: %s", key.describe(), error)
+        holders = []
+    who = describe_holders(holders, dt.datetime.now(dt.UTC), nobody="a session that released it since")
+    waited = f" after waiting {timeout:g} s" if timeout is not None else ""
+    return LockBusyError(f"{key.describe()} is held by {who}{waited}", key, holders)
 
 
 class LockGuard:
@@ -207,21 +247,7 @@ class LockGuard:
         )
         if held is not None:
             return held
-        holders = self._holders_or_empty()
-        raise LockBusyError(self._busy_message(holders, timeout), self.key, holders)
-
-    def _holders_or_empty(self) -> list[LockHolder]:
-        try:
-            return self.hook.holders(self.key)
-        except (PgLockError, psycopg.Error) as error:
-            self.log.warning("pglock could not read the holders of %s: %s", self.key.describe(), error)
-            return []
-
-    def _busy_message(self, holders: list[LockHolder], timeout: float | None) -> str:
-        now = dt.datetime.now(dt.UTC)
-        who = describe_holders(holders, now, nobody="a session that released it since")
-        waited = f" after waiting {timeout:g} s" if timeout is not None else ""
-        return f"{self.key.describe()} is held by {who}{waited}"
+        raise busy_error(self.hook, self.key, timeout, self.log)
 
     def _log_acquired(self, held: HeldLock) -> None:
         self.log.info(
@@ -300,10 +326,11 @@ class LockGuard:
             self.interruption.disarm_absorbing()
             self._stop_heartbeat()
             lost = self.lost
+            record = lambda: record_success(self.rules, held, self.identity, self.fencing_token)  # noqa: E731
             if lost is None and held.scope == "transaction":
-                lost, commit_error = self._finish_transaction(held, exc_type is None)
+                lost, commit_error = finish_transaction(held, exc_type is None, record, self._describe_error)
             elif lost is None and not held.connection.closed:
-                lost, commit_error = self._finish_session(held, exc_type is None)
+                lost, commit_error = finish_session(held, exc_type is None, record, self._describe_error)
             elif lost is None:
                 lost = loss.CLOSED_AT_RELEASE
         except BaseException as interrupted:  # an asynchronous exception during the clean-up
@@ -341,44 +368,6 @@ class LockGuard:
         if self._heartbeat is not None:
             self._heartbeat.stop()
 
-    def _finish_transaction(self, held: HeldLock, succeeded: bool) -> tuple[str | None, BaseException | None]:
-        """Transaction mode: (loss found, error in finishing). Commits only if the work
-        succeeded and the session is still in the lock's transaction, holding the key."""
-        if not held.transaction_open:
-            return loss.ENDED_BY_WORK, None
-        if not succeeded:
-            return None, None  # closing the connection rolls the work back
-        try:
-            record = lambda: record_success(self.rules, held, self.identity, self.fencing_token)  # noqa: E731
-            if not held.commit_if_held(record):
-                return loss.ENDED_BY_WORK, None
-        except psycopg.Error as error:
-            if held.connection.closed or not loss.is_ordinary_error(getattr(error, "sqlstate", None)):
-                return loss.found_at_commit(self._describe_error(error)), None
-            return None, error
-        except PgLockError as error:
-            return None, error
-        return None, None
-
-    def _finish_session(self, held: HeldLock, succeeded: bool) -> tuple[str | None, BaseException | None]:
-        """Session mode: record the completion (only while the key is held), then unlock."""
-        commit_error: BaseException | None = None
-        lost: str | None = None
-        if succeeded:
-            try:
-                if not record_success(self.rules, held, self.identity, self.fencing_token):
-                    lost = loss.NOT_HELD_AT_COMPLETION
-            except (psycopg.Error, PgLockError) as error:
-                commit_error = error
-        try:
-            still_held = held.unlock_checked()
-        except psycopg.Error as error:
-            still_held = False
-            lost = self._describe_error(error)
-        if not still_held:
-            lost = loss.found_at_release(lost)
-        return lost, (None if lost is not None else commit_error)
-
     def _describe_error(self, error: psycopg.Error) -> str:
         if self._heartbeat is not None:
             return self._heartbeat.describe_error(error)[0]
@@ -401,4 +390,4 @@ class LockGuard:
             return f"conn id {self.hook.postgres_conn_id!r}"
 
 
-protect_clean_up(LockGuard.__exit__, LockGuard._abandon, LockGuard._finish_transaction, LockGuard._finish_session)
+protect_clean_up(LockGuard.__exit__, LockGuard._abandon, finish_transaction, finish_session)

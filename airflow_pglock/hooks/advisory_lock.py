@@ -1,9 +1,10 @@
-"""AdvisoryLockHook: the Airflow-facing entry point to the lock database, and the lock SQL.
+"""AdvisoryLockHook: the Airflow-facing entry point to the lock database.
 
 Every lock gets its own dedicated psycopg 3 connection, opened for it and closed after
 it (never a pooled one: ``pg_try_advisory_lock`` returns true again on a session that
 already holds the key, so a reused session would let two tasks "both" hold it). The
-other SQL of the provider lives next to it in ``hooks/``: the holders query
+lock statements and :class:`HeldLock` are in ``lock_session.py``; the other SQL of the
+provider lives next to it in ``hooks/``: the holders query
 (``holders.py``), the operators' views (``inspection.py``), the schema (``schema.py``,
 ``ledger.py``). Where the database is comes from ``connection.py``; whether the server
 at the other end is safe for a lock, from the rules in ``server.py``.
@@ -13,66 +14,63 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import select
-import time
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Literal, NoReturn
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import psycopg
 from psycopg import sql
 
 from airflow_pglock.compat import BaseHook
 from airflow_pglock.exceptions import (
+    LockBusyError,
     LockConfigurationError,
     LockConnectionError,
+    LockLostError,
     PgLockError,
     UnsafeSetupError,
 )
 from airflow_pglock.hooks import connection as connection_settings
+from airflow_pglock.hooks import lock_session
 from airflow_pglock.hooks import server as server_rules
 from airflow_pglock.hooks.connection import ConnectionSettings, redact
 from airflow_pglock.hooks.holders import LockHolder, aread_holders, read_holders
+from airflow_pglock.hooks.lock_session import (
+    HELD_CONDITION,
+    IN_LOCK_TRANSACTION,
+    HeldLock,
+    ProbeResult,
+    check_wait_timeout,
+    held_params,
+    held_sql,
+)
 from airflow_pglock.hooks.server import MIN_SERVER_VERSION, Scope, ServerInfo
 from airflow_pglock.keys import LockKey
 from airflow_pglock.liveness import IDLE_SESSION_TIMEOUT_VERSION, Liveness
 
-__all__ = ["MIN_SERVER_VERSION", "AdvisoryLockHook", "HeldLock", "LockHolder", "Scope", "ServerInfo", "redact"]
+if TYPE_CHECKING:
+    from airflow_pglock.guard import LockHandle, OnBusy, OnLost
+    from airflow_pglock.lock_set import LockSession
+
+__all__ = [
+    "HELD_CONDITION",
+    "IN_LOCK_TRANSACTION",
+    "MIN_SERVER_VERSION",
+    "AdvisoryLockHook",
+    "HeldLock",
+    "LockHolder",
+    "ProbeResult",
+    "Scope",
+    "ServerInfo",
+    "check_wait_timeout",
+    "held_params",
+    "held_sql",
+    "redact",
+]
 
 DEFAULT_CONNECT_TIMEOUT = 10
 #: application_name of the short sessions that only read who holds a key.
 INSPECT_APPLICATION_NAME = "pglock inspect"
-#: What a heartbeat found: the key is held; it is not; the protected work is using the
-#: connection (transaction mode: the session is busy, hence not idle); no answer in time.
-ProbeResult = Literal["held", "not held", "busy", "no answer"]
-# Whether a session ({0}) holds a key in this database: pg_locks, filtered to that pid.
-HELD_CONDITION = (
-    "EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND pid = {0}"
-    " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
-    " AND classid = {1}::oid AND objid = {2}::oid AND objsubid = {3}::int2 AND mode = {4} AND granted)"
-)
-# ...and, for a transaction lock, that the session is still in the transaction that took it
-# (a COMMIT then BEGIN on the lock's connection ends the lock; the key may even be taken
-# again in the new transaction, which is not the lock the guard holds).
-IN_LOCK_TRANSACTION = " AND txid_current_if_assigned() IS NOT DISTINCT FROM {0}::bigint"
-# The same seen from another session: the holder's current top-level transaction id (32 bits).
-_SIDE_IN_LOCK_TRANSACTION = (
-    " AND (SELECT backend_xid::text::bigint FROM pg_stat_activity WHERE pid = {0}) = mod({1}::bigint, 4294967296)"
-)
-
-
-def held_sql(pid: str, placeholders: tuple[str, str, str, str], xact: str | None) -> str:
-    """``SELECT <pid holds the key [in transaction xact]>`` with the given placeholders."""
-    condition = HELD_CONDITION.format(pid, *placeholders)
-    if xact is not None:
-        condition += IN_LOCK_TRANSACTION.format(xact)
-    return f"SELECT {condition}"
-
-
-def held_params(key: LockKey, shared: bool) -> list[Any]:
-    classid, objid, objsubid = key.pg_locks
-    return [classid, objid, objsubid, "ShareLock" if shared else "ExclusiveLock"]
-
 
 # The errors a server that only looks like PostgreSQL (PgBouncer's admin console, other
 # wire-compatible systems) answers to the inspection query.
@@ -84,127 +82,10 @@ _NOT_POSTGRES_ERRORS: tuple[type[psycopg.Error], ...] = (
 )
 
 
-def check_wait_timeout(timeout: object) -> None:
-    """Refuse a wait timeout that is not a positive number of seconds (LockConfigurationError)."""
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
-        raise LockConfigurationError(f"wait timeout must be a positive number of seconds, got {timeout!r}")
+class LockDatabase(BaseHook):
+    """Where the lock database is, and how a dedicated lock connection to it is opened.
 
-
-@dataclass
-class HeldLock:
-    """A lock held on its own dedicated connection. Release it (or let a context manager).
-
-    :param key: the key held.
-    :param shared: whether the lock is shared (readers) rather than exclusive.
-    :param scope: ``"session"`` or ``"transaction"``.
-    :param connection: the dedicated connection; in transaction scope, do your database
-        work on it: it runs inside the transaction that holds the lock.
-    :param server: what the connection found at the other end.
-    :param hook: the hook that took the lock (used to release it).
-    :param acquired_at: when the lock was taken (UTC).
-    :param acquired_monotonic: ``time.monotonic()`` at acquisition, for durations.
-    :param released: True once :meth:`release` ran.
-    :param xact_id: transaction scope: the id (``txid_current()``) of the transaction that
-        holds the lock; every later check verifies the session is still in it.
-    """
-
-    key: LockKey
-    shared: bool
-    scope: Scope
-    connection: psycopg.Connection[Any]
-    server: ServerInfo
-    hook: AdvisoryLockHook
-    acquired_at: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.UTC))
-    acquired_monotonic: float = field(default_factory=time.monotonic)
-    released: bool = False
-    xact_id: int | None = None
-
-    def is_held(self) -> bool:
-        """Ask the server whether this session still holds the key (a round trip).
-
-        False once the session has ended (the lease ran out while the connection sat idle,
-        the session was terminated, the connection broke): the server released the lock
-        with it. The reason is logged as a warning; the error never reaches the caller.
-        """
-        if self.connection.closed:
-            return False
-        try:
-            return self.hook.is_held(self.connection, self.key, self.shared, self.xact_id)
-        except psycopg.OperationalError as error:  # AdminShutdown, IdleSessionTimeout, a broken connection...
-            self.hook.log.warning(
-                "pglock %s is no longer held: its session ended (%s: %s)",
-                self.key.describe(),
-                type(error).__name__,
-                str(error).strip(),
-            )
-            self.connection.close()
-            return False
-
-    def release(self) -> bool:
-        """Release the lock and close its connection. Idempotent.
-
-        Returns whether the lock was really held until now (False when it had been lost,
-        e.g. the session was terminated, or when it was released already). A transaction
-        lock is released by the end of its transaction: here that is a rollback.
-        """
-        if self.released:
-            return False
-        self.released = True
-        was_held = False
-        try:
-            if self.scope == "session" and not self.connection.closed:
-                was_held = self.hook.unlock(self.connection, self.key, shared=self.shared)
-            elif self.scope == "transaction" and not self.connection.closed:
-                was_held = self.hook.is_held(self.connection, self.key, self.shared, self.xact_id)
-        except psycopg.Error:
-            was_held = False  # the connection broke: the server has dropped the lock with it
-        finally:
-            self.connection.close()
-        return was_held
-
-    @property
-    def held_seconds(self) -> float:
-        return time.monotonic() - self.acquired_monotonic
-
-    @property
-    def transaction_open(self) -> bool:
-        """Transaction scope: False once the lock's transaction was ended on its connection."""
-        return self.connection.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
-
-    def commit_if_held(self, record: Callable[[], bool]) -> bool:
-        """Transaction scope: commit the lock's transaction if the session is still in it and
-        holds the key; ``record()`` runs first, inside it (e.g. the completion record; it
-        returns False when it found the lock not held).
-
-        Returns False, committing nothing, when the lock was not held any more (the work
-        ended the transaction, or took the key again in another one). Raises the driver's
-        error when the session ended or the transaction was aborted (nothing committed).
-        """
-        status = self.connection.info.transaction_status
-        if status == psycopg.pq.TransactionStatus.IDLE:
-            return False
-        if status == psycopg.pq.TransactionStatus.INTRANS and not self.hook.is_held(
-            self.connection, self.key, self.shared, self.xact_id
-        ):
-            return False
-        if not record():
-            return False
-        self.hook.commit(self.connection)
-        return True
-
-    def unlock_checked(self) -> bool:
-        """Session scope: unlock (the connection stays open); whether the key was still held."""
-        return self.hook.unlock(self.connection, self.key, shared=self.shared)
-
-    def close(self) -> None:
-        """Close the connection: the session ends, an open transaction rolls back, the lock goes
-        with them. Idempotent; no check (see :meth:`release` for that)."""
-        self.released = True
-        self.connection.close()
-
-
-class AdvisoryLockHook(BaseHook):
-    """PostgreSQL advisory locks on dedicated connections, read from an Airflow connection.
+    The connection half of :class:`AdvisoryLockHook` (which adds the locks).
 
     Reads a standard Airflow Postgres connection (host, port, schema = database, login,
     password and libpq extras such as ``sslmode``, ``sslrootcert``, ``options``; IAM
@@ -351,18 +232,11 @@ class AdvisoryLockHook(BaseHook):
         """Whether ``held``'s session still holds its key (in its transaction), asked from a
         side connection: for when the lock's own connection is busy with the work (COPY,
         streaming). None when the server cannot be reached."""
-        pid = held.server.backend_pid
-        statement = "SELECT " + HELD_CONDITION.format("%s", "%s", "%s", "%s", "%s")
-        params: list[Any] = [pid, *held_params(held.key, held.shared)]
-        if held.xact_id is not None:
-            statement += _SIDE_IN_LOCK_TRANSACTION.format("%s", "%s")
-            params += [pid, held.xact_id]
         try:
             with self.side_connection() as conn:
-                row = conn.execute(statement, params).fetchone()  # type: ignore[arg-type]  # static SQL
+                return lock_session.held_seen_from_aside(conn, held)
         except (psycopg.OperationalError, PgLockError):
             return None
-        return bool(row and row[0])
 
     def inspect_server(self, conn: psycopg.Connection[Any]) -> ServerInfo:
         """Read what is at the other end of a lock connection, in one round trip."""
@@ -452,192 +326,30 @@ class AdvisoryLockHook(BaseHook):
             conn.close()
             raise
 
-    # ------------------------------------------------------------------ primitives
 
-    @staticmethod
-    def _call(function: str, key: LockKey) -> sql.Composed:
-        casts = [sql.SQL("%s::bigint")] if not key.is_pair else [sql.SQL("%s::integer")] * 2
-        return sql.SQL("SELECT {}({})").format(sql.Identifier(function), sql.SQL(", ").join(casts))
+class AdvisoryLockHook(LockDatabase):
+    """PostgreSQL advisory locks on dedicated connections, read from an Airflow connection.
 
-    @staticmethod
-    def _function(base: str, shared: bool) -> str:
-        return f"{base}_shared" if shared else base
+    The Airflow-facing entry point (``postgres_conn_id``, ``get_conn``, as the official
+    providers' hooks). :meth:`lock` holds a key for a ``with`` block with a heartbeat and
+    an error when the lock is lost; :meth:`try_acquire` / :meth:`acquire` return a
+    :class:`HeldLock` to release yourself; :meth:`holders` says who holds a key.
 
-    def try_lock(
-        self, conn: psycopg.Connection[Any], key: LockKey, *, shared: bool = False, scope: Scope = "session"
-    ) -> bool:
-        """One ``pg_try_advisory[_xact]_lock[_shared]`` on ``conn``; True if taken."""
-        base = "pg_try_advisory_lock" if scope == "session" else "pg_try_advisory_xact_lock"
-        row = conn.execute(self._call(self._function(base, shared), key), key.numbers).fetchone()
-        return bool(row and row[0])
+    :param postgres_conn_id: the Airflow connection id (conn type ``postgres``).
+    :param dsn: a libpq connection string or URI to use instead of an Airflow connection.
+    :param connect_timeout: seconds to wait for a connection (default 10; the
+        connection's own ``connect_timeout`` extra wins).
+    :param liveness: lease-derived liveness settings (default: a 30 s lease).
+    """
 
-    def wait_lock(
-        self,
-        conn: psycopg.Connection[Any],
-        key: LockKey,
-        timeout: float,
-        *,
-        shared: bool = False,
-        scope: Scope = "session",
-    ) -> bool:
-        """Wait at most ``timeout`` seconds for the key, enforced by the server (``lock_timeout``).
-
-        Returns False when the wait timed out; a timed-out wait holds nothing.
-        """
-        check_wait_timeout(timeout)
-        base = "pg_advisory_lock" if scope == "session" else "pg_advisory_xact_lock"
-        statement = self._call(self._function(base, shared), key)
-        timeout_ms = f"{max(1, round(timeout * 1000))}ms"
-        # lock_timeout bounds the wait; statement_timeout is lifted so that a shorter one set
-        # for the role cannot turn "still busy" into an error. Both are SET LOCAL: in session
-        # scope they end with the short transaction (the session lock outlives its commit); in
-        # transaction scope they are put back afterwards.
-        previous = None
-        if scope == "transaction":
-            previous = conn.execute(
-                "SELECT current_setting('lock_timeout'), current_setting('statement_timeout')"
-            ).fetchone()
-        try:
-            with conn.transaction(savepoint_name="pglock_wait" if scope == "transaction" else None):
-                conn.execute(
-                    "SELECT set_config('lock_timeout', %s, true), set_config('statement_timeout', '0', true)",
-                    [timeout_ms],
-                )
-                conn.execute(statement, key.numbers)
-            if previous is not None:
-                conn.execute(
-                    "SELECT set_config('lock_timeout', %s, true), set_config('statement_timeout', %s, true)",
-                    list(previous),
-                )
-        except psycopg.errors.LockNotAvailable:
-            return False
-        return True
-
-    @staticmethod
-    def commit(conn: psycopg.Connection[Any]) -> None:
-        """COMMIT the lock's transaction; fail loudly if it was already ended or PostgreSQL rolled back."""
-        if conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
-            raise psycopg.errors.NoActiveSqlTransaction(
-                "the lock's transaction was already ended on its connection (a COMMIT or ROLLBACK by the work): "
-                "the lock ended with it, and whatever ran afterwards ran without the lock"
-            )
-        status = conn.execute("COMMIT").statusmessage
-        if status != "COMMIT":
-            raise psycopg.errors.InFailedSqlTransaction(
-                f"the lock transaction was aborted by an earlier error, so PostgreSQL answered COMMIT with {status}: "
-                "nothing was committed"
-            )
-
-    def unlock(self, conn: psycopg.Connection[Any], key: LockKey, *, shared: bool = False) -> bool:
-        """``pg_advisory_unlock[_shared]``: True if this session held the key."""
-        row = conn.execute(self._call(self._function("pg_advisory_unlock", shared), key), key.numbers).fetchone()
-        return bool(row and row[0])
-
-    def is_held(
-        self, conn: psycopg.Connection[Any], key: LockKey, shared: bool = False, xact_id: int | None = None
-    ) -> bool:
-        """Whether this very session holds the key now (reads ``pg_locks``, takes nothing).
-
-        :param xact_id: for a transaction lock, the transaction that took it: also check
-            that the session is still in that transaction.
-        """
-        params = held_params(key, shared) + ([] if xact_id is None else [xact_id])
-        statement = held_sql("pg_backend_pid()", ("%s", "%s", "%s", "%s"), None if xact_id is None else "%s")
-        row = conn.execute(statement, params).fetchone()  # type: ignore[arg-type]  # static SQL from this module
-        return bool(row and row[0])
-
-    def probe(
-        self,
-        conn: psycopg.Connection[Any],
-        key: LockKey,
-        shared: bool,
-        timeout: float,
-        *,
-        xact_id: int | None = None,
-        before_giving_up: Callable[[], None] | None = None,
-    ) -> ProbeResult:
-        """The heartbeat: does this session still hold ``key``? Never blocks much longer than ``timeout``.
-
-        Unlike :meth:`is_held`, it cannot hang on a dead network or a frozen server: when no
-        answer has arrived after ``timeout`` seconds, it closes the connection (so the server
-        drops the session as soon as it hears from it again) and returns ``"no answer"``.
-        When the protected work is using the connection for that long (transaction mode),
-        it returns ``"busy"``: a session running a statement is not idle, so the server keeps
-        its lock; also while the work has a pipeline open on it (a query sent now would be
-        queued behind the work's). A session that ended raises the server's error
-        (``AdminShutdown``, ``IdleSessionTimeout``...) or ``OperationalError`` when the
-        connection broke.
-
-        :param conn: the lock's own connection.
-        :param key: the key it should hold.
-        :param shared: whether it holds the key in shared mode.
-        :param timeout: seconds to wait for the connection and the answer together.
-        :param xact_id: transaction scope: the lock's transaction (see :meth:`is_held`).
-        :param before_giving_up: called when there is no answer, before the connection is
-            closed (closing lets the server release the lock: interrupt the work first).
-        """
-        deadline = time.monotonic() + max(0.0, timeout)
-        lock = conn.lock  # psycopg serialises the use of a connection with this lock
-        if not lock.acquire(timeout=max(0.0, timeout)):
-            return "busy"
-        try:
-            if conn.closed:
-                raise psycopg.OperationalError("the lock connection is closed")
-            pgconn = conn.pgconn
-            if pgconn.pipeline_status != psycopg.pq.PipelineStatus.OFF:
-                return "busy"
-            params = [str(value) for value in held_params(key, shared)]
-            if xact_id is not None:
-                params.append(str(xact_id))
-            statement = held_sql("pg_backend_pid()", ("$1", "$2", "$3", "$4"), None if xact_id is None else "$5")
-            pgconn.send_query_params(statement.encode(), [value.encode() for value in params])
-            results = self._results_before(pgconn, deadline)
-            if results is None:
-                if before_giving_up is not None:
-                    before_giving_up()
-                conn.close()  # the query is still in flight: this connection can never be used again
-                return "no answer"
-        finally:
-            lock.release()
-        for result in results:
-            if result.status != psycopg.pq.ExecStatus.TUPLES_OK:
-                raise psycopg.errors.error_from_result(result, encoding=conn.info.encoding)
-        return "held" if results and results[-1].get_value(0, 0) == b"t" else "not held"
-
-    @staticmethod
-    def _results_before(pgconn: psycopg.pq.abc.PGconn, deadline: float) -> list[psycopg.pq.abc.PGresult] | None:
-        """Every result of the query just sent on ``pgconn``; None if the deadline passed first.
-
-        Past the deadline the socket is still polled once, without waiting: a thread that
-        was stalled (GIL held by a C call, CPU starvation) past its deadline must not give up
-        on an answer that arrived meanwhile.
-        """
-
-        def ready(events: int) -> bool:
-            remaining = max(0.0, deadline - time.monotonic())
-            poller = select.poll()
-            poller.register(pgconn.socket, events)
-            return bool(poller.poll(remaining * 1000))
-
-        while pgconn.flush() != 0:
-            if not ready(select.POLLOUT):
-                return None
-        results: list[psycopg.pq.abc.PGresult] = []
-        while True:
-            while pgconn.is_busy():
-                if not ready(select.POLLIN):
-                    return None
-                try:
-                    pgconn.consume_input()
-                except psycopg.OperationalError:
-                    # The server sent its reason (e.g. FATAL: terminating connection) and hung up.
-                    if any(r.status == psycopg.pq.ExecStatus.FATAL_ERROR for r in results):
-                        return results
-                    raise
-            result = pgconn.get_result()
-            if result is None:
-                return results
-            results.append(result)
+    # The lock statements (in lock_session.py), under the names callers know.
+    try_lock = staticmethod(lock_session.try_lock)
+    wait_lock = staticmethod(lock_session.wait_lock)
+    unlock = staticmethod(lock_session.unlock)
+    is_held = staticmethod(lock_session.is_held)
+    commit = staticmethod(lock_session.commit)
+    probe = staticmethod(lock_session.probe)
+    _results_before = staticmethod(lock_session.results_before)
 
     def holders_on(self, conn: psycopg.Connection[Any], key: LockKey) -> list[LockHolder]:
         """Holders and waiters of ``key`` in the connection's database, holders first."""
@@ -646,8 +358,6 @@ class AdvisoryLockHook(BaseHook):
     async def aholders_on(self, conn: psycopg.AsyncConnection[Any], key: LockKey) -> list[LockHolder]:
         """Async :meth:`holders_on` (for triggers): reads ``pg_locks``, takes nothing."""
         return await aread_holders(conn, key)
-
-    # --------------------------------------------------------------- lock objects
 
     def holders(self, key: LockKey | str | int | tuple[int, int]) -> list[LockHolder]:
         """Who holds or waits for ``key`` (pid, application_name, client, since), without touching it."""
@@ -669,55 +379,28 @@ class AdvisoryLockHook(BaseHook):
         scope: Scope,
         timeout: float | None,
         application_name: str | None,
+        record_name: bool = False,
     ) -> HeldLock | None:
         """Open a dedicated connection and take the lock on it; None (and no connection) if busy.
 
         :param scope: ``"session"`` (autocommit; held until released) or ``"transaction"``
             (a transaction is opened and stays open; the lock ends with it).
         :param timeout: None to try once, or seconds to wait (enforced by the server).
+        :param record_name: record the key's name in the key-name registry (the guard does
+            that itself, after logging the acquisition).
         """
         lock_key = LockKey.coerce(key)
         if timeout is not None:
             check_wait_timeout(timeout)  # before any I/O: a bad setting is not a connection problem
         conn, info = self.open_lock_session(application_name, scope)
         try:
-            xact_id = None
-            if scope == "transaction":
-                # READ COMMITTED whatever the database's or role's default: under REPEATABLE READ or
-                # SERIALIZABLE the snapshot would be taken before the lock is granted, and the work
-                # (and the once_per check) would read what was there before the previous holder
-                # committed.
-                conn.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
-                self.apply_liveness(conn, local=True, server_version_num=info.version_num)
-            if timeout is None:
-                acquired = self.try_lock(conn, lock_key, shared=shared, scope=scope)
-            else:
-                acquired = self.wait_lock(conn, lock_key, timeout, shared=shared, scope=scope)
-            if not acquired:
-                conn.close()
-                return None
-            if scope == "transaction":
-                row = conn.execute("SELECT txid_current()").fetchone()
-                xact_id = int(row[0]) if row else None
-            return HeldLock(
-                key=lock_key, shared=shared, scope=scope, connection=conn, server=info, hook=self, xact_id=xact_id
-            )
+            held = lock_session.take(self, conn, info, lock_key, shared=shared, scope=scope, timeout=timeout)
         except BaseException:
             conn.close()
             raise
-
-    def _acquire_and_record(
-        self,
-        key: LockKey | str | int | tuple[int, int],
-        *,
-        shared: bool,
-        scope: Scope,
-        timeout: float | None,
-        application_name: str | None,
-    ) -> HeldLock | None:
-        """:meth:`acquire_lock`, then record the key's name in the key-name registry, as guarded tasks do."""
-        held = self.acquire_lock(key, shared=shared, scope=scope, timeout=timeout, application_name=application_name)
-        if held is not None:
+        if held is None:
+            conn.close()
+        elif record_name:
             from airflow_pglock.registry import record_acquisition  # registry imports this module
 
             try:  # never raises an Exception; an interrupt must not leave the lock held
@@ -735,8 +418,8 @@ class AdvisoryLockHook(BaseHook):
         application_name: str | None = None,
     ) -> HeldLock | None:
         """Try once to take a session lock on a new dedicated connection; None if busy."""
-        return self._acquire_and_record(
-            key, shared=shared, scope="session", timeout=None, application_name=application_name
+        return self.acquire_lock(
+            key, shared=shared, scope="session", timeout=None, application_name=application_name, record_name=True
         )
 
     def acquire(
@@ -748,61 +431,138 @@ class AdvisoryLockHook(BaseHook):
         application_name: str | None = None,
     ) -> HeldLock | None:
         """Wait at most ``timeout`` seconds (server-side) for a session lock; None if it ran out."""
-        return self._acquire_and_record(
-            key, shared=shared, scope="session", timeout=timeout, application_name=application_name
+        return self.acquire_lock(
+            key, shared=shared, scope="session", timeout=timeout, application_name=application_name, record_name=True
         )
 
     @contextlib.contextmanager
-    def session_lock(
+    def lock(
         self,
         key: LockKey | str | int | tuple[int, int],
         *,
+        mode: Scope = "session",
         shared: bool = False,
         timeout: float | None = None,
+        on_lost: OnLost = "fail",
         application_name: str | None = None,
-    ) -> Iterator[HeldLock | None]:
-        """Hold a session lock for the ``with`` block; yields None when the key is busy.
+    ) -> Iterator[LockHandle | None]:
+        """Hold ``key`` for the ``with`` block, as a guarded task does; yields None when busy.
 
-        The lock is released and its connection closed when the block ends, however it ends.
+        Safe by default: a heartbeat keeps the session alive and watches it; a lock lost
+        during the block (the session was terminated, the server stopped answering)
+        interrupts the block with :class:`~airflow_pglock.exceptions.LockLostInterrupt` and
+        raises :class:`~airflow_pglock.exceptions.LockLostError` (``on_lost="warn"``: logs
+        and goes on). The lock is released and its connection closed however the block ends.
+
+        :param mode: ``"session"``, or ``"transaction"``: do the database work on
+            ``handle.connection``; it commits when the block ends normally.
+        :param timeout: None to try once, or seconds to wait for the key (server-side).
+        :param on_lost: ``"fail"`` or ``"warn"``.
         """
-        held = self._acquire_and_record(
-            key, shared=shared, scope="session", timeout=timeout, application_name=application_name
-        )
+        from airflow_pglock.guard import LockGuard, LockPolicy  # the guard builds on this module
+
+        on_busy: OnBusy = "skip" if timeout is None else "wait"
+        policy = LockPolicy(mode=mode, shared=shared, on_busy=on_busy, wait_timeout=timeout, on_lost=on_lost)
+        guard = LockGuard(self, LockKey.coerce(key), policy, application_name=application_name, logger=self.log)
         try:
-            yield held
-        finally:
-            if held is not None:
-                held.release()
+            handle = guard.__enter__()
+        except LockBusyError as busy:
+            if busy is not guard.refusal:
+                raise
+            yield None
+            return
+        try:
+            yield handle
+        except BaseException as error:
+            guard.__exit__(type(error), error, error.__traceback__)
+            raise
+        guard.__exit__(None, None, None)
 
     @contextlib.contextmanager
-    def transaction_lock(
+    def lock_without_heartbeat(
         self,
         key: LockKey | str | int | tuple[int, int],
         *,
+        mode: Scope = "session",
         shared: bool = False,
         timeout: float | None = None,
         application_name: str | None = None,
     ) -> Iterator[HeldLock | None]:
-        """Hold a transaction lock; do your database work on ``held.connection``.
+        """Hold ``key`` for a short ``with`` block, with no heartbeat; yields None when busy.
 
-        The transaction commits when the block ends normally (releasing the lock with it)
-        and rolls back when it raises. Yields None when the key is busy.
+        Nothing keeps the session alive: a block that leaves its connection idle for longer
+        than the lease loses the lock to the server, and that is found only when the block
+        ends: then a session lock raises :class:`~airflow_pglock.exceptions.LockLostError`
+        (if the block itself succeeded) and a transaction lock commits nothing and raises the
+        driver's error. Use :meth:`lock` for anything that may take a while.
+
+        :param mode: ``"session"``, or ``"transaction"``: do the database work on
+            ``held.connection``; it commits when the block ends normally, rolls back if it raises.
+        :param timeout: None to try once, or seconds to wait for the key (server-side).
         """
-        held = self._acquire_and_record(
-            key, shared=shared, scope="transaction", timeout=timeout, application_name=application_name
+        held = self.acquire_lock(
+            key, shared=shared, scope=mode, timeout=timeout, application_name=application_name, record_name=True
         )
         if held is None:
             yield None
             return
         try:
             yield held
-            in_transaction = held.connection.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
-            if in_transaction and not self.is_held(held.connection, held.key, held.shared, held.xact_id):
-                raise psycopg.errors.NoActiveSqlTransaction(
-                    "the lock's transaction was ended on its connection (a COMMIT or ROLLBACK by the work): the lock "
-                    "ended with it, and whatever ran afterwards ran without the lock; not committed"
-                )
-            self.commit(held.connection)
+            if mode == "transaction":
+                held.commit()
+            elif not held.released and not held.release():
+                reason = "the session no longer held it when the block ended (lease expired or session ended)"
+                raise LockLostError(f"lost {held.key.describe()}: {reason}", held.key, reason)
         finally:
-            held.released = True
-            held.connection.close()  # closing an open transaction rolls it back
+            if mode == "session":
+                held.release()
+            else:
+                held.close()  # closing an open transaction rolls it back
+
+    @contextlib.contextmanager
+    def lock_session(self, *, application_name: str | None = None) -> Iterator[LockSession]:
+        """A lock session for many keys: one dedicated connection, kept alive by a heartbeat.
+
+        Yields a :class:`~airflow_pglock.lock_set.LockSession` (``try_lock``, ``lock``,
+        ``try_lock_many``, ``release``, ``held``). When the block ends, however it ends, the
+        heartbeat stops and the connection closes, releasing every key. A session lost during
+        the block raises :class:`~airflow_pglock.exceptions.LockLostError` at its end (when
+        the block itself did not raise).
+        """
+        from airflow_pglock.lock_set import LockSession  # it builds on this module's statements
+
+        conn, info = self.open_lock_session(application_name, "session")
+        try:
+            session = LockSession(conn, info, self.liveness)
+        except BaseException:
+            conn.close()
+            raise
+        try:
+            yield session
+        finally:
+            lost = session.lost
+            session.close()
+        if lost is not None:
+            raise LockLostError(f"the lock session was lost: {lost}", LockKey.from_int(info.backend_pid), lost)
+
+    def session_lock(self, key: LockKey | str | int | tuple[int, int], **options: Any) -> _HeldContext:
+        """Deprecated: :meth:`lock` (with a heartbeat), or :meth:`lock_without_heartbeat`."""
+        _deprecated("session_lock", "")
+        return self.lock_without_heartbeat(key, mode="session", **options)
+
+    def transaction_lock(self, key: LockKey | str | int | tuple[int, int], **options: Any) -> _HeldContext:
+        """Deprecated: :meth:`lock` or :meth:`lock_without_heartbeat` with ``mode="transaction"``."""
+        _deprecated("transaction_lock", 'mode="transaction", ')
+        return self.lock_without_heartbeat(key, mode="transaction", **options)
+
+
+_HeldContext = contextlib.AbstractContextManager[HeldLock | None]
+
+
+def _deprecated(name: str, mode: str) -> None:
+    warnings.warn(
+        f"AdvisoryLockHook.{name}(key, ...) is deprecated: use hook.lock(key, {mode}...) (heartbeat; an error when "
+        f"the lock is lost) or hook.lock_without_heartbeat(key, {mode}...) for short blocks",
+        DeprecationWarning,
+        stacklevel=3,
+    )

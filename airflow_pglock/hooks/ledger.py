@@ -29,7 +29,7 @@ from typing import Any
 import psycopg
 
 from airflow_pglock.exceptions import LockConfigurationError
-from airflow_pglock.hooks.advisory_lock import HELD_CONDITION, IN_LOCK_TRANSACTION, held_params
+from airflow_pglock.hooks.lock_session import HELD_CONDITION, IN_LOCK_TRANSACTION, held_params
 from airflow_pglock.identity import TaskIdentity
 from airflow_pglock.keys import LockKey
 

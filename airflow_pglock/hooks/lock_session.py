@@ -1,0 +1,506 @@
+"""The lock SQL: one dedicated lock session and the statements it runs, and :class:`HeldLock`.
+
+Every statement that takes, checks or gives back an advisory lock is here, as a function
+of the lock's own connection (``try_lock``, ``wait_lock``, ``unlock``, ``is_held``,
+``commit``, the heartbeat's ``probe``). :class:`HeldLock` is one lock held on its own
+session: it owns its check, its release and, in transaction scope, its commit. Opening
+the connection and checking the server is the hook's job (``advisory_lock.py``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import select
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import psycopg
+from psycopg import sql
+
+from airflow_pglock.exceptions import LockConfigurationError
+from airflow_pglock.hooks.server import Scope, ServerInfo
+from airflow_pglock.keys import LockKey
+
+if TYPE_CHECKING:
+    from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+
+log = logging.getLogger("airflow_pglock")
+
+#: What a heartbeat found: the key is held; it is not; the protected work is using the
+#: connection (transaction mode: the session is busy, hence not idle); no answer in time.
+ProbeResult = Literal["held", "not held", "busy", "no answer"]
+# Whether a session ({0}) holds a key in this database: pg_locks, filtered to that pid.
+HELD_CONDITION = (
+    "EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND pid = {0}"
+    " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+    " AND classid = {1}::oid AND objid = {2}::oid AND objsubid = {3}::int2 AND mode = {4} AND granted)"
+)
+# ...and, for a transaction lock, that the session is still in the transaction that took it
+# (a COMMIT then BEGIN on the lock's connection ends the lock; the key may even be taken
+# again in the new transaction, which is not the lock the guard holds).
+IN_LOCK_TRANSACTION = " AND txid_current_if_assigned() IS NOT DISTINCT FROM {0}::bigint"
+# The same seen from another session: the holder's current top-level transaction id (32 bits).
+_SIDE_IN_LOCK_TRANSACTION = (
+    " AND (SELECT backend_xid::text::bigint FROM pg_stat_activity WHERE pid = {0}) = mod({1}::bigint, 4294967296)"
+)
+
+
+def held_sql(pid: str, placeholders: tuple[str, str, str, str], xact: str | None) -> str:
+    """``SELECT <pid holds the key [in transaction xact]>`` with the given placeholders."""
+    condition = HELD_CONDITION.format(pid, *placeholders)
+    if xact is not None:
+        condition += IN_LOCK_TRANSACTION.format(xact)
+    return f"SELECT {condition}"
+
+
+def held_params(key: LockKey, shared: bool) -> list[Any]:
+    classid, objid, objsubid = key.pg_locks
+    return [classid, objid, objsubid, "ShareLock" if shared else "ExclusiveLock"]
+
+
+# The errors a server that only looks like PostgreSQL (PgBouncer's admin console, other
+# wire-compatible systems) answers to the inspection query.
+_NOT_POSTGRES_ERRORS: tuple[type[psycopg.Error], ...] = (
+    psycopg.errors.UndefinedFunction,
+    psycopg.errors.ProtocolViolation,
+    psycopg.errors.FeatureNotSupported,
+    psycopg.errors.SyntaxError,
+)
+
+
+def check_wait_timeout(timeout: object) -> None:
+    """Refuse a wait timeout that is not a positive number of seconds (LockConfigurationError)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+        raise LockConfigurationError(f"wait timeout must be a positive number of seconds, got {timeout!r}")
+
+
+def _call(function: str, key: LockKey) -> sql.Composed:
+    return _CALLS[(function, key.is_pair)]
+
+
+def _compose(function: str, pair: bool) -> sql.Composed:
+    casts = [sql.SQL("%s::integer")] * 2 if pair else [sql.SQL("%s::bigint")]
+    return sql.SQL("SELECT {}({})").format(sql.Identifier(function), sql.SQL(", ").join(casts))
+
+
+# Composed once: a lock session takes and releases keys in a tight loop.
+_CALLS = {
+    (f"{base}{suffix}", pair): _compose(f"{base}{suffix}", pair)
+    for base in (
+        "pg_try_advisory_lock",
+        "pg_try_advisory_xact_lock",
+        "pg_advisory_lock",
+        "pg_advisory_xact_lock",
+        "pg_advisory_unlock",
+    )
+    for suffix in ("", "_shared")
+    for pair in (False, True)
+}
+
+
+def _function(base: str, shared: bool) -> str:
+    return f"{base}_shared" if shared else base
+
+
+def try_lock(conn: psycopg.Connection[Any], key: LockKey, *, shared: bool = False, scope: Scope = "session") -> bool:
+    """One ``pg_try_advisory[_xact]_lock[_shared]`` on ``conn``; True if taken."""
+    base = "pg_try_advisory_lock" if scope == "session" else "pg_try_advisory_xact_lock"
+    row = conn.execute(_call(_function(base, shared), key), key.numbers).fetchone()
+    return bool(row and row[0])
+
+
+def wait_lock(
+    conn: psycopg.Connection[Any],
+    key: LockKey,
+    timeout: float,
+    *,
+    shared: bool = False,
+    scope: Scope = "session",
+) -> bool:
+    """Wait at most ``timeout`` seconds for the key, enforced by the server (``lock_timeout``).
+
+    Returns False when the wait timed out; a timed-out wait holds nothing.
+    """
+    check_wait_timeout(timeout)
+    base = "pg_advisory_lock" if scope == "session" else "pg_advisory_xact_lock"
+    statement = _call(_function(base, shared), key)
+    timeout_ms = f"{max(1, round(timeout * 1000))}ms"
+    # lock_timeout bounds the wait; statement_timeout is lifted so that a shorter one set
+    # for the role cannot turn "still busy" into an error. Both are SET LOCAL: in session
+    # scope they end with the short transaction (the session lock outlives its commit); in
+    # transaction scope they are put back afterwards.
+    previous = None
+    if scope == "transaction":
+        previous = conn.execute(
+            "SELECT current_setting('lock_timeout'), current_setting('statement_timeout')"
+        ).fetchone()
+    try:
+        with conn.transaction(savepoint_name="pglock_wait" if scope == "transaction" else None):
+            conn.execute(
+                "SELECT set_config('lock_timeout', %s, true), set_config('statement_timeout', '0', true)",
+                [timeout_ms],
+            )
+            conn.execute(statement, key.numbers)
+        if previous is not None:
+            conn.execute(
+                "SELECT set_config('lock_timeout', %s, true), set_config('statement_timeout', %s, true)",
+                list(previous),
+            )
+    except psycopg.errors.LockNotAvailable:
+        return False
+    return True
+
+
+#: Keys per statement of :func:`try_lock_many` / :func:`unlock_many` (a few round trips for many thousands).
+MANY_KEYS_PER_STATEMENT = 5000
+
+
+def _each_key(function: str) -> sql.Composed:
+    """``function`` applied to every key of three parallel arrays (int64s; or the two halves
+    of a pair), in the order given: one statement, one round trip."""
+    call = sql.SQL(
+        "SELECT CASE WHEN k.whole IS NOT NULL THEN {f}(k.whole) ELSE {f}(k.first, k.second) END"
+        " FROM unnest(%s::bigint[], %s::integer[], %s::integer[]) WITH ORDINALITY AS k(whole, first, second, n)"
+        " ORDER BY k.n"
+    )
+    return call.format(f=sql.Identifier(function))
+
+
+def _for_each_key(conn: psycopg.Connection[Any], function: str, keys: list[LockKey]) -> list[bool]:
+    answers: list[bool] = []
+    for start in range(0, len(keys), MANY_KEYS_PER_STATEMENT):
+        chunk = keys[start : start + MANY_KEYS_PER_STATEMENT]
+        wholes = [key.int64 for key in chunk]
+        pairs = [key.numbers if key.is_pair else (None, None) for key in chunk]
+        firsts = [pair[0] for pair in pairs]
+        seconds = [pair[-1] for pair in pairs]
+        rows = conn.execute(_each_key(function), [wholes, firsts, seconds]).fetchall()
+        answers += [bool(row[0]) for row in rows]
+    return answers
+
+
+def try_lock_many(conn: psycopg.Connection[Any], keys: list[LockKey], *, shared: bool = False) -> list[bool]:
+    """``pg_try_advisory_lock[_shared]`` for each key, in one round trip per
+    :data:`MANY_KEYS_PER_STATEMENT` keys; whether each was taken, in order."""
+    return _for_each_key(conn, _function("pg_try_advisory_lock", shared), keys)
+
+
+def unlock_many(conn: psycopg.Connection[Any], keys: list[LockKey], *, shared: bool = False) -> list[bool]:
+    """``pg_advisory_unlock[_shared]`` for each key (as :func:`try_lock_many`); whether each was held."""
+    return _for_each_key(conn, _function("pg_advisory_unlock", shared), keys)
+
+
+def commit(conn: psycopg.Connection[Any]) -> None:
+    """COMMIT the lock's transaction; fail loudly if it was already ended or PostgreSQL rolled back."""
+    if conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+        raise psycopg.errors.NoActiveSqlTransaction(
+            "the lock's transaction was already ended on its connection (a COMMIT or ROLLBACK by the work): "
+            "the lock ended with it, and whatever ran afterwards ran without the lock"
+        )
+    status = conn.execute("COMMIT").statusmessage
+    if status != "COMMIT":
+        raise psycopg.errors.InFailedSqlTransaction(
+            f"the lock transaction was aborted by an earlier error, so PostgreSQL answered COMMIT with {status}: "
+            "nothing was committed"
+        )
+
+
+def unlock(conn: psycopg.Connection[Any], key: LockKey, *, shared: bool = False) -> bool:
+    """``pg_advisory_unlock[_shared]``: True if this session held the key."""
+    row = conn.execute(_call(_function("pg_advisory_unlock", shared), key), key.numbers).fetchone()
+    return bool(row and row[0])
+
+
+def is_held(conn: psycopg.Connection[Any], key: LockKey, shared: bool = False, xact_id: int | None = None) -> bool:
+    """Whether this very session holds the key now (reads ``pg_locks``, takes nothing).
+
+    :param xact_id: for a transaction lock, the transaction that took it: also check
+        that the session is still in that transaction.
+    """
+    params = held_params(key, shared) + ([] if xact_id is None else [xact_id])
+    statement = held_sql("pg_backend_pid()", ("%s", "%s", "%s", "%s"), None if xact_id is None else "%s")
+    row = conn.execute(statement, params).fetchone()  # type: ignore[arg-type]  # static SQL from this module
+    return bool(row and row[0])
+
+
+def probe(
+    conn: psycopg.Connection[Any],
+    key: LockKey | None,
+    shared: bool,
+    timeout: float,
+    *,
+    xact_id: int | None = None,
+    before_giving_up: Callable[[], None] | None = None,
+) -> ProbeResult:
+    """The heartbeat: does this session still hold ``key``? Never blocks much longer than ``timeout``.
+
+    Unlike :func:`is_held`, it cannot hang on a dead network or a frozen server: when no
+    answer has arrived after ``timeout`` seconds, it closes the connection (so the server
+    drops the session as soon as it hears from it again) and returns ``"no answer"``.
+    When the protected work is using the connection for that long (transaction mode),
+    it returns ``"busy"``: a session running a statement is not idle, so the server keeps
+    its lock; also while the work has a pipeline open on it (a query sent now would be
+    queued behind the work's). A session that ended raises the server's error
+    (``AdminShutdown``, ``IdleSessionTimeout``...) or ``OperationalError`` when the
+    connection broke.
+
+    :param conn: the lock's own connection.
+    :param key: the key it should hold; None: only whether the session is alive (a lock
+        session: its locks can only end with it or by its own unlock), ``"held"`` if so.
+    :param shared: whether it holds the key in shared mode.
+    :param timeout: seconds to wait for the connection and the answer together.
+    :param xact_id: transaction scope: the lock's transaction (see :func:`is_held`).
+    :param before_giving_up: called when there is no answer, before the connection is
+        closed (closing lets the server release the lock: interrupt the work first).
+    """
+    deadline = time.monotonic() + max(0.0, timeout)
+    lock = conn.lock  # psycopg serialises the use of a connection with this lock
+    if not lock.acquire(timeout=max(0.0, timeout)):
+        return "busy"
+    try:
+        if conn.closed:
+            raise psycopg.OperationalError("the lock connection is closed")
+        pgconn = conn.pgconn
+        if pgconn.pipeline_status != psycopg.pq.PipelineStatus.OFF:
+            return "busy"
+        if key is None:
+            statement, params = "SELECT true", []
+        else:
+            params = [str(value) for value in held_params(key, shared)]
+            if xact_id is not None:
+                params.append(str(xact_id))
+            statement = held_sql("pg_backend_pid()", ("$1", "$2", "$3", "$4"), None if xact_id is None else "$5")
+        pgconn.send_query_params(statement.encode(), [value.encode() for value in params])
+        results = results_before(pgconn, deadline)
+        if results is None:
+            if before_giving_up is not None:
+                before_giving_up()
+            conn.close()  # the query is still in flight: this connection can never be used again
+            return "no answer"
+    finally:
+        lock.release()
+    for result in results:
+        if result.status != psycopg.pq.ExecStatus.TUPLES_OK:
+            raise psycopg.errors.error_from_result(result, encoding=conn.info.encoding)
+    return "held" if results and results[-1].get_value(0, 0) == b"t" else "not held"
+
+
+def results_before(pgconn: psycopg.pq.abc.PGconn, deadline: float) -> list[psycopg.pq.abc.PGresult] | None:
+    """Every result of the query just sent on ``pgconn``; None if the deadline passed first.
+
+    Past the deadline the socket is still polled once, without waiting: a thread that
+    was stalled (GIL held by a C call, CPU starvation) past its deadline must not give up
+    on an answer that arrived meanwhile.
+    """
+
+    def ready(events: int) -> bool:
+        remaining = max(0.0, deadline - time.monotonic())
+        poller = select.poll()
+        poller.register(pgconn.socket, events)
+        return bool(poller.poll(remaining * 1000))
+
+    while pgconn.flush() != 0:
+        if not ready(select.POLLOUT):
+            return None
+    results: list[psycopg.pq.abc.PGresult] = []
+    while True:
+        while pgconn.is_busy():
+            if not ready(select.POLLIN):
+                return None
+            try:
+                pgconn.consume_input()
+            except psycopg.OperationalError:
+                # The server sent its reason (e.g. FATAL: terminating connection) and hung up.
+                if any(r.status == psycopg.pq.ExecStatus.FATAL_ERROR for r in results):
+                    return results
+                raise
+        result = pgconn.get_result()
+        if result is None:
+            return results
+        results.append(result)
+
+
+@dataclass
+class HeldLock:
+    """A lock held on its own dedicated connection. Release it (or let a context manager).
+
+    :param key: the key held.
+    :param shared: whether the lock is shared (readers) rather than exclusive.
+    :param scope: ``"session"`` or ``"transaction"``.
+    :param connection: the dedicated connection; in transaction scope, do your database
+        work on it: it runs inside the transaction that holds the lock.
+    :param server: what the connection found at the other end.
+    :param hook: the hook that took the lock (its side connections, e.g. for fencing).
+    :param acquired_at: when the lock was taken (UTC).
+    :param acquired_monotonic: ``time.monotonic()`` at acquisition, for durations.
+    :param released: True once :meth:`release` ran.
+    :param xact_id: transaction scope: the id (``txid_current()``) of the transaction that
+        holds the lock; every later check verifies the session is still in it.
+    """
+
+    key: LockKey
+    shared: bool
+    scope: Scope
+    connection: psycopg.Connection[Any]
+    server: ServerInfo
+    hook: AdvisoryLockHook
+    acquired_at: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.UTC))
+    acquired_monotonic: float = field(default_factory=time.monotonic)
+    released: bool = False
+    xact_id: int | None = None
+
+    def is_held(self) -> bool:
+        """Ask the server whether this session still holds the key (a round trip).
+
+        False once the session has ended (the lease ran out while the connection sat idle,
+        the session was terminated, the connection broke): the server released the lock
+        with it. The reason is logged as a warning; the error never reaches the caller.
+        """
+        if self.connection.closed:
+            return False
+        try:
+            return is_held(self.connection, self.key, self.shared, self.xact_id)
+        except psycopg.OperationalError as error:  # AdminShutdown, IdleSessionTimeout, a broken connection...
+            log.warning(
+                "pglock %s is no longer held: its session ended (%s: %s)",
+                self.key.describe(),
+                type(error).__name__,
+                str(error).strip(),
+            )
+            self.connection.close()
+            return False
+
+    def release(self) -> bool:
+        """Release the lock and close its connection. Idempotent.
+
+        Returns whether the lock was really held until now (False when it had been lost,
+        e.g. the session was terminated, or when it was released already). A transaction
+        lock is released by the end of its transaction: here that is a rollback.
+        """
+        if self.released:
+            return False
+        self.released = True
+        was_held = False
+        try:
+            if self.scope == "session" and not self.connection.closed:
+                was_held = unlock(self.connection, self.key, shared=self.shared)
+            elif self.scope == "transaction" and not self.connection.closed:
+                was_held = is_held(self.connection, self.key, self.shared, self.xact_id)
+        except psycopg.Error:
+            was_held = False  # the connection broke: the server has dropped the lock with it
+        finally:
+            self.connection.close()
+        return was_held
+
+    @property
+    def held_seconds(self) -> float:
+        return time.monotonic() - self.acquired_monotonic
+
+    @property
+    def transaction_open(self) -> bool:
+        """Transaction scope: False once the lock's transaction was ended on its connection."""
+        return self.connection.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
+
+    def commit_if_held(self, record: Callable[[], bool]) -> bool:
+        """Transaction scope: commit the lock's transaction if the session is still in it and
+        holds the key; ``record()`` runs first, inside it (e.g. the completion record; it
+        returns False when it found the lock not held).
+
+        Returns False, committing nothing, when the lock was not held any more (the work
+        ended the transaction, or took the key again in another one). Raises the driver's
+        error when the session ended or the transaction was aborted (nothing committed).
+        """
+        status = self.connection.info.transaction_status
+        if status == psycopg.pq.TransactionStatus.IDLE:
+            return False
+        if status == psycopg.pq.TransactionStatus.INTRANS and not self.hook.is_held(
+            self.connection, self.key, self.shared, self.xact_id
+        ):
+            return False
+        if not record():
+            return False
+        commit(self.connection)
+        return True
+
+    def commit(self) -> None:
+        """Transaction scope: commit the lock's transaction (which releases the lock).
+
+        Raises ``NoActiveSqlTransaction`` when the work ended the lock's transaction (whatever
+        ran afterwards ran without the lock) and ``InFailedSqlTransaction`` when an error had
+        aborted it: nothing is committed then.
+        """
+        in_transaction = self.connection.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+        if in_transaction and not is_held(self.connection, self.key, self.shared, self.xact_id):
+            raise psycopg.errors.NoActiveSqlTransaction(
+                "the lock's transaction was ended on its connection (a COMMIT or ROLLBACK by the work): the lock "
+                "ended with it, and whatever ran afterwards ran without the lock; not committed"
+            )
+        commit(self.connection)
+
+    def probe(self, timeout: float, before_giving_up: Callable[[], None] | None = None) -> ProbeResult:
+        """The heartbeat's bounded check of this lock (see :func:`probe`)."""
+        return probe(
+            self.connection, self.key, self.shared, timeout, xact_id=self.xact_id, before_giving_up=before_giving_up
+        )
+
+    def unlock_checked(self) -> bool:
+        """Session scope: unlock (the connection stays open); whether the key was still held."""
+        return unlock(self.connection, self.key, shared=self.shared)
+
+    def close(self) -> None:
+        """Close the connection: the session ends, an open transaction rolls back, the lock goes
+        with them. Idempotent; no check (see :meth:`release` for that)."""
+        self.released = True
+        self.connection.close()
+
+
+def held_seen_from_aside(conn: psycopg.Connection[Any], held: HeldLock) -> bool:
+    """Whether ``held``'s session still holds its key (in its transaction), asked on another
+    session ``conn``: for when the lock's own connection is busy with the work."""
+    pid = held.server.backend_pid
+    statement = "SELECT " + HELD_CONDITION.format("%s", "%s", "%s", "%s", "%s")
+    params: list[Any] = [pid, *held_params(held.key, held.shared)]
+    if held.xact_id is not None:
+        statement += _SIDE_IN_LOCK_TRANSACTION.format("%s", "%s")
+        params += [pid, held.xact_id]
+    row = conn.execute(statement, params).fetchone()  # type: ignore[arg-type]  # static SQL from this module
+    return bool(row and row[0])
+
+
+def take(
+    hook: AdvisoryLockHook,
+    conn: psycopg.Connection[Any],
+    server: ServerInfo,
+    key: LockKey,
+    *,
+    shared: bool,
+    scope: Scope,
+    timeout: float | None,
+) -> HeldLock | None:
+    """Take ``key`` on a freshly opened lock session; None when busy (the caller closes ``conn``).
+
+    :param scope: ``"session"`` (autocommit; held until released) or ``"transaction"``
+        (a transaction is opened and stays open; the lock ends with it).
+    :param timeout: None to try once, or seconds to wait (enforced by the server).
+    """
+    if scope == "transaction":
+        # READ COMMITTED whatever the database's or role's default: under REPEATABLE READ or
+        # SERIALIZABLE the snapshot would be taken before the lock is granted, and the work
+        # (and the once_per check) would read what was there before the previous holder
+        # committed.
+        conn.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
+        hook.apply_liveness(conn, local=True, server_version_num=server.version_num)
+    if timeout is None:
+        acquired = try_lock(conn, key, shared=shared, scope=scope)
+    else:
+        acquired = wait_lock(conn, key, timeout, shared=shared, scope=scope)
+    if not acquired:
+        return None
+    xact_id = None
+    if scope == "transaction":
+        row = conn.execute("SELECT txid_current()").fetchone()
+        xact_id = int(row[0]) if row else None
+    return HeldLock(key=key, shared=shared, scope=scope, connection=conn, server=server, hook=hook, xact_id=xact_id)

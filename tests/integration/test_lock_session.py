@@ -1,0 +1,218 @@
+"""hook.lock_session(): many keys on one dedicated connection, on a real PostgreSQL (issue 15)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from airflow_pglock.exceptions import InvalidLockKeyError, LockConfigurationError, LockLostError
+from airflow_pglock.guard import LockGuard, LockPolicy
+from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+from airflow_pglock.keys import LockKey
+from airflow_pglock.liveness import Liveness
+from tests.helpers import advisory_locks, other_sessions
+
+
+def _pids(admin: Any) -> list[int]:
+    return sorted({row[0] for row in advisory_locks(admin)})
+
+
+def _count(admin: Any, pid: int) -> int:
+    return sum(1 for row in advisory_locks(admin) if row[0] == pid)
+
+
+def _terminate(admin: Any, pid: int) -> None:
+    admin.execute("SELECT pg_terminate_backend(%s)", [pid])
+    deadline = time.monotonic() + 10
+    while pid in [row[0] for row in other_sessions(admin)]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_busy_and_free_keys(hook: AdvisoryLockHook, admin: Any) -> None:
+    admin.execute("SELECT pg_advisory_lock(%s)", [LockKey.from_name("tenant/busy").numbers[0]])
+    try:
+        with hook.lock_session(application_name="pglock-tests session") as session:
+            with session.try_lock("tenant/busy") as busy:
+                assert busy is None
+            with session.try_lock("tenant/free") as free:
+                assert free is not None and free.key.name == "tenant/free" and free.lost is None
+                assert session.held() == [LockKey.from_name("tenant/free")]
+                assert _count(admin, session.server.backend_pid) == 1
+            assert session.held() == [] and _count(admin, session.server.backend_pid) == 0
+            assert "pglock-tests session" in [name for _, name in other_sessions(admin)]
+    finally:
+        admin.execute("SELECT pg_advisory_unlock_all()")
+
+
+def test_a_key_this_session_holds_is_busy(hook: AdvisoryLockHook, admin: Any) -> None:
+    """PostgreSQL would take it again (re-entrant counting): the session says busy instead."""
+    with hook.lock_session() as session:
+        with session.try_lock("again") as first:
+            assert first is not None
+            with session.try_lock("again") as second:
+                assert second is None
+            with session.lock(LockKey.from_name("again"), timeout=0.2) as waited:
+                assert waited is None
+            taken = session.try_lock_many(["again", "other", "other", LockKey.from_name("other")])
+            assert [sub.key.name for sub in taken] == ["other"]
+            assert _count(admin, session.server.backend_pid) == 2  # each key once, never counted twice
+        assert session.release("other") is True
+        assert session.release("other") is False  # released already
+        assert _count(admin, session.server.backend_pid) == 0
+
+
+def test_many_keys_with_some_held_elsewhere(hook: AdvisoryLockHook, admin: Any) -> None:
+    keys = [LockKey.from_name(f"tenant/{n}") for n in range(700)]
+    keys += [LockKey.from_int(10_000 + n) for n in range(200)] + [LockKey.from_pair(7, n) for n in range(100)]
+    elsewhere = keys[::10]
+    for key in elsewhere:
+        admin.execute(f"SELECT pg_advisory_lock({', '.join(['%s'] * len(key.numbers))})", list(key.numbers))
+    try:
+        with hook.lock_session() as session:
+            taken = session.try_lock_many(keys)
+            assert [sub.key for sub in taken] == [key for key in keys if key not in elsewhere]
+            assert session.held() == [sub.key for sub in taken]
+            assert _count(admin, session.server.backend_pid) == 900
+            assert session.release(*taken[:450]) is True
+            assert _count(admin, session.server.backend_pid) == 450
+            with hook.lock_session() as second:  # another session sees the rest busy
+                assert [sub.key for sub in second.try_lock_many(keys)] == [sub.key for sub in taken[:450]]
+        assert _pids(admin) == [admin.info.backend_pid]  # only the admin's keys are left
+    finally:
+        admin.execute("SELECT pg_advisory_unlock_all()")
+
+
+def test_bad_key_refuses_the_whole_batch_before_anything_is_taken(hook: AdvisoryLockHook, admin: Any) -> None:
+    with hook.lock_session() as session:
+        for bad in (2**63, (1, 2**31), None, True, 1.5):
+            with pytest.raises(InvalidLockKeyError, match=r"lock key|must be"):
+                session.try_lock_many(["a", 1, bad, "b"])  # type: ignore[list-item]
+            assert session.held() == [] and advisory_locks(admin) == []
+        with pytest.raises(LockConfigurationError, match="wait timeout"), session.lock("a", timeout=-1):
+            pass
+        assert advisory_locks(admin) == []
+
+
+def test_a_wait_is_bounded_by_the_server(hook: AdvisoryLockHook, admin: Any) -> None:
+    key = LockKey.from_name("waited")
+    admin.execute("SELECT pg_advisory_lock(%s)", [key.numbers[0]])
+    with hook.lock_session() as session:
+        with session.lock(key, timeout=0.3) as timed_out:
+            assert timed_out is None
+        threading.Timer(0.5, lambda: admin.execute("SELECT pg_advisory_unlock(%s)", [key.numbers[0]])).start()
+        with session.lock(key, timeout=20) as got:
+            assert got is not None and session.held() == [key]
+
+
+def test_termination_mid_loop_loses_every_key(hook: AdvisoryLockHook, admin: Any) -> None:
+    done: list[int] = []
+    with pytest.raises(LockLostError, match="lock session was lost"), hook.lock_session() as session:
+        kept = session.try_lock_many(range(50))
+        for n in range(100, 200):
+            with session.try_lock(n) as sub:
+                assert sub is not None
+                done.append(n)
+                if n == 120:
+                    _terminate(admin, session.server.backend_pid)
+    assert done[-1] == 120 and all(sub.lost is not None for sub in kept)
+    assert session.held() == [] and advisory_locks(admin) == []
+
+
+def test_the_heartbeat_notices_a_lost_session_and_the_block_fails(dsn: str, admin: Any) -> None:
+    hook = AdvisoryLockHook(dsn=dsn, liveness=Liveness(lease=3))
+    with pytest.raises(LockLostError, match="lock session was lost"), hook.lock_session() as session:
+        [sub] = session.try_lock_many(["beat"])
+        _terminate(admin, session.server.backend_pid)
+        deadline = time.monotonic() + 30
+        while session.lost is None:
+            assert time.monotonic() < deadline, "the heartbeat did not notice"
+            time.sleep(0.05)
+        assert sub.lost is not None and session.held() == []
+    assert advisory_locks(admin) == []
+
+
+def test_an_idle_session_is_kept_alive_past_its_lease(dsn: str, admin: Any) -> None:
+    hook = AdvisoryLockHook(dsn=dsn, liveness=Liveness(lease=3))
+    with hook.lock_session() as session:
+        session.try_lock_many(["idle"])
+        time.sleep(4.5)  # longer than the lease: only the heartbeat keeps the session from idle_session_timeout
+        assert session.lost is None and session.held() == [LockKey.from_name("idle")]
+        assert _count(admin, session.server.backend_pid) == 1
+
+
+def test_cleanup_leaves_no_lock_and_no_connection(hook: AdvisoryLockHook, admin: Any) -> None:
+    with pytest.raises(RuntimeError), hook.lock_session(application_name="pglock-tests cleanup") as session:
+        session.try_lock_many(range(10))
+        raise RuntimeError("work failed")
+    deadline = time.monotonic() + 5
+    while other_sessions(admin) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert advisory_locks(admin) == [] and other_sessions(admin) == []
+    assert session.connection.closed
+
+
+def test_threads_sharing_a_session_never_hold_one_key_together(hook: AdvisoryLockHook, admin: Any) -> None:
+    holders: dict[int, int] = {}
+    overlaps: list[int] = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(8)
+    guard = threading.Lock()
+
+    def work(session: Any) -> None:
+        try:
+            start.wait()
+            for round_ in range(200):
+                key = round_ % 3
+                with session.try_lock(key) as sub:
+                    if sub is None:
+                        continue
+                    with guard:
+                        holders[key] = holders.get(key, 0) + 1
+                        if holders[key] > 1:
+                            overlaps.append(key)
+                    time.sleep(0.0005)
+                    with guard:
+                        holders[key] -= 1
+        except BaseException as error:
+            errors.append(error)
+
+    with hook.lock_session() as session:
+        threads = [threading.Thread(target=work, args=(session,)) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert errors == [] and overlaps == []
+        assert session.held() == [] and _count(admin, session.server.backend_pid) == 0
+
+
+def test_a_guarded_task_handle_locks_sub_keys_on_its_own_connection(hook: AdvisoryLockHook, admin: Any) -> None:
+    other = hook.try_acquire("tenant-export/2")
+    assert other is not None
+    try:
+        with LockGuard(hook, LockKey.from_name("export-all"), LockPolicy()) as lock:
+            assert lock.try_lock_many(["export-all"]) == []  # the task's own key: busy, never released here
+            taken = lock.try_lock_many([f"tenant-export/{n}" for n in range(5)])
+            assert [sub.key.name for sub in taken] == [
+                "tenant-export/0",
+                "tenant-export/1",
+                "tenant-export/3",
+                "tenant-export/4",
+            ]
+            assert _count(admin, lock.backend_pid) == 5  # own key + 4 tenants, one connection
+            assert lock.release("export-all") is False and lock.release(taken[0]) is True
+            with lock.try_lock("tenant-export/0") as sub:
+                assert sub is not None
+        assert _pids(admin) == [other.server.backend_pid]
+    finally:
+        other.release()
+    with LockGuard(hook, LockKey.from_name("tx-all"), LockPolicy(mode="transaction")) as lock:
+        with lock.try_lock("tenant-tx/1") as sub:
+            assert sub is not None
+        with pytest.raises(LockConfigurationError, match="transaction"), lock.lock("tenant-tx/1", timeout=1):
+            pass
+    assert advisory_locks(admin) == []
