@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from importlib.metadata import version as _version
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 AIRFLOW_VERSION: tuple[int, int] = tuple(int(part) for part in _version("apache-airflow").split(".")[:2])  # type: ignore[assignment]
 AIRFLOW_V_3_PLUS = AIRFLOW_VERSION >= (3, 0)
@@ -19,8 +19,6 @@ if AIRFLOW_V_3_PLUS:
     from airflow.sdk import BaseOperator, BaseSensorOperator, Context, get_current_context
     from airflow.sdk.bases.decorator import DecoratedOperator, TaskDecorator, task_decorator_factory
     from airflow.sdk.definitions.mappedoperator import MappedOperator
-    from airflow.triggers.base import BaseTrigger, TriggerEvent  # triggers stay in core: the triggerer runs them
-
     if AIRFLOW_VERSION >= (3, 1):
         from airflow.sdk import BaseHook
     else:  # Airflow 3.0: hooks still live in core
@@ -59,13 +57,26 @@ else:  # Airflow 2.x
     from airflow.models.mappedoperator import MappedOperator  # type: ignore[no-redef]
     from airflow.operators.python import get_current_context  # type: ignore[no-redef]
     from airflow.sensors.base import BaseSensorOperator  # type: ignore[no-redef]
-    from airflow.triggers.base import BaseTrigger, TriggerEvent  # type: ignore[no-redef]
     from airflow.utils.context import Context  # type: ignore[no-redef]
 
 try:
     from airflow.providers.standard.operators.python import PythonOperator
 except ImportError:  # Airflow 2.x without the standard provider
     from airflow.operators.python import PythonOperator  # type: ignore[no-redef]
+
+if TYPE_CHECKING:
+    from airflow.triggers.base import BaseTrigger, TriggerEvent  # triggers stay in core: the triggerer runs them
+
+
+def __getattr__(name: str) -> Any:
+    """``BaseTrigger`` and ``TriggerEvent``, loaded on first use (a sensor defers, the triggerer
+    runs a trigger): ``airflow.triggers.base`` would otherwise be half the provider's cost of
+    parsing a DAG file, which never needs it."""
+    if name in ("BaseTrigger", "TriggerEvent"):
+        from airflow.triggers import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def get_stats() -> Any:

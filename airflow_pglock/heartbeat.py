@@ -3,10 +3,17 @@
 It keeps a healthy session from looking idle to the server (which ends a session silent
 for the lease) and notices a lost lock: the session ended, the key is gone, the server
 does not answer in time. It says so once, through ``on_loss``, and stops.
+
+Between probes it watches the session's socket: a server that ends the session
+(``pg_terminate_backend``, a shutdown, a crash restart, a pooler closing it) says so on
+the socket at once, so that loss is noticed within moments, without a round trip. The
+probes stay for what only they can see: a silent network, a lock gone on a live session.
 """
 
 from __future__ import annotations
 
+import os
+import select
 import threading
 import time
 from collections.abc import Callable
@@ -46,6 +53,8 @@ class Heartbeat:
         self.stop_event = stop
         self.server_notice: tuple[str, str] | None = None  # (sqlstate, message) of a 57P.. notice
         self._thread: threading.Thread | None = None
+        self._wake_read, self._wake_write = os.pipe()  # stop() wakes the socket watch at once
+        self._wake_lock = threading.Lock()
 
     def start(self) -> None:
         # A server that ends every session (crash, immediate shutdown) says why in a notice
@@ -58,18 +67,25 @@ class Heartbeat:
 
     def stop(self) -> None:
         self.stop_event.set()
+        with self._wake_lock:
+            if self._wake_write >= 0:
+                os.write(self._wake_write, b"x")
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             # Every step of the heartbeat is bounded: a probe by the loss deadline, a server
             # check by its 2 s connect timeout.
             thread.join(timeout=self.hook.liveness.loss_deadline + 5)
+        if thread is None:
+            self._close_wake()
 
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
     def _on_notice(self, diagnostic: psycopg.errors.Diagnostic) -> None:
-        if (diagnostic.sqlstate or "").startswith("57P"):
+        # A FATAL read by the socket watch (the server ending an idle session: terminated, the
+        # lease's timeout) comes as a notice too: libpq hands errors on an idle connection there.
+        if (diagnostic.sqlstate or "").startswith("57P") or diagnostic.severity_nonlocalized in ("FATAL", "PANIC"):
             self.server_notice = (diagnostic.sqlstate or "", diagnostic.message_primary or "")
 
     def describe_error(self, error: psycopg.Error) -> tuple[str, bool]:
@@ -81,7 +97,68 @@ class Heartbeat:
             state, detail = self.server_notice
         return loss.session_end_reason(state, detail, type(error).__name__, self.hook.liveness.lease)
 
+    def _watch(self, seconds: float) -> bool:
+        """Wait ``seconds`` for the next probe, watching the session's socket; True when stopped.
+
+        Raises the connection's error when the server ended the session. Data on an idle
+        session's socket is a message the server sent unasked (the FATAL before it hangs up,
+        a notice, a parameter change): it is read, which hands a notice to ``_on_notice``.
+        While the work uses the connection (transaction mode, a pipeline) its data is the
+        work's: left alone, and looked at again a moment later.
+        """
+        deadline = time.monotonic() + seconds
+        while not self.stop_event.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            poller = select.poll()
+            poller.register(self._wake_read, select.POLLIN)
+            conn = self.held.connection
+            if not conn.closed:
+                poller.register(conn.pgconn.socket, select.POLLIN)
+            ready = poller.poll(remaining * 1000)
+            if self.stop_event.is_set():
+                break
+            if ready and not self._read_unasked() and self.stop_event.wait(min(0.2, remaining)):
+                break
+        return True
+
+    def _read_unasked(self) -> bool:
+        """Read what the server sent on the idle session; False when the work is using it."""
+        conn = self.held.connection
+        if not conn.lock.acquire(blocking=False):
+            return False
+        try:
+            if conn.closed:
+                raise psycopg.OperationalError("the lock session's connection is closed")
+            pgconn = conn.pgconn
+            if pgconn.pipeline_status != psycopg.pq.PipelineStatus.OFF:
+                return False
+            try:
+                pgconn.consume_input()
+                pgconn.is_busy()  # parses what was read: a message sent unasked goes to the notice handler
+            except psycopg.Error as error:
+                raise psycopg.OperationalError(str(error).strip() or "the server closed the lock session") from error
+            if pgconn.status == psycopg.pq.ConnStatus.BAD:
+                raise psycopg.OperationalError("the server closed the lock session")
+            return True
+        finally:
+            conn.lock.release()
+
+    def _close_wake(self) -> None:
+        with self._wake_lock:
+            if self._wake_read >= 0:
+                os.close(self._wake_read)
+                os.close(self._wake_write)
+                self._wake_read = self._wake_write = -1
+
     def _loop(self) -> None:
+        try:
+            self._beat()
+        finally:
+            self._close_wake()
+
+    def _beat(self) -> None:
         """A probe must be answered within ``2 * lease / 3`` s of the last confirmed one (or
         within a short grace when this process itself stalled past that), so the holder
         gives its lock up for lost before the server can release it (``lease`` s of silence).
@@ -95,7 +172,13 @@ class Heartbeat:
         def no_answer() -> str:
             return loss.no_answer_reason(time.monotonic() - confirmed, held.server.server, liveness.lease)
 
-        while not self.stop_event.wait(max(0.0, confirmed + interval - time.monotonic())):
+        while True:
+            try:
+                if self._watch(max(0.0, confirmed + interval - time.monotonic())):
+                    return
+            except psycopg.Error as error:  # the server ended the session and said so on the socket
+                self.on_loss(*self.describe_error(error))
+                return
             started = time.monotonic()
             budget = max(confirmed + liveness.loss_deadline - started, grace)
             try:

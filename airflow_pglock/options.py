@@ -18,14 +18,20 @@ import inspect
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal, TypedDict
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypedDict
 
 from airflow_pglock.exceptions import InvalidLockKeyError, LockConfigurationError, UnknownLockOptionError
-from airflow_pglock.guard import LockPolicy, OnBusy, OnError, OnLost
-from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook, Scope
+from airflow_pglock.hooks.server import Scope
 from airflow_pglock.keys import LockKey, tenant_text
 from airflow_pglock.liveness import DEFAULT_LEASE_SECONDS, Liveness
+from airflow_pglock.policy import LockPolicy, OnBusy, OnError, OnLost
 from airflow_pglock.run_rules import RunRules, check_not_shared, seconds
+
+if TYPE_CHECKING:  # the hook (psycopg) loads when a task runs, not when a DAG file is parsed
+    from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+
+#: The Airflow connection a lock uses unless told otherwise (``AdvisoryLockHook.default_conn_name``).
+DEFAULT_CONN_ID = "postgres_default"
 
 KeySpec = str | int | tuple[int, int] | list[int] | LockKey | None
 Seconds = float | dt.timedelta
@@ -51,7 +57,7 @@ class LockOptions(TypedDict, total=False):
     Default: ``<dag_id>/<task_id>``."""
     tenant: Annotated[Any, Option(None, templated=True)]
     """A tenant appended to the key name (Jinja template): ``<key>/<tenant>``."""
-    postgres_conn_id: Annotated[str, Option(AdvisoryLockHook.default_conn_name)]
+    postgres_conn_id: Annotated[str, Option(DEFAULT_CONN_ID)]
     """The Airflow Postgres connection of the lock database (default ``postgres_default``)."""
     mode: Annotated[Scope, Option("session")]
     """``"session"`` (default) or ``"transaction"`` (the lock lives in an open transaction on
@@ -192,6 +198,8 @@ class LockSpec:
         )
 
     def hook(self) -> AdvisoryLockHook:
+        from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+
         return AdvisoryLockHook(self.postgres_conn_id, liveness=Liveness(self.lease))
 
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 import datetime as dt
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airflow_pglock.exceptions import AlreadyDoneError, LockConfigurationError
-from airflow_pglock.hooks import ledger
-from airflow_pglock.hooks.advisory_lock import HeldLock
 from airflow_pglock.identity import TaskIdentity
+
+if TYPE_CHECKING:  # the ledger (SQL, psycopg) loads when a rule runs, not when a DAG is parsed
+    from airflow_pglock.hooks.advisory_lock import HeldLock
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,8 @@ def seconds(value: float | dt.timedelta | None, option: str) -> float | None:
 
 def check_before_work(rules: RunRules, held: HeldLock, application_name: str | None) -> int | None:
     """Skip (AlreadyDoneError) if the period is done or the key too fresh; else issue a token if asked."""
+    from airflow_pglock.hooks import ledger
+
     conn: Any = held.connection
     if rules.period is not None:
         done = ledger.completion_for_period(conn, held.key, rules.period)
@@ -106,6 +109,8 @@ def record_success(rules: RunRules, held: HeldLock, identity: TaskIdentity | Non
     """
     if not rules.records_completion:
         return True
+    from airflow_pglock.hooks import ledger
+
     period = rules.period if rules.period is not None else ledger.ROLLING_PERIOD
     return ledger.record_completion(
         held.connection, held.key, period, identity, token, shared=held.shared, xact_id=held.xact_id

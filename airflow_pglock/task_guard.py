@@ -14,10 +14,9 @@ import inspect
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import jinja2
-import psycopg
 
 from airflow_pglock.compat import AirflowFailException, AirflowSkipException, TaskDeferred, get_current_context
 from airflow_pglock.exceptions import (
@@ -29,11 +28,13 @@ from airflow_pglock.exceptions import (
     PgLockError,
     UnsafeSetupError,
 )
-from airflow_pglock.guard import LockGuard, LockHandle
 from airflow_pglock.identity import TaskIdentity
 from airflow_pglock.keys import LockKey
 from airflow_pglock.options import KeySpec, LockSpec, check_key_spec
 from airflow_pglock.run_rules import RunRules
+
+if TYPE_CHECKING:  # the guard and psycopg load when a task runs, not when a DAG file is parsed
+    from airflow_pglock.guard import LockGuard, LockHandle
 
 T = TypeVar("T")
 
@@ -98,6 +99,10 @@ def run_guarded(
     :param once_per: the rendered ``once_per`` period, or None.
     :param deadline: ``on_busy="defer"``: UNIX time the whole wait ends (None: this is the first try).
     """
+    import psycopg
+
+    from airflow_pglock.guard import LockGuard
+
     identity = task_identity(context)
     guard: LockGuard | None = None
     policy = spec.policy

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import psycopg
@@ -158,16 +158,23 @@ class LockDatabase(BaseHook):
         ) from error
 
     def connect(
-        self, application_name: str | None = None, settings: ConnectionSettings | None = None
+        self,
+        application_name: str | None = None,
+        settings: ConnectionSettings | None = None,
+        *,
+        server_settings: Mapping[str, str] | None = None,
     ) -> psycopg.Connection[Any]:
         """Open a new dedicated autocommit connection for one lock.
 
         :param application_name: names the holder in ``pg_stat_activity``.
         :param settings: where to connect (default: :meth:`resolve_settings`).
+        :param server_settings: server settings to send in the start-up packet.
         """
         settings = settings or self.resolve_settings()
         self._last_settings = settings  # for side_connection(), see there
-        kwargs = settings.session_params(application_name, self.liveness, self.connect_timeout)
+        kwargs = settings.session_params(
+            application_name, self.liveness, self.connect_timeout, server_settings=server_settings
+        )
         where = connection_settings.describe_params(kwargs, settings.source)
         try:
             return psycopg.Connection.connect(autocommit=True, **kwargs)
@@ -286,9 +293,25 @@ class LockDatabase(BaseHook):
     def open_lock_session(
         self, application_name: str | None, scope: Scope
     ) -> tuple[psycopg.Connection[Any], ServerInfo]:
-        """Connect, check the server and set liveness; on any error nothing is left open."""
+        """Connect, check the server and set liveness; on any error nothing is left open.
+
+        A session lock's liveness settings go in the start-up packet (no statement of their
+        own) unless the connection declares a pooler (``pool_mode``): a pooler refuses them or,
+        configured to ignore them, drops them silently. Refused anyway (PgBouncer, or a server
+        older than a setting), the connection is opened again without them and they are set by
+        a statement, as through a declared pooler.
+        """
         settings = self.resolve_settings()
-        conn = self.connect(application_name, settings)
+        startup = None
+        if scope == "session" and settings.pool_mode is None:
+            startup = self.liveness.server_settings(transaction=False)
+        try:
+            conn = self.connect(application_name, settings, server_settings=startup)
+        except LockConnectionError as error:
+            if startup is None or not connection_settings.refused_startup_options(error):
+                raise
+            startup = None
+            conn = self.connect(application_name, settings)
         try:
             info = self.inspect_server(conn)
             self.check_server(info, scope, settings.pool_mode)
@@ -296,7 +319,7 @@ class LockDatabase(BaseHook):
                 # Through PgBouncer, a server-side prepared statement may outlive the transaction on a
                 # server session another client gets next: never prepare on a lock connection.
                 conn.prepare_threshold = None
-            if scope == "session":
+            if scope == "session" and (startup is None or info.behind_pooler):
                 self.apply_liveness(conn, local=False, server_version_num=info.version_num)
             return conn, info
         except BaseException:

@@ -23,6 +23,10 @@ POSTGRES_CONN_TYPES = frozenset({"postgres", "postgresql"})
 # PostgresHook extras that are not libpq parameters (it drops these too).
 _NON_LIBPQ_EXTRAS = frozenset({"cursor", "pool_mode"})
 
+#: How a server (or a pooler) refuses server settings in the start-up packet: PgBouncer without
+#: ``ignore_startup_parameters = options``, or a server older than a setting (PostgreSQL 12/13).
+STARTUP_OPTIONS_REFUSED = ("unsupported startup parameter", "unrecognized configuration parameter")
+
 _URI_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")
 _KEYWORD_PASSWORD = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
 
@@ -53,12 +57,21 @@ class ConnectionSettings:
         """``'db' on host:port as user (conn id 'x')``; never the password."""
         return describe_params(self.params, self.source)
 
-    def session_params(self, application_name: str | None, liveness: Liveness, connect_timeout: int) -> dict[str, Any]:
+    def session_params(
+        self,
+        application_name: str | None,
+        liveness: Liveness,
+        connect_timeout: int,
+        *,
+        server_settings: Mapping[str, str] | None = None,
+    ) -> dict[str, Any]:
         """The libpq parameters of one lock session: these, plus its name and liveness settings.
 
         :param application_name: names the holder in ``pg_stat_activity``.
         :param liveness: the lease's client-side settings (keepalives, ``tcp_user_timeout``).
         :param connect_timeout: used when the connection sets none of its own.
+        :param server_settings: server settings to send in the start-up packet (libpq
+            ``options``, after the connection's own, so they win): no statement needed.
         """
         params = dict(self.params)
         params.setdefault("connect_timeout", connect_timeout)
@@ -69,7 +82,15 @@ class ConnectionSettings:
             params["application_name"] = application_name
         else:  # never anonymous: `locks` shows the provider, the program and its pid
             params.setdefault("application_name", hook_application_name())
+        if server_settings:
+            ours = " ".join(f"-c {name}={value}" for name, value in server_settings.items())
+            params["options"] = f"{params['options']} {ours}" if params.get("options") else ours
         return params
+
+
+def refused_startup_options(error: BaseException) -> bool:
+    """Whether a failed connection attempt was refused for its start-up ``options``."""
+    return any(phrase in str(error) for phrase in STARTUP_OPTIONS_REFUSED)
 
 
 def describe_params(params: Mapping[str, Any], source: str) -> str:

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from airflow_pglock.compat import BaseOperator, Context, MappedOperator, TaskDeferred, rendered_task
 from airflow_pglock.exceptions import LockConfigurationError, LockLostError
-from airflow_pglock.guard import LockHandle
 from airflow_pglock.options import LockOptions, LockSpec
 from airflow_pglock.task_guard import (
     RESUME_METHOD,
@@ -33,6 +32,8 @@ from airflow_pglock.task_guard import (
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
+
+    from airflow_pglock.guard import LockHandle
 
 OperatorT = TypeVar("OperatorT", bound=BaseOperator)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airflow_pglock.compat import (
     AirflowFailException,
@@ -27,17 +27,12 @@ from airflow_pglock.exceptions import (
     PgLockError,
     UnsafeSetupError,
 )
-from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
-from airflow_pglock.hooks.holders import LockHolder, blocking_holders, describe_holders
 from airflow_pglock.keys import LockKey
-from airflow_pglock.options import KeySpec, LockOptions, LockSpec, declared
+from airflow_pglock.options import DEFAULT_CONN_ID, KeySpec, LockOptions, LockSpec, declared
 from airflow_pglock.task_guard import resolve_key
-from airflow_pglock.triggers.advisory_lock import (
-    ERROR,
-    FREE,
-    TIMEOUT,
-    AdvisoryLockTrigger,
-)
+
+if TYPE_CHECKING:  # the hook, psycopg and the trigger load when the sensor runs, not when a DAG is parsed
+    from airflow_pglock.hooks.holders import LockHolder
 
 #: The lock options a sensor takes; their declaration says which are templated and checks them.
 SENSOR_OPTIONS = ("key", "tenant", "shared", "postgres_conn_id")
@@ -76,7 +71,7 @@ class AdvisoryLockSensor(BaseSensorOperator):
         key: KeySpec,
         tenant: Any = None,
         shared: bool = False,
-        postgres_conn_id: str = AdvisoryLockHook.default_conn_name,
+        postgres_conn_id: str = DEFAULT_CONN_ID,
         deferrable: bool = conf.getboolean("operators", "default_deferrable", fallback=False),
         **kwargs: Any,
     ) -> None:
@@ -111,11 +106,15 @@ class AdvisoryLockSensor(BaseSensorOperator):
 
         :param context: the task context (unused: the key is rendered before ``execute``).
         """
+        from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+
         key = self.lock_key()
         holders = AdvisoryLockHook(self.postgres_conn_id).holders(key)
         return self._free(key, holders)
 
     def _free(self, key: LockKey, holders: Sequence[LockHolder]) -> bool:
+        from airflow_pglock.hooks.holders import blocking_holders, describe_holders
+
         if not blocking_holders(holders, self.shared):
             self.log.info("pglock sensor: %s is free%s", key.describe(), " for a shared lock" if self.shared else "")
             return True
@@ -146,6 +145,8 @@ class AdvisoryLockSensor(BaseSensorOperator):
         return f"{key.describe()} is still held by {self._last_holders} after the sensor's timeout: {error}"
 
     def _execute_deferrable(self, context: Context, key: LockKey) -> None:
+        from airflow_pglock.triggers.advisory_lock import AdvisoryLockTrigger
+
         if self.poke(context):
             return None
         trigger = AdvisoryLockTrigger.for_key(
@@ -178,6 +179,8 @@ class AdvisoryLockSensor(BaseSensorOperator):
         :param context: the task context.
         :param event: the trigger's event payload.
         """
+        from airflow_pglock.triggers.advisory_lock import ERROR, FREE, TIMEOUT
+
         status, message = event.get("status"), str(event.get("message", event))
         if status == FREE:
             self.log.info("pglock sensor: %s", message)

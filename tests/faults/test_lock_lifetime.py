@@ -311,11 +311,13 @@ def test_outer_interrupt_is_kept_pending_through_the_inner_guards_clean_up(
         def inner_work(handle: LockHandle) -> None:
             def hold_inner_state() -> None:
                 # The inner guard's clean-up waits for its state lock while the outer lock is lost,
-                # so the outer guard's interrupt arrives inside the inner guard's clean-up.
+                # so the outer guard's interrupt arrives inside the inner guard's clean-up (the outer
+                # loss is seen at once: the session is ended once the inner work has returned).
                 with inner.interruption.lock:
+                    time.sleep(0.8)
                     with fault_server.admin() as admin:
                         admin.execute("SELECT pg_terminate_backend(%s)", [lock.backend_pid])
-                    time.sleep(2.5)
+                    time.sleep(1.7)
 
             threading.Thread(target=hold_inner_state, daemon=True).start()
             time.sleep(0.2)

@@ -91,6 +91,7 @@ def test_terminated_session_fails_within_one_heartbeat(fault_server: FaultServer
     key = "fault-terminate"
     with Holder(HolderConfig(fault_server.dsn, key, lease=LEASE)) as holder:
         pid = holder.wait_for("acquired", 30)["backend_pid"]
+        time.sleep(0.2)  # into the work's loop: the loss is seen at once, it must land where the work can see it
         terminated = time.monotonic()
         assert fault_admin.execute("SELECT pg_terminate_backend(%s)", [pid]).fetchone() == (True,)
         interrupted = holder.wait_for("interrupted", INTERVAL + 5)
@@ -104,10 +105,32 @@ def test_terminated_session_fails_within_one_heartbeat(fault_server: FaultServer
         assert contender_can_take(fault_server.dsn, key)
 
 
+@pytest.mark.parametrize("mode", ["session", "transaction"])
+def test_a_session_the_server_ends_is_noticed_at_once_not_at_the_next_heartbeat(
+    fault_server: FaultServer, fault_admin: Any, mode: str
+) -> None:
+    """The default lease (30 s: a heartbeat every 10 s): the server's FATAL on the socket is
+    seen by the socket watch, long before the next probe would ask."""
+    key = f"fault-terminate-watch-{mode}"
+    with Holder(HolderConfig(fault_server.dsn, key, lease=30.0, mode=mode)) as holder:
+        pid = holder.wait_for("acquired", 30)["backend_pid"]
+        time.sleep(0.2)  # the heartbeat thread is waiting for its first probe
+        terminated = time.monotonic()
+        assert fault_admin.execute("SELECT pg_terminate_backend(%s)", [pid]).fetchone() == (True,)
+        interrupted = holder.wait_for("interrupted", 10)
+        measured(f"pg_terminate_backend -> work interrupted (lease 30 s, {mode})", interrupted["t"] - terminated)
+        assert interrupted["t"] - terminated <= 1.0 + MARGIN  # the next probe would come ~10 s after acquiring
+        outcome = holder.wait_for("outcome", 10)
+        assert outcome["outcome"] == "lost"
+        assert "terminated" in outcome["cause"], outcome
+        assert holder.join(10) == EXIT_LOST
+
+
 def test_terminated_session_interrupts_work_in_a_non_main_thread(fault_server: FaultServer, fault_admin: Any) -> None:
     key = "fault-terminate-thread"
     with Holder(HolderConfig(fault_server.dsn, key, lease=LEASE, in_thread=True)) as holder:
         pid = holder.wait_for("acquired", 30)["backend_pid"]
+        time.sleep(0.2)  # into the work's loop: the loss is seen at once, it must land where the work can see it
         terminated = time.monotonic()
         fault_admin.execute("SELECT pg_terminate_backend(%s)", [pid])
         interrupted = holder.wait_for("interrupted", INTERVAL + 5)

@@ -87,3 +87,11 @@ def test_quick_capacity_section(tmp_path: Path) -> None:
     assert "`locks` listed 60 of the 60 capacity locks; the UI's JSON 60." in text
     assert "Afterwards, all released: **0 sessions** and **0 advisory locks** left" in text
     assert "Errors" not in text
+
+
+def test_quick_round_trips_section(tmp_path: Path) -> None:
+    text = run_quick(tmp_path, "round_trips")
+    assert "## 8. Round trips, and their cost on a network" in text
+    assert re.search(r"\| floor \(raw psycopg[^|]*\| 5 \| \+0 \|", text)
+    assert re.search(r"\| LockGuard \(named key[^|]*\| \d+ \| \+\d+ \|", text)
+    assert "| Round trips of a guarded execution over the floor | +0 |" in text  # in the summary

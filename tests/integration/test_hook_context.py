@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
+import psycopg
 import pytest
 
 from airflow_pglock.exceptions import LockLostError
@@ -32,12 +34,19 @@ def test_lock_holds_with_a_heartbeat_and_yields_none_when_busy(hook: AdvisoryLoc
     assert advisory_locks(admin) == []
 
 
+def _terminate_aside(dsn: str, pid: int) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_terminate_backend(%s)", [pid])
+
+
 def test_lock_raises_when_the_lock_is_lost_during_the_block(dsn: str, admin: Any) -> None:
     hook = AdvisoryLockHook(dsn=dsn, liveness=Liveness(lease=3))
     started = time.monotonic()
     with pytest.raises(LockLostError, match="ctx-lost"), hook.lock("ctx-lost") as handle:
         assert handle is not None
-        _terminate(admin, handle.backend_pid)
+        # From another thread and connection: the loss is seen at once (the heartbeat's socket watch),
+        # and its interruption must not land inside a query of the test's own admin connection.
+        threading.Thread(target=_terminate_aside, args=(dsn, handle.backend_pid), daemon=True).start()
         while time.monotonic() - started < 30:  # the heartbeat interrupts this loop
             time.sleep(0.05)
         raise AssertionError("the lost lock did not interrupt the block")

@@ -1,0 +1,69 @@
+"""What a guarded execution does in each situation: the policy values and their checks.
+
+Light on purpose (no psycopg, no hook): options are checked while a DAG file is parsed,
+and parsing must not load the lock machinery.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from airflow_pglock.exceptions import LockConfigurationError
+from airflow_pglock.hooks.server import Scope
+
+OnBusy = Literal["skip", "fail", "wait", "defer"]
+OnLost = Literal["fail", "warn"]
+OnError = Literal["fail", "skip"]
+
+ON_BUSY_CHOICES: tuple[str, ...] = ("skip", "fail", "wait", "defer")
+ON_LOST_CHOICES: tuple[str, ...] = ("fail", "warn")
+ON_ERROR_CHOICES: tuple[str, ...] = ("fail", "skip")
+MODE_CHOICES: tuple[str, ...] = ("session", "transaction")
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise LockConfigurationError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+
+
+@dataclass(frozen=True)
+class LockPolicy:
+    """What a guarded execution does in each situation.
+
+    :param mode: ``"session"`` (the lock spans any work) or ``"transaction"`` (the work
+        runs inside the transaction that holds the lock, on the lock's connection).
+    :param shared: take a shared lock (readers) instead of an exclusive one.
+    :param on_busy: ``"skip"``, ``"fail"``, ``"wait"`` (up to ``wait_timeout``, then skip) or
+        ``"defer"`` (try once; the Airflow adapter defers the task to the triggerer when busy).
+    :param wait_timeout: seconds ``on_busy="wait"`` waits, enforced by the server (with
+        ``"defer"``: the whole wait across deferrals).
+    :param on_lost: ``"fail"`` (interrupt the work, fail) or ``"warn"`` (log and go on).
+    :param on_error: ``"fail"`` or ``"skip"`` when the lock database cannot be used.
+    """
+
+    mode: Scope = "session"
+    shared: bool = False
+    on_busy: OnBusy = "skip"
+    wait_timeout: float | None = None
+    on_lost: OnLost = "fail"
+    on_error: OnError = "fail"
+
+    def __post_init__(self) -> None:
+        _check_choice("mode", self.mode, MODE_CHOICES)
+        _check_choice("on_busy", self.on_busy, ON_BUSY_CHOICES)
+        _check_choice("on_lost", self.on_lost, ON_LOST_CHOICES)
+        _check_choice("on_error", self.on_error, ON_ERROR_CHOICES)
+        if not isinstance(self.shared, bool):
+            raise LockConfigurationError(f"shared must be True or False, got {self.shared!r}")
+        if self.on_busy in ("wait", "defer"):
+            timeout = self.wait_timeout
+            if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+                raise LockConfigurationError(
+                    f"on_busy={self.on_busy!r} needs wait_timeout, a positive number of seconds (the wait is "
+                    f"bounded); got {timeout!r}"
+                )
+        elif self.wait_timeout is not None:
+            raise LockConfigurationError(
+                f"wait_timeout={self.wait_timeout!r} only applies with on_busy='wait' or on_busy='defer'"
+            )
