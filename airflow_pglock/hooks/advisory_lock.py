@@ -517,7 +517,12 @@ class AdvisoryLockHook(LockDatabase):
             if mode == "session":
                 held.release()
             else:
-                held.close()  # closing an open transaction rolls it back
+                # Roll an open transaction back before closing: the key is free when the block ends,
+                # not when the server gets round to ending the closed session's backend.
+                if not held.connection.closed and held.transaction_open:
+                    with contextlib.suppress(psycopg.Error):
+                        held.connection.execute("ROLLBACK")
+                held.close()
 
     @contextlib.contextmanager
     def lock_session(self, *, application_name: str | None = None) -> Iterator[LockSession]:
