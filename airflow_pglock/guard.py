@@ -108,6 +108,10 @@ class LockHandle:
         """The sub-keys held now (not the task's own key)."""
         return self._keys.held()
 
+    def release_all(self) -> bool:
+        """Release every sub-key held now (one round trip; the task's own key stays held)."""
+        return self._keys.release_all()
+
     @property
     def lost(self) -> str | None:
         """Why the lock was lost, or None while it is held (as of the last heartbeat)."""
@@ -191,6 +195,7 @@ class LockGuard:
         )
         self._started = 0.0
         self._wait_seconds = 0.0
+        self._handle: LockHandle | None = None
 
     @property
     def outcome(self) -> str | None:
@@ -227,7 +232,10 @@ class LockGuard:
             self.interruption.arm(interrupt=self.policy.on_lost == "fail")
             self._heartbeat = Heartbeat(self.hook, self.held, self._lose, self.interruption.lost, self._stop)
             self._heartbeat.start()
-            return LockHandle(self.held, lambda: self.lost, fencing_token=self.fencing_token, period=self.rules.period)
+            self._handle = LockHandle(
+                self.held, lambda: self.lost, fencing_token=self.fencing_token, period=self.rules.period
+            )
+            return self._handle
         except BaseException as error:
             self._abandon()
             if isinstance(error, AlreadyDoneError):
@@ -328,6 +336,8 @@ class LockGuard:
             self._stop_heartbeat()
             lost = self.lost
             record = lambda: record_success(self.rules, held, self.identity, self.fencing_token)  # noqa: E731
+            if lost is None and self._handle is not None and not held.connection.closed:
+                self._handle.release_all()  # free now; the closed session would free them only when its backend ends
             if lost is None and held.scope == "transaction":
                 lost, commit_error = finish_transaction(held, exc_type is None, record, self._describe_error)
             elif lost is None and not held.connection.closed:

@@ -23,7 +23,7 @@ from typing import Any
 import psycopg
 
 from airflow_pglock import loss
-from airflow_pglock.exceptions import LockConfigurationError, LockLostError
+from airflow_pglock.exceptions import LockConfigurationError, LockLostError, PgLockError
 from airflow_pglock.hooks import lock_session as statements
 from airflow_pglock.hooks.server import ServerInfo
 from airflow_pglock.keys import LockKey
@@ -144,6 +144,17 @@ class LockSet:
                         answers += statements.unlock_many(self.connection, keys, shared=shared)
             return len(subs) == len(wanted) and all(answers)
 
+    def release_all(self) -> bool:
+        """Release every key this set holds, best effort (before its session closes: closing
+        frees them too, but only once the server has ended the backend). Whether all were held."""
+        held = self.held()
+        if not held:
+            return True
+        try:
+            return self.release(*held)
+        except (PgLockError, psycopg.Error):  # the session is gone: its keys went with it
+            return False
+
     def _hold(self, taken: list[SubLock]) -> Iterator[SubLock | None]:
         sub = taken[0] if taken else None
         try:
@@ -223,6 +234,7 @@ class LockSession(LockSet):
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=self._liveness.loss_deadline + 5)
+        self.release_all()
         with self._mutex:
             self._held.clear()
             self.connection.close()
