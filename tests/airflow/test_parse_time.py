@@ -25,8 +25,13 @@ DAG_FILE = """
 import datetime as dt
 
 import pendulum
-from airflow.providers.standard.operators.bash import BashOperator
-from airflow.sdk import dag, task
+
+try:  # Airflow 3
+    from airflow.providers.standard.operators.bash import BashOperator
+    from airflow.sdk import dag, task
+except ImportError:  # Airflow 2.11
+    from airflow.decorators import dag, task
+    from airflow.operators.bash import BashOperator
 
 from airflow_pglock.decorators.advisory_lock import advisory_lock
 from airflow_pglock.operators.advisory_lock import guarded
@@ -68,10 +73,14 @@ RUNTIME_ONLY = (
 PROBE = textwrap.dedent(
     """
     import json, runpy, sys
+    from airflow_pglock.compat import BaseOperator, BaseSensorOperator  # Airflow's own bases
+    # Airflow 2.11's own sensor base loads the trigger base: only what the provider adds counts.
+    airflow_loads_triggers = "airflow.triggers.base" in sys.modules
     namespace = runpy.run_path(sys.argv[1])
     dag = namespace["parse_only"]  # the @dag function; its DAG was built by the call at the end of the file
-    print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("psycopg", "airflow_pglock")
-                           or m == "airflow.triggers.base")))
+    loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("psycopg", "airflow_pglock")
+                    or (m == "airflow.triggers.base" and not airflow_loads_triggers))
+    print(json.dumps(loaded))
     """
 )
 
