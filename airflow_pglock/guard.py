@@ -13,6 +13,7 @@ Airflow outcomes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import logging
 import threading
@@ -123,16 +124,20 @@ class LockHandle:
         return f"LockHandle({self.key.describe()}, mode={self.mode}, shared={self.shared})"
 
 
-def busy_error(hook: AdvisoryLockHook, key: LockKey, timeout: float | None, logger: Any) -> LockBusyError:
-    """The refusal for a busy key, naming who holds it (as far as the server can still tell)."""
+def busy_error(
+    hook: AdvisoryLockHook, key: LockKey, timeout: float | None, logger: Any, slots: int = 1
+) -> LockBusyError:
+    """The refusal for a busy key (or full pool), naming who holds it (as far as the server can still tell)."""
     try:
-        holders = hook.holders(key)
+        holders = hook.holders(key, slots=slots)
     except (PgLockError, psycopg.Error) as error:
         logger.warning("pglock could not read the holders of %s: %s", key.describe(), error)
         holders = []
     who = describe_holders(holders, dt.datetime.now(dt.timezone.utc), nobody="a session that released it since")
     waited = f" after waiting {timeout:g} s" if timeout is not None else ""
-    return LockBusyError(f"{key.describe()} is held by {who}{waited}", key, holders)
+    if slots == 1:
+        return LockBusyError(f"{key.describe()} is held by {who}{waited}", key, holders)
+    return LockBusyError(f"all {slots} slots of the pool {key.describe()} are held, by {who}{waited}", key, holders)
 
 
 class LockGuard:
@@ -245,15 +250,18 @@ class LockGuard:
             scope=self.policy.mode,
             timeout=timeout,
             application_name=self.application_name,
+            slots=self.policy.slots,
         )
         if held is not None:
+            if held.key != self.key:  # a slot of a pool: the outcome line names the slot taken
+                self._outcome.context = dataclasses.replace(self._outcome.context, key=held.key)
             return held
-        raise busy_error(self.hook, self.key, timeout, self.log)
+        raise busy_error(self.hook, self.key, timeout, self.log, self.policy.slots)
 
     def _log_acquired(self, held: HeldLock) -> None:
         self.log.info(
             "pglock acquired %s (%s, %s) database=%r server=%s pid=%s in %.3fs",
-            self.key.describe(),
+            held.key.describe(),
             self.policy.mode,
             "shared" if self.policy.shared else "exclusive",
             held.server.database,
