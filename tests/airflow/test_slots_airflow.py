@@ -1,0 +1,220 @@
+"""slots=N through every adapter on real Airflow, and two deployments sharing one pool."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook, HeldLock
+from airflow_pglock.keys import LockKey, slot_keys
+from tests.helpers import advisory_locks, for_this_airflow, run_dag
+
+pytestmark = pytest.mark.airflow
+
+POOL_DAG = """
+import pendulum
+from airflow.sdk import chain, dag, task
+
+from airflow_pglock.decorators.advisory_lock import advisory_lock
+from airflow_pglock.operators.advisory_lock import guarded
+from airflow_pglock.sensors.advisory_lock import AdvisoryLockSensor
+from tests.sdk import BashOperator
+
+CONN = "pglock_test"
+DONE = "all_done"
+
+
+@dag(dag_id="slots_pool", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False)
+def slots_pool():
+    @task.advisory_lock(key="warehouse-exports", slots=3, postgres_conn_id=CONN)
+    def decorated(lock):
+        return lock.key.name
+
+    @task(trigger_rule=DONE)
+    @advisory_lock(key="warehouse-exports", slots=3, postgres_conn_id=CONN)
+    def composable(lock):
+        return lock.key.name
+
+    chain(
+        AdvisoryLockSensor(task_id="sensor", key="warehouse-exports", slots=3, postgres_conn_id=CONN,
+                           poke_interval=0.2, timeout=1, soft_fail=True),
+        decorated(),
+        composable(),
+        guarded(BashOperator(task_id="operator", bash_command="echo exported", trigger_rule=DONE),
+                key="warehouse-exports", slots=3, postgres_conn_id=CONN),
+    )
+
+
+slots_pool_dag = slots_pool()
+"""
+
+ADAPTERS = ("decorated", "composable", "operator")
+
+
+def _hold(hook: AdvisoryLockHook, count: int) -> list[HeldLock]:
+    held = [
+        hook.acquire_lock(
+            "warehouse-exports",
+            shared=False,
+            scope="session",
+            timeout=None,
+            application_name=f"other exporter {n}",
+            slots=3,
+        )
+        for n in range(count)
+    ]
+    assert all(lock is not None for lock in held)
+    return [lock for lock in held if lock is not None]
+
+
+def test_every_adapter_takes_the_free_slot_and_skips_a_full_pool_naming_the_holders(
+    airflow_db: Any, holder_hook: AdvisoryLockHook, admin: Any, capfd: Any
+) -> None:
+    free_slot = slot_keys(LockKey.from_name("warehouse-exports"), 3)[2]
+    held = _hold(holder_hook, 2)  # slots 1 and 2, from another "deployment"
+    try:
+        capfd.readouterr()
+        result = run_dag(POOL_DAG, "slots_pool")
+        log = "".join(capfd.readouterr())
+        assert result.state("sensor") == "success"
+        for task_id in ADAPTERS:
+            assert result.state(task_id) == "success", task_id
+        assert log.count(f"pglock outcome=completed key {free_slot.name!r}") == len(ADAPTERS), log[-3000:]
+
+        held += _hold(holder_hook, 1)  # the pool is full
+        result = run_dag(POOL_DAG, "slots_pool")
+        log = "".join(capfd.readouterr())
+        assert result.state("sensor") == "skipped"
+        for task_id in ADAPTERS:
+            assert result.state(task_id) == "skipped", task_id
+        assert "busy: all 3 slots of the pool key 'warehouse-exports'" in log, log[-3000:]
+        for lock in held:
+            assert f"pid {lock.server.backend_pid} " in log
+        assert "application_name 'other exporter 1'" in log
+    finally:
+        for lock in held:
+            lock.release()
+    assert advisory_locks(admin) == []
+
+
+DEPLOYMENT_DAG = """
+import os
+import time
+
+import pendulum
+import psycopg
+from airflow.sdk import chain, dag, task
+
+CONN = "pglock_test"
+ME = os.environ["PGLOCK_DEPLOYMENT"]
+DSN = os.environ["PGLOCK_TEST_DSN"]
+
+
+def mark(event, slot=None):
+    with psycopg.connect(DSN, autocommit=True) as conn:
+        conn.execute("INSERT INTO pool_runs (deployment, event, slot, at) VALUES (%s, %s, %s, clock_timestamp())",
+                     [ME, event, slot])
+
+
+def wait_for(condition, params, seconds=240):
+    deadline = time.monotonic() + seconds
+    with psycopg.connect(DSN, autocommit=True) as conn:
+        while time.monotonic() < deadline:
+            if conn.execute(condition, params).fetchone()[0]:
+                return
+            time.sleep(0.2)
+    raise TimeoutError(condition)
+
+
+@dag(dag_id="nightly_export", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False)
+def nightly_export():
+    @task
+    def arrive():
+        mark("arrived")
+        wait_for("SELECT count(DISTINCT deployment) = 2 FROM pool_runs WHERE event = 'arrived'", [])
+
+    @task.advisory_lock(key="warehouse-exports", slots=2, postgres_conn_id=CONN)
+    def export(lock):
+        mark("holding", lock.key.name)
+        # hold the slot until the other deployment has tried the pool and finished
+        wait_for("SELECT count(*) > 0 FROM pool_runs WHERE event = 'after' AND deployment <> %s", [ME])
+        mark("released", lock.key.name)
+
+    @task(trigger_rule="all_done")
+    def after():
+        mark("after")
+
+    chain(arrive(), export(), after())
+
+
+nightly_export_dag = nightly_export()
+"""
+
+
+def _deployment(home: Path, name: str, dsn: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW__")}
+    env.update(
+        {
+            "AIRFLOW_HOME": str(home),
+            "AIRFLOW__CORE__DAGS_FOLDER": str(home / "dags"),
+            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+            "PGLOCK_DEPLOYMENT": name,
+            "PGLOCK_TEST_DSN": dsn,
+        }
+    )
+    (home / "dags").mkdir(parents=True)
+    (home / "dags" / "nightly_export.py").write_text(for_this_airflow(DEPLOYMENT_DAG))
+    subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], env=env, check=True, capture_output=True)
+    return env
+
+
+def _dags_test(env: dict[str, str]) -> str:
+    result = subprocess.run(
+        [sys.executable, "-m", "airflow", "dags", "test", "nightly_export", "2026-11-30"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    return result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_two_deployments_share_a_pool_at_most_n_run_and_the_other_skips_naming_holders(
+    dsn: str, admin: Any, holder_hook: AdvisoryLockHook
+) -> None:
+    admin.execute(
+        "DROP TABLE IF EXISTS pool_runs; CREATE TABLE pool_runs (deployment text, event text, slot text, at timestamptz)"
+    )
+    base = Path(tempfile.mkdtemp(prefix="pglock-two-deployments-slots-"))
+    with ThreadPoolExecutor(2) as pool:
+        envs = list(pool.map(_deployment, [base / "a", base / "b"], ["a", "b"], [dsn, dsn]))
+    outside = holder_hook.acquire_lock(
+        "warehouse-exports", shared=False, scope="session", timeout=None, application_name="cron exporter", slots=2
+    )
+    assert outside is not None and outside.key.name == "warehouse-exports"  # slot 1: a non-Airflow holder
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            outputs = dict(zip("ab", pool.map(_dags_test, envs), strict=True))
+    finally:
+        outside.release()
+    holding = admin.execute("SELECT deployment, slot FROM pool_runs WHERE event = 'holding'").fetchall()
+    assert len(holding) == 1, (holding, {name: text[-3000:] for name, text in outputs.items()})
+    winner, slot = holding[0]
+    loser = "b" if winner == "a" else "a"
+    assert slot == "warehouse-exports#slot2"
+    assert "pglock outcome=completed key 'warehouse-exports#slot2'" in outputs[winner], outputs[winner][-3000:]
+    skipped = outputs[loser]
+    assert "pglock outcome=skipped key 'warehouse-exports'" in skipped, skipped[-3000:]
+    assert "busy: all 2 slots of the pool key 'warehouse-exports'" in skipped
+    assert "application_name 'cron exporter'" in skipped  # the holder outside Airflow, named
+    assert "nightly_export" in skipped.split("all 2 slots", 1)[1]  # and the other deployment's task
+    assert admin.execute("SELECT count(*) FROM pool_runs WHERE event = 'after'").fetchone()[0] == 2
+    assert advisory_locks(admin) == []
