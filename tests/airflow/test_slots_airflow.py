@@ -191,7 +191,8 @@ def test_two_deployments_share_a_pool_at_most_n_run_and_the_other_skips_naming_h
     dsn: str, admin: Any, holder_hook: AdvisoryLockHook
 ) -> None:
     admin.execute(
-        "DROP TABLE IF EXISTS pool_runs; CREATE TABLE pool_runs (deployment text, event text, slot text, at timestamptz)"
+        "DROP TABLE IF EXISTS pool_runs;"
+        " CREATE TABLE pool_runs (deployment text, event text, slot text, at timestamptz)"
     )
     base = Path(tempfile.mkdtemp(prefix="pglock-two-deployments-slots-"))
     with ThreadPoolExecutor(2) as pool:
