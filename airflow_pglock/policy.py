@@ -66,11 +66,6 @@ class LockPolicy:
 
     def __post_init__(self) -> None:
         check_slots(self.slots, self.shared)
-        if self.slots > 1 and self.on_busy == "defer":
-            raise LockConfigurationError(
-                f"on_busy='defer' is not available with slots={self.slots} yet (the trigger waits for one key); "
-                "use on_busy='wait' (it polls the pool) or 'skip'"
-            )
         _check_choice("mode", self.mode, MODE_CHOICES)
         _check_choice("on_busy", self.on_busy, ON_BUSY_CHOICES)
         _check_choice("on_lost", self.on_lost, ON_LOST_CHOICES)

@@ -368,11 +368,11 @@ class AdvisoryLockHook(LockDatabase):
         with self.connect(INSPECT_APPLICATION_NAME) as conn:
             return read_holders(conn, *keys)
 
-    async def aholders(self, key: LockKey | str | int | tuple[int, int]) -> list[LockHolder]:
+    async def aholders(self, key: LockKey | str | int | tuple[int, int], *, slots: int = 1) -> list[LockHolder]:
         """Async :meth:`holders` on a short-lived connection of its own (closed even if cancelled)."""
-        lock_key = LockKey.coerce(key)
+        keys = slot_keys(LockKey.coerce(key), slots)
         async with await self.aconnect(INSPECT_APPLICATION_NAME) as conn:
-            return await self.aholders_on(conn, lock_key)
+            return await aread_holders(conn, *keys)
 
     def acquire_lock(
         self,

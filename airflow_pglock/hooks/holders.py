@@ -189,9 +189,9 @@ def read_holders(conn: psycopg.Connection[Any], key: LockKey, *more: LockKey) ->
     return [_holder(row) for row in conn.execute(query, params).fetchall()]
 
 
-async def aread_holders(conn: psycopg.AsyncConnection[Any], key: LockKey) -> list[LockHolder]:
+async def aread_holders(conn: psycopg.AsyncConnection[Any], key: LockKey, *more: LockKey) -> list[LockHolder]:
     """Async :func:`read_holders` (for triggers): reads ``pg_locks``, takes nothing."""
-    query, params = _query(conn.info.server_version, [key], all_databases=False)
+    query, params = _query(conn.info.server_version, [key, *more], all_databases=False)
     cursor = await conn.execute(query, params)
     return [_holder(row) for row in await cursor.fetchall()]
 

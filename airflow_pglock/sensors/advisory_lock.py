@@ -58,8 +58,7 @@ class AdvisoryLockSensor(BaseSensorOperator):
     :param shared: wait only until no session holds the key *exclusively* (shared holders
         do not count): for a task that then takes the key with ``shared=True``.
     :param postgres_conn_id: the Airflow Postgres connection of the lock database.
-    :param slots: the key names a pool of this many slots: succeed when at least one is free
-        (not with ``deferrable=True`` yet).
+    :param slots: the key names a pool of this many slots: succeed when at least one is free.
     :param deferrable: wait in the triggerer instead of a worker slot.
     """
 
@@ -86,11 +85,6 @@ class AdvisoryLockSensor(BaseSensorOperator):
             )
         options = {"key": key, "tenant": tenant, "shared": shared, "postgres_conn_id": postgres_conn_id, "slots": slots}
         LockSpec.from_options(options, declaration=LockOptions, caller=type(self).__name__)  # checks them
-        if slots > 1 and deferrable:
-            raise LockConfigurationError(
-                f"AdvisoryLockSensor {self.task_id!r}: deferrable=True is not available with slots={slots} yet "
-                "(the trigger waits for one key); use mode='reschedule'"
-            )
         self.key = key
         self.tenant = tenant
         self.shared = shared
@@ -168,6 +162,7 @@ class AdvisoryLockSensor(BaseSensorOperator):
             poll_interval=self.poke_interval,
             deadline=time.time() + self.timeout,
             shared=self.shared,
+            slots=self.slots,
         )
         # No Airflow deferral timeout: it would fail the task even with soft_fail; the
         # trigger's own deadline ends the wait with an event execute_complete maps.

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -106,6 +109,7 @@ def test_every_adapter_takes_the_free_slot_and_skips_a_full_pool_naming_the_hold
 
 DEPLOYMENT_DAG = """
 import os
+import re
 import time
 
 import pendulum
@@ -218,4 +222,93 @@ def test_two_deployments_share_a_pool_at_most_n_run_and_the_other_skips_naming_h
     assert "application_name 'cron exporter'" in skipped  # the holder outside Airflow, named
     assert "nightly_export" in skipped.split("all 2 slots", 1)[1]  # and the other deployment's task
     assert admin.execute("SELECT count(*) FROM pool_runs WHERE event = 'after'").fetchone()[0] == 2
+    assert advisory_locks(admin) == []
+
+
+def _release_once_waiting(hook: AdvisoryLockHook, held: HeldLock) -> None:
+    deadline = time.monotonic() + 120
+    with hook.connect("pglock-tests watcher") as conn:
+        while time.monotonic() < deadline:
+            waiting = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'airflow-pglock wakeups'"
+            ).fetchone()
+            if waiting and waiting[0]:
+                break
+            time.sleep(0.1)
+    held.release()
+
+
+DEFER_DAG = """
+import pendulum
+from airflow.sdk import dag, task
+
+from airflow_pglock.sensors.advisory_lock import AdvisoryLockSensor
+
+
+@dag(dag_id="slots_defer_task", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False)
+def slots_defer_task():
+    @task.advisory_lock(key="deferred-exports", slots=2, on_busy="defer", wait_timeout=120,
+                        postgres_conn_id="pglock_test")
+    def export(lock):
+        return lock.key.name
+
+    export()
+
+
+@dag(dag_id="slots_defer_sensor", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False)
+def slots_defer_sensor():
+    AdvisoryLockSensor(task_id="sensor", key="deferred-exports", slots=2, postgres_conn_id="pglock_test",
+                       deferrable=True, poke_interval=60, timeout=120)
+
+
+task_dag = slots_defer_task()
+sensor_dag = slots_defer_sensor()
+"""
+
+
+@pytest.mark.parametrize(
+    ("dag_id", "task_id", "deferred"),
+    [
+        ("slots_defer_task", "export", "pglock deferred: all 2 slots of the pool"),
+        ("slots_defer_sensor", "sensor", "pglock waiting: a slot of the pool"),
+    ],
+)
+def test_a_deferred_task_and_sensor_wake_when_any_slot_of_the_pool_frees(
+    airflow_db: Any,
+    holder_hook: AdvisoryLockHook,
+    admin: Any,
+    capfd: Any,
+    caplog: Any,
+    dag_id: str,
+    task_id: str,
+    deferred: str,
+) -> None:
+    held = [
+        holder_hook.acquire_lock(
+            "deferred-exports", shared=False, scope="session", timeout=None, application_name="exporter", slots=2
+        )
+        for _ in range(2)
+    ]
+    assert all(lock is not None for lock in held)
+    second = held[1]
+    assert second is not None and second.key.name == "deferred-exports#slot2"
+    # Once the trigger watches the pool, only slot 2 frees (its release is announced; the poll
+    # interval, 60 s, is far longer than this test waits).
+    timer = threading.Thread(target=_release_once_waiting, args=(holder_hook, second))
+    timer.start()
+    try:
+        capfd.readouterr()
+        result = run_dag(DEFER_DAG, dag_id)
+        log = "".join(capfd.readouterr()) + caplog.text
+    finally:
+        timer.join()
+        for lock in held:
+            if lock is not None:
+                lock.release()
+    assert result.state(task_id) == "success", log[-3000:]
+    assert deferred in log, log[-3000:]
+    # the trigger watched every slot of the pool (not the pool's key alone)
+    assert re.search(r"pglock waiting: a slot of the pool key 'deferred-exports' .* until it is free", log), log[-3000:]
+    if task_id == "export":
+        assert "pglock outcome=completed key 'deferred-exports#slot2'" in log
     assert advisory_locks(admin) == []

@@ -220,7 +220,6 @@ def test_slots_1_is_the_plain_lock_on_the_same_key(hook: AdvisoryLockHook) -> No
         ({"slots": True}, "slots must be an integer from 1 to 1000, got True"),
         ({"slots": "3"}, "slots must be an integer from 1 to 1000, got '3'"),
         ({"slots": 2, "shared": True}, "shared=True cannot be combined with slots=2"),
-        ({"slots": 2, "on_busy": "defer", "wait_timeout": 5}, "on_busy='defer' is not available with slots=2"),
     ],
 )
 def test_bad_slot_options_are_refused_before_any_io(options: dict[str, Any], message: str) -> None:
