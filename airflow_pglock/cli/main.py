@@ -82,6 +82,10 @@ ARGS: dict[str, ArgSpec] = {
         ("--pair",),
         {"help": "an explicit (int32, int32) key", "nargs": 2, "metavar": ("A", "B"), "dest": "pair_key"},
     ),
+    "slots": (
+        ("--slots",),
+        {"help": "the key names a pool of N slots: print the N slot keys (slot 1 is the key itself)", "metavar": "N"},
+    ),
     "verify": (
         ("--verify",),
         {"help": "ask PostgreSQL to compute the key too and compare (uses the connection)", "action": "store_true"},
@@ -112,7 +116,7 @@ COMMANDS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "key": (
         "a key's int64 or pair, its pg_locks coordinates and the SQL that computes it",
-        ("key_name", "tenant", "key_dag", "key_task", "int_key", "pair_key", "verify"),
+        ("key_name", "tenant", "key_dag", "key_task", "int_key", "pair_key", "slots", "verify"),
     ),
     "doctor": (
         "connect as a task would and check server, standby, pooler, liveness, privileges, capacity, registry",
@@ -335,6 +339,24 @@ def key_description(key: Any) -> dict[str, Any]:
     }
 
 
+def _print_slots(key: Any, slots: int, output: str, out: TextIO) -> int:
+    """``key --slots N``: the pool's slot keys, each as ``key`` describes one."""
+    from airflow_pglock.keys import InvalidLockKeyError, slot_keys
+
+    try:
+        keys = slot_keys(key, slots)
+    except InvalidLockKeyError as error:
+        raise CliError(str(error), EXIT_CONFIG) from None
+    described = [key_description(slot) for slot in keys]
+    if output == "json":
+        _print_json({"pool": key.name, "slots": slots, "slot_keys": described}, out)
+        return EXIT_OK
+    out.write(f"pool {key.name!r}: {slots} slot(s); a run holds any one of them\n")
+    for number, (slot, data) in enumerate(zip(keys, described, strict=True), start=1):
+        out.write(f"slot {number}  {slot.name!r}  {slot.numbers_text}  take it: {data['sql']['try_lock']}\n")
+    return EXIT_OK
+
+
 def cmd_key(args: argparse.Namespace, out: TextIO) -> int:
     from airflow_pglock.keys import InvalidLockKeyError
 
@@ -344,6 +366,8 @@ def cmd_key(args: argparse.Namespace, out: TextIO) -> int:
         raise CliError(str(error), EXIT_CONFIG) from None
     data = key_description(key)
     data["verified"] = None
+    if getattr(args, "slots", None) is not None:
+        return _print_slots(key, _parse_int(args.slots, "--slots"), args.output, out)
     code = EXIT_OK
     if args.verify:
         from airflow_pglock.hooks.inspection import compute_name_key

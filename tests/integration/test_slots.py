@@ -231,3 +231,23 @@ def test_a_numeric_pool_is_refused_before_any_io() -> None:
     hook = AdvisoryLockHook(dsn="host=/nonexistent-socket-dir dbname=nothing")  # any I/O would fail differently
     with pytest.raises(InvalidLockKeyError, match="slots=2 needs a key name"):
         hook.acquire_lock(7, shared=False, scope="session", timeout=None, application_name=None, slots=2)
+
+
+def test_key_slots_prints_the_slot_keys_and_sql_that_takes_them(admin: Any) -> None:
+    import io
+    import json
+
+    from airflow_pglock.cli.main import main
+
+    out = io.StringIO()
+    assert main(["key", "warehouse-exports", "--slots", "3", "--output", "json"], out) == 0
+    data = json.loads(out.getvalue())
+    expected = slot_keys(LockKey.from_name("warehouse-exports"), 3)
+    assert [slot["name"] for slot in data["slot_keys"]] == [key.name for key in expected]
+    assert [slot["numbers"] for slot in data["slot_keys"]] == [list(key.numbers) for key in expected]
+    for slot, key in zip(data["slot_keys"], expected, strict=True):
+        assert admin.execute("SELECT " + slot["sql"]["key"]).fetchone()[0] == key.int64
+    text = io.StringIO()
+    assert main(["key", "warehouse-exports", "--slots", "3"], text) == 0
+    assert "slot 3  'warehouse-exports#slot3'" in text.getvalue()
+    assert main(["key", "--int", "5", "--slots", "2"], io.StringIO()) != 0
