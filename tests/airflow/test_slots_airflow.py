@@ -17,7 +17,7 @@ import pytest
 
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook, HeldLock
 from airflow_pglock.keys import LockKey, slot_keys
-from tests.helpers import advisory_locks, for_this_airflow, run_dag
+from tests.helpers import TEST_CONN_ID, advisory_locks, for_this_airflow, run_dag
 
 pytestmark = pytest.mark.airflow
 
@@ -311,4 +311,40 @@ def test_a_deferred_task_and_sensor_wake_when_any_slot_of_the_pool_frees(
     assert re.search(r"pglock waiting: a slot of the pool key 'deferred-exports' .* until it is free", log), log[-3000:]
     if task_id == "export":
         assert "pglock outcome=completed key 'deferred-exports#slot2'" in log
+    assert advisory_locks(admin) == []
+
+
+HOWTO = Path(__file__).resolve().parents[2] / "docs" / "howto-slots.md"
+
+
+def test_the_howto_dag_runs_as_written_on_the_slot_freed_while_it_waits(
+    airflow_db: Any, holder_hook: AdvisoryLockHook, admin: Any, capfd: Any, caplog: Any
+) -> None:
+    blocks = re.findall(r"```python\n(.*?)```", HOWTO.read_text(), re.DOTALL)
+    [source] = [block for block in blocks if "@dag(" in block]
+    source = source.replace('"postgres_locks"', repr(TEST_CONN_ID))  # the only change: the test's connection
+    held = [
+        holder_hook.acquire_lock(
+            "warehouse-exports", shared=False, scope="session", timeout=None, application_name="exporter", slots=3
+        )
+        for _ in range(3)
+    ]
+    assert all(lock is not None for lock in held)
+    second = held[1]
+    assert second is not None
+    releaser = threading.Thread(target=_release_once_waiting, args=(holder_hook, second))
+    releaser.start()
+    try:
+        capfd.readouterr()
+        result = run_dag(source, "warehouse_export")
+        log = "".join(capfd.readouterr()) + caplog.text
+    finally:
+        releaser.join()
+        for lock in held:
+            if lock is not None:
+                lock.release()
+    assert result.state("export") == "success", log[-3000:]
+    assert "pglock deferred: all 3 slots of the pool key 'warehouse-exports'" in log
+    assert "exporting while holding warehouse-exports#slot2" in log
+    assert "pglock outcome=completed key 'warehouse-exports#slot2'" in log
     assert advisory_locks(admin) == []

@@ -251,3 +251,19 @@ def test_key_slots_prints_the_slot_keys_and_sql_that_takes_them(admin: Any) -> N
     assert main(["key", "warehouse-exports", "--slots", "3"], text) == 0
     assert "slot 3  'warehouse-exports#slot3'" in text.getvalue()
     assert main(["key", "--int", "5", "--slots", "2"], io.StringIO()) != 0
+
+
+def test_the_documented_one_statement_sql_takes_one_slot_each_time(dsn: str, admin: Any) -> None:
+    from pathlib import Path
+
+    concepts = (Path(__file__).resolve().parents[2] / "docs" / "concepts.md").read_text()
+    [statement] = [block for block in re.findall(r"```sql\n(.*?)```", concepts, re.DOTALL) if "WITH RECURSIVE" in block]
+    expected = slot_keys(LockKey.from_name("warehouse-exports"), 3)
+    sessions = [psycopg.connect(dsn, autocommit=True) for _ in range(4)]
+    try:
+        taken = [session.execute(statement).fetchall() for session in sessions]
+        assert taken == [[(1,)], [(2,)], [(3,)], []]  # one slot each, then the pool is full
+        assert _holding_pids(admin, expected) == {n: sessions[n].info.backend_pid for n in range(3)}
+    finally:
+        for session in sessions:
+            session.close()
