@@ -267,3 +267,35 @@ def test_the_documented_one_statement_sql_takes_one_slot_each_time(dsn: str, adm
     finally:
         for session in sessions:
             session.close()
+
+
+def test_locks_shows_a_pool_as_one_row_with_its_holders(dsn: str, holder_hook: AdvisoryLockHook) -> None:
+    import io
+    import json
+
+    from airflow_pglock.cli.main import main
+
+    held = [
+        holder_hook.acquire_lock(
+            "report-pool", shared=False, scope="session", timeout=None, application_name=f"exporter {n}", slots=3
+        )
+        for n in range(2)
+    ]
+    other = holder_hook.try_acquire("not-in-the-pool")
+    try:
+        out = io.StringIO()
+        assert main(["locks", "--dsn", dsn, "--pool", "report-pool", "--slots", "3", "--output", "json"], out) == 0
+        data = json.loads(out.getvalue())
+        assert data["pool"]["summary"] == "2 of 3 held" and data["pool"]["slots"] == 3
+        assert {h["pid"] for h in data["pool"]["holders"]} == {lock.server.backend_pid for lock in held if lock}
+        assert sorted(h["key"]["name"] for h in data["pool"]["holders"]) == ["report-pool", "report-pool#slot2"]
+        assert sorted(entry["key"]["name"] for entry in data["locks"]) == ["report-pool", "report-pool#slot2"]
+        text = io.StringIO()
+        assert main(["locks", "--dsn", dsn, "--pool", "report-pool", "--slots", "3"], text) == 0
+        assert "pool 'report-pool': 2 of 3 held" in text.getvalue()
+        assert "not-in-the-pool" not in text.getvalue()
+        assert main(["locks", "--dsn", dsn, "--slots", "3"], io.StringIO()) != 0  # --slots needs --pool
+    finally:
+        for lock in [*held, other]:
+            if lock is not None:
+                lock.release()
