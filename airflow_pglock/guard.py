@@ -38,7 +38,7 @@ from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook, HeldLock, Scope
 from airflow_pglock.hooks.holders import describe_holders
 from airflow_pglock.identity import TaskIdentity
 from airflow_pglock.interruption import LOST_SIGNAL, Interruption, protect_clean_up
-from airflow_pglock.keys import LockKey
+from airflow_pglock.keys import LockKey, slot_keys
 from airflow_pglock.lock_set import AnyKey, LockSet, SubLock
 from airflow_pglock.outcome import OutcomeContext, OutcomeLine
 from airflow_pglock.policy import LockPolicy, OnBusy, OnError, OnLost
@@ -192,7 +192,9 @@ class LockGuard:
         self._heartbeat: Heartbeat | None = None
         self._outcome = OutcomeLine(
             self.log,
-            OutcomeContext(key, policy.mode, policy.shared, policy.on_busy, application_name, self._target_text),
+            OutcomeContext(
+                key, policy.mode, policy.shared, policy.on_busy, application_name, self._target_text, policy.slots
+            ),
         )
         self._started = 0.0
         self._wait_seconds = 0.0
@@ -253,8 +255,9 @@ class LockGuard:
             slots=self.policy.slots,
         )
         if held is not None:
-            if held.key != self.key:  # a slot of a pool: the outcome line names the slot taken
-                self._outcome.context = dataclasses.replace(self._outcome.context, key=held.key)
+            if self.policy.slots > 1:  # a slot of a pool: the outcome line names the slot taken
+                slot = slot_keys(self.key, self.policy.slots).index(held.key) + 1
+                self._outcome.context = dataclasses.replace(self._outcome.context, key=held.key, slot=slot)
             return held
         raise busy_error(self.hook, self.key, timeout, self.log, self.policy.slots)
 

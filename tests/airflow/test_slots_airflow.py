@@ -17,6 +17,7 @@ import pytest
 
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook, HeldLock
 from airflow_pglock.keys import LockKey, slot_keys
+from tests.airflow.test_operations_airflow import StatsdListener, _metrics, statsd  # noqa: F401  (a fixture)
 from tests.helpers import TEST_CONN_ID, advisory_locks, for_this_airflow, run_dag
 
 pytestmark = pytest.mark.airflow
@@ -348,3 +349,54 @@ def test_the_howto_dag_runs_as_written_on_the_slot_freed_while_it_waits(
     assert "exporting while holding warehouse-exports#slot2" in log
     assert "pglock outcome=completed key 'warehouse-exports#slot2'" in log
     assert advisory_locks(admin) == []
+
+
+METRICS_DAG = """
+import pendulum
+from airflow.sdk import dag, task
+
+
+@dag(dag_id="slots_metrics", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False)
+def slots_metrics():
+    @task.advisory_lock(key="metered-exports", slots=3, postgres_conn_id="pglock_test")
+    def export():
+        return "exported"
+
+    export()
+
+
+slots_metrics_dag = slots_metrics()
+"""
+
+
+def test_metrics_report_how_many_slots_of_the_pool_were_in_use(
+    airflow_db: Any,
+    holder_hook: AdvisoryLockHook,
+    statsd: StatsdListener,  # noqa: F811  (the imported fixture)
+) -> None:
+    def hold() -> HeldLock:
+        held = holder_hook.acquire_lock(
+            "metered-exports", shared=False, scope="session", timeout=None, application_name="exporter", slots=3
+        )
+        assert held is not None
+        return held
+
+    held = [hold()]  # slot 1 held elsewhere: the task takes slot 2, so at least 2 were in use
+    try:
+        assert run_dag(METRICS_DAG, "slots_metrics").state("export") == "success"
+        held += [hold(), hold()]  # all 3: the task skips, 3 in use
+        assert run_dag(METRICS_DAG, "slots_metrics").state("export") == "skipped"
+    finally:
+        for lock in held:
+            lock.release()
+    deadline = time.monotonic() + 5
+    while (
+        time.monotonic() < deadline and sum(name.endswith("pool_in_use") for name, _, _ in _metrics(statsd.lines)) < 2
+    ):
+        time.sleep(0.1)
+    metrics = _metrics(statsd.lines)
+    assert all(tags.get("slots") == "3" for _, tags, _ in metrics), metrics
+    gauges = [line for line in statsd.lines if line.startswith("airflow.pglock.pool_in_use,")]
+    assert [line.rpartition(":")[2] for line in gauges] == ["2|g", "3|g"], gauges
+    names = [name.removeprefix("airflow.pglock.") for name, _, _ in metrics]
+    assert names.count("acquired") == 1 and names.count("skipped") == 1
