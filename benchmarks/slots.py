@@ -14,7 +14,6 @@ docs/benchmarks.md is replaced.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ from airflow_pglock.hooks import lock_session  # noqa: E402
 from airflow_pglock.keys import LockKey, slot_keys  # noqa: E402
 from benchmarks.flights import relay  # noqa: E402
 from benchmarks.servers import servers  # noqa: E402
-from benchmarks.stats import Summary, progress, table  # noqa: E402
+from benchmarks.stats import Summary, progress, table, write_section  # noqa: E402
 
 HEADING = "## Pools of slots: taking one slot"
 SIZES = (1, 8, 64)
@@ -47,9 +46,10 @@ def measure(host: str, port: int, database: str, rounds: int) -> list[tuple[str,
     """(what, slots held by others, take times in seconds, flights per take) for each case."""
     direct = f"postgresql://postgres@{host}:{port}/{database}"
     results: list[tuple[str, int, list[float], set[int]]] = []
-    with relay(host, port) as flights, psycopg.connect(
-        f"postgresql://postgres@127.0.0.1:{flights.port}/{database}", autocommit=True
-    ) as conn:
+    with (
+        relay(host, port) as flights,
+        psycopg.connect(f"postgresql://postgres@127.0.0.1:{flights.port}/{database}", autocommit=True) as conn,
+    ):
         mutex = LockKey.from_name("bench/slots-mutex")
         times, seen = [], set()
         for round_no in range(WARMUP + rounds):
@@ -114,17 +114,6 @@ def section(results: list[tuple[str, int, list[float], set[int]]], command: str)
     )
 
 
-def write_section(path: Path, text: str) -> None:
-    """Replace this section in ``path`` (up to the next ``## `` heading), or append it."""
-    document = path.read_text() if path.exists() else ""
-    pattern = re.compile(re.escape(HEADING) + r".*?(?=^## |\Z)", re.DOTALL | re.MULTILINE)
-    if pattern.search(document):
-        document = pattern.sub(lambda _: text + "\n", document)
-    else:
-        document = document.rstrip("\n") + "\n\n" + text
-    path.write_text(document)
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
@@ -136,7 +125,7 @@ def main(argv: list[str]) -> int:
         progress(f"slots: {rounds} takes per case")
         results = measure("127.0.0.1", running.cluster.port, "pglock_bench", rounds)
     text = section(results, command)
-    write_section(args.out, text)
+    write_section(args.out, HEADING, text)
     print(text)
     return 0
 
