@@ -62,17 +62,15 @@ slots_pool_dag = slots_pool()
 ADAPTERS = ("decorated", "composable", "operator")
 
 
-def _hold(hook: AdvisoryLockHook, count: int) -> list[HeldLock]:
+def _hold(
+    hook: AdvisoryLockHook, count: int, pool: str = "warehouse-exports", slots: int = 3, first: int = 0
+) -> list[HeldLock]:
+    """``count`` slots of ``pool`` held by other sessions (application_name ``other exporter <n>``)."""
     held = [
         hook.acquire_lock(
-            "warehouse-exports",
-            shared=False,
-            scope="session",
-            timeout=None,
-            application_name=f"other exporter {n}",
-            slots=3,
+            pool, shared=False, scope="session", timeout=None, application_name=f"other exporter {n}", slots=slots
         )
-        for n in range(count)
+        for n in range(first, first + count)
     ]
     assert all(lock is not None for lock in held)
     return [lock for lock in held if lock is not None]
@@ -92,7 +90,7 @@ def test_every_adapter_takes_the_free_slot_and_skips_a_full_pool_naming_the_hold
             assert result.state(task_id) == "success", task_id
         assert log.count(f"pglock outcome=completed key {free_slot.name!r}") == len(ADAPTERS), log[-3000:]
 
-        held += _hold(holder_hook, 1)  # the pool is full
+        held += _hold(holder_hook, 1, first=2)  # the pool is full
         result = run_dag(POOL_DAG, "slots_pool")
         log = "".join(capfd.readouterr())
         assert result.state("sensor") == "skipped"
@@ -284,15 +282,9 @@ def test_a_deferred_task_and_sensor_wake_when_any_slot_of_the_pool_frees(
     task_id: str,
     deferred: str,
 ) -> None:
-    held = [
-        holder_hook.acquire_lock(
-            "deferred-exports", shared=False, scope="session", timeout=None, application_name="exporter", slots=2
-        )
-        for _ in range(2)
-    ]
-    assert all(lock is not None for lock in held)
+    held = _hold(holder_hook, 2, "deferred-exports", slots=2)
     second = held[1]
-    assert second is not None and second.key.name == "deferred-exports#slot2"
+    assert second.key.name == "deferred-exports#slot2"
     # Once the trigger watches the pool, only slot 2 frees (its release is announced; the poll
     # interval, 60 s, is far longer than this test waits).
     timer = threading.Thread(target=_release_once_waiting, args=(holder_hook, second))
@@ -324,15 +316,8 @@ def test_the_howto_dag_runs_as_written_on_the_slot_freed_while_it_waits(
     blocks = re.findall(r"```python\n(.*?)```", HOWTO.read_text(), re.DOTALL)
     [source] = [block for block in blocks if "@dag(" in block]
     source = source.replace('"postgres_locks"', repr(TEST_CONN_ID))  # the only change: the test's connection
-    held = [
-        holder_hook.acquire_lock(
-            "warehouse-exports", shared=False, scope="session", timeout=None, application_name="exporter", slots=3
-        )
-        for _ in range(3)
-    ]
-    assert all(lock is not None for lock in held)
+    held = _hold(holder_hook, 3)
     second = held[1]
-    assert second is not None
     releaser = threading.Thread(target=_release_once_waiting, args=(holder_hook, second))
     releaser.start()
     try:
@@ -374,17 +359,10 @@ def test_metrics_report_how_many_slots_of_the_pool_were_in_use(
     holder_hook: AdvisoryLockHook,
     statsd: StatsdListener,  # noqa: F811  (the imported fixture)
 ) -> None:
-    def hold() -> HeldLock:
-        held = holder_hook.acquire_lock(
-            "metered-exports", shared=False, scope="session", timeout=None, application_name="exporter", slots=3
-        )
-        assert held is not None
-        return held
-
-    held = [hold()]  # slot 1 held elsewhere: the task takes slot 2, so at least 2 were in use
+    held = _hold(holder_hook, 1, "metered-exports")  # the task takes slot 2: at least 2 were in use
     try:
         assert run_dag(METRICS_DAG, "slots_metrics").state("export") == "success"
-        held += [hold(), hold()]  # all 3: the task skips, 3 in use
+        held += _hold(holder_hook, 2, "metered-exports", first=1)  # all 3: the task skips, 3 in use
         assert run_dag(METRICS_DAG, "slots_metrics").state("export") == "skipped"
     finally:
         for lock in held:
