@@ -258,6 +258,7 @@ class LockGuard:
             if self.policy.slots > 1:  # a slot of a pool: the outcome line names the slot taken
                 slot = slot_keys(self.key, self.policy.slots).index(held.key) + 1
                 self._outcome.context = dataclasses.replace(self._outcome.context, key=held.key, slot=slot)
+                self.interruption.label = held.key.describe()
             return held
         raise busy_error(self.hook, self.key, timeout, self.log, self.policy.slots)
 
@@ -284,7 +285,8 @@ class LockGuard:
             self.interruption.refine(
                 loss.refine_with_server_start(reason, self.hook.server_started_at(), self.held.server.started_at)
             )
-        self.log.error("pglock LOST %s: %s", self.key.describe(), self.lost)
+        held_key = self.held.key if self.held is not None else self.key  # a pool's slot: the slot
+        self.log.error("pglock LOST %s: %s", held_key.describe(), self.lost)
         self.interruption.keep_pending(self._stop)
 
     def _abandon(self) -> None:
@@ -361,8 +363,8 @@ class LockGuard:
             transaction = held.scope == "transaction"
             if self.policy.on_lost == "fail" or transaction:
                 self._report("lost", detail=lost, held=held_for)
-                message = loss.lost_message(self.key.describe(), lost, transaction=transaction)
-                raise LockLostError(message, self.key, lost) from exc
+                message = loss.lost_message(held.key.describe(), lost, transaction=transaction)
+                raise LockLostError(message, held.key, lost) from exc
             self._report("lost", detail=loss.warned(lost), held=held_for)
             return
         if commit_error is not None:

@@ -299,3 +299,31 @@ def test_locks_shows_a_pool_as_one_row_with_its_holders(dsn: str, holder_hook: A
         for lock in [*held, other]:
             if lock is not None:
                 lock.release()
+
+
+def _terminate_aside(dsn: str, pid: int) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_terminate_backend(%s)", [pid])
+
+
+def test_a_lost_slot_interrupts_the_work_and_names_the_slot(dsn: str, admin: Any) -> None:
+    from airflow_pglock.exceptions import LockLostError
+    from airflow_pglock.liveness import Liveness
+
+    hook = AdvisoryLockHook(dsn=dsn, liveness=Liveness(lease=3))
+    pool = LockKey.from_name("lost-pool")
+    other = hook.acquire_lock(pool, shared=False, scope="session", timeout=None, application_name=None, slots=2)
+    assert other is not None
+    started = time.monotonic()
+    try:
+        with (
+            pytest.raises(LockLostError, match="lost-pool#slot2"),
+            LockGuard(hook, pool, LockPolicy(slots=2)) as handle,
+        ):
+            assert handle.key.name == "lost-pool#slot2"
+            threading.Thread(target=_terminate_aside, args=(dsn, handle.backend_pid), daemon=True).start()
+            while time.monotonic() - started < 30:  # the heartbeat interrupts this loop
+                time.sleep(0.05)
+            raise AssertionError("the lost slot did not interrupt the block")
+    finally:
+        other.release()
