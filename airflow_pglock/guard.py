@@ -13,6 +13,7 @@ Airflow outcomes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import logging
 import threading
@@ -37,7 +38,7 @@ from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook, HeldLock, Scope
 from airflow_pglock.hooks.holders import describe_holders
 from airflow_pglock.identity import TaskIdentity
 from airflow_pglock.interruption import LOST_SIGNAL, Interruption, protect_clean_up
-from airflow_pglock.keys import LockKey
+from airflow_pglock.keys import LockKey, slot_keys
 from airflow_pglock.lock_set import AnyKey, LockSet, SubLock
 from airflow_pglock.outcome import OutcomeContext, OutcomeLine
 from airflow_pglock.policy import LockPolicy, OnBusy, OnError, OnLost
@@ -127,16 +128,20 @@ class LockHandle:
         return f"LockHandle({self.key.describe()}, mode={self.mode}, shared={self.shared})"
 
 
-def busy_error(hook: AdvisoryLockHook, key: LockKey, timeout: float | None, logger: Any) -> LockBusyError:
-    """The refusal for a busy key, naming who holds it (as far as the server can still tell)."""
+def busy_error(
+    hook: AdvisoryLockHook, key: LockKey, timeout: float | None, logger: Any, slots: int = 1
+) -> LockBusyError:
+    """The refusal for a busy key (or full pool), naming who holds it (as far as the server can still tell)."""
     try:
-        holders = hook.holders(key)
+        holders = hook.holders(key, slots=slots)
     except (PgLockError, psycopg.Error) as error:
         logger.warning("pglock could not read the holders of %s: %s", key.describe(), error)
         holders = []
     who = describe_holders(holders, dt.datetime.now(dt.timezone.utc), nobody="a session that released it since")
     waited = f" after waiting {timeout:g} s" if timeout is not None else ""
-    return LockBusyError(f"{key.describe()} is held by {who}{waited}", key, holders)
+    if slots == 1:
+        return LockBusyError(f"{key.describe()} is held by {who}{waited}", key, holders)
+    return LockBusyError(f"all {slots} slots of the pool {key.describe()} are held, by {who}{waited}", key, holders)
 
 
 class LockGuard:
@@ -191,7 +196,9 @@ class LockGuard:
         self._heartbeat: Heartbeat | None = None
         self._outcome = OutcomeLine(
             self.log,
-            OutcomeContext(key, policy.mode, policy.shared, policy.on_busy, application_name, self._target_text),
+            OutcomeContext(
+                key, policy.mode, policy.shared, policy.on_busy, application_name, self._target_text, policy.slots
+            ),
         )
         self._started = 0.0
         self._wait_seconds = 0.0
@@ -253,15 +260,20 @@ class LockGuard:
             scope=self.policy.mode,
             timeout=timeout,
             application_name=self.application_name,
+            slots=self.policy.slots,
         )
         if held is not None:
+            if self.policy.slots > 1:  # a slot of a pool: the outcome line names the slot taken
+                slot = slot_keys(self.key, self.policy.slots).index(held.key) + 1
+                self._outcome.context = dataclasses.replace(self._outcome.context, key=held.key, slot=slot)
+                self.interruption.label = held.key.describe()
             return held
-        raise busy_error(self.hook, self.key, timeout, self.log)
+        raise busy_error(self.hook, self.key, timeout, self.log, self.policy.slots)
 
     def _log_acquired(self, held: HeldLock) -> None:
         self.log.info(
             "pglock acquired %s (%s, %s) database=%r server=%s pid=%s in %.3fs",
-            self.key.describe(),
+            held.key.describe(),
             self.policy.mode,
             "shared" if self.policy.shared else "exclusive",
             held.server.database,
@@ -281,7 +293,8 @@ class LockGuard:
             self.interruption.refine(
                 loss.refine_with_server_start(reason, self.hook.server_started_at(), self.held.server.started_at)
             )
-        self.log.error("pglock LOST %s: %s", self.key.describe(), self.lost)
+        held_key = self.held.key if self.held is not None else self.key  # a pool's slot: the slot
+        self.log.error("pglock LOST %s: %s", held_key.describe(), self.lost)
         self.interruption.keep_pending(self._stop)
 
     def _abandon(self) -> None:
@@ -360,8 +373,8 @@ class LockGuard:
             transaction = held.scope == "transaction"
             if self.policy.on_lost == "fail" or transaction:
                 self._report("lost", detail=lost, held=held_for)
-                message = loss.lost_message(self.key.describe(), lost, transaction=transaction)
-                raise LockLostError(message, self.key, lost) from exc
+                message = loss.lost_message(held.key.describe(), lost, transaction=transaction)
+                raise LockLostError(message, held.key, lost) from exc
             self._report("lost", detail=loss.warned(lost), held=held_for)
             return
         if commit_error is not None:

@@ -31,6 +31,12 @@ NAME_TO_KEY_SQL = "('x' || left(encode(sha256(convert_to(%s, 'UTF8')), 'hex'), 1
 #: never contain it, so ``dag/task`` cannot be confused with another DAG's task.
 NAME_SEPARATOR = "/"
 
+#: Slot ``i`` (2..N) of a pool whose key is named ``P`` is the key named ``P#slot<i>``;
+#: slot 1 is the pool's key itself, so ``slots=1`` is the plain mutex on the same key.
+SLOT_SEPARATOR = "#slot"
+#: The most slots a pool may have (one statement tries them in order: keep it cheap).
+MAX_SLOTS = 1000
+
 
 def int64_from_name(name: str) -> int:
     """The int64 of a name: first 8 bytes of SHA-256(UTF-8 name), big-endian, signed.
@@ -162,6 +168,26 @@ class LockKey:
 
     def __str__(self) -> str:
         return self.describe()
+
+
+def slot_keys(pool: LockKey, slots: int) -> list[LockKey]:
+    """The keys of a pool of ``slots`` slots, slot 1 first: the pool's key, then ``<name>#slot2``...
+
+    A pool of more than one slot needs a key *name* (its slots are named after it, so any
+    client can compute them: ``NAME_TO_KEY_SQL`` of ``'<name>#slot<i>'``).
+
+    :param pool: the pool's key (slot 1).
+    :param slots: how many slots, 1 to :data:`MAX_SLOTS`.
+    """
+    if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS:
+        raise InvalidLockKeyError(f"slots must be an integer from 1 to {MAX_SLOTS}, got {slots!r}")
+    if slots == 1:
+        return [pool]
+    if pool.name is None or pool.is_pair or pool.numbers[0] != int64_from_name(pool.name):
+        raise InvalidLockKeyError(
+            f"slots={slots} needs a key name (the slot keys are named after it), got the numeric {pool.describe()}"
+        )
+    return [pool] + [LockKey.from_name(f"{pool.name}{SLOT_SEPARATOR}{i}") for i in range(2, slots + 1)]
 
 
 def tenant_text(tenant: Any, key: str | None = None) -> str:

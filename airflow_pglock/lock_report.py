@@ -14,13 +14,14 @@ or the default key of the DAG / task named by a holder's or waiter's application
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from airflow_pglock.identity import is_provider_session, parse_application_name
-from airflow_pglock.keys import LockKey
+from airflow_pglock.keys import LockKey, slot_keys
 
 if TYPE_CHECKING:
     from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
@@ -133,6 +134,36 @@ class LockEntry:
 
 
 @dataclass(frozen=True)
+class PoolUsage:
+    """A pool of slots (``slots=N``) as one row: how many of its slots are held, and by whom.
+
+    :param name: the pool's key name.
+    :param slots: how many slots it has (as the reader says: the database does not know N).
+    :param entries: the sessions holding or waiting for one of its slots.
+    """
+
+    name: str
+    slots: int
+    entries: tuple[LockEntry, ...]
+
+    @property
+    def held(self) -> int:
+        return len({entry.key.pg_locks for entry in self.entries if entry.holder.granted})
+
+    def describe(self) -> str:
+        return f"{self.held} of {self.slots} held"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "slots": self.slots,
+            "held": self.held,
+            "summary": self.describe(),
+            "holders": [entry.to_json() for entry in self.entries if entry.holder.granted],
+        }
+
+
+@dataclass(frozen=True)
 class LockReport:
     """A snapshot of every (matching) advisory lock.
 
@@ -147,9 +178,11 @@ class LockReport:
     registry: str
     filters: Mapping[str, str | None]
     entries: tuple[LockEntry, ...] = field(default_factory=tuple)
+    pool: PoolUsage | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "pool": None if self.pool is None else self.pool.to_json(),
             "database": self.database,
             "server": self.server,
             "server_time": self.taken_at.isoformat(),
@@ -254,6 +287,8 @@ def collect_lock_report(
     dag: str | None = None,
     key: str | None = None,
     all_databases: bool = False,
+    pool: str | None = None,
+    slots: int = 1,
 ) -> LockReport:
     """Open one short connection, read every advisory lock and the registry's names, close.
 
@@ -261,6 +296,8 @@ def collect_lock_report(
     :param dag: keep only keys that a task of this DAG holds or awaits.
     :param key: keep only this key (a name, an int64 or ``A,B``).
     :param all_databases: also list other databases' advisory locks.
+    :param pool: keep only the slots of this pool (a key name), summed up in ``report.pool``.
+    :param slots: how many slots ``pool`` has.
     """
     import psycopg
 
@@ -269,6 +306,7 @@ def collect_lock_report(
 
     if key is not None:
         parse_key_filter(key)  # a bad key is a usage error before any connection
+    pool_keys = None if pool is None else slot_keys(LockKey.from_name(pool), slots)
     with hook.connect(INSPECT_APPLICATION_NAME) as conn:
         snapshot = advisory_locks(conn, all_databases=all_databases)
         coordinates = sorted({row.coordinates for row in snapshot.rows if row.database == snapshot.database})
@@ -281,6 +319,10 @@ def collect_lock_report(
             registry = REGISTRY_MISSING
         server = hook.describe_target()
     entries = filter_entries(build_entries(snapshot, registered), dag=dag, key=key)
+    usage = None
+    if pool is not None and pool_keys is not None:
+        entries = pool_entries(entries, pool_keys, snapshot.database)
+        usage = PoolUsage(pool, slots, entries)
     return LockReport(
         database=snapshot.database,
         server=server,
@@ -289,4 +331,19 @@ def collect_lock_report(
         registry=registry,
         filters={"dag": dag, "key": key},
         entries=entries,
+        pool=usage,
     )
+
+
+def pool_entries(entries: Sequence[LockEntry], slots: Sequence[LockKey], database: str) -> tuple[LockEntry, ...]:
+    """The entries of a pool's slots in ``database``, each named after its slot when nothing else named it."""
+    by_coordinates = {slot.pg_locks: slot for slot in slots}
+    selected = []
+    for entry in entries:
+        slot = by_coordinates.get(entry.key.pg_locks)
+        if slot is None or entry.holder.database != database:
+            continue
+        if not entry.names and slot.name is not None:
+            entry = dataclasses.replace(entry, names=(slot.name,), name_source="pool")
+        selected.append(entry)
+    return tuple(selected)

@@ -16,12 +16,17 @@ line of :class:`airflow_pglock.guard.LockGuard`). Names (Airflow adds its
 ``pglock.lost``           counter  the lock was lost while held
 ``pglock.wait``           timer    time to take the lock, or to give up (every execution)
 ``pglock.hold``           timer    time the lock was held (executions that took it)
+``pglock.pool_in_use``    gauge    a pool of slots (``slots=N``): how many of its slots were
+                                   held at least, as this execution found them: the slot
+                                   number it took (slots are tried in order, so every lower
+                                   one was held), or N when the pool was full
 ========================  =======  ==========================================================
 
 Tags, each of bounded cardinality: ``dag_id`` and ``task_id`` (as Airflow's own task
 metrics, read from the lock session's application_name, so a very long id is shortened
 with ``~``; absent outside Airflow tasks), ``mode`` (session / transaction), ``shared``
-(true / false), ``on_busy`` (skip / fail / wait). Never the run id, the tenant or the key
+(true / false), ``on_busy`` (skip / fail / wait), ``slots`` (a pool's size; only with
+``slots`` greater than 1). Never the run id, the tenant or the key
 name (a key name may contain a tenant). Plain StatsD drops tags unless
 ``[metrics] statsd_influxdb_enabled``; Datadog and OpenTelemetry keep them.
 
@@ -41,15 +46,20 @@ log = logging.getLogger(__name__)
 PREFIX = "pglock"
 COUNTERS = ("acquired", "completed", "skipped", "busy", "failed", "work_failed", "lost")
 TIMERS = ("wait", "hold")
+GAUGES = ("pool_in_use",)
 
 #: guard outcome -> counter, for executions that never took the lock / that took it.
 _NOT_HELD = {"skipped": "skipped", "busy": "busy", "failed": "failed"}
 _HELD = {"completed": "completed", "failed": "work_failed", "lost": "lost"}
 
 
-def metric_tags(*, application_name: str | None, mode: str, shared: bool, on_busy: str) -> dict[str, str]:
+def metric_tags(
+    *, application_name: str | None, mode: str, shared: bool, on_busy: str, slots: int = 1
+) -> dict[str, str]:
     """The tags of one execution (bounded cardinality: see the module docstring)."""
     tags = {"mode": mode, "shared": "true" if shared else "false", "on_busy": on_busy}
+    if slots > 1:
+        tags["slots"] = str(slots)
     holder = parse_application_name(application_name)
     if holder is not None:
         tags["dag_id"] = holder.dag_id
@@ -73,6 +83,7 @@ def record_outcome(
     waited: float,
     held: float | None,
     tags: dict[str, str],
+    pool_in_use: int | None = None,
 ) -> None:
     """Send the counters and timers of one guarded execution.
 
@@ -81,6 +92,7 @@ def record_outcome(
     :param waited: seconds spent taking the lock or giving up.
     :param held: seconds the lock was held (None if it was not taken).
     :param tags: from :func:`metric_tags`.
+    :param pool_in_use: a pool of slots: how many were held at least (the ``pool_in_use`` gauge).
     """
     try:
         from airflow_pglock.compat import get_stats
@@ -91,5 +103,7 @@ def record_outcome(
         stats.timing(f"{PREFIX}.wait", dt.timedelta(seconds=waited), tags=tags)
         if acquired and held is not None:
             stats.timing(f"{PREFIX}.hold", dt.timedelta(seconds=held), tags=tags)
+        if pool_in_use is not None:
+            stats.gauge(f"{PREFIX}.pool_in_use", pool_in_use, tags=tags)
     except Exception:  # metrics must never fail or skip a task
         log.debug("pglock could not send metrics for outcome=%s", outcome, exc_info=True)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, TypedDict
 
 from airflow_pglock.exceptions import InvalidLockKeyError, LockConfigurationError, UnknownLockOptionError
 from airflow_pglock.hooks.server import Scope
-from airflow_pglock.keys import LockKey, tenant_text
+from airflow_pglock.keys import LockKey, slot_keys, tenant_text
 from airflow_pglock.liveness import DEFAULT_LEASE_SECONDS, Liveness
 from airflow_pglock.policy import LockPolicy, OnBusy, OnError, OnLost
 from airflow_pglock.run_rules import RunRules, check_not_shared, seconds
@@ -64,6 +64,10 @@ class LockOptions(TypedDict, total=False):
     the lock's own connection: PgBouncer transaction pooling)."""
     shared: Annotated[bool, Option(False)]
     """Take a shared lock instead of an exclusive one."""
+    slots: Annotated[int, Option(1)]
+    """The key names a pool of this many slots, shared by every deployment on the lock database:
+    at most ``slots`` runs hold it at once (each holds any one free slot). 1 (default): a plain
+    lock. Needs a key name; exclusive only; not with ``once_per``, ``min_interval`` or ``fencing``."""
     on_busy: Annotated[OnBusy, Option("skip")]
     """``"skip"`` (default), ``"fail"``, ``"wait"`` (hold a worker slot and wait) or ``"defer"`` (free the
     worker slot and wait in the triggerer; woken when the key is released): both need ``wait_timeout``."""
@@ -171,6 +175,7 @@ class LockSpec:
             wait_timeout=wait_timeout,
             on_lost=given["on_lost"],
             on_error=given["on_error"],
+            slots=given["slots"],
         )
         try:
             Liveness(lease)
@@ -182,10 +187,15 @@ class LockSpec:
             raise LockConfigurationError("on_wait_timeout only applies with on_busy='wait' or on_busy='defer'")
         interval = seconds(given["min_interval"], "min_interval")
         check_key_spec(given["key"], given["tenant"])
+        if policy.slots > 1 and isinstance(given["key"], int | tuple | list | LockKey):
+            slot_keys(
+                LockKey.coerce(tuple(given["key"]) if isinstance(given["key"], list) else given["key"]), policy.slots
+            )
         check_once_per(given["once_per"])
         # checks min_interval and fencing now, when the DAG is parsed, and refuses them with a shared lock
         rules = RunRules(period=given["once_per"], min_interval=interval, fencing=given["fencing"])
         check_not_shared(rules, policy.shared)
+        check_not_pooled(rules, policy.slots)
         return cls(
             postgres_conn_id=postgres_conn_id,
             policy=policy,
@@ -201,6 +211,15 @@ class LockSpec:
         from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 
         return AdvisoryLockHook(self.postgres_conn_id, liveness=Liveness(self.lease))
+
+
+def check_not_pooled(rules: RunRules, slots: int) -> None:
+    """once_per / min_interval / fencing are records of one key: refused on a pool of several slots."""
+    if slots > 1 and rules.active:
+        raise LockConfigurationError(
+            f"slots={slots} cannot be combined with once_per, min_interval or fencing: those are recorded per key, "
+            "and each run of a pool holds a different slot"
+        )
 
 
 def check_key_spec(key: KeySpec, tenant: Any) -> None:

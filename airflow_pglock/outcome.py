@@ -21,6 +21,8 @@ class OutcomeContext:
     """What every outcome line of one guarded execution says.
 
     :param target: describes the lock database when no connection was made (called lazily).
+    :param slots: the size of the pool ``key`` names (1: a plain lock).
+    :param slot: the slot taken (1 to ``slots``), once one is.
     """
 
     key: LockKey
@@ -29,6 +31,8 @@ class OutcomeContext:
     on_busy: str
     application_name: str | None
     target: Callable[[], str]
+    slots: int = 1
+    slot: int | None = None
 
 
 class OutcomeLine:
@@ -79,6 +83,9 @@ class OutcomeLine:
         else:
             self.log.error(line) if outcome in {"failed", "lost"} else self.log.warning(line)
         busy = server is None and bool(detail and detail.startswith("busy"))
+        in_use = None  # a pool: how many slots were held at least (slots are tried in order)
+        if context.slots > 1:
+            in_use = context.slot if server is not None else (context.slots if busy else None)
         record_outcome(
             "busy" if busy and outcome == "failed" else outcome,
             acquired=server is not None,
@@ -89,5 +96,7 @@ class OutcomeLine:
                 mode=context.mode,
                 shared=context.shared,
                 on_busy=context.on_busy,
+                slots=context.slots,
             ),
+            pool_in_use=in_use,
         )

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from airflow_pglock.exceptions import LockConfigurationError
 from airflow_pglock.hooks.server import Scope
+from airflow_pglock.keys import MAX_SLOTS
 
 OnBusy = Literal["skip", "fail", "wait", "defer"]
 OnLost = Literal["fail", "warn"]
@@ -27,6 +28,17 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
         raise LockConfigurationError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
 
 
+def check_slots(slots: Any, shared: Any) -> None:
+    """Refuse a slot count that is not an integer from 1 to ``MAX_SLOTS``, or a shared pool."""
+    if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS:
+        raise LockConfigurationError(f"slots must be an integer from 1 to {MAX_SLOTS}, got {slots!r}")
+    if slots > 1 and shared is True:
+        raise LockConfigurationError(
+            f"shared=True cannot be combined with slots={slots}: a pool's slots are exclusive (a shared holder "
+            "would not count against the pool); use slots=1 for a readers/writer lock"
+        )
+
+
 @dataclass(frozen=True)
 class LockPolicy:
     """What a guarded execution does in each situation.
@@ -40,6 +52,8 @@ class LockPolicy:
         ``"defer"``: the whole wait across deferrals).
     :param on_lost: ``"fail"`` (interrupt the work, fail) or ``"warn"`` (log and go on).
     :param on_error: ``"fail"`` or ``"skip"`` when the lock database cannot be used.
+    :param slots: the key names a pool of this many slots; a run holds any one free slot
+        (1: a plain lock on the key). Exclusive only (``shared`` is refused with more than one).
     """
 
     mode: Scope = "session"
@@ -48,8 +62,10 @@ class LockPolicy:
     wait_timeout: float | None = None
     on_lost: OnLost = "fail"
     on_error: OnError = "fail"
+    slots: int = 1
 
     def __post_init__(self) -> None:
+        check_slots(self.slots, self.shared)
         _check_choice("mode", self.mode, MODE_CHOICES)
         _check_choice("on_busy", self.on_busy, ON_BUSY_CHOICES)
         _check_choice("on_lost", self.on_lost, ON_LOST_CHOICES)

@@ -182,6 +182,7 @@ def defer_until_released(
         poll_interval=DEFAULT_POLL_INTERVAL,
         deadline=deadline,
         shared=spec.policy.shared,
+        slots=spec.policy.slots,
     )
     # What task.defer() raises. No Airflow deferral timeout: it would fail the task; the
     # trigger's deadline ends the wait instead.

@@ -19,7 +19,6 @@ a relay (:mod:`benchmarks.flights`). Only this section of docs/benchmarks.md is 
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 from collections.abc import Callable
@@ -36,7 +35,7 @@ from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook  # noqa: E402
 from benchmarks.flights import relay  # noqa: E402
 from benchmarks.overhead import quiet_task_logger  # noqa: E402
 from benchmarks.servers import servers  # noqa: E402
-from benchmarks.stats import Summary, interleaved, paired_ratios, progress, table  # noqa: E402
+from benchmarks.stats import Summary, interleaved, paired_ratios, progress, table, write_section  # noqa: E402
 
 HEADING = "## Many keys, one session"
 KEY = "bench/many-keys"
@@ -169,17 +168,6 @@ def section(
     )
 
 
-def write_section(path: Path, text: str) -> None:
-    """Replace this section in ``path`` (up to the next ``## `` heading), or append it."""
-    document = path.read_text() if path.exists() else ""
-    pattern = re.compile(re.escape(HEADING) + r".*?(?=^## |\Z)", re.DOTALL | re.MULTILINE)
-    if pattern.search(document):
-        document = pattern.sub(lambda _: text + "\n", document)
-    else:
-        document = document.rstrip("\n") + "\n\n" + text
-    path.write_text(document)
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
@@ -195,7 +183,7 @@ def main(argv: list[str]) -> int:
         progress(f"many keys: try_lock_many({count}) x {repeats}")
         batches = batch("127.0.0.1", running.cluster.port, "pglock_bench", count, repeats)
     text = section(samples, batches, count, command)
-    write_section(args.out, text)
+    write_section(args.out, HEADING, text)
     print(text)
     return 0
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import gc
+import re
 import statistics
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -96,3 +98,14 @@ def progress(message: str) -> None:
     """One line on stderr, so a long run shows where it is."""
     sys.stderr.write(f"[bench {time.strftime('%H:%M:%S')}] {message}\n")
     sys.stderr.flush()
+
+
+def write_section(path: Path, heading: str, text: str) -> None:
+    """Replace the section ``heading`` in ``path`` (up to the next ``## `` heading) by ``text``, or append it."""
+    document = path.read_text() if path.exists() else ""
+    pattern = re.compile(re.escape(heading) + r".*?(?=^## |\Z)", re.DOTALL | re.MULTILINE)
+    if pattern.search(document):
+        document = pattern.sub(lambda _: text + "\n", document)
+    else:
+        document = document.rstrip("\n") + "\n\n" + text
+    path.write_text(document)

@@ -69,6 +69,14 @@ ARGS: dict[str, ArgSpec] = {
         ("--key",),
         {"help": "only this key: a name, an int64, or A,B for an int32 pair", "metavar": "KEY", "dest": "key"},
     ),
+    "locks_pool": (
+        ("--pool",),
+        {"help": "only the slots of this pool (slots=N): one line 'K of N held' and its holders", "metavar": "NAME"},
+    ),
+    "locks_slots": (
+        ("--slots",),
+        {"help": "how many slots the --pool has (default 1)", "metavar": "N", "dest": "pool_slots", "default": None},
+    ),
     "all_databases": (
         ("--all-databases",),
         {"help": "list every database's advisory locks (keys are per database)", "action": "store_true"},
@@ -81,6 +89,10 @@ ARGS: dict[str, ArgSpec] = {
     "pair_key": (
         ("--pair",),
         {"help": "an explicit (int32, int32) key", "nargs": 2, "metavar": ("A", "B"), "dest": "pair_key"},
+    ),
+    "slots": (
+        ("--slots",),
+        {"help": "the key names a pool of N slots: print the N slot keys (slot 1 is the key itself)", "metavar": "N"},
     ),
     "verify": (
         ("--verify",),
@@ -108,11 +120,11 @@ COMMON = ("conn_id", "dsn", "output")
 COMMANDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "locks": (
         "every advisory lock held or awaited: key name and numbers, holder's DAG/task/run, pid, client, since, waiters",
-        ("locks_dag", "locks_key", "all_databases"),
+        ("locks_dag", "locks_key", "locks_pool", "locks_slots", "all_databases"),
     ),
     "key": (
         "a key's int64 or pair, its pg_locks coordinates and the SQL that computes it",
-        ("key_name", "tenant", "key_dag", "key_task", "int_key", "pair_key", "verify"),
+        ("key_name", "tenant", "key_dag", "key_task", "int_key", "pair_key", "slots", "verify"),
     ),
     "doctor": (
         "connect as a task would and check server, standby, pooler, liveness, privileges, capacity, registry",
@@ -227,7 +239,18 @@ def cmd_locks(args: argparse.Namespace, out: TextIO) -> int:
     from airflow_pglock.lock_report import collect_lock_report
 
     hook = _hook(args)
-    report = collect_lock_report(hook, dag=args.dag, key=args.key, all_databases=args.all_databases)
+    from airflow_pglock.keys import InvalidLockKeyError
+
+    pool = getattr(args, "pool", None)
+    slots = 1 if getattr(args, "pool_slots", None) is None else _parse_int(args.pool_slots, "--slots")
+    if slots != 1 and pool is None:
+        raise CliError("--slots goes with --pool NAME (the pool's key name)", EXIT_USAGE)
+    try:
+        report = collect_lock_report(
+            hook, dag=args.dag, key=args.key, all_databases=args.all_databases, pool=pool, slots=slots
+        )
+    except InvalidLockKeyError as error:
+        raise CliError(str(error), EXIT_CONFIG) from None
     if args.output == "json":
         _print_json(report.to_json(), out)
         return EXIT_OK
@@ -238,6 +261,8 @@ def cmd_locks(args: argparse.Namespace, out: TextIO) -> int:
         f"{head}{' matching ' + filters if filters else ''}; key-name registry: {report.registry}; "
         f"server time {report.taken_at.isoformat(timespec='seconds')}\n"
     )
+    if report.pool is not None:
+        out.write(f"pool {report.pool.name!r}: {report.pool.describe()}\n")
     if not report.entries:
         return EXIT_OK
     rows = [_lock_row(e) + ([e.holder.database] if report.all_databases else []) for e in report.entries]
@@ -335,6 +360,24 @@ def key_description(key: Any) -> dict[str, Any]:
     }
 
 
+def _print_slots(key: Any, slots: int, output: str, out: TextIO) -> int:
+    """``key --slots N``: the pool's slot keys, each as ``key`` describes one."""
+    from airflow_pglock.keys import InvalidLockKeyError, slot_keys
+
+    try:
+        keys = slot_keys(key, slots)
+    except InvalidLockKeyError as error:
+        raise CliError(str(error), EXIT_CONFIG) from None
+    described = [key_description(slot) for slot in keys]
+    if output == "json":
+        _print_json({"pool": key.name, "slots": slots, "slot_keys": described}, out)
+        return EXIT_OK
+    out.write(f"pool {key.name!r}: {slots} slot(s); a run holds any one of them\n")
+    for number, (slot, data) in enumerate(zip(keys, described, strict=True), start=1):
+        out.write(f"slot {number}  {slot.name!r}  {slot.numbers_text}  take it: {data['sql']['try_lock']}\n")
+    return EXIT_OK
+
+
 def cmd_key(args: argparse.Namespace, out: TextIO) -> int:
     from airflow_pglock.keys import InvalidLockKeyError
 
@@ -344,6 +387,8 @@ def cmd_key(args: argparse.Namespace, out: TextIO) -> int:
         raise CliError(str(error), EXIT_CONFIG) from None
     data = key_description(key)
     data["verified"] = None
+    if getattr(args, "slots", None) is not None:
+        return _print_slots(key, _parse_int(args.slots, "--slots"), args.output, out)
     code = EXIT_OK
     if args.verify:
         from airflow_pglock.hooks.inspection import compute_name_key

@@ -45,7 +45,7 @@ from airflow_pglock.hooks.lock_session import (
     held_sql,
 )
 from airflow_pglock.hooks.server import MIN_SERVER_VERSION, Scope, ServerInfo
-from airflow_pglock.keys import LockKey
+from airflow_pglock.keys import LockKey, slot_keys
 from airflow_pglock.liveness import IDLE_SESSION_TIMEOUT_VERSION, Liveness
 
 if TYPE_CHECKING:
@@ -359,17 +359,20 @@ class AdvisoryLockHook(LockDatabase):
         """Async :meth:`holders_on` (for triggers): reads ``pg_locks``, takes nothing."""
         return await aread_holders(conn, key)
 
-    def holders(self, key: LockKey | str | int | tuple[int, int]) -> list[LockHolder]:
-        """Who holds or waits for ``key`` (pid, application_name, client, since), without touching it."""
-        lock_key = LockKey.coerce(key)
-        with self.connect(INSPECT_APPLICATION_NAME) as conn:
-            return self.holders_on(conn, lock_key)
+    def holders(self, key: LockKey | str | int | tuple[int, int], *, slots: int = 1) -> list[LockHolder]:
+        """Who holds or waits for ``key`` (pid, application_name, client, since), without touching it.
 
-    async def aholders(self, key: LockKey | str | int | tuple[int, int]) -> list[LockHolder]:
+        :param slots: more than one: the holders of every slot of the pool ``key`` names.
+        """
+        keys = slot_keys(LockKey.coerce(key), slots)
+        with self.connect(INSPECT_APPLICATION_NAME) as conn:
+            return read_holders(conn, *keys)
+
+    async def aholders(self, key: LockKey | str | int | tuple[int, int], *, slots: int = 1) -> list[LockHolder]:
         """Async :meth:`holders` on a short-lived connection of its own (closed even if cancelled)."""
-        lock_key = LockKey.coerce(key)
+        keys = slot_keys(LockKey.coerce(key), slots)
         async with await self.aconnect(INSPECT_APPLICATION_NAME) as conn:
-            return await self.aholders_on(conn, lock_key)
+            return await aread_holders(conn, *keys)
 
     def acquire_lock(
         self,
@@ -380,6 +383,7 @@ class AdvisoryLockHook(LockDatabase):
         timeout: float | None,
         application_name: str | None,
         record_name: bool = False,
+        slots: int = 1,
     ) -> HeldLock | None:
         """Open a dedicated connection and take the lock on it; None (and no connection) if busy.
 
@@ -388,13 +392,18 @@ class AdvisoryLockHook(LockDatabase):
         :param timeout: None to try once, or seconds to wait (enforced by the server).
         :param record_name: record the key's name in the key-name registry (the guard does
             that itself, after logging the acquisition).
+        :param slots: more than one: ``key`` names a pool of that many slots
+            (:func:`~airflow_pglock.keys.slot_keys`); the lock held is any one free slot.
         """
         lock_key = LockKey.coerce(key)
+        slot_keys(lock_key, slots)  # before any I/O, as the timeout
         if timeout is not None:
             check_wait_timeout(timeout)  # before any I/O: a bad setting is not a connection problem
         conn, info = self.open_lock_session(application_name, scope)
         try:
-            held = lock_session.take(self, conn, info, lock_key, shared=shared, scope=scope, timeout=timeout)
+            held = lock_session.take(
+                self, conn, info, lock_key, shared=shared, scope=scope, timeout=timeout, slots=slots
+            )
         except BaseException:
             conn.close()
             raise

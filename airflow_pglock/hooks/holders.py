@@ -123,13 +123,26 @@ class LockSnapshot:
     rows: tuple[LockHolder, ...]
 
 
-def _query(server_version: int, key: LockKey | None, all_databases: bool) -> tuple[sql.Composed, dict[str, Any]]:
+def _query(
+    server_version: int, keys: Sequence[LockKey] | None, all_databases: bool
+) -> tuple[sql.Composed, dict[str, Any]]:
     wait_start = sql.SQL("l.waitstart") if server_version >= WAITSTART_VERSION else sql.SQL("NULL::timestamptz")
     only_key = sql.SQL("")
     params: dict[str, Any] = {"all": all_databases}
-    if key is not None:
+    if keys is not None and len(keys) == 1:
         only_key = sql.SQL(" AND l.classid = %(classid)s AND l.objid = %(objid)s AND l.objsubid = %(objsubid)s")
-        params.update(zip(("classid", "objid", "objsubid"), key.pg_locks, strict=True))
+        params.update(zip(("classid", "objid", "objsubid"), keys[0].pg_locks, strict=True))
+    elif keys is not None:  # the slots of a pool
+        only_key = sql.SQL(
+            " AND (l.classid, l.objid, l.objsubid) IN (SELECT c::oid, o::oid, s::int2"
+            " FROM unnest(%(classids)s::bigint[], %(objids)s::bigint[], %(objsubids)s::int[]) AS k(c, o, s))"
+        )
+        coordinates = [key.pg_locks for key in keys]
+        params.update(
+            classids=[c[0] for c in coordinates],
+            objids=[c[1] for c in coordinates],
+            objsubids=[c[2] for c in coordinates],
+        )
     query = sql.SQL(
         "SELECT d.datname, l.classid::bigint, l.objid::bigint, l.objsubid::int, l.pid, l.granted, l.mode,"
         " a.application_name, host(a.client_addr), a.client_port, a.backend_start, {wait_start}, a.xact_start,"
@@ -169,15 +182,16 @@ def _holder(row: Sequence[Any]) -> LockHolder:
     )
 
 
-def read_holders(conn: psycopg.Connection[Any], key: LockKey) -> list[LockHolder]:
-    """Holders and waiters of ``key`` in the connection's database, holders first."""
-    query, params = _query(conn.info.server_version, key, all_databases=False)
+def read_holders(conn: psycopg.Connection[Any], key: LockKey, *more: LockKey) -> list[LockHolder]:
+    """Holders and waiters of ``key`` (and of ``more`` keys: a pool's slots) in the connection's
+    database, holders first."""
+    query, params = _query(conn.info.server_version, [key, *more], all_databases=False)
     return [_holder(row) for row in conn.execute(query, params).fetchall()]
 
 
-async def aread_holders(conn: psycopg.AsyncConnection[Any], key: LockKey) -> list[LockHolder]:
+async def aread_holders(conn: psycopg.AsyncConnection[Any], key: LockKey, *more: LockKey) -> list[LockHolder]:
     """Async :func:`read_holders` (for triggers): reads ``pg_locks``, takes nothing."""
-    query, params = _query(conn.info.server_version, key, all_databases=False)
+    query, params = _query(conn.info.server_version, [key, *more], all_databases=False)
     cursor = await conn.execute(query, params)
     return [_holder(row) for row in await cursor.fetchall()]
 

@@ -23,7 +23,7 @@ from psycopg import sql
 from airflow_pglock.exceptions import LockConfigurationError
 from airflow_pglock.hooks import wakeups
 from airflow_pglock.hooks.server import Scope, ServerInfo
-from airflow_pglock.keys import LockKey
+from airflow_pglock.keys import LockKey, slot_keys
 
 if TYPE_CHECKING:
     from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
@@ -153,6 +153,50 @@ def wait_lock(
     except psycopg.errors.LockNotAvailable:
         return False
     return True
+
+
+def _first_free(function: str) -> sql.Composed:
+    # Slot 1 is tried in the anchor; slot n + 1 only in the row the recursion makes from a
+    # refused slot n (the WHERE filters the working table's one row before the target list
+    # is computed). After a success the recursion has no row left to try from, so at most
+    # one try returns true: one slot per statement, whatever the plan.
+    return sql.SQL(
+        "WITH RECURSIVE attempt(n, taken) AS ("
+        " SELECT 1, {f}((%(slots)s::bigint[])[1])"
+        " UNION ALL"
+        " SELECT n + 1, {f}((%(slots)s::bigint[])[n + 1]) FROM attempt"
+        " WHERE NOT taken AND n < cardinality(%(slots)s::bigint[])"
+        ") SELECT n FROM attempt WHERE taken"
+    ).format(f=sql.Identifier(function))
+
+
+def try_slot(conn: psycopg.Connection[Any], slots: list[LockKey], *, scope: Scope = "session") -> int | None:
+    """Take the first free of ``slots`` (int64 keys, exclusive) in one statement, trying them in order.
+
+    Returns the index of the slot taken, or None when every slot is held. Never takes more
+    than one (see :func:`_first_free`; ``tests/integration/test_slots.py`` races it).
+    """
+    base = "pg_try_advisory_lock" if scope == "session" else "pg_try_advisory_xact_lock"
+    row = conn.execute(_first_free(base), {"slots": [key.int64 for key in slots]}).fetchone()
+    return None if row is None else int(row[0]) - 1
+
+
+#: Seconds between two tries of a full pool with ``on_busy="wait"`` (no server-side wait for "any of N").
+SLOT_POLL_SECONDS = 0.2
+
+
+def wait_slot(
+    conn: psycopg.Connection[Any], slots: list[LockKey], timeout: float, *, scope: Scope = "session"
+) -> int | None:
+    """Try the pool every :data:`SLOT_POLL_SECONDS` until a slot is taken or ``timeout`` s passed."""
+    check_wait_timeout(timeout)
+    deadline = time.monotonic() + timeout
+    while True:
+        slot = try_slot(conn, slots, scope=scope)
+        remaining = deadline - time.monotonic()
+        if slot is not None or remaining <= 0:
+            return slot
+        time.sleep(min(SLOT_POLL_SECONDS, remaining))
 
 
 #: Keys per statement of :func:`try_lock_many` / :func:`unlock_many` (a few round trips for many thousands).
@@ -490,13 +534,17 @@ def take(
     shared: bool,
     scope: Scope,
     timeout: float | None,
+    slots: int = 1,
 ) -> HeldLock | None:
     """Take ``key`` on a freshly opened lock session; None when busy (the caller closes ``conn``).
 
     :param scope: ``"session"`` (autocommit; held until released) or ``"transaction"``
         (a transaction is opened and stays open; the lock ends with it).
-    :param timeout: None to try once, or seconds to wait (enforced by the server).
+    :param timeout: None to try once, or seconds to wait (enforced by the server; a pool is polled).
+    :param slots: more than one: ``key`` names a pool (:func:`~airflow_pglock.keys.slot_keys`);
+        the lock held is the first free slot.
     """
+    pool = slot_keys(key, slots)
     if scope == "transaction":
         # READ COMMITTED whatever the database's or role's default: under REPEATABLE READ or
         # SERIALIZABLE the snapshot would be taken before the lock is granted, and the work
@@ -504,11 +552,15 @@ def take(
         # committed.
         conn.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
         hook.apply_liveness(conn, local=True, server_version_num=server.version_num)
-    if timeout is None:
-        acquired = try_lock(conn, key, shared=shared, scope=scope)
-    else:
-        acquired = wait_lock(conn, key, timeout, shared=shared, scope=scope)
-    if not acquired:
+    if slots > 1:
+        slot = try_slot(conn, pool, scope=scope) if timeout is None else wait_slot(conn, pool, timeout, scope=scope)
+        if slot is None:
+            return None
+        key = pool[slot]
+    elif timeout is None:
+        if not try_lock(conn, key, shared=shared, scope=scope):
+            return None
+    elif not wait_lock(conn, key, timeout, shared=shared, scope=scope):
         return None
     xact_id = None
     if scope == "transaction":

@@ -71,7 +71,7 @@ def create_app() -> Any:
     from fastapi.responses import HTMLResponse, Response
 
     from airflow_pglock.compat import use_server_connections
-    from airflow_pglock.exceptions import LockConfigurationError, LockConnectionError
+    from airflow_pglock.exceptions import InvalidLockKeyError, LockConfigurationError, LockConnectionError
     from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
     from airflow_pglock.lock_report import collect_lock_report
     from airflow_pglock.plugins.page import render_page
@@ -88,7 +88,13 @@ def create_app() -> Any:
         )
 
     @app.get("/api/locks", dependencies=authorized)
-    def locks(conn_id: str | None = None, dag: str | None = None, key: str | None = None) -> dict[str, Any]:
+    def locks(
+        conn_id: str | None = None,
+        dag: str | None = None,
+        key: str | None = None,
+        pool: str | None = None,
+        slots: int = 1,
+    ) -> dict[str, Any]:
         allowed = ui_conn_ids()
         chosen = conn_id or allowed[0]
         if chosen not in allowed:
@@ -97,8 +103,10 @@ def create_app() -> Any:
                 detail=f"conn_id {chosen!r} is not one of [pglock] ui_conn_ids ({', '.join(allowed)})",
             )
         try:
-            report = collect_lock_report(AdvisoryLockHook(chosen), dag=dag or None, key=key or None)
-        except LockConfigurationError as error:
+            report = collect_lock_report(
+                AdvisoryLockHook(chosen), dag=dag or None, key=key or None, pool=pool or None, slots=slots
+            )
+        except (LockConfigurationError, InvalidLockKeyError) as error:
             raise HTTPException(status_code=400, detail=str(error)) from None
         except LockConnectionError as error:
             raise HTTPException(status_code=503, detail=str(error)) from None

@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # the hook, psycopg and the trigger load when the sensor runs
     from airflow_pglock.hooks.holders import LockHolder
 
 #: The lock options a sensor takes; their declaration says which are templated and checks them.
-SENSOR_OPTIONS = ("key", "tenant", "shared", "postgres_conn_id")
+SENSOR_OPTIONS = ("key", "tenant", "shared", "postgres_conn_id", "slots")
 
 _ERRORS: dict[str, type[Exception]] = {
     cls.__name__: cls for cls in (LockConfigurationError, LockConnectionError, UnsafeSetupError, InvalidLockKeyError)
@@ -58,6 +58,7 @@ class AdvisoryLockSensor(BaseSensorOperator):
     :param shared: wait only until no session holds the key *exclusively* (shared holders
         do not count): for a task that then takes the key with ``shared=True``.
     :param postgres_conn_id: the Airflow Postgres connection of the lock database.
+    :param slots: the key names a pool of this many slots: succeed when at least one is free.
     :param deferrable: wait in the triggerer instead of a worker slot.
     """
 
@@ -72,6 +73,7 @@ class AdvisoryLockSensor(BaseSensorOperator):
         tenant: Any = None,
         shared: bool = False,
         postgres_conn_id: str = DEFAULT_CONN_ID,
+        slots: int = 1,
         deferrable: bool = conf.getboolean("operators", "default_deferrable", fallback=False),
         **kwargs: Any,
     ) -> None:
@@ -81,12 +83,13 @@ class AdvisoryLockSensor(BaseSensorOperator):
                 f"AdvisoryLockSensor {self.task_id!r} needs key=: the key to wait for (a name, an int64 or an "
                 "(int32, int32) pair); a @task.advisory_lock task with the default key uses '<dag_id>/<task_id>'"
             )
-        options = {"key": key, "tenant": tenant, "shared": shared, "postgres_conn_id": postgres_conn_id}
+        options = {"key": key, "tenant": tenant, "shared": shared, "postgres_conn_id": postgres_conn_id, "slots": slots}
         LockSpec.from_options(options, declaration=LockOptions, caller=type(self).__name__)  # checks them
         self.key = key
         self.tenant = tenant
         self.shared = shared
         self.postgres_conn_id = postgres_conn_id
+        self.slots = slots
         self.deferrable = deferrable
         self._lock_key: LockKey | None = None
         self._last_holders: str | None = None
@@ -109,13 +112,17 @@ class AdvisoryLockSensor(BaseSensorOperator):
         from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 
         key = self.lock_key()
-        holders = AdvisoryLockHook(self.postgres_conn_id).holders(key)
+        holders = AdvisoryLockHook(self.postgres_conn_id).holders(key, slots=self.slots)
         return self._free(key, holders)
 
     def _free(self, key: LockKey, holders: Sequence[LockHolder]) -> bool:
         from airflow_pglock.hooks.holders import blocking_holders, describe_holders
 
-        if not blocking_holders(holders, self.shared):
+        blocking = blocking_holders(holders, self.shared)
+        if self.slots > 1 and len({holder.coordinates for holder in blocking}) < self.slots:
+            self.log.info("pglock sensor: a slot of the pool %s (%d slots) is free", key.describe(), self.slots)
+            return True
+        if self.slots == 1 and not blocking:
             self.log.info("pglock sensor: %s is free%s", key.describe(), " for a shared lock" if self.shared else "")
             return True
         self._last_holders = describe_holders(holders, dt.datetime.now(dt.timezone.utc))
@@ -155,6 +162,7 @@ class AdvisoryLockSensor(BaseSensorOperator):
             poll_interval=self.poke_interval,
             deadline=time.time() + self.timeout,
             shared=self.shared,
+            slots=self.slots,
         )
         # No Airflow deferral timeout: it would fail the task even with soft_fail; the
         # trigger's own deadline ends the wait with an event execute_complete maps.

@@ -15,6 +15,7 @@ driver, no hook); :meth:`AdvisoryLockTrigger.run` imports those in a worker thre
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import math
 import time
@@ -23,7 +24,7 @@ from typing import Any
 
 from airflow_pglock.compat import BaseTrigger, TriggerEvent
 from airflow_pglock.exceptions import InvalidLockKeyError, LockConfigurationError
-from airflow_pglock.keys import LockKey
+from airflow_pglock.keys import LockKey, slot_keys
 
 #: ``event["status"]`` values.
 FREE, TIMEOUT, ERROR = "free", "timeout", "error"
@@ -49,6 +50,7 @@ class AdvisoryLockTrigger(BaseTrigger):
     :param deadline: UNIX time after which a still-held key ends the wait (None: no deadline).
     :param shared: wait only for exclusive holders to go (the key is free for a shared lock).
     :param connect_timeout: seconds to wait for each connection.
+    :param slots: more than one: the key names a pool; fire once any of its slots is free.
     """
 
     def __init__(
@@ -61,6 +63,7 @@ class AdvisoryLockTrigger(BaseTrigger):
         deadline: float | None = None,
         shared: bool = False,
         connect_timeout: int = CONNECT_TIMEOUT,
+        slots: int = 1,
     ) -> None:
         super().__init__()
         numbers = list(key_numbers)
@@ -79,6 +82,8 @@ class AdvisoryLockTrigger(BaseTrigger):
         self.deadline = None if deadline is None else float(deadline)
         self.shared = bool(shared)
         self.connect_timeout = connect_timeout
+        self.slots = slots
+        self.slot_keys = slot_keys(self.key, slots)
 
     @classmethod
     def for_key(
@@ -89,6 +94,7 @@ class AdvisoryLockTrigger(BaseTrigger):
         poll_interval: float,
         deadline: float | None,
         shared: bool = False,
+        slots: int = 1,
     ) -> AdvisoryLockTrigger:
         """The trigger that waits for ``key``.
 
@@ -105,6 +111,7 @@ class AdvisoryLockTrigger(BaseTrigger):
             poll_interval=poll_interval,
             deadline=deadline,
             shared=shared,
+            slots=slots,
         )
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
@@ -119,6 +126,7 @@ class AdvisoryLockTrigger(BaseTrigger):
                 "deadline": self.deadline,
                 "shared": self.shared,
                 "connect_timeout": self.connect_timeout,
+                "slots": self.slots,
             },
         )
 
@@ -126,10 +134,16 @@ class AdvisoryLockTrigger(BaseTrigger):
         """Wait until the key is free (woken by its release, or seen at a poll), the deadline or an error."""
         # psycopg and the hook are imported in a worker thread: an import on the loop blocks every trigger.
         wakeups = await asyncio.to_thread(importlib.import_module, "airflow_pglock.triggers.wakeups")
-        key = self.key.describe()
+        key = self.key.describe() if self.slots == 1 else f"a slot of the pool {self.key.describe()}"
         hub = wakeups.hub_for(self.postgres_conn_id, self.connect_timeout)
         try:
-            async with hub.watch(self.key, shared=self.shared, poll_interval=self.poll_interval) as waiter:
+            async with contextlib.AsyncExitStack() as watching:
+                waiters = [
+                    await watching.enter_async_context(
+                        hub.watch(slot, shared=self.shared, poll_interval=self.poll_interval)
+                    )
+                    for slot in self.slot_keys
+                ]
                 remaining = None if self.deadline is None else self.deadline - time.time()
                 self.log.info(
                     "pglock waiting: %s until it is free (woken when it is released; re-read every %g s%s)",
@@ -137,7 +151,7 @@ class AdvisoryLockTrigger(BaseTrigger):
                     self.poll_interval,
                     "" if remaining is None else f"; deadline in {max(0.0, remaining):.0f} s",
                 )
-                free = await waiter.wait(remaining)
+                free = await _any_free(waiters, remaining)
             if free:
                 yield TriggerEvent({"status": FREE, "message": f"{key} is free", "deadline": self.deadline})
                 return
@@ -159,8 +173,24 @@ class AdvisoryLockTrigger(BaseTrigger):
 
         try:
             holders = await AdvisoryLockHook(self.postgres_conn_id, connect_timeout=self.connect_timeout).aholders(
-                self.key
+                self.key, slots=self.slots
             )
         except Exception as error:  # the deadline passed either way; the names are a courtesy
             return f"a holder that could not be named ({type(error).__name__})"
         return describe_holders(holders, dt.datetime.now().astimezone())
+
+
+async def _any_free(waiters: Sequence[Any], timeout: float | None) -> bool:
+    """True as soon as one waiter's key is free (a pool: any slot); False when none is by ``timeout``."""
+    if len(waiters) == 1:
+        return bool(await waiters[0].wait(timeout))
+    pending = {asyncio.ensure_future(waiter.wait(timeout)) for waiter in waiters}
+    try:
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if any(task.result() for task in done):
+                return True
+        return False
+    finally:
+        for task in pending:
+            task.cancel()

@@ -1,0 +1,329 @@
+"""slots=N: a key names a pool; each holder holds exactly one slot; never more than N at once."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import re
+import threading
+import time
+from typing import Any
+
+import psycopg
+import pytest
+
+from airflow_pglock.exceptions import InvalidLockKeyError, LockBusyError, LockConfigurationError
+from airflow_pglock.guard import LockGuard, LockPolicy
+from airflow_pglock.hooks import lock_session
+from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+from airflow_pglock.keys import NAME_TO_KEY_SQL, LockKey, slot_keys
+
+POOL = LockKey.from_name("race-pool")
+SLOTS = 3
+PROCESSES = 24
+ROUNDS = 300
+FREE_RUNNING_SECONDS = 8.0
+# How many of the pool's slots are held, in all, and by this session: read from pg_locks.
+HELD_SQL = (
+    "SELECT count(*) FILTER (WHERE l.pid = pg_backend_pid()), count(*) FROM pg_locks l"
+    " WHERE l.locktype = 'advisory' AND l.granted AND l.database = (SELECT oid FROM pg_database"
+    " WHERE datname = current_database()) AND (l.classid::bigint, l.objid::bigint, l.objsubid::int)"
+    " IN (SELECT * FROM unnest(%s::bigint[], %s::bigint[], %s::int[]))"
+)
+
+
+def _coordinates(keys: list[LockKey]) -> list[list[int]]:
+    return [[key.pg_locks[i] for key in keys] for i in range(3)]
+
+
+def _racer(dsn: str, worker: int, seed: int, start: Any, tried: Any, errors: Any) -> None:
+    try:
+        pool = slot_keys(POOL, SLOTS)
+        coordinates = _coordinates(pool)
+        rng = random.Random(seed + worker)
+        with psycopg.connect(dsn, autocommit=True) as conn, psycopg.connect(dsn, autocommit=True) as log:
+            pid = conn.info.backend_pid
+
+            def hold(phase: str, round_no: int, slot: int) -> None:
+                mine, total = conn.execute(HELD_SQL, coordinates).fetchone()  # type: ignore[misc]
+                log.execute(
+                    "INSERT INTO slot_holds (phase, round, worker, pid, slot, mine, total, entered)"
+                    " VALUES (%s, %s, %s, %s, %s, %s, %s, clock_timestamp())",
+                    [phase, round_no, worker, pid, slot, mine, total],
+                )
+
+            def leave(phase: str, round_no: int, slot: int) -> None:
+                log.execute(
+                    "UPDATE slot_holds SET exited = clock_timestamp() WHERE phase = %s AND round = %s AND worker = %s",
+                    [phase, round_no, worker],
+                )
+                assert lock_session.unlock(conn, pool[slot]), f"worker {worker} lost slot {slot + 1}"
+
+            for round_no in range(ROUNDS):
+                start.wait()
+                slot = lock_session.try_slot(conn, pool)
+                if slot is not None:
+                    hold("rounds", round_no, slot)
+                tried.wait()  # every contender has tried while the holders hold
+                if slot is not None:
+                    leave("rounds", round_no, slot)
+            deadline = time.monotonic() + FREE_RUNNING_SECONDS
+            attempt = 0
+            while time.monotonic() < deadline:
+                attempt += 1
+                slot = lock_session.try_slot(conn, pool)
+                if slot is not None:
+                    hold("free", attempt, slot)
+                    time.sleep(rng.uniform(0, 0.004))
+                    leave("free", attempt, slot)
+                else:
+                    time.sleep(rng.uniform(0, 0.002))
+    except BaseException as error:  # report to the parent instead of hanging the barriers
+        errors.put(f"worker {worker}: {type(error).__name__}: {error}")
+        start.abort()
+        tried.abort()
+
+
+@pytest.mark.slow
+def test_racing_processes_never_take_more_than_n_slots_or_two_at_once(dsn: str, admin: Any) -> None:
+    seed = int(os.environ.get("PGLOCK_SLOTS_SEED", random.randrange(2**32)))
+    print(f"slots race seed: {seed} (PGLOCK_SLOTS_SEED={seed} to repeat)")
+    admin.execute(
+        "DROP TABLE IF EXISTS slot_holds; CREATE TABLE slot_holds (id serial PRIMARY KEY, phase text, round int,"
+        " worker int, pid int, slot int, mine int, total int, entered timestamptz, exited timestamptz)"
+    )
+    ctx = multiprocessing.get_context("fork")
+    start, tried, errors = ctx.Barrier(PROCESSES), ctx.Barrier(PROCESSES), ctx.Queue()
+    workers = [ctx.Process(target=_racer, args=(dsn, n, seed, start, tried, errors)) for n in range(PROCESSES)]
+    for process in workers:
+        process.start()
+    for process in workers:
+        process.join(timeout=120)
+    assert errors.empty(), errors.get()
+    assert all(process.exitcode == 0 for process in workers)
+
+    # pg_locks, read by each holder while it held: it held exactly one slot, the pool at most N.
+    assert admin.execute("SELECT count(*) FROM slot_holds WHERE mine <> 1 OR total > %s", [SLOTS]).fetchone()[0] == 0
+    # With every contender trying in the same instant, each round filled the pool exactly, one holder a slot.
+    per_round = admin.execute(
+        "SELECT round, count(*), count(DISTINCT slot) FROM slot_holds WHERE phase = 'rounds' GROUP BY round"
+    ).fetchall()
+    assert len(per_round) == ROUNDS
+    assert all(count == SLOTS and distinct == SLOTS for _, count, distinct in per_round), per_round
+    # The side-effect table: never more than N inside at once, never one slot twice at once.
+    rows = admin.execute("SELECT count(*) FROM slot_holds WHERE phase = 'free'").fetchone()[0]
+    assert rows > 200, rows
+    most = admin.execute(
+        "SELECT coalesce(max(inside), 0) FROM (SELECT (SELECT count(*) FROM slot_holds b WHERE b.phase = 'free'"
+        " AND b.entered <= a.entered AND b.exited > a.entered) AS inside FROM slot_holds a WHERE a.phase = 'free') x"
+    ).fetchone()[0]
+    assert 1 <= most <= SLOTS
+    same_slot = admin.execute(
+        "SELECT count(*) FROM slot_holds a JOIN slot_holds b ON a.id < b.id AND a.phase = 'free' AND b.phase = 'free'"
+        " AND a.slot = b.slot AND a.entered < b.exited AND b.entered < a.exited"
+    ).fetchone()[0]
+    assert same_slot == 0
+
+
+def test_slot_keys_follow_the_documented_rule_in_sql(admin: Any) -> None:
+    pool = slot_keys(LockKey.from_name("exports"), 3)
+    assert pool[0] == LockKey.from_name("exports")
+    assert [key.name for key in pool] == ["exports", "exports#slot2", "exports#slot3"]
+    for key in pool:
+        assert admin.execute("SELECT " + NAME_TO_KEY_SQL, [key.name]).fetchone()[0] == key.int64
+    assert slot_keys(LockKey.from_int(5), 1) == [LockKey.from_int(5)]
+    with pytest.raises(InvalidLockKeyError, match="slots=3 needs a key name"):
+        slot_keys(LockKey.from_int(5), 3)
+    with pytest.raises(InvalidLockKeyError, match="slots must be an integer from 1"):
+        slot_keys(pool[0], 0)
+
+
+def _holding_pids(admin: Any, keys: list[LockKey]) -> dict[int, int]:
+    """slot index -> pid of its holder, from pg_locks."""
+    rows = admin.execute(
+        "SELECT l.classid::bigint, l.objid::bigint, l.pid FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted"
+    ).fetchall()
+    where = {key.pg_locks[:2]: index for index, key in enumerate(keys)}
+    return {where[(c, o)]: pid for c, o, pid in rows if (c, o) in where}
+
+
+@pytest.mark.parametrize("mode", ["session", "transaction"])
+def test_a_full_pool_is_busy_naming_every_holder_and_a_freed_slot_is_taken(
+    hook: AdvisoryLockHook, admin: Any, mode: str
+) -> None:
+    pool = LockKey.from_name(f"exports-{mode}")
+    keys = slot_keys(pool, 3)
+    policy = LockPolicy(mode=mode, slots=3)  # type: ignore[arg-type]
+    guards = [LockGuard(hook, pool, policy, application_name=f"exporter-{n}") for n in range(3)]
+    handles = [guard.__enter__() for guard in guards]
+    try:
+        assert sorted(handle.key.name or "" for handle in handles) == sorted(key.name or "" for key in keys)
+        assert len(_holding_pids(admin, keys)) == 3
+        with pytest.raises(LockBusyError) as busy:
+            LockGuard(hook, pool, policy, application_name="fourth").__enter__()
+        message = str(busy.value)
+        assert "all 3 slots of the pool" in message
+        for handle in handles:
+            assert f"pid {handle.backend_pid} " in message
+        assert {holder.pid for holder in busy.value.holders} == {handle.backend_pid for handle in handles}
+        freed = handles[1].key
+        guards[1].__exit__(None, None, None)
+        fourth = LockGuard(hook, pool, policy, application_name="fourth")
+        with fourth as handle:
+            assert handle.key == freed  # the first free slot, the one just released
+    finally:
+        for guard in (guards[0], guards[2]):
+            guard.__exit__(None, None, None)
+    assert _holding_pids(admin, keys) == {}
+
+
+def test_wait_takes_a_slot_freed_during_the_wait(hook: AdvisoryLockHook, dsn: str) -> None:
+    pool = LockKey.from_name("exports-wait")
+    holders = [hook.acquire_lock(pool, shared=False, scope="session", timeout=None, application_name=None, slots=2)]
+    holders.append(hook.acquire_lock(pool, shared=False, scope="session", timeout=None, application_name=None, slots=2))
+    assert all(held is not None for held in holders)
+    assert {held.key for held in holders if held} == set(slot_keys(pool, 2))
+    started = time.monotonic()
+    with pytest.raises(LockBusyError, match=r"after waiting 0\.5 s"):
+        LockGuard(hook, pool, LockPolicy(on_busy="wait", wait_timeout=0.5, slots=2)).__enter__()
+    assert time.monotonic() - started >= 0.5
+    timer = threading.Timer(0.5, holders[0].release)  # type: ignore[union-attr]
+    timer.start()
+    try:
+        with LockGuard(hook, pool, LockPolicy(on_busy="wait", wait_timeout=30, slots=2)) as handle:
+            assert handle.key == holders[0].key  # type: ignore[union-attr]
+    finally:
+        timer.join()
+        for held in holders:
+            held.release()  # type: ignore[union-attr]
+
+
+def test_slots_1_is_the_plain_lock_on_the_same_key(hook: AdvisoryLockHook) -> None:
+    key = LockKey.from_name("plain-or-pool")
+    with LockGuard(hook, key, LockPolicy()) as handle:
+        assert handle.key == key
+        with pytest.raises(LockBusyError, match="all 2 slots") as busy:
+            held = hook.acquire_lock(key, shared=False, scope="session", timeout=None, application_name=None, slots=2)
+            assert held is not None and held.key.name == "plain-or-pool#slot2"  # slot 1 is the plain lock
+            try:
+                LockGuard(hook, key, LockPolicy(slots=2)).__enter__()
+            finally:
+                held.release()
+        assert busy.value.key == key
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"slots": 0}, "slots must be an integer from 1 to 1000, got 0"),
+        ({"slots": True}, "slots must be an integer from 1 to 1000, got True"),
+        ({"slots": "3"}, "slots must be an integer from 1 to 1000, got '3'"),
+        ({"slots": 2, "shared": True}, "shared=True cannot be combined with slots=2"),
+    ],
+)
+def test_bad_slot_options_are_refused_before_any_io(options: dict[str, Any], message: str) -> None:
+    with pytest.raises(LockConfigurationError, match=re.escape(message)):
+        LockPolicy(**options)
+
+
+def test_a_numeric_pool_is_refused_before_any_io() -> None:
+    hook = AdvisoryLockHook(dsn="host=/nonexistent-socket-dir dbname=nothing")  # any I/O would fail differently
+    with pytest.raises(InvalidLockKeyError, match="slots=2 needs a key name"):
+        hook.acquire_lock(7, shared=False, scope="session", timeout=None, application_name=None, slots=2)
+
+
+def test_key_slots_prints_the_slot_keys_and_sql_that_takes_them(admin: Any) -> None:
+    import io
+    import json
+
+    from airflow_pglock.cli.main import main
+
+    out = io.StringIO()
+    assert main(["key", "warehouse-exports", "--slots", "3", "--output", "json"], out) == 0
+    data = json.loads(out.getvalue())
+    expected = slot_keys(LockKey.from_name("warehouse-exports"), 3)
+    assert [slot["name"] for slot in data["slot_keys"]] == [key.name for key in expected]
+    assert [slot["numbers"] for slot in data["slot_keys"]] == [list(key.numbers) for key in expected]
+    for slot, key in zip(data["slot_keys"], expected, strict=True):
+        assert admin.execute("SELECT " + slot["sql"]["key"]).fetchone()[0] == key.int64
+    text = io.StringIO()
+    assert main(["key", "warehouse-exports", "--slots", "3"], text) == 0
+    assert "slot 3  'warehouse-exports#slot3'" in text.getvalue()
+    assert main(["key", "--int", "5", "--slots", "2"], io.StringIO()) != 0
+
+
+def test_the_documented_one_statement_sql_takes_one_slot_each_time(dsn: str, admin: Any) -> None:
+    from pathlib import Path
+
+    concepts = (Path(__file__).resolve().parents[2] / "docs" / "concepts.md").read_text()
+    [statement] = [block for block in re.findall(r"```sql\n(.*?)```", concepts, re.DOTALL) if "WITH RECURSIVE" in block]
+    expected = slot_keys(LockKey.from_name("warehouse-exports"), 3)
+    sessions = [psycopg.connect(dsn, autocommit=True) for _ in range(4)]
+    try:
+        taken = [session.execute(statement).fetchall() for session in sessions]
+        assert taken == [[(1,)], [(2,)], [(3,)], []]  # one slot each, then the pool is full
+        assert _holding_pids(admin, expected) == {n: sessions[n].info.backend_pid for n in range(3)}
+    finally:
+        for session in sessions:
+            session.close()
+
+
+def test_locks_shows_a_pool_as_one_row_with_its_holders(dsn: str, holder_hook: AdvisoryLockHook) -> None:
+    import io
+    import json
+
+    from airflow_pglock.cli.main import main
+
+    held = [
+        holder_hook.acquire_lock(
+            "report-pool", shared=False, scope="session", timeout=None, application_name=f"exporter {n}", slots=3
+        )
+        for n in range(2)
+    ]
+    other = holder_hook.try_acquire("not-in-the-pool")
+    try:
+        out = io.StringIO()
+        assert main(["locks", "--dsn", dsn, "--pool", "report-pool", "--slots", "3", "--output", "json"], out) == 0
+        data = json.loads(out.getvalue())
+        assert data["pool"]["summary"] == "2 of 3 held" and data["pool"]["slots"] == 3
+        assert {h["pid"] for h in data["pool"]["holders"]} == {lock.server.backend_pid for lock in held if lock}
+        assert sorted(h["key"]["name"] for h in data["pool"]["holders"]) == ["report-pool", "report-pool#slot2"]
+        assert sorted(entry["key"]["name"] for entry in data["locks"]) == ["report-pool", "report-pool#slot2"]
+        text = io.StringIO()
+        assert main(["locks", "--dsn", dsn, "--pool", "report-pool", "--slots", "3"], text) == 0
+        assert "pool 'report-pool': 2 of 3 held" in text.getvalue()
+        assert "not-in-the-pool" not in text.getvalue()
+        assert main(["locks", "--dsn", dsn, "--slots", "3"], io.StringIO()) != 0  # --slots needs --pool
+    finally:
+        for lock in [*held, other]:
+            if lock is not None:
+                lock.release()
+
+
+def _terminate_aside(dsn: str, pid: int) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_terminate_backend(%s)", [pid])
+
+
+def test_a_lost_slot_interrupts_the_work_and_names_the_slot(dsn: str, admin: Any) -> None:
+    from airflow_pglock.exceptions import LockLostError
+    from airflow_pglock.liveness import Liveness
+
+    hook = AdvisoryLockHook(dsn=dsn, liveness=Liveness(lease=3))
+    pool = LockKey.from_name("lost-pool")
+    other = hook.acquire_lock(pool, shared=False, scope="session", timeout=None, application_name=None, slots=2)
+    assert other is not None
+    started = time.monotonic()
+    try:
+        with (
+            pytest.raises(LockLostError, match="lost-pool#slot2"),
+            LockGuard(hook, pool, LockPolicy(slots=2)) as handle,
+        ):
+            assert handle.key.name == "lost-pool#slot2"
+            threading.Thread(target=_terminate_aside, args=(dsn, handle.backend_pid), daemon=True).start()
+            while time.monotonic() - started < 30:  # the heartbeat interrupts this loop
+                time.sleep(0.05)
+            raise AssertionError("the lost slot did not interrupt the block")
+    finally:
+        other.release()
