@@ -5,7 +5,7 @@
 
 Starts its own PostgreSQL cluster, Redis server and (as root) network namespace, and
 stops them at the end. ``--sections`` picks a subset: overhead, imports, contention,
-recovery, scale, e2e, capacity, round_trips.
+recovery, scale, e2e, capacity, round_trips, wakeups.
 """
 
 from __future__ import annotations
@@ -25,12 +25,22 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import capacity, contention, e2e, imports, overhead, recovery, round_trips, scale  # noqa: E402
+from benchmarks import (  # noqa: E402
+    capacity,
+    contention,
+    e2e,
+    imports,
+    overhead,
+    recovery,
+    round_trips,
+    scale,
+    wakeups,
+)
 from benchmarks.machine import load, machine, versions  # noqa: E402
 from benchmarks.servers import servers  # noqa: E402
 from benchmarks.stats import progress, table  # noqa: E402
 
-SECTIONS = ("overhead", "imports", "contention", "recovery", "scale", "e2e", "capacity", "round_trips")
+SECTIONS = ("overhead", "imports", "contention", "recovery", "scale", "e2e", "capacity", "round_trips", "wakeups")
 ALTERNATIVES = {"pals", "python-redis-lock"}
 
 
@@ -62,6 +72,11 @@ class Settings:
     capacity_processes: int = 4
     capacity_rounds: int = 5
     round_trip_rounds: int = 200
+    wakeup_samples: int = 40
+    wakeup_poll: float = 5.0  # AdvisoryLockTrigger's default poll_interval (on_busy="defer")
+    wakeup_sensor_poll: float = 60.0  # AdvisoryLockSensor's default poke_interval
+    wakeup_waiters: int = 200
+    wakeup_steady: float = 20.0
 
 
 QUICK = Settings(
@@ -89,6 +104,11 @@ QUICK = Settings(
     capacity_processes=2,
     capacity_rounds=2,
     round_trip_rounds=3,
+    wakeup_samples=3,
+    wakeup_poll=1.0,
+    wakeup_sensor_poll=2.0,
+    wakeup_waiters=10,
+    wakeup_steady=1.0,
 )
 
 
@@ -208,6 +228,8 @@ def headline(results: dict[str, Any]) -> str:
                 "met" if ok else "**missed**",
             ]
         )
+    if "wakeups" in results:
+        rows += wakeups.headline_rows(results["wakeups"])
     return table(["measure", "target", "result", ""], rows)
 
 
@@ -259,6 +281,7 @@ def write_document(
         "e2e": e2e.render,
         "capacity": capacity.render,
         "round_trips": round_trips.render,
+        "wakeups": wakeups.render,
     }
     for name in SECTIONS:
         if name in results:
@@ -309,6 +332,10 @@ def run(
         if "round_trips" in sections:
             progress(f"round_trips: flights, then {s.round_trip_rounds} interleaved rounds (loopback and relay)")
             results["round_trips"] = round_trips.run_round_trips(srv, s.round_trip_rounds)
+        if "wakeups" in sections:
+            results["wakeups"] = wakeups.run_wakeups(
+                srv.dsn, s.wakeup_samples, s.wakeup_poll, s.wakeup_sensor_poll, s.wakeup_waiters, s.wakeup_steady
+            )
     return results, facts
 
 

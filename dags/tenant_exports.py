@@ -1,15 +1,20 @@
-"""Per-tenant exports: one lock per tenant, so tenants run in parallel but never twice at once.
+"""Per-tenant exports: one lock per tenant, each tenant exported once a day across deployments.
 
 ``tenant_arg="tenant_id"`` adds the mapped argument to the key
-(``tenant_exports/export_tenant/<tenant_id>``): if another deployment is still exporting
-tenant 7, only tenant 7 is skipped here. The export file name is deterministic, so a
-retry after a crash overwrites instead of duplicating (a lock is not exactly-once).
+(``tenant_exports/export_tenant/<tenant_id>``). If another deployment is exporting tenant 7
+right now, this deployment's tenant 7 *defers* (``on_busy="defer"``: it waits in the
+triggerer, holding no worker slot) and tries again the moment the key is released; then
+``once_per="{{ ds }}"`` finds the day already exported and skips it. The export file name
+is deterministic, so a retry after a crash overwrites instead of duplicating. Needs
+``airflow-pglock init-db`` once on the lock database (``once_per`` records completed days)
+and an ``airflow triggerer`` (``airflow dags test`` runs the wait inline).
 
     airflow dags test tenant_exports
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import tempfile
@@ -39,7 +44,12 @@ def tenant_exports() -> None:
     def list_tenants(params: dict | None = None) -> list[int]:
         return [int(tenant) for tenant in (params or {}).get("tenants", [])]
 
-    @task.advisory_lock(tenant_arg="tenant_id")
+    @task.advisory_lock(
+        tenant_arg="tenant_id",
+        on_busy="defer",  # busy: wait in the triggerer for the release, then try again
+        wait_timeout=dt.timedelta(hours=1),
+        once_per="{{ ds }}",  # ...and skip a tenant another deployment already exported today
+    )
     def export_tenant(tenant_id: int, ds: str | None = None, params: dict | None = None) -> str:
         time.sleep(float((params or {}).get("work_seconds", 1)))
         EXPORT_DIR.mkdir(parents=True, exist_ok=True)

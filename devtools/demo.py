@@ -3,11 +3,15 @@
 Each deployment has its own AIRFLOW_HOME and metadata DB; they share only the lock
 database: the Airflow connection ``postgres_default`` if configured
 (``AIRFLOW_CONN_POSTGRES_DEFAULT``), otherwise an embedded PostgreSQL started here.
-It prints who ran, who skipped and why. Run it through ``python3 devtools/dev.py demo``.
+It prints who ran, who skipped, who deferred and why. Run it through ``python3 devtools/dev.py demo``.
+
+``airflow dags test`` runs a deferred task's trigger inline (in the test process) instead of
+in an ``airflow triggerer``; the real triggerer is covered by tests/e2e/test_defer_triggerer.py.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import re
@@ -65,10 +69,21 @@ def migrate(name: str, env: dict[str, str]) -> None:
         raise SystemExit(f"deployment {name}: airflow db migrate failed:\n{result.stderr[-3000:]}")
 
 
-def run_both(dag_id: str, conf: dict[str, object], envs: dict[str, dict[str, str]]) -> list[Outcome]:
+def init_lock_db(env: dict[str, str]) -> None:
+    """``airflow-pglock init-db``: the table where ``once_per`` records completed periods."""
+    result = subprocess.run(
+        [str(Path(sys.executable).parent / "airflow-pglock"), "init-db"], env=env, capture_output=True, text=True
+    )
+    if result.returncode != 0:
+        raise SystemExit(f"airflow-pglock init-db failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
+
+
+def run_both(dag_id: str, conf: dict[str, object], envs: dict[str, dict[str, str]], *when: str) -> list[Outcome]:
     def one(name: str) -> list[Outcome]:
-        result = airflow(envs[name], "dags", "test", dag_id, "-c", json.dumps(conf))
-        return parse(name, result.stdout + result.stderr, result.returncode)
+        result = airflow(envs[name], "dags", "test", dag_id, *when, "-c", json.dumps(conf))
+        log = result.stdout + result.stderr
+        (DEMO_DIR / f"{dag_id}-{name}.log").write_text(log)
+        return parse(name, log, result.returncode)
 
     with ThreadPoolExecutor(len(DEPLOYMENTS)) as pool:
         results = list(pool.map(one, DEPLOYMENTS))
@@ -94,13 +109,14 @@ def parse(deployment: str, log: str, returncode: int) -> list[Outcome]:
 
 def summarize(title: str, outcomes: list[Outcome]) -> None:
     print(f"\n=== {title}")
-    for item in sorted(outcomes, key=lambda o: (o.task, o.deployment)):
-        verb = {"completed": "RAN", "skipped": "SKIPPED", "failed": "FAILED", "lost": "LOST"}.get(
-            item.outcome, item.outcome
-        )
+    for item in sorted(outcomes, key=lambda o: (o.task, o.outcome != "completed", o.deployment)):
+        verbs = {"completed": "RAN", "skipped": "SKIPPED", "deferred": "DEFERRED", "failed": "FAILED", "lost": "LOST"}
+        verb = verbs.get(item.outcome, item.outcome)
         detail = item.detail
-        if item.outcome == "skipped" and "busy: " in detail:
+        if item.outcome in ("skipped", "deferred") and "busy: " in detail:
             detail = detail.split("busy: ", 1)[1]
+        elif item.outcome == "skipped" and " already done " in detail:
+            detail = "already done " + detail.split(" already done ", 1)[1]
         elif item.outcome == "completed":
             key = detail.split(" mode=")[0]
             held = re.search(r"held=([\d.]+s)", detail)
@@ -127,20 +143,37 @@ def main() -> int:
         with ThreadPoolExecutor(len(DEPLOYMENTS)) as pool:
             list(pool.map(lambda name: migrate(name, envs[name]), DEPLOYMENTS))
 
-        print("both deployments run forecast_refresh at once (one global key) ...", flush=True)
-        forecast = run_both("forecast_refresh", {"work_seconds": 12}, envs)
+        init_lock_db(envs["A"])
+
+        print("both deployments run forecast_refresh at once (one global key, on_busy='skip') ...", flush=True)
+        forecast = run_both("forecast_refresh", {"work_seconds": 8}, envs)
         summarize("forecast_refresh: one key for the whole job", forecast)
 
-        print("\nboth deployments run tenant_exports at once (one key per tenant) ...", flush=True)
-        exports = run_both("tenant_exports", {"tenants": [1, 2, 3, 4], "work_seconds": 6}, envs)
+        day = dt.datetime.now(dt.timezone.utc).date().isoformat()
+        print(
+            f"\nboth deployments run tenant_exports for {day} at once (one key per tenant, on_busy='defer', "
+            "once_per='{{ ds }}') ...",
+            flush=True,
+        )
+        exports = run_both("tenant_exports", {"tenants": [1, 2, 3, 4], "work_seconds": 3}, envs, day)
         summarize("tenant_exports: one key per tenant", exports)
 
         ran = [o for o in forecast if o.outcome == "completed"]
+        files = sorted((DEMO_DIR / "exports").glob("*/tenant-*.json"))
+        per_tenant: dict[str, list[str]] = {}
+        for path in files:
+            per_tenant.setdefault(path.name.split("-")[1], []).append(path.parent.name)
+        deferred = sorted({(o.deployment, o.task) for o in exports if o.outcome == "deferred"})
         print(
-            f"\nforecast_refresh ran {len(ran)} time(s) across 2 deployments; "
-            f"tenant exports ran {sum(o.outcome == 'completed' for o in exports)} time(s) for 4 tenants.\n"
-            "A lock stops two runs at the same time, not one after the other: a tenant can run twice when\n"
-            "one deployment had finished it before the other started it (see docs/concepts.md)."
+            f"\nforecast_refresh ran {len(ran)} time(s) across 2 deployments.\n"
+            f"tenant_exports: {len(deferred)} export(s) deferred ("
+            + ", ".join(f"{task} in {name}" for name, task in deferred)
+            + f"); export files written: {len(files)} for 4 tenants ("
+            + ", ".join(f"tenant {t} by {'+'.join(who)}" for t, who in sorted(per_tenant.items()))
+            + ").\n"
+            "A deferred export waited for the other deployment's release, took the key right after it and found\n"
+            "the day already exported (once_per): every tenant exported exactly once. `airflow dags test` runs the\n"
+            "wait inline; in a deployment it waits in `airflow triggerer` (tests/e2e/test_defer_triggerer.py)."
         )
         print(f"demo finished in {time.monotonic() - started:.0f} s; deployments are in {DEMO_DIR}")
         return 0

@@ -64,7 +64,7 @@ RESULTS = ROOT / "matrix-results"
 VERSIONS_DOC = ROOT / "docs" / "airflow-versions.md"
 EXTRAS = "test,docs"
 # The benchmark's extra packages (pyproject's `bench` extra), pinned for reproducible numbers.
-BENCH_PINS = ("PALs==0.4.0", "python-redis-lock==4.0.1", "redis==8.1.0", "pyinstrument==5.1.3")
+BENCH_PINS = ("PALs==0.4.0", "python-redis-lock==4.0.1", "redis==6.4.0", "pyinstrument==5.1.3")
 
 
 def find_interpreter() -> Path:

@@ -27,8 +27,11 @@ def test_example_dags_import_without_errors() -> None:
 
 
 def test_settlement_and_exports_run(airflow_db: Any, admin: Any, tmp_path: Path) -> None:
+    from airflow_pglock.hooks import schema
+
     os.environ["PGLOCK_EXPORT_DIR"] = str(tmp_path)
-    admin.execute("DROP TABLE IF EXISTS settlements")
+    admin.execute("DROP TABLE IF EXISTS settlements; DROP SCHEMA IF EXISTS pglock CASCADE")
+    schema.migrate(admin)  # tenant_exports records each exported day (once_per)
     settlement = run_dag((DAGS / "daily_settlement.py").read_text(), "daily_settlement")
     assert settlement.state("settle") == "success"
     processed = admin.execute("SELECT count(*) FROM settlements WHERE status = 'processed'").fetchone()[0]
@@ -40,12 +43,15 @@ def test_settlement_and_exports_run(airflow_db: Any, admin: Any, tmp_path: Path)
     assert exports.state("export_tenant", 0) == exports.state("export_tenant", 1) == "success"
     assert sorted(p.name.split("-")[1] for p in tmp_path.iterdir()) == ["3", "4"]
     assert advisory_locks(admin) == []
-    admin.execute("DROP TABLE settlements")
+    admin.execute("DROP TABLE settlements; DROP SCHEMA pglock CASCADE")
 
 
 @pytest.mark.slow
 def test_the_demo_command(tmp_path: Path) -> None:
-    """The README's demo: two deployments, one runs forecast_refresh, the other skips."""
+    """The README's demo: two deployments; forecast_refresh runs in one and skips in the other; each tenant is
+    exported exactly once, the other deployment's export deferring until the release, then finding the day done."""
+    import re
+
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "PGLOCK_TEST"))}
     result = subprocess.run(
         [sys.executable, str(ROOT / "devtools" / "demo.py")], capture_output=True, text=True, env=env, timeout=600
@@ -55,6 +61,23 @@ def test_the_demo_command(tmp_path: Path) -> None:
     assert "starting an embedded PostgreSQL" in out
     assert "forecast_refresh ran 1 time(s) across 2 deployments" in out
     assert "SKIPPED  key 'refresh-forecasts'" in out and "is held by pid" in out
+
+    rows = re.findall(r"^  deployment ([AB])  export_tenant\[(\d)\]\s+(\w+)\s+(.*)$", out, re.MULTILINE)
+    for index in "0123":
+        tenant = [(who, verb, detail) for who, i, verb, detail in rows if i == index]
+        ran = [who for who, verb, _ in tenant if verb == "RAN"]
+        assert len(ran) == 1, (index, tenant)  # exactly once across the two deployments
+        other = [(verb, detail) for who, verb, detail in tenant if who != ran[0]]
+        # The other deployment deferred while the key was held (or came after the release), then took the
+        # key and found the day exported: skipped by once_per, never run, never failed.
+        assert other and other[-1][0] == "SKIPPED" and "already done for period" in other[-1][1], tenant
+        assert "(once_per)" in other[-1][1]
+        assert all(verb == "DEFERRED" and "is held by pid" in detail for verb, detail in other[:-1]), tenant
+    assert any(verb == "DEFERRED" for _, _, verb, _ in rows), out  # at least one export waited for the other's
+    written = re.search(r"export files written: (\d+) for 4 tenants \((.*)\)\.", out)
+    assert written is not None, out
+    assert written[1] == "4"
+    assert re.fullmatch(r"tenant 1 by [AB], tenant 2 by [AB], tenant 3 by [AB], tenant 4 by [AB]", written[2])
 
 
 @pytest.mark.slow

@@ -8,10 +8,15 @@ the lock database restarts (the holder takes its key back at once). Then the hol
 releases: the deferred task runs exactly once, the sensor succeeds, and the task whose
 key stays held ends as a skip at its deadline. The triggerer never warns that a trigger
 blocked its event loop, and all waiting triggers share one connection.
+
+Then many tasks wait at once: ``e2e_defer_many`` maps one task ``PGLOCK_E2E_WAITERS`` ways
+(default 48, to stay near a minute on two cores; the issue's case is 200:
+``PGLOCK_E2E_WAITERS=200``), each deferred on a key the test holds, then released.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from collections.abc import Iterator
@@ -22,6 +27,7 @@ import pytest
 from psycopg import sql
 
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook, HeldLock
+from airflow_pglock.keys import LockKey
 from airflow_pglock.liveness import Liveness
 from devtools.pgcluster import Cluster, free_port
 from tests.conftest import AIRFLOW_HOME
@@ -36,6 +42,7 @@ if not airflow_compat.AIRFLOW_V_3_PLUS:
 DAGS = Path(__file__).parent / "defer_dags"
 DEADLINE_SECONDS = 300
 BLOCKED_WARNING = "async thread was blocked"
+WAITERS = int(os.environ.get("PGLOCK_E2E_WAITERS", "48"))
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +58,7 @@ def deployment(clusters: tuple[Cluster, Cluster]) -> Iterator[Deployment]:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier("meta_defer")))
     with psycopg.connect(locks.dsn, autocommit=True) as conn:
         conn.execute("CREATE TABLE e2e_defer_runs (task_id text, at timestamptz DEFAULT clock_timestamp())")
-    env = {"AIRFLOW_CONN_POSTGRES_DEFAULT": locks.dsn, "PGLOCK_E2E_DSN": locks.dsn}
+    env = {"AIRFLOW_CONN_POSTGRES_DEFAULT": locks.dsn, "PGLOCK_E2E_DSN": locks.dsn, "PGLOCK_E2E_WAITERS": str(WAITERS)}
     home = AIRFLOW_HOME / "e2e-defer"
     d = Deployment("D", home, metadata.dsn_for("meta_defer"), free_port(), DAGS, env)
     d.home.mkdir(parents=True)
@@ -107,9 +114,11 @@ def test_deferred_tasks_wait_in_the_triggerer_and_resume_after_the_release(
     try:
         states = _wait_for(
             deployment,
-            lambda s: s.get("after_holder") == "deferred"
-            and s.get("sensor") == "deferred"
-            and s.get("deadline") in ("skipped", "failed"),
+            lambda s: (
+                s.get("after_holder") == "deferred"
+                and s.get("sensor") == "deferred"
+                and s.get("deadline") in ("skipped", "failed")
+            ),
             "both waiting in the triggerer, the deadline passed",
         )
         assert states["deadline"] == "skipped"
@@ -149,3 +158,53 @@ def test_deferred_tasks_wait_in_the_triggerer_and_resume_after_the_release(
     task_logs = "".join(path.read_text(errors="replace") for path in (deployment.home / "logs").rglob("*.log*"))
     assert "pglock waiting: key 'e2e/defer'" in task_logs
     assert "pglock deferred: " in task_logs and "other deployment" in task_logs
+
+
+def _blocked_lines(d: Deployment) -> list[str]:
+    """Each "async thread was blocked" warning of the triggerer, with the 12 log lines before it."""
+    lines = d.logs("triggerer", tail=10**7).splitlines()
+    return ["\n".join(lines[max(0, i - 12) : i + 1]) for i, line in enumerate(lines) if BLOCKED_WARNING in line]
+
+
+@pytest.mark.timeout(240 + 3 * WAITERS)  # each mapped task starts twice (defers, resumes): ~1 s each on 2 cores
+def test_many_deferred_tasks_share_one_connection_and_never_block_the_triggerer(
+    deployment: Deployment, clusters: tuple[Cluster, Cluster]
+) -> None:
+    _, locks = clusters
+    keys = [f"e2e/many/{index}" for index in range(WAITERS)]
+    started = time.monotonic()
+    with psycopg.connect(locks.dsn, autocommit=True, application_name="other deployment") as holder:
+        for key in keys:  # held by a plain session, not airflow-pglock: its release is seen at the poll
+            holder.execute("SELECT pg_advisory_lock(%s)", [LockKey.from_name(key).numbers[0]])
+        _wait_for(
+            deployment,
+            lambda _: deployment.query("SELECT 1 FROM dag WHERE dag_id = 'e2e_defer_many'") != [],
+            "e2e_defer_many parsed by the dag-processor",
+        )
+        triggered = deployment.airflow("dags", "trigger", "e2e_defer_many", timeout=120)
+        assert triggered.returncode == 0, triggered.stdout[-2000:] + triggered.stderr[-2000:]
+
+        def many_states() -> list[str | None]:
+            rows = deployment.query("SELECT state FROM task_instance WHERE dag_id = 'e2e_defer_many'")
+            return [row[0] for row in rows]
+
+        _wait_for(
+            deployment,
+            lambda _: len(many_states()) == WAITERS and all(state == "deferred" for state in many_states()),
+            f"{WAITERS} mapped tasks deferred",
+        )
+        with psycopg.connect(locks.dsn, autocommit=True) as conn:
+            watchers = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'airflow-pglock wakeups'"
+            ).fetchone()
+        assert watchers is not None and 1 <= watchers[0] <= 2, watchers
+        holder.execute("SELECT pg_advisory_unlock_all()")
+    _wait_for(deployment, lambda _: set(many_states()) == {"success"}, f"{WAITERS} mapped tasks resumed and succeeded")
+    print(
+        f"e2e defer many: {WAITERS} mapped tasks deferred, released and finished in {time.monotonic() - started:.0f} s"
+    )
+    with psycopg.connect(locks.dsn, autocommit=True) as conn:
+        runs = conn.execute("SELECT task_id FROM e2e_defer_runs WHERE task_id LIKE 'many/%'").fetchall()
+    assert sorted(row[0] for row in runs) == sorted(f"many/{index}" for index in range(WAITERS))  # each once
+    blocked = _blocked_lines(deployment)
+    assert blocked == [], "\n\n".join(blocked)

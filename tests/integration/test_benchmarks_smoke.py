@@ -95,3 +95,18 @@ def test_quick_round_trips_section(tmp_path: Path) -> None:
     assert re.search(r"\| floor \(raw psycopg[^|]*\| 5 \| \+0 \|", text)
     assert re.search(r"\| LockGuard \(named key[^|]*\| \d+ \| \+\d+ \|", text)
     assert "| Round trips of a guarded execution over the floor | +0 |" in text  # in the summary
+
+
+def test_quick_wakeups_section(tmp_path: Path) -> None:
+    """Real triggers under asyncio, real releases: every waiter woken, one shared connection, no stall reported."""
+    text = run_quick(tmp_path, "wakeups")
+    assert "## 9. Wake-ups of deferred waits" in text
+    for label in ("provider release (announced)", "foreign release (plain psycopg session)"):
+        assert re.search(rf"\| {re.escape(label)} \| 1 s \| \d+ ms \| \d+ ms \| \d+ ms \| 3 \| 0 \|", text), label
+    assert re.search(r"\| foreign release, poll = the sensor's default poke_interval \| 2 s \| .* \| 3 \| 0 \|", text)
+    assert "| connections named `airflow-pglock wakeups` (max seen) | 1 |" in text
+    assert "| other connections of the waiting process (max seen) | 0 |" in text
+    assert "(10 of 10 fired `free`)" in text
+    assert "Target: at most 2 connections: **met** (1)." in text
+    assert "| Connections of 10 waiting triggers | <= 2 | 1 | met |" in text  # in the summary
+    assert "| Deferred wait woken after a provider release (trigger p95) | <= 1 s |" in text
