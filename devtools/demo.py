@@ -132,7 +132,10 @@ def main() -> int:
     try:
         if configured:
             conn_uri = configured
-            print("lock database: the configured connection postgres_default")
+            print(
+                "lock database: the configured connection postgres_default (tenant days it already recorded as\n"
+                "  exported, by an earlier demo today, are skipped as done: once_per)"
+            )
         else:
             print("lock database: no connection configured; starting an embedded PostgreSQL ...", flush=True)
             cluster = Cluster().init().start()
