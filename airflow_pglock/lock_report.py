@@ -181,8 +181,9 @@ class LockReport:
     pool: PoolUsage | None = None
 
     def to_json(self) -> dict[str, Any]:
+        pool = {} if self.pool is None else {"pool": self.pool.to_json()}  # only when a pool was asked for
         return {
-            "pool": None if self.pool is None else self.pool.to_json(),
+            **pool,
             "database": self.database,
             "server": self.server,
             "server_time": self.taken_at.isoformat(),

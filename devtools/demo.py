@@ -78,8 +78,25 @@ def init_lock_db(env: dict[str, str]) -> None:
         raise SystemExit(f"airflow-pglock init-db failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
 
 
-def run_both(dag_id: str, conf: dict[str, object], envs: dict[str, dict[str, str]], *when: str) -> list[Outcome]:
+def wait_until_held(conn_uri: str, key: str, timeout: float = 120.0) -> None:
+    """Return once some session holds ``key`` (or after ``timeout`` s): the second deployment
+    starts while the first holds it, however slowly this machine starts ``airflow dags test``."""
+    from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+
+    hook = AdvisoryLockHook(dsn=conn_uri)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not any(holder.granted for holder in hook.holders(key)):
+        time.sleep(0.2)
+
+
+def run_both(
+    dag_id: str, conf: dict[str, object], envs: dict[str, dict[str, str]], *when: str, overlap_on: str, conn_uri: str
+) -> list[Outcome]:
+    """Run ``dag_id`` in both deployments: B starts once A holds the key ``overlap_on``."""
+
     def one(name: str) -> list[Outcome]:
+        if name != DEPLOYMENTS[0]:
+            wait_until_held(conn_uri, overlap_on)
         result = airflow(envs[name], "dags", "test", dag_id, *when, "-c", json.dumps(conf))
         log = result.stdout + result.stderr
         (DEMO_DIR / f"{dag_id}-{name}.log").write_text(log)
@@ -148,8 +165,14 @@ def main() -> int:
 
         init_lock_db(envs["A"])
 
-        print("both deployments run forecast_refresh at once (one global key, on_busy='skip') ...", flush=True)
-        forecast = run_both("forecast_refresh", {"work_seconds": 8}, envs)
+        print(
+            "both deployments run forecast_refresh at once (one global key, on_busy='skip'; B starts while A "
+            "holds it) ...",
+            flush=True,
+        )
+        forecast = run_both(
+            "forecast_refresh", {"work_seconds": 8}, envs, overlap_on="refresh-forecasts", conn_uri=conn_uri
+        )
         summarize("forecast_refresh: one key for the whole job", forecast)
 
         day = dt.datetime.now(dt.timezone.utc).date().isoformat()
@@ -158,7 +181,14 @@ def main() -> int:
             "once_per='{{ ds }}') ...",
             flush=True,
         )
-        exports = run_both("tenant_exports", {"tenants": [1, 2, 3, 4], "work_seconds": 3}, envs, day)
+        exports = run_both(
+            "tenant_exports",
+            {"tenants": [1, 2, 3, 4], "work_seconds": 5},
+            envs,
+            day,
+            overlap_on="tenant_exports/export_tenant/1",
+            conn_uri=conn_uri,
+        )
         summarize("tenant_exports: one key per tenant", exports)
 
         ran = [o for o in forecast if o.outcome == "completed"]
