@@ -81,9 +81,7 @@ def no_answer_reason(silent: float, server: str, lease: float) -> str:
     )
 
 
-def refine_with_server_start(
-    reason: str, started_now: dt.datetime | None, started_before: dt.datetime | None
-) -> str:
+def refine_with_server_start(reason: str, started_now: dt.datetime | None, started_before: dt.datetime | None) -> str:
     """A vague reason made precise with the server's start time now (None: unreachable).
 
     :param started_before: the server's start time when the lock was taken.

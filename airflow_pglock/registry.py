@@ -15,6 +15,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from psycopg.errors import InsufficientPrivilege
+
 from airflow_pglock.hooks.advisory_lock import HeldLock
 from airflow_pglock.hooks.schema import REGISTRY_NO_ACCESS, REGISTRY_READY, record_key_name
 from airflow_pglock.keys import LockKey
@@ -44,7 +46,8 @@ def record_acquisition(held: HeldLock, application_name: str | None, logger: log
         _report(key, outcome, logger)
 
     if held.registry in REGISTRY_NO_ACCESS:
-        report(PermissionError(f"the registry is installed, but this role has {REGISTRY_NO_ACCESS[held.registry]}"))
+        problem = f"the registry is installed, but this role has {REGISTRY_NO_ACCESS[held.registry]}"
+        report(InsufficientPrivilege(problem))  # what the write would have raised, without a statement
     elif held.registry != REGISTRY_READY:
         report(ValueError(f"unknown registry state {held.registry!r}"))
     else:

@@ -22,8 +22,8 @@ import psycopg
 from psycopg import sql
 
 from airflow_pglock.exceptions import LockConfigurationError
-from airflow_pglock.hooks import wakeups
 from airflow_pglock.hooks import server as server_rules
+from airflow_pglock.hooks import wakeups
 from airflow_pglock.hooks.server import Scope, ServerInfo
 from airflow_pglock.keys import LockKey, slot_keys
 

@@ -104,7 +104,9 @@ def test_busy_is_the_floors_try_and_one_holders_query(relay: tuple[Relay, str], 
         assert counter.connections == 2
 
 
-def test_with_the_registry_installed_the_write_is_the_one_extra_flight(relay: tuple[Relay, str], pg_server: str) -> None:
+def test_with_the_registry_installed_the_write_is_the_one_extra_flight(
+    relay: tuple[Relay, str], pg_server: str
+) -> None:
     counter, _ = relay
     with scratch_database(pg_server, prefix="pglock_rt") as scratch:
         with psycopg.connect(scratch, autocommit=True) as conn:
