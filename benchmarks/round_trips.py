@@ -10,6 +10,7 @@ loopback and through a relay that holds every chunk ``DELAY`` seconds in each di
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -92,9 +93,27 @@ def _uri(host: str, port: int, dsn: str, dbname: str | None = None) -> str:
     return f"postgresql://{params.get('user') or 'postgres'}@{host}:{port}/{dbname or params['dbname']}"
 
 
+#: Executions per variant for the client CPU column (process CPU time: every thread of this process).
+CPU_RUNS = 100
+
+
+def client_cpu(variants: dict[str, Callable[[], object]], runs: int) -> dict[str, float]:
+    """CPU seconds this process spends per execution of each variant (``time.process_time``),
+    variant after variant: what a loaded machine cannot hide, unlike wall time."""
+    spent: dict[str, float] = {}
+    for name, operation in variants.items():
+        operation()
+        started = time.process_time()
+        for _ in range(runs):
+            operation()
+        spent[name] = (time.process_time() - started) / runs
+    return spent
+
+
 @dataclass
 class RoundTripResult:
     flights: dict[str, int] = field(default_factory=dict)
+    cpu: dict[str, float] = field(default_factory=dict)
     loopback: dict[str, list[float]] = field(default_factory=dict)
     delayed: dict[str, list[float]] = field(default_factory=dict)
 
@@ -128,6 +147,7 @@ def run_round_trips(servers: Servers, rounds: int) -> RoundTripResult:
     variants, close = variants_through(port)
     try:
         result.loopback = interleaved(variants, rounds)
+        result.cpu = client_cpu(variants, max(3, min(CPU_RUNS, rounds)))
     finally:
         close()
     with Relay(port, delay=DELAY) as delayed:
@@ -166,6 +186,7 @@ def render(result: RoundTripResult) -> str:
                 f"{result.flights[name] - result.flights[FLOOR]:+d}",
                 Summary.of(result.loopback[name]).fmt(1000, " ms"),
                 f"{loop.median:.2f}x ({loop.p25:.2f}-{loop.p75:.2f})",
+                f"{result.cpu[name] * 1000:.2f} ms" if name in result.cpu else "-",
                 Summary.of(result.delayed[name]).fmt(1000, " ms"),
                 f"{slow.median:.2f}x ({slow.p25:.2f}-{slow.p75:.2f})",
             ]
@@ -190,6 +211,14 @@ def render(result: RoundTripResult) -> str:
         "backend for what the lock statement asks besides the try (see section 1 for the steps). A loaded 2-core "
         "machine magnifies both."
     )
+    if GUARD in result.cpu and FLOOR in result.cpu:
+        cpu_extra = (result.cpu[GUARD] - result.cpu[FLOOR]) * 1000
+        wall_extra = (Summary.of(result.loopback[GUARD]).median - Summary.of(result.loopback[FLOOR]).median) * 1000
+        reading += (
+            f" Client CPU per execution (all threads of the process): the guard {result.cpu[GUARD] * 1000:.2f} ms, "
+            f"the floor {result.cpu[FLOOR] * 1000:.2f} ms, so {cpu_extra:.2f} ms of the {wall_extra:.2f} ms the guard "
+            "takes over the floor on loopback (medians) is Python work in this process."
+        )
     delayed = paired_ratios(result.delayed, FLOOR)
     if PALS in delayed and delayed[PALS].median > delayed[GUARD].median:
         reading += (
@@ -214,6 +243,7 @@ def render(result: RoundTripResult) -> str:
                     "over the floor",
                     "loopback",
                     "ratio",
+                    "client CPU",
                     f"through the {DELAY * 2000:.0f} ms relay",
                     "ratio",
                 ],
