@@ -81,7 +81,7 @@ def no_answer_reason(silent: float, server: str, lease: float) -> str:
     )
 
 
-def refine_with_server_start(reason: str, started_now: dt.datetime | None, started_before: dt.datetime) -> str:
+def refine_with_server_start(reason: str, started_now: dt.datetime | None, started_before: dt.datetime | None) -> str:
     """A vague reason made precise with the server's start time now (None: unreachable).
 
     :param started_before: the server's start time when the lock was taken.
@@ -91,7 +91,7 @@ def refine_with_server_start(reason: str, started_now: dt.datetime | None, start
             "the PostgreSQL server shut down, crashed or is restarting: it does not accept connections now "
             f"(the lock session ended with: {reason})"
         )
-    if started_now > started_before:
+    if started_before is not None and started_now > started_before:
         when = started_now.isoformat(timespec="seconds")
         return f"the PostgreSQL server restarted at {when} (the lock session ended with it)"
     if reason.startswith("the session was terminated"):

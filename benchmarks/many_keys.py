@@ -13,7 +13,7 @@ Per key, each variant takes and releases one key on a connection that is already
   as in section 1.
 
 Then ``try_lock_many`` for 1,000 keys, with the client's flights to the server counted by
-a relay (:mod:`benchmarks.flights`). Only this section of docs/benchmarks.md is replaced.
+a relay (:mod:`devtools.relay`). Only this section of docs/benchmarks.md is replaced.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ if str(ROOT) not in sys.path:
 import psycopg  # noqa: E402
 
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook  # noqa: E402
-from benchmarks.flights import relay  # noqa: E402
 from benchmarks.overhead import quiet_task_logger  # noqa: E402
 from benchmarks.servers import servers  # noqa: E402
 from benchmarks.stats import Summary, interleaved, paired_ratios, progress, table, write_section  # noqa: E402
+from devtools.relay import Relay  # noqa: E402
 
 HEADING = "## Many keys, one session"
 KEY = "bench/many-keys"
@@ -97,7 +97,7 @@ def per_key(dsn: str, redis_client: Any | None, rounds: int) -> dict[str, list[f
 def batch(host: str, port: int, database: str, count: int, repeats: int) -> list[tuple[float, int, float, int]]:
     """(seconds, flights) of try_lock_many(count keys), then of releasing them, per repeat."""
     results = []
-    with relay(host, port) as flights:
+    with Relay(port, host) as flights:
         hook = AdvisoryLockHook(dsn=f"postgresql://postgres@127.0.0.1:{flights.port}/{database}")
         keys = [f"tenant-export/{n}" for n in range(count)]
         for _ in range(repeats):

@@ -33,7 +33,6 @@ from typing import Any
 
 import psycopg
 
-from benchmarks.proposal import OneStatementSetupHook
 from benchmarks.servers import Servers
 from benchmarks.stats import Summary, interleaved, paired_ratios, table
 
@@ -137,7 +136,6 @@ def build_variants(
     numbers = key.numbers
     policy = LockPolicy()
     hook = AdvisoryLockHook(dsn=dsn)
-    proposal_hook = OneStatementSetupHook(dsn=dsn)
     app = "dag_id=bench task_id=overhead run_id=manual__1 map_index=-1 try=1"  # an application_name of typical size
 
     def floor() -> None:
@@ -159,8 +157,7 @@ def build_variants(
     variants: dict[str, Callable[[], object]] = {"floor (raw psycopg)": floor, "LockGuard": guarded(hook, key)}
     if registry_dsn is not None:
         variants["LockGuard, registry installed"] = guarded(AdvisoryLockHook(dsn=registry_dsn), key)
-    variants["LockGuard, int64 key (no registry lookup)"] = guarded(hook, int_key)
-    variants["proposal: one-statement set-up (see below)"] = guarded(proposal_hook, int_key)
+    variants["LockGuard, int64 key (no registry state asked)"] = guarded(hook, int_key)
     variants["hook.session_lock"] = hook_only
     closers: list[Callable[[], None]] = []
     if servers.has("pals"):
@@ -199,14 +196,13 @@ class OverheadResult:
 # What a guarded execution spends its time on, by function (cumulative, per execution).
 PROFILED_STEPS: tuple[tuple[str, str, str], ...] = (
     ("connect (libpq start-up, auth, parameters)", "advisory_lock.py", "connect"),
-    ("inspect_server: 1 round trip", "advisory_lock.py", "inspect_server"),
-    ("apply_liveness (set_config x7): 1 round trip", "advisory_lock.py", "apply_liveness"),
-    ("try_lock: 1 round trip", "advisory_lock.py", "try_lock"),
-    ("key-name registry lookup: 1 round trip", "registry.py", "record_acquisition"),
-    ("heartbeat thread start", "guard.py", "_start_heartbeat"),
+    ("server facts from the handshake + its rules (no I/O)", "server.py", "from_handshake"),
+    ("first lock statement (try + server facts + registry state): 1 round trip", "lock_session.py", "first_try"),
+    ("key-name registry (no I/O unless installed)", "registry.py", "record_acquisition"),
+    ("heartbeat thread start", "heartbeat.py", "start"),
     ("heartbeat thread stop + join", "guard.py", "_stop_heartbeat"),
-    ("unlock: 1 round trip", "advisory_lock.py", "unlock"),
-    ("outcome line + metrics", "guard.py", "_log_outcome"),
+    ("unlock: 1 round trip", "lock_session.py", "unlock"),
+    ("outcome line + metrics", "outcome.py", "report"),
     ("acquired line", "__init__.py", "info"),
 )
 
@@ -233,6 +229,14 @@ def profile_guard(run: Callable[[], object], runs: int) -> tuple[list[tuple[str,
     return steps, total
 
 
+def _handshake(hook: Any, conn: Any) -> Any:
+    from airflow_pglock.hooks import server as server_rules
+
+    info = hook.server_from_handshake(conn)
+    server_rules.check_server(info, "session", None, server_rules.HANDSHAKE_RULES)
+    return info
+
+
 def decompose(servers: Servers, rounds: int) -> dict[str, list[float]]:
     """Time each step of a guarded execution and of the floor, without a profiler.
 
@@ -241,8 +245,9 @@ def decompose(servers: Servers, rounds: int) -> dict[str, list[float]]:
     round. The heartbeat thread is timed as LockGuard starts and stops it (a thread that
     waits on an event, then is woken and joined).
     """
+    from airflow_pglock.hooks import lock_session
+    from airflow_pglock.hooks import server as server_rules
     from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
-    from airflow_pglock.hooks.schema import registry_installed
     from airflow_pglock.keys import LockKey
 
     hook = AdvisoryLockHook(dsn=servers.dsn)
@@ -256,12 +261,17 @@ def decompose(servers: Servers, rounds: int) -> dict[str, list[float]]:
         return value
 
     def guard_steps() -> None:
-        conn = timed("guard: connect (+ keepalive options, application_name)", lambda: hook.connect("bench"))
-        info = timed("guard: inspect_server (1 statement)", lambda: hook.inspect_server(conn))
-        timed("guard: check_server (no I/O)", lambda: hook.check_server(info, "session"))
-        timed("guard: apply_liveness (1 statement)", lambda: hook.apply_liveness(conn, local=False))
-        timed("guard: try_lock (1 statement)", lambda: hook.try_lock(conn, key))
-        timed("guard: key-name registry check (1 statement)", lambda: registry_installed(conn))
+        startup = hook.liveness.server_settings(transaction=False)
+        conn = timed(
+            "guard: connect (+ liveness options, keepalives, application_name)",
+            lambda: hook.connect("bench", server_settings=startup),
+        )
+        info = timed("guard: handshake facts + their rules (no I/O)", lambda: _handshake(hook, conn))
+        answer = timed(
+            "guard: first lock statement (try + server facts + registry state)",
+            lambda: lock_session.first_try(conn, info, [key], shared=False, scope="session", pool_mode=None),
+        )
+        timed("guard: server rules (no I/O)", lambda: server_rules.check_server(answer.server, "session", None))
         wake = threading.Event()
         thread = threading.Thread(target=wake.wait)
         timed("guard: heartbeat thread start", thread.start)
@@ -353,7 +363,7 @@ def render(result: OverheadResult) -> str:
     return "\n".join(lines)
 
 
-GUARD_ONLY = ("inspect_server", "check_server", "apply_liveness", "registry", "heartbeat")
+GUARD_ONLY = ("handshake", "first lock statement", "rules", "heartbeat")
 
 
 def render_decomposition(result: OverheadResult) -> list[str]:
@@ -365,12 +375,9 @@ def render_decomposition(result: OverheadResult) -> list[str]:
     extra = {name: value for name, value in guard.items() if any(word in name for word in GUARD_ONLY)}
     extra_total = sum(extra.values())
     biggest = sorted(extra.items(), key=lambda item: -item[1])[:3]
-    connect_delta = guard.get("guard: connect (+ keepalive options, application_name)", 0.0) - floor.get(
+    connect_delta = guard.get("guard: connect (+ liveness options, keepalives, application_name)", 0.0) - floor.get(
         "floor: connect", 0.0
     )
-    samples = result.samples
-    int_key = samples.get("LockGuard, int64 key (no registry lookup)")
-    proposal = samples.get("proposal: one-statement set-up (see below)")
     lines = [
         "### The same, step by step, without a profiler",
         "",
@@ -387,25 +394,8 @@ def render_decomposition(result: OverheadResult) -> list[str]:
         "",
         "What this shows: on a fresh connection, a statement costs far more than the round trip measured on a warm "
         "connection above: the new backend's catalog caches are empty, so each statement that names functions or "
-        "catalog tables first loads them. The inspection, the liveness `set_config` calls and the registry check are "
-        "paid as server work in a cold backend, not as network latency.",
+        "catalog tables first loads them. What the first lock statement asks besides the try (`pg_backend_pid()`, "
+        "`pg_is_in_recovery()`, `pg_postmaster_start_time()`, the registry's state) is paid there, in the same "
+        "round trip.",
     ]
-    if int_key and proposal:
-        ratios = Summary.of([p / i for p, i in zip(proposal, int_key, strict=True)])
-        lines += [
-            "",
-            "### A proposal, measured: fewer statements",
-            "",
-            "`benchmarks/proposal.py` (not the provider's code) sets the session up in one statement instead of two: "
-            "the inspection, the liveness `set_config` calls (guarded by `pg_backend_pid()` = the pid the wire "
-            "protocol reported, so nothing is set behind a pooler, as today) and the registry schema check "
-            "(`to_regnamespace`). Against the same guard with an int64 key (no registry lookup either), per round: "
-            f"**{ratios.median:.2f}x** (p25 {ratios.p25:.2f}, p75 {ratios.p75:.2f}). "
-            + (
-                "Folding statements saves about one round trip; it does not remove the server work, so it does not "
-                "bring LockGuard near the target and is not worth the extra code path."
-                if ratios.median > 0.93
-                else "Folding statements saves a measurable share of the time."
-            ),
-        ]
     return lines

@@ -10,6 +10,7 @@ loopback and through a relay that holds every chunk ``DELAY`` seconds in each di
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -29,7 +30,12 @@ TARGET_LOOPBACK = 1.15
 TARGET_DELAYED = 1.05
 
 
-def _variants(dsn: str, with_pals: bool) -> tuple[dict[str, Callable[[], object]], Callable[[], None]]:
+REGISTRY = "LockGuard (named key, key-name registry installed)"
+
+
+def _variants(
+    dsn: str, with_pals: bool, registry_dsn: str | None = None
+) -> tuple[dict[str, Callable[[], object]], Callable[[], None]]:
     from airflow_pglock.guard import LockGuard
     from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
     from airflow_pglock.keys import LockKey
@@ -45,12 +51,16 @@ def _variants(dsn: str, with_pals: bool) -> tuple[dict[str, Callable[[], object]
             conn.execute("SELECT pg_try_advisory_lock(%s)", named.numbers).fetchone()
             conn.execute("SELECT pg_advisory_unlock(%s)", named.numbers).fetchone()
 
-    def guarded(key: LockKey) -> Callable[[], None]:
+    def guarded(key: LockKey, where: str = dsn) -> Callable[[], None]:
         def run() -> None:
-            with LockGuard(AdvisoryLockHook(dsn=dsn), key, LockPolicy(), application_name=app, logger=quiet):
+            with LockGuard(AdvisoryLockHook(dsn=where), key, LockPolicy(), application_name=app, logger=quiet):
                 pass
 
         return run
+
+    def hook_lock() -> None:
+        with AdvisoryLockHook(dsn=dsn).lock(named, application_name=app) as handle:
+            assert handle is not None
 
     def session_lock() -> None:
         with AdvisoryLockHook(dsn=dsn).session_lock(named, application_name=app) as held:
@@ -65,9 +75,12 @@ def _variants(dsn: str, with_pals: bool) -> tuple[dict[str, Callable[[], object]
         FLOOR: floor,
         GUARD: guarded(named),
         "LockGuard (int64 key)": guarded(numbered),
+        "hook.lock (named key; LockGuard)": hook_lock,
         "hook.session_lock (named key)": session_lock,
         "hook.try_acquire + release (named key)": try_acquire,
     }
+    if registry_dsn is not None:
+        variants[REGISTRY] = guarded(named, registry_dsn)
     if not with_pals:
         return variants, lambda: None
     pals, close = _pals_variants(dsn)
@@ -75,14 +88,32 @@ def _variants(dsn: str, with_pals: bool) -> tuple[dict[str, Callable[[], object]
     return variants, close
 
 
-def _uri(host: str, port: int, dsn: str) -> str:
+def _uri(host: str, port: int, dsn: str, dbname: str | None = None) -> str:
     params = psycopg.conninfo.conninfo_to_dict(dsn)
-    return f"postgresql://{params.get('user') or 'postgres'}@{host}:{port}/{params['dbname']}"
+    return f"postgresql://{params.get('user') or 'postgres'}@{host}:{port}/{dbname or params['dbname']}"
+
+
+#: Executions per variant for the client CPU column (process CPU time: every thread of this process).
+CPU_RUNS = 100
+
+
+def client_cpu(variants: dict[str, Callable[[], object]], runs: int) -> dict[str, float]:
+    """CPU seconds this process spends per execution of each variant (``time.process_time``),
+    variant after variant: what a loaded machine cannot hide, unlike wall time."""
+    spent: dict[str, float] = {}
+    for name, operation in variants.items():
+        operation()
+        started = time.process_time()
+        for _ in range(runs):
+            operation()
+        spent[name] = (time.process_time() - started) / runs
+    return spent
 
 
 @dataclass
 class RoundTripResult:
     flights: dict[str, int] = field(default_factory=dict)
+    cpu: dict[str, float] = field(default_factory=dict)
     loopback: dict[str, list[float]] = field(default_factory=dict)
     delayed: dict[str, list[float]] = field(default_factory=dict)
 
@@ -91,11 +122,19 @@ class RoundTripResult:
 
 
 def run_round_trips(servers: Servers, rounds: int) -> RoundTripResult:
+    from benchmarks.overhead import REGISTRY_DATABASE, _registry_dsn
+
     result = RoundTripResult()
     upstream = psycopg.conninfo.conninfo_to_dict(servers.dsn)
     port = int(upstream.get("port") or 5432)
+    _registry_dsn(servers)
+
+    def variants_through(relay_port: int) -> tuple[dict[str, Callable[[], object]], Callable[[], None]]:
+        registry = _uri("127.0.0.1", relay_port, servers.dsn, REGISTRY_DATABASE)
+        return _variants(_uri("127.0.0.1", relay_port, servers.dsn), servers.has("pals"), registry)
+
     with Relay(port) as counter:
-        variants, close = _variants(_uri("127.0.0.1", counter.port, servers.dsn), servers.has("pals"))
+        variants, close = variants_through(counter.port)
         try:
             for name, operation in variants.items():
                 operation()  # warm: imports, the registry lookup's first plan
@@ -105,13 +144,14 @@ def run_round_trips(servers: Servers, rounds: int) -> RoundTripResult:
                 result.flights[name] = counter.settle()
         finally:
             close()
-    variants, close = _variants(_uri("127.0.0.1", port, servers.dsn), servers.has("pals"))
+    variants, close = variants_through(port)
     try:
         result.loopback = interleaved(variants, rounds)
+        result.cpu = client_cpu(variants, max(3, min(CPU_RUNS, rounds)))
     finally:
         close()
     with Relay(port, delay=DELAY) as delayed:
-        variants, close = _variants(_uri("127.0.0.1", delayed.port, servers.dsn), servers.has("pals"))
+        variants, close = variants_through(delayed.port)
         try:
             result.delayed = interleaved(variants, max(1, rounds // 2))
         finally:
@@ -146,6 +186,7 @@ def render(result: RoundTripResult) -> str:
                 f"{result.flights[name] - result.flights[FLOOR]:+d}",
                 Summary.of(result.loopback[name]).fmt(1000, " ms"),
                 f"{loop.median:.2f}x ({loop.p25:.2f}-{loop.p75:.2f})",
+                f"{result.cpu[name] * 1000:.2f} ms" if name in result.cpu else "-",
                 Summary.of(result.delayed[name]).fmt(1000, " ms"),
                 f"{slow.median:.2f}x ({slow.p25:.2f}-{slow.p75:.2f})",
             ]
@@ -164,10 +205,20 @@ def render(result: RoundTripResult) -> str:
     per_flight = Summary.of(result.delayed[FLOOR]).median / floor_flights
     reading = (
         f"Reading: through the relay a flight costs about {per_flight * 1000:.1f} ms on this machine, so the round "
-        f"trips alone would make the guard {guard_flights / floor_flights:.2f}x the floor; what it costs beyond that, "
-        "and what separates it on loopback from the hook forms that make the same flights, is CPU time in the guard "
-        "(the heartbeat thread, the interruption set-up, the outcome line), which a loaded 2-core machine magnifies."
+        f"trips alone would make the guard {guard_flights / floor_flights:.2f}x the floor. What it costs beyond that, "
+        "on loopback and through the relay alike, is time the floor does not spend: CPU in the client (the heartbeat "
+        "thread's start and join, the interruption set-up, the outcome line, the rules) and server work in a fresh "
+        "backend for what the lock statement asks besides the try (see section 1 for the steps). A loaded 2-core "
+        "machine magnifies both."
     )
+    if GUARD in result.cpu and FLOOR in result.cpu:
+        cpu_extra = (result.cpu[GUARD] - result.cpu[FLOOR]) * 1000
+        wall_extra = (Summary.of(result.loopback[GUARD]).median - Summary.of(result.loopback[FLOOR]).median) * 1000
+        reading += (
+            f" Client CPU per execution (all threads of the process): the guard {result.cpu[GUARD] * 1000:.2f} ms, "
+            f"the floor {result.cpu[FLOOR] * 1000:.2f} ms, so {cpu_extra:.2f} ms of the {wall_extra:.2f} ms the guard "
+            "takes over the floor on loopback (medians) is Python work in this process."
+        )
     delayed = paired_ratios(result.delayed, FLOOR)
     if PALS in delayed and delayed[PALS].median > delayed[GUARD].median:
         reading += (
@@ -192,6 +243,7 @@ def render(result: RoundTripResult) -> str:
                     "over the floor",
                     "loopback",
                     "ratio",
+                    "client CPU",
                     f"through the {DELAY * 2000:.0f} ms relay",
                     "ratio",
                 ],
@@ -203,14 +255,14 @@ def render(result: RoundTripResult) -> str:
             reading,
             "",
             "The floor's 5 flights: SSL request, start-up (trust auth answers it in one flight), the try-lock, the "
-            "unlock, the terminate message. A guarded execution adds, today: the server inspection (one statement: "
-            "`pg_backend_pid()` against the pid of the handshake to see a pooler, `pg_is_in_recovery()` for a "
-            "standby, `version()` to see a server that is not PostgreSQL; every lock) and, for a named key, the "
-            "key-name registry lookup. The liveness settings (`idle_session_timeout`, TCP keepalives, "
-            "`tcp_user_timeout`, `client_connection_check_interval`) travel in the start-up packet (libpq "
-            "`options`), no longer as a statement of their own. What the remaining two would need: the server facts "
-            "read from the handshake (`server_version`, `in_hot_standby` on PostgreSQL 14+) and `pg_backend_pid()` "
-            "returned by the lock statement itself (a refusal after the lock was taken must then unlock before it "
-            "closes); the registry lookup sent in the same flight as the lock or the unlock statement (pipeline).",
+            "unlock, the terminate message. A guarded execution makes the same five. The liveness settings "
+            "(`idle_session_timeout`, TCP keepalives, `tcp_user_timeout`, `client_connection_check_interval`) travel "
+            "in the start-up packet (libpq `options`). The server facts the safety rules need come from the "
+            "handshake (the `server_version` parameter: the version, and whether it looks like PostgreSQL at all; "
+            "the backend pid of the key data) and from the lock statement itself, which returns `pg_backend_pid()` "
+            "(a pooler's pid differs), `pg_is_in_recovery()` (a standby), `pg_postmaster_start_time()` and, for a "
+            "named key, whether the key-name registry is installed, and which takes the lock only on a primary and, "
+            "for a session lock, only on the session the handshake reported (or through a declared session pooler). "
+            "Only an installed registry costs a flight: its write (the row 'registry installed').",
         ]
     )

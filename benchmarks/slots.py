@@ -7,7 +7,7 @@ For pools of N = 1, 8 and 64 slots with 0, half and N - 1 slots held by other se
 one session that is already connected takes a slot (``lock_session.try_slot``: one
 statement that tries the slots in order) and gives it back; only the take is timed. The
 mutex row is ``try_lock`` of a plain key on the same connection. The client's flights to
-the server are counted by a relay (:mod:`benchmarks.flights`). Only this section of
+the server are counted by a relay (:mod:`devtools.relay`). Only this section of
 docs/benchmarks.md is replaced.
 """
 
@@ -26,9 +26,9 @@ import psycopg  # noqa: E402
 
 from airflow_pglock.hooks import lock_session  # noqa: E402
 from airflow_pglock.keys import LockKey, slot_keys  # noqa: E402
-from benchmarks.flights import relay  # noqa: E402
 from benchmarks.servers import servers  # noqa: E402
 from benchmarks.stats import Summary, progress, table, write_section  # noqa: E402
+from devtools.relay import Relay  # noqa: E402
 
 HEADING = "## Pools of slots: taking one slot"
 SIZES = (1, 8, 64)
@@ -47,7 +47,7 @@ def measure(host: str, port: int, database: str, rounds: int) -> list[tuple[str,
     direct = f"postgresql://postgres@{host}:{port}/{database}"
     results: list[tuple[str, int, list[float], set[int]]] = []
     with (
-        relay(host, port) as flights,
+        Relay(port, host) as flights,
         psycopg.connect(f"postgresql://postgres@127.0.0.1:{flights.port}/{database}", autocommit=True) as conn,
     ):
         mutex = LockKey.from_name("bench/slots-mutex")

@@ -247,12 +247,7 @@ class LockDatabase(BaseHook):
                 " pg_postmaster_start_time()"
             ).fetchone()
         except _NOT_POSTGRES_ERRORS as error:
-            claims = conn.info.parameter_status("server_version") or "unknown"
-            raise UnsafeSetupError(
-                f"the lock database does not look like PostgreSQL (it reports server_version {claims!r} and "
-                f"answered the inspection query with: {str(error).strip()}); advisory locks need a PostgreSQL "
-                "server (directly, or through PgBouncer to a real database, not its admin console)"
-            ) from None
+            raise self._not_postgresql(conn, error) from None
         assert row is not None
         return ServerInfo(
             backend_pid=row[0],
@@ -264,6 +259,16 @@ class LockDatabase(BaseHook):
             server_port=row[5],
             in_recovery=row[6],
             started_at=row[7],
+        )
+
+    @staticmethod
+    def _not_postgresql(conn: psycopg.Connection[Any], error: psycopg.Error) -> UnsafeSetupError:
+        """A server that answered PostgreSQL's functions with an error: it only looks like one."""
+        claims = conn.info.parameter_status("server_version") or "unknown"
+        return UnsafeSetupError(
+            f"the lock database does not look like PostgreSQL (it reports server_version {claims!r} and "
+            f"answered with: {str(error).strip()}); advisory locks need a PostgreSQL "
+            "server (directly, or through PgBouncer to a real database, not its admin console)"
         )
 
     @staticmethod
@@ -290,8 +295,21 @@ class LockDatabase(BaseHook):
         )
         conn.execute(sql.SQL("SELECT {}").format(selects), list(settings.values()))
 
+    def server_from_handshake(self, conn: psycopg.Connection[Any]) -> ServerInfo:
+        """What the handshake of ``conn`` told about the server (no statement; see :func:`server.from_handshake`)."""
+        info = conn.info
+        return server_rules.from_handshake(
+            reported_pid=info.backend_pid,
+            version_num=info.server_version,
+            server_version=info.parameter_status("server_version"),
+            crdb_version=info.parameter_status("crdb_version"),
+            database=info.dbname,
+            host=info.host,
+            port=info.port,
+        )
+
     def open_lock_session(
-        self, application_name: str | None, scope: Scope
+        self, application_name: str | None, scope: Scope, *, inspect: bool = True
     ) -> tuple[psycopg.Connection[Any], ServerInfo]:
         """Connect, check the server and set liveness; on any error nothing is left open.
 
@@ -299,8 +317,18 @@ class LockDatabase(BaseHook):
         own) unless the connection declares a pooler (``pool_mode``): a pooler refuses them or,
         configured to ignore them, drops them silently. Refused anyway (PgBouncer, or a server
         older than a setting), the connection is opened again without them and they are set by
-        a statement, as through a declared pooler.
+        a statement, after the server was inspected, as through a declared pooler.
+
+        :param inspect: False: check only what the handshake tells (version, not PostgreSQL) and
+            leave the rest to the first lock statement (:func:`lock_session.take`), which
+            answers the same questions; the returned facts are the handshake's then.
         """
+        conn, info, _ = self._open_lock_session(application_name, scope, inspect=inspect)
+        return conn, info
+
+    def _open_lock_session(
+        self, application_name: str | None, scope: Scope, *, inspect: bool
+    ) -> tuple[psycopg.Connection[Any], ServerInfo, ConnectionSettings]:
         settings = self.resolve_settings()
         startup = None
         if scope == "session" and settings.pool_mode is None:
@@ -312,16 +340,19 @@ class LockDatabase(BaseHook):
                 raise
             startup = None
             conn = self.connect(application_name, settings)
+            # Most likely a pooler: ask before a session setting could reach a pooled server session.
+            inspect = True
         try:
-            info = self.inspect_server(conn)
-            self.check_server(info, scope, settings.pool_mode)
-            if info.behind_pooler:
-                # Through PgBouncer, a server-side prepared statement may outlive the transaction on a
-                # server session another client gets next: never prepare on a lock connection.
-                conn.prepare_threshold = None
-            if scope == "session" and (startup is None or info.behind_pooler):
+            info = self.server_from_handshake(conn)
+            server_rules.check_server(info, scope, settings.pool_mode, server_rules.HANDSHAKE_RULES)
+            if inspect:
+                info = self.inspect_server(conn)
+                self.check_server(info, scope, settings.pool_mode)
+                if info.behind_pooler:
+                    conn.prepare_threshold = None  # see lock_session.take
+            if scope == "session" and startup is None:
                 self.apply_liveness(conn, local=False, server_version_num=info.version_num)
-            return conn, info
+            return conn, info, settings
         except BaseException:
             conn.close()
             raise
@@ -399,11 +430,23 @@ class AdvisoryLockHook(LockDatabase):
         slot_keys(lock_key, slots)  # before any I/O, as the timeout
         if timeout is not None:
             check_wait_timeout(timeout)  # before any I/O: a bad setting is not a connection problem
-        conn, info = self.open_lock_session(application_name, scope)
+        conn, info, settings = self._open_lock_session(application_name, scope, inspect=False)
         try:
             held = lock_session.take(
-                self, conn, info, lock_key, shared=shared, scope=scope, timeout=timeout, slots=slots
+                self,
+                conn,
+                info,
+                lock_key,
+                shared=shared,
+                scope=scope,
+                timeout=timeout,
+                slots=slots,
+                pool_mode=settings.pool_mode,
             )
+        except _NOT_POSTGRES_ERRORS as error:
+            refusal = self._not_postgresql(conn, error)
+            conn.close()
+            raise refusal from None
         except BaseException:
             conn.close()
             raise

@@ -8,6 +8,7 @@ here opens a connection to PostgreSQL.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -102,8 +103,13 @@ def describe_params(params: Mapping[str, Any], source: str) -> str:
     return f"{database!r} on {host}:{port} as {user!r} ({source})"
 
 
+@functools.lru_cache(maxsize=32)
 def from_dsn(dsn: str) -> ConnectionSettings:
-    """Settings from a libpq connection string or URI (checked, never echoed with its password)."""
+    """Settings from a libpq connection string or URI (checked, never echoed with its password).
+
+    Cached: a DSN's settings never change, and parsing it was a measurable share of a short
+    guarded execution's CPU (the settings are immutable; ``session_params`` copies them).
+    """
     try:
         return ConnectionSettings(params=dict(psycopg.conninfo.conninfo_to_dict(dsn)), source="DSN")
     except psycopg.ProgrammingError as error:

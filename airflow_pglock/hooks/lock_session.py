@@ -9,6 +9,7 @@ the connection and checking the server is the hook's job (``advisory_lock.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import logging
 import select
@@ -21,6 +22,7 @@ import psycopg
 from psycopg import sql
 
 from airflow_pglock.exceptions import LockConfigurationError
+from airflow_pglock.hooks import server as server_rules
 from airflow_pglock.hooks import wakeups
 from airflow_pglock.hooks.server import Scope, ServerInfo
 from airflow_pglock.keys import LockKey, slot_keys
@@ -104,6 +106,71 @@ _CALLS = {
 
 def _function(base: str, shared: bool) -> str:
     return f"{base}_shared" if shared else base
+
+
+def _named_call(function: str, key: LockKey) -> tuple[sql.Composed, dict[str, Any]]:
+    """``function(<key>)`` with named parameters ``k1`` (and ``k2`` for a pair)."""
+    if key.is_pair:
+        call = sql.SQL("{}(%(k1)s::integer, %(k2)s::integer)").format(sql.Identifier(function))
+        return call, {"k1": key.numbers[0], "k2": key.numbers[-1]}
+    return sql.SQL("{}(%(k1)s::bigint)").format(sql.Identifier(function)), {"k1": key.int64}
+
+
+# The first statement of a lock session tries the lock only where a lock excludes: on a
+# primary, and (for a session lock, unless a session pooler is declared) on the very session
+# that answered the handshake, whose pid came in its key data. It answers what the rules of
+# hooks/server.py need besides the handshake, so no statement of its own inspects the server.
+_FIRST_TRY = (
+    "SELECT CASE WHEN NOT pg_is_in_recovery() AND (pg_backend_pid() = %(reported_pid)s OR %(pooled)s)"
+    " THEN {attempt} END, pg_backend_pid(), pg_is_in_recovery(), pg_postmaster_start_time(){registry}"
+)
+
+
+@dataclass(frozen=True)
+class FirstTry:
+    """What the first statement of a lock session answered.
+
+    :param taken: True / the slot's index when a lock was taken; None when not (busy,
+        or refused by the statement's condition: ``server`` tells which).
+    :param server: the handshake's facts completed by the session's answers.
+    :param registry: the key-name registry's state (:data:`schema.REGISTRY_STATE`), or None
+        when not asked (a key without a name).
+    """
+
+    taken: int | bool | None
+    server: ServerInfo
+    registry: str | None
+
+
+def first_try(
+    conn: psycopg.Connection[Any],
+    handshake: ServerInfo,
+    pool: list[LockKey],
+    *,
+    shared: bool,
+    scope: Scope,
+    pool_mode: str | None,
+) -> FirstTry:
+    """Try the lock (one key, or the first free slot of ``pool``) in the session's first statement."""
+    base = "pg_try_advisory_lock" if scope == "session" else "pg_try_advisory_xact_lock"
+    params: dict[str, Any] = {
+        "reported_pid": handshake.reported_pid,
+        "pooled": server_rules.safe_behind_pooler(scope, pool_mode),
+    }
+    if len(pool) > 1:
+        attempt: sql.Composable = sql.SQL("({})").format(_first_free(base))
+        params["slots"] = [key.int64 for key in pool]
+    else:
+        attempt, key_params = _named_call(_function(base, shared), pool[0])
+        params.update(key_params)
+    from airflow_pglock.hooks import schema  # schema -> ledger -> this module
+
+    asks_registry = pool[0].name is not None
+    registry = sql.SQL(", ") + schema.REGISTRY_STATE if asks_registry else sql.SQL("")
+    row = conn.execute(sql.SQL(_FIRST_TRY).format(attempt=attempt, registry=registry), params).fetchone()
+    assert row is not None
+    server = dataclasses.replace(handshake, backend_pid=row[1], in_recovery=row[2], started_at=row[3])
+    return FirstTry(taken=row[0], server=server, registry=row[4] if asks_registry else None)
 
 
 def try_lock(conn: psycopg.Connection[Any], key: LockKey, *, shared: bool = False, scope: Scope = "session") -> bool:
@@ -394,6 +461,8 @@ class HeldLock:
     :param released: True once :meth:`release` ran.
     :param xact_id: transaction scope: the id (``txid_current()``) of the transaction that
         holds the lock; every later check verifies the session is still in it.
+    :param registry: the key-name registry's state when the lock was taken (for a key
+        with a name; see ``schema.REGISTRY_STATE``), else None.
     """
 
     key: LockKey
@@ -406,6 +475,7 @@ class HeldLock:
     acquired_monotonic: float = field(default_factory=time.monotonic)
     released: bool = False
     xact_id: int | None = None
+    registry: str | None = None
 
     def is_held(self) -> bool:
         """Ask the server whether this session still holds the key (a round trip).
@@ -528,21 +598,29 @@ def held_seen_from_aside(conn: psycopg.Connection[Any], held: HeldLock) -> bool:
 def take(
     hook: AdvisoryLockHook,
     conn: psycopg.Connection[Any],
-    server: ServerInfo,
+    handshake: ServerInfo,
     key: LockKey,
     *,
     shared: bool,
     scope: Scope,
     timeout: float | None,
     slots: int = 1,
+    pool_mode: str | None = None,
 ) -> HeldLock | None:
     """Take ``key`` on a freshly opened lock session; None when busy (the caller closes ``conn``).
 
+    The first statement tries the lock where it is safe and completes the server's facts
+    (:func:`first_try`); the rules of ``hooks/server.py`` then judge them and raise
+    :class:`~airflow_pglock.exceptions.UnsafeSetupError` for a set-up where a lock would
+    exclude nobody (no lock was taken then). A wait (``timeout``) follows a refused try.
+
+    :param handshake: what the handshake said (:func:`server.from_handshake`).
     :param scope: ``"session"`` (autocommit; held until released) or ``"transaction"``
         (a transaction is opened and stays open; the lock ends with it).
     :param timeout: None to try once, or seconds to wait (enforced by the server; a pool is polled).
     :param slots: more than one: ``key`` names a pool (:func:`~airflow_pglock.keys.slot_keys`);
         the lock held is the first free slot.
+    :param pool_mode: the connection's declared ``pool_mode``.
     """
     pool = slot_keys(key, slots)
     if scope == "transaction":
@@ -551,19 +629,38 @@ def take(
         # (and the once_per check) would read what was there before the previous holder
         # committed.
         conn.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
-        hook.apply_liveness(conn, local=True, server_version_num=server.version_num)
+        hook.apply_liveness(conn, local=True, server_version_num=handshake.version_num)
+    answer = first_try(conn, handshake, pool, shared=shared, scope=scope, pool_mode=pool_mode)
+    server = answer.server
+    found = server_rules.violations(server, scope, pool_mode)
+    if found:
+        if answer.taken and scope == "session":  # the statement's condition and the rules disagree
+            unlock(conn, pool[int(answer.taken) - 1] if slots > 1 else key, shared=shared)
+        raise found[0].error()
+    if server.behind_pooler:
+        # Through PgBouncer, a server-side prepared statement may outlive the transaction on a
+        # server session another client gets next: never prepare on a lock connection.
+        conn.prepare_threshold = None
     if slots > 1:
-        slot = try_slot(conn, pool, scope=scope) if timeout is None else wait_slot(conn, pool, timeout, scope=scope)
+        slot = None if answer.taken is None else int(answer.taken) - 1
+        if slot is None and timeout is not None:
+            slot = wait_slot(conn, pool, timeout, scope=scope)
         if slot is None:
             return None
         key = pool[slot]
-    elif timeout is None:
-        if not try_lock(conn, key, shared=shared, scope=scope):
-            return None
-    elif not wait_lock(conn, key, timeout, shared=shared, scope=scope):
+    elif not answer.taken and (timeout is None or not wait_lock(conn, key, timeout, shared=shared, scope=scope)):
         return None
     xact_id = None
     if scope == "transaction":
         row = conn.execute("SELECT txid_current()").fetchone()
         xact_id = int(row[0]) if row else None
-    return HeldLock(key=key, shared=shared, scope=scope, connection=conn, server=server, hook=hook, xact_id=xact_id)
+    return HeldLock(
+        key=key,
+        shared=shared,
+        scope=scope,
+        connection=conn,
+        server=server,
+        hook=hook,
+        xact_id=xact_id,
+        registry=answer.registry,
+    )

@@ -17,6 +17,7 @@ second ``init-db`` waits, then finds nothing left to do. A failure rolls everyth
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -229,7 +230,39 @@ def registry_installed(conn: psycopg.Connection[Any]) -> bool:
     return _table_exists(conn, REGISTRY_TABLE)
 
 
-def record_key_name(conn: psycopg.Connection[Any], key: LockKey, recorded_by: str | None) -> list[str] | None:
+#: What a lock statement asks about the registry (``lock_session.take``), without naming the
+#: table (a statement naming a missing table fails as a whole): ``absent``, ``ready`` (the
+#: role may read and write it), ``no usage`` (on the schema) or ``no privilege`` (on the table).
+REGISTRY_STATE = sql.SQL(
+    "(SELECT CASE WHEN n IS NULL THEN 'absent' WHEN NOT has_schema_privilege(n, 'USAGE') THEN 'no usage'"
+    " WHEN to_regclass({table}) IS NULL THEN 'absent'"
+    " WHEN has_table_privilege({table}, 'INSERT') AND has_table_privilege({table}, 'SELECT') THEN 'ready'"
+    " ELSE 'no privilege' END FROM to_regnamespace({schema}) AS n)"
+).format(table=sql.Literal(f"{SCHEMA}.{REGISTRY_TABLE}"), schema=sql.Literal(SCHEMA))
+REGISTRY_READY = "ready"
+#: A registry state worth a warning: the registry is there, but this role may not use it.
+REGISTRY_NO_ACCESS = {"no usage": "no USAGE on the schema pglock", "no privilege": "no SELECT and INSERT on it"}
+
+
+def _name_params(key: LockKey, recorded_by: str | None) -> dict[str, Any]:
+    classid, objid, objsubid = key.pg_locks
+    return {"objsubid": objsubid, "classid": classid, "objid": objid, "name": key.name, "by": recorded_by}
+
+
+def _recorded_names(table: sql.Composable) -> sql.Composed:
+    """``recorded`` (writes the name, once) and ``other_names`` (the other names of the key)."""
+    return sql.SQL(
+        "recorded AS (INSERT INTO {table} (objsubid, classid, objid, name, first_recorded_by)"
+        " VALUES (%(objsubid)s, %(classid)s, %(objid)s, %(name)s, %(by)s) ON CONFLICT DO NOTHING RETURNING 1),"
+        " other_names AS MATERIALIZED (SELECT (SELECT count(*) FROM recorded) AS written,"
+        " ARRAY(SELECT name FROM {table} WHERE objsubid = %(objsubid)s AND classid = %(classid)s"
+        " AND objid = %(objid)s AND name <> %(name)s ORDER BY name) AS names)"
+    ).format(table=table)
+
+
+def record_key_name(
+    conn: psycopg.Connection[Any], key: LockKey, recorded_by: str | None, *, installed: bool | None = None
+) -> list[str] | None:
     """Record ``key.name`` for ``key``; return the *other* names recorded for the same key.
 
     Returns None when the registry is not installed (nothing is written then). A non-empty
@@ -240,28 +273,18 @@ def record_key_name(conn: psycopg.Connection[Any], key: LockKey, recorded_by: st
     :param conn: the lock's own connection (autocommit, or inside its transaction).
     :param key: a key with a name (keys without one are not recorded: returns []).
     :param recorded_by: who used it first (the lock connection's application_name).
+    :param installed: True when the caller knows the registry is there (no check then).
     """
     if key.name is None:
         return []
-    classid, objid, objsubid = key.pg_locks
-    statement = sql.SQL(
-        "WITH recorded AS (INSERT INTO {table} (objsubid, classid, objid, name, first_recorded_by)"
-        " VALUES (%(objsubid)s, %(classid)s, %(objid)s, %(name)s, %(by)s) ON CONFLICT DO NOTHING RETURNING 1)"
-        " SELECT name FROM {table} WHERE objsubid = %(objsubid)s AND classid = %(classid)s AND objid = %(objid)s"
-        " AND name <> %(name)s ORDER BY name"
-    ).format(table=_registry_table())
-    params = {"objsubid": objsubid, "classid": classid, "objid": objid, "name": key.name, "by": recorded_by}
+    statement = sql.SQL("WITH {names} SELECT names FROM other_names").format(names=_recorded_names(_registry_table()))
+    params = _name_params(key, recorded_by)
     in_transaction = conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
-    if in_transaction:
-        with conn.transaction(savepoint_name="pglock_registry"):
-            if not registry_installed(conn):
-                return None
-            rows = conn.execute(statement, params).fetchall()
-    else:
-        if not registry_installed(conn):
+    with conn.transaction(savepoint_name="pglock_registry") if in_transaction else contextlib.nullcontext():
+        if not installed and not registry_installed(conn):
             return None
-        rows = conn.execute(statement, params).fetchall()
-    return [row[0] for row in rows]
+        row = conn.execute(statement, params).fetchone()
+    return list(row[0]) if row else []
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ and how to fix it) or None. The hook raises the first violation as
 from __future__ import annotations
 
 import datetime as dt
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -26,15 +27,23 @@ MIN_SERVER_VERSION = 120000  # tcp_user_timeout needs PostgreSQL 12
 class ServerInfo:
     """What a lock connection found at the other end.
 
+    A lock connection reads most of it from the handshake (:func:`from_handshake`: the
+    ``server_version`` parameter, the database and address it connected to, the pid of the
+    key data) and the rest from its first statement, the lock statement itself
+    (``pg_backend_pid()``, ``pg_is_in_recovery()``, ``pg_postmaster_start_time()``; see
+    ``lock_session.take``). ``doctor`` reads all of it with :meth:`LockDatabase.inspect_server`.
+
     :param backend_pid: ``pg_backend_pid()`` of the lock session.
     :param reported_pid: the backend pid the wire protocol reported; a pooler fakes it.
     :param version_num: ``server_version_num``, e.g. 150004.
-    :param version: the server's version string.
+    :param version: what the server says it is: ``version()`` (doctor), or the
+        ``server_version`` parameter of the handshake (a lock connection).
     :param database: the database connected to.
-    :param server_addr: ``inet_server_addr()``; None over a local socket.
-    :param server_port: ``inet_server_port()``; None over a local socket.
+    :param server_addr: the server's address (``inet_server_addr()``, or the host the
+        connection reached); None over a local socket.
+    :param server_port: its port; None over a local socket.
     :param in_recovery: ``pg_is_in_recovery()``: True on a standby (refused for locks).
-    :param started_at: ``pg_postmaster_start_time()``.
+    :param started_at: ``pg_postmaster_start_time()``; None until the session was asked.
     """
 
     backend_pid: int
@@ -45,7 +54,7 @@ class ServerInfo:
     server_addr: str | None
     server_port: int | None
     in_recovery: bool
-    started_at: dt.datetime
+    started_at: dt.datetime | None
 
     @property
     def behind_pooler(self) -> bool:
@@ -78,17 +87,61 @@ class Violation:
 
 Rule = Callable[[ServerInfo, Scope, "str | None"], "Violation | None"]
 
+#: PostgreSQL's ``server_version`` parameter: ``16.2``, ``17beta1``, ``15.20 (Debian 15.20-0+deb12u1)``.
+#: Not PgBouncer's admin console (``1.18.0/bouncer``), not YugabyteDB (``11.2-YB-2.18.0.0-b0``).
+_SERVER_VERSION = re.compile(r"\d+(\.\d+)*(devel|(alpha|beta|rc)\d+)?( .*)?")
+_FORKS = ("Redshift", "CockroachDB", "YugabyteDB")
+
+
+def from_handshake(
+    *,
+    reported_pid: int,
+    version_num: int,
+    server_version: str | None,
+    crdb_version: str | None,
+    database: str,
+    host: str,
+    port: int | None,
+) -> ServerInfo:
+    """What the handshake told about the server, before any statement ran.
+
+    ``backend_pid`` is the reported one and ``in_recovery`` False until the session's first
+    statement says otherwise: only the rules of :data:`HANDSHAKE_RULES` may judge this.
+
+    :param crdb_version: the ``crdb_version`` parameter CockroachDB sends (it claims a
+        PostgreSQL ``server_version``).
+    :param host: the host the connection reached (a directory for a local socket).
+    """
+    version = f"CockroachDB {crdb_version}" if crdb_version else (server_version or "")
+    local = host.startswith("/") or not host
+    return ServerInfo(
+        backend_pid=reported_pid,
+        reported_pid=reported_pid,
+        version_num=version_num,
+        version=version,
+        database=database,
+        server_addr=None if local else host,
+        server_port=None if local else port,
+        in_recovery=False,
+        started_at=None,
+    )
+
+
+def _looks_like_postgresql(version: str) -> bool:
+    if version.startswith("PostgreSQL"):  # version()
+        return not any(fork in version for fork in _FORKS)
+    return _SERVER_VERSION.fullmatch(version) is not None  # the handshake's server_version
+
 
 def not_postgresql(info: ServerInfo, scope: Scope, pool_mode: str | None) -> Violation | None:
     """A wire-compatible server that is not PostgreSQL (its advisory locks are not PostgreSQL's)."""
-    if info.version.startswith("PostgreSQL") and not any(
-        fork in info.version for fork in ("Redshift", "CockroachDB", "YugabyteDB")
-    ):
+    if _looks_like_postgresql(info.version):
         return None
     return Violation(
         "server",
-        f"the lock database is not PostgreSQL ({info.version!r})",
-        f"advisory locks need PostgreSQL {MIN_SERVER_VERSION // 10000}+",
+        f"the lock database does not look like PostgreSQL (it reports {info.version!r})",
+        f"advisory locks need PostgreSQL {MIN_SERVER_VERSION // 10000}+ (directly, or through PgBouncer to a real "
+        "database, not its admin console)",
     )
 
 
@@ -128,9 +181,15 @@ def hot_standby(info: ServerInfo, scope: Scope, pool_mode: str | None) -> Violat
     )
 
 
+def safe_behind_pooler(scope: Scope, pool_mode: str | None) -> bool:
+    """Whether a lock of ``scope`` may be taken through a pooler (the lock statement and
+    :func:`session_lock_behind_pooler` ask the same question)."""
+    return scope == "transaction" or pool_mode == "session"
+
+
 def session_lock_behind_pooler(info: ServerInfo, scope: Scope, pool_mode: str | None) -> Violation | None:
     """A session lock through a pooler not declared to run session pooling."""
-    if scope != "session" or not info.behind_pooler or pool_mode == "session":
+    if not info.behind_pooler or safe_behind_pooler(scope, pool_mode):
         return None
     return Violation(
         "pooler",
@@ -145,15 +204,19 @@ def session_lock_behind_pooler(info: ServerInfo, scope: Scope, pool_mode: str | 
 
 #: Every rule, in the order the hook checks them.
 RULES: tuple[Rule, ...] = (not_postgresql, too_old, no_idle_session_timeout, hot_standby, session_lock_behind_pooler)
+#: The rules the handshake alone can judge (checked before any statement runs).
+HANDSHAKE_RULES: tuple[Rule, ...] = (not_postgresql, too_old, no_idle_session_timeout)
 
 
-def violations(info: ServerInfo, scope: Scope, pool_mode: str | None) -> list[Violation]:
+def violations(
+    info: ServerInfo, scope: Scope, pool_mode: str | None, rules: tuple[Rule, ...] = RULES
+) -> list[Violation]:
     """Every rule ``info`` breaks for a lock of ``scope``, in :data:`RULES` order."""
-    return [found for rule in RULES if (found := rule(info, scope, pool_mode)) is not None]
+    return [found for rule in rules if (found := rule(info, scope, pool_mode)) is not None]
 
 
-def check_server(info: ServerInfo, scope: Scope, pool_mode: str | None) -> None:
+def check_server(info: ServerInfo, scope: Scope, pool_mode: str | None, rules: tuple[Rule, ...] = RULES) -> None:
     """Raise :class:`~airflow_pglock.exceptions.UnsafeSetupError` for the first rule ``info`` breaks."""
-    found = violations(info, scope, pool_mode)
+    found = violations(info, scope, pool_mode, rules)
     if found:
         raise found[0].error()

@@ -1,9 +1,10 @@
 """Round trips of a lock connection, counted by a relay in front of the real PostgreSQL.
 
 The floor is the plain pattern: connect, ``pg_try_advisory_lock``, ``pg_advisory_unlock``,
-close (5 client flights: SSL request, start-up, two statements, terminate). Each extra
-flight of a guarded execution is named below; the counts are exact, so a new round trip
-(or one taken away without updating the docs) fails here, not in a timed benchmark.
+close (5 client flights: SSL request, start-up, two statements, terminate). A guarded
+execution makes exactly those: the server facts come from the handshake and from the lock
+statement itself, which also says whether the key-name registry is installed. The counts
+are exact, so a new round trip fails here, not in a timed benchmark.
 """
 
 from __future__ import annotations
@@ -14,18 +15,19 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
+from airflow_pglock.exceptions import LockBusyError
 from airflow_pglock.guard import LockGuard
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+from airflow_pglock.hooks.schema import migrate, registered_names
 from airflow_pglock.keys import LockKey
 from airflow_pglock.liveness import Liveness
 from airflow_pglock.policy import LockPolicy
 from devtools.relay import Relay
+from tests.ops_helpers import scratch_database
 
 FLOOR = 5
-#: Flights beyond the floor, and why: the server inspection (one statement: server facts,
-#: pooler and standby checks) for every lock; the key-name registry check for a named key.
-EXTRA_NUMBERED_KEY = 1
-EXTRA_NAMED_KEY = 2
+#: The one flight beyond the floor, and only where the key-name registry is installed: its write.
+EXTRA_REGISTRY_WRITE = 1
 
 
 @pytest.fixture
@@ -55,37 +57,78 @@ def test_the_floor_is_five_flights(relay: tuple[Relay, str]) -> None:
     assert _count(counter, floor) == FLOOR
 
 
-@pytest.mark.parametrize(
-    ("key", "extra"),
-    [(LockKey.from_int(1302), EXTRA_NUMBERED_KEY), (LockKey.from_name("round-trips"), EXTRA_NAMED_KEY)],
-)
-def test_a_guarded_execution_makes_the_floor_plus_the_named_extras(
-    relay: tuple[Relay, str], key: LockKey, extra: int
-) -> None:
+@pytest.mark.parametrize("key", [LockKey.from_int(1302), LockKey.from_name("round-trips")], ids=["int64", "named"])
+def test_a_guarded_execution_makes_the_floors_flights(relay: tuple[Relay, str], key: LockKey) -> None:
     counter, dsn = relay
 
     def guarded() -> None:
-        with LockGuard(AdvisoryLockHook(dsn=dsn), key, LockPolicy(), logger=logging.getLogger("test")):
-            pass
+        with LockGuard(AdvisoryLockHook(dsn=dsn), key, LockPolicy(), logger=logging.getLogger("test")) as handle:
+            assert handle.backend_pid > 0
 
-    assert _count(counter, guarded) == FLOOR + extra
+    assert _count(counter, guarded) == FLOOR
     assert counter.connections == 1  # nothing on the side: no second connection
 
 
-def test_hook_session_lock_makes_the_same_flights(relay: tuple[Relay, str]) -> None:
+def test_hook_forms_make_the_floors_flights(relay: tuple[Relay, str]) -> None:
     counter, dsn = relay
+    hook = AdvisoryLockHook(dsn=dsn)
 
-    def session_lock() -> None:
-        with AdvisoryLockHook(dsn=dsn).session_lock(LockKey.from_name("round-trips-hook")) as held:
+    def lock_without_heartbeat() -> None:
+        with hook.lock_without_heartbeat(LockKey.from_name("round-trips-hook")) as held:
             assert held is not None
 
-    assert _count(counter, session_lock) == FLOOR + EXTRA_NAMED_KEY
+    def try_acquire() -> None:
+        held = hook.try_acquire("round-trips-hook")
+        assert held is not None and held.release()
+
+    def hook_lock() -> None:
+        with hook.lock("round-trips-hook") as handle:
+            assert handle is not None
+
+    for form in (lock_without_heartbeat, try_acquire, hook_lock):
+        assert _count(counter, form) == FLOOR, form.__name__
+
+
+def test_busy_is_the_floors_try_and_one_holders_query(relay: tuple[Relay, str], dsn: str) -> None:
+    """Busy: connect, the try (refused), close; then the holders for the message on a second connection."""
+    counter, relayed = relay
+    key = LockKey.from_name("round-trips-busy")
+    with psycopg.connect(dsn, autocommit=True) as holder:
+        holder.execute("SELECT pg_advisory_lock(%s)", key.numbers)
+
+        def busy() -> None:
+            with pytest.raises(LockBusyError), LockGuard(AdvisoryLockHook(dsn=relayed), key, LockPolicy()):
+                raise AssertionError("must not run")
+
+        assert _count(counter, busy) == (FLOOR - 1) + 4  # the lock connection without its unlock; the holders
+        assert counter.connections == 2
+
+
+def test_with_the_registry_installed_the_write_is_the_one_extra_flight(
+    relay: tuple[Relay, str], pg_server: str
+) -> None:
+    counter, _ = relay
+    with scratch_database(pg_server, prefix="pglock_rt") as scratch:
+        with psycopg.connect(scratch, autocommit=True) as conn:
+            migrate(conn)
+        params = psycopg.conninfo.conninfo_to_dict(scratch)
+        params.update(host="127.0.0.1", port=counter.port)
+        relayed = psycopg.conninfo.make_conninfo(**params)
+        key = LockKey.from_name("round-trips-registry")
+
+        def guarded() -> None:
+            with LockGuard(AdvisoryLockHook(dsn=relayed), key, LockPolicy(), logger=logging.getLogger("test")):
+                pass
+
+        assert _count(counter, guarded) == FLOOR + EXTRA_REGISTRY_WRITE
+        with psycopg.connect(scratch, autocommit=True) as conn:
+            assert [r.name for r in registered_names(conn) or []] == ["round-trips-registry"]
 
 
 def test_liveness_settings_travel_in_the_start_up_packet_next_to_the_connections_own(dsn: str) -> None:
     """No statement sets them, and the connection's own ``options`` extra still applies."""
     hook = AdvisoryLockHook(dsn=f"{dsn} options='-c search_path=pglock_test_path'", liveness=Liveness(7))
-    conn, info = hook.open_lock_session("round-trips", "session")
+    conn, info = hook.open_lock_session("round-trips", "session", inspect=False)
     try:
         assert not info.behind_pooler
         shown = conn.execute(

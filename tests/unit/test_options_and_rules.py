@@ -56,7 +56,9 @@ def test_defaults_apply_and_unknown_options_are_refused() -> None:
 @pytest.mark.parametrize(
     ("change", "scope", "pool_mode", "check", "fragment"),
     [
-        ({"version": "CockroachDB CCL v23"}, "session", None, "server", "is not PostgreSQL"),
+        ({"version": "CockroachDB CCL v23"}, "session", None, "server", "does not look like PostgreSQL"),
+        ({"version": "1.18.0/bouncer"}, "transaction", None, "server", "does not look like PostgreSQL"),
+        ({"version": "11.2-YB-2.18.0.0-b0"}, "transaction", None, "server", "does not look like PostgreSQL"),
         ({"version_num": 110000}, "transaction", None, "server", "too old"),
         ({"version_num": 130010}, "session", None, "server", "no idle_session_timeout"),
         ({"in_recovery": True}, "transaction", None, "recovery", "standby in recovery"),
@@ -81,6 +83,38 @@ def test_rules_pass_a_primary_and_what_is_safe() -> None:
     assert violations(behind_pooler, "transaction", None) == []  # transaction locks work through PgBouncer
     assert violations(behind_pooler, "session", "session") == []  # declared session pooling
     assert violations(dataclasses.replace(PRIMARY, version_num=130010), "transaction", None) == []
+
+
+@pytest.mark.parametrize(
+    ("server_version", "crdb_version", "postgresql"),
+    [
+        ("16.2", None, True),
+        ("15.20 (Debian 15.20-0+deb12u1)", None, True),
+        ("17beta1", None, True),
+        ("18devel", None, True),
+        ("1.18.0/bouncer", None, False),  # PgBouncer's admin console
+        ("11.2-YB-2.18.0.0-b0", None, False),  # YugabyteDB
+        ("13.0.0", "CockroachDB CCL v23.1.0", False),  # CockroachDB claims PostgreSQL 13
+        ("", None, False),
+    ],
+)
+def test_the_handshake_tells_postgresql_from_look_alikes(
+    server_version: str, crdb_version: str | None, postgresql: bool
+) -> None:
+    from airflow_pglock.hooks.server import HANDSHAKE_RULES, from_handshake
+
+    info = from_handshake(
+        reported_pid=7,
+        version_num=160002,
+        server_version=server_version,
+        crdb_version=crdb_version,
+        database="locks",
+        host="/var/run/postgresql",
+        port=5432,
+    )
+    assert info.server == "local socket" and info.started_at is None
+    found = [v.check for v in violations(info, "transaction", None, HANDSHAKE_RULES)]
+    assert found == ([] if postgresql else ["server"])
 
 
 def test_dag_default_args_reach_the_lock_options() -> None:
