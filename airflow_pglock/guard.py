@@ -222,8 +222,7 @@ class LockGuard:
             self.held = self._acquire()
         except LockBusyError as busy:
             self.refusal = busy
-            outcome = {"fail": "failed", "defer": "deferred"}.get(self.policy.on_busy, "skipped")
-            self._report(outcome, detail=f"busy: {busy}")
+            self._report(self.policy.busy_outcome(), detail=f"busy: {busy}")
             raise
         except (PgLockError, psycopg.Error) as error:
             self._report("failed", detail=f"{type(error).__name__}: {error}")

@@ -185,9 +185,15 @@ def test_wait_takes_a_slot_freed_during_the_wait(hook: AdvisoryLockHook, dsn: st
     assert all(held is not None for held in holders)
     assert {held.key for held in holders if held} == set(slot_keys(pool, 2))
     started = time.monotonic()
+    skipping = LockGuard(hook, pool, LockPolicy(on_busy="wait", wait_timeout=0.5, slots=2))
     with pytest.raises(LockBusyError, match=r"after waiting 0\.5 s"):
-        LockGuard(hook, pool, LockPolicy(on_busy="wait", wait_timeout=0.5, slots=2)).__enter__()
+        skipping.__enter__()
     assert time.monotonic() - started >= 0.5
+    assert skipping.outcome == "skipped"
+    failing = LockGuard(hook, pool, LockPolicy(on_busy="wait", wait_timeout=0.2, slots=2, on_wait_timeout="fail"))
+    with pytest.raises(LockBusyError, match=r"after waiting 0\.2 s"):
+        failing.__enter__()
+    assert failing.outcome == "failed"  # the task fails: so does its outcome line
     timer = threading.Timer(0.5, holders[0].release)  # type: ignore[union-attr]
     timer.start()
     try:
