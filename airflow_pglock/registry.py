@@ -21,7 +21,9 @@ from airflow_pglock.hooks.schema import record_key_name
 log = logging.getLogger("airflow_pglock")
 
 
-def record_acquisition(held: HeldLock, application_name: str | None, logger: logging.Logger | Any = None) -> list[str]:
+def record_acquisition(
+    held: HeldLock, application_name: str | None, logger: logging.Logger | Any = None, slots: int = 1
+) -> list[str]:
     """Record the name of ``held.key`` on its own connection; return the other names of that key.
 
     Never raises: a missing table is silently skipped; a missing privilege or any other
@@ -30,12 +32,14 @@ def record_acquisition(held: HeldLock, application_name: str | None, logger: log
     :param held: the lock just taken (its connection runs the insert).
     :param application_name: recorded as who used the name first.
     :param logger: where the collision warning goes (the task log).
+    :param slots: the size of the pool ``held.key`` is a slot of (1: a plain key), recorded
+        with the name so that ``locks`` can show the pool as one row.
     """
     logger = logger or log
     if held.key.name is None:
         return []
     try:
-        others = record_key_name(held.connection, held.key, application_name)
+        others = record_key_name(held.connection, held.key, application_name, slots)
     except Exception as error:  # the registry is optional: never fail a task that holds its lock
         logger.warning(
             "pglock could not record the name of %s in the key-name registry (%s: %s); the lock is held and the "

@@ -22,6 +22,7 @@ from airflow_pglock.hooks.schema import (
     LATEST_VERSION,
     MIGRATIONS,
     Migration,
+    grant_usage,
     migrate,
     registered_names,
     schema_status,
@@ -52,7 +53,7 @@ ENTRY_KEYS = {
     "blocked_by",
 }
 KEY_KEYS = {"name", "names", "name_source", "collision", "kind", "numbers", "pg_locks"}
-REPORT_KEYS = {"database", "server", "server_time", "all_databases", "registry", "filters", "locks"}
+REPORT_KEYS = {"database", "server", "server_time", "all_databases", "registry", "filters", "locks", "pools"}
 
 
 @pytest.fixture
@@ -198,6 +199,66 @@ def test_without_registry_or_privileges_the_lock_still_works(ops_dsn: str, ops_d
     assert "could not record the name" in caplog.text and "InsufficientPrivilege" in caplog.text
 
 
+def _slot(dsn: str, pool: LockKey, logger: logging.Logger) -> LockGuard:
+    return LockGuard(AdvisoryLockHook(dsn=dsn), pool, LockPolicy(slots=2), logger=logger)
+
+
+def test_pool_sizes_are_recorded_from_version_4_once_the_role_may(
+    ops_dsn: str, ops_db_role: str, capsys: Any, caplog: Any
+) -> None:
+    """Version 4 adds the registry's ``slots`` column. Before it a pool's slot names are still
+    recorded (and `locks` shows no pool); a role granted before it needs a new --grant,
+    which doctor names; after it, `locks` groups the pool without being told N."""
+    logger = logging.getLogger("pglock-test-pool-sizes")
+    pool = LockKey.from_name("exports")
+    role_dsn = with_user(ops_dsn, ops_db_role)
+    with psycopg.connect(ops_dsn, autocommit=True) as conn:  # what an older release's init-db --grant did
+        migrate(conn, MIGRATIONS[:3])
+        grant_usage(conn, ops_db_role)
+    with (
+        caplog.at_level(logging.WARNING, logger=logger.name),
+        _slot(role_dsn, pool, logger),
+        _slot(role_dsn, pool, logger) as second,
+    ):
+        assert second.key.name == "exports#slot2"
+        before = run_cli("locks", "--dsn", ops_dsn, "--output", "json", capsys=capsys).json()
+    assert "WARNING" not in caplog.text  # version 3: the names alone, silently
+    assert before["pools"] == [] and sorted(e["key"]["name"] for e in before["locks"]) == ["exports", "exports#slot2"]
+
+    with psycopg.connect(ops_dsn, autocommit=True) as conn:
+        assert [m.version for m in migrate(conn).applied] == [4]
+    doctor = run_cli("doctor", "--dsn", role_dsn, "--output", "json", capsys=capsys).json()
+    [registry] = [c for c in doctor["checks"] if c["name"] == "registry" and c["status"] == "warning"]
+    assert "lacks UPDATE (slots)" in registry["summary"] and registry["fix"].endswith(f"--grant {ops_db_role}")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=logger.name), _slot(role_dsn, pool, logger):
+        pass
+    assert "could not record the name" in caplog.text and "InsufficientPrivilege" in caplog.text
+
+    granted = run_cli("init-db", "--dsn", ops_dsn, "--grant", ops_db_role, capsys=capsys)
+    assert f'GRANT UPDATE (slots) ON pglock.key_names TO "{ops_db_role}";' in granted.out
+    caplog.clear()
+    with (
+        caplog.at_level(logging.WARNING, logger=logger.name),
+        _slot(role_dsn, pool, logger),
+        _slot(role_dsn, pool, logger),
+    ):
+        after = run_cli("locks", "--dsn", ops_dsn, "--output", "json", capsys=capsys).json()
+    assert "WARNING" not in caplog.text
+    assert [(p["name"], p["summary"], p["slots_source"]) for p in after["pools"]] == [
+        ("exports", "2 of 2 held", "registry")
+    ]
+    with psycopg.connect(ops_dsn, autocommit=True) as conn:
+        rows = {r.name: r.slots for r in registered_names(conn) or []}
+        assert rows == {"exports": 2, "exports#slot2": 2}
+        # the plain path writes no size, and never needs the column's privilege
+        with LockGuard(AdvisoryLockHook(dsn=role_dsn), LockKey.from_name("plain"), LockPolicy(), logger=logger):
+            pass
+        assert {r.name: r.slots for r in registered_names(conn) or []}["plain"] is None
+    doctor = run_cli("doctor", "--dsn", role_dsn, "--output", "json", capsys=capsys).json()
+    assert {c["name"]: c["status"] for c in doctor["checks"]}["registry"] == "ok"
+
+
 @pytest.fixture
 def ops_db_role(ops_dsn: str) -> Iterator[str]:
     """A LOGIN role with no privilege beyond connecting (and no pg_read_all_stats)."""
@@ -228,6 +289,7 @@ def test_locks_lists_plain_sessions_waiters_and_filters(ops_dsn: str, capsys: An
         assert result.code == 0, result.err
         data = result.json()
         assert set(data) == REPORT_KEYS and data["registry"] == "not installed"
+        assert data["pools"] == []  # no registry: no pool is known (and none is held here)
         assert data["filters"] == {"dag": None, "key": None} and data["all_databases"] is False
         by_state = {
             (e["key"]["numbers"][0] if len(e["key"]["numbers"]) == 1 else tuple(e["key"]["numbers"]), e["state"]): e
