@@ -385,6 +385,13 @@ def test_locks_groups_every_registered_pool_into_one_row_without_being_told_n(re
         cron.close()
         if other is not None:
             other.release()
+    # The pool grown to 5: slot 1's row (recorded with 3) now says 5, and so does the row.
+    resized = _guarded_slot(registry_dsn, "report-pool", 5, "exports_eu")
+    try:
+        [pool] = _locks(registry_dsn, "--output", "json")["pools"]
+        assert (pool["summary"], pool["slots_recorded"]) == ("1 of 5 held", [5])
+    finally:
+        resized.__exit__(None, None, None)
 
 
 def test_without_the_registry_pool_slots_stay_separate_rows(dsn: str, hook: AdvisoryLockHook) -> None:
