@@ -181,6 +181,24 @@ def test_registry_in_transaction_mode_keeps_the_work_transaction(ops_db: str) ->
         assert [r.name for r in registered_names(conn) or []] == ["tx-name"]
 
 
+@pytest.mark.parametrize("version", [3, LATEST_VERSION])
+def test_a_pool_in_transaction_mode_keeps_the_work_transaction(ops_dsn: str, version: int) -> None:
+    """Before version 4 the pool's statement fails inside its savepoint and the name alone is
+    recorded; either way the work's transaction (the lock's) commits."""
+    with psycopg.connect(ops_dsn, autocommit=True) as conn:
+        migrate(conn, MIGRATIONS[:version])
+    guard = LockGuard(
+        AdvisoryLockHook(dsn=ops_dsn), LockKey.from_name("tx-pool"), LockPolicy(mode="transaction", slots=2)
+    )
+    with guard as handle:
+        assert handle.connection is not None
+        handle.connection.execute("CREATE TABLE work_done (id int)")
+    with psycopg.connect(ops_dsn, autocommit=True) as conn:
+        assert conn.execute("SELECT to_regclass('work_done')").fetchone() == ("work_done",)
+        expected = None if version < 4 else 2
+        assert [(r.name, r.slots) for r in registered_names(conn) or []] == [("tx-pool", expected)]
+
+
 def test_without_registry_or_privileges_the_lock_still_works(ops_dsn: str, ops_db_role: str, caplog: Any) -> None:
     logger = logging.getLogger("pglock-test-optional")
     with caplog.at_level(logging.DEBUG, logger=logger.name), _guard(ops_dsn, LockKey.from_name("plain"), logger):
