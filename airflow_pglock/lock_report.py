@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -165,12 +166,13 @@ class PoolUsage:
     def waiting(self) -> int:
         return sum(1 for entry in self.entries if not entry.holder.granted)
 
+    @functools.cached_property
+    def _numbers(self) -> dict[tuple[int, int, int], int]:
+        return {key.pg_locks: number for number, key in enumerate(slot_keys(self.key, self.slots), start=1)}
+
     def slot_of(self, entry: LockEntry) -> int | None:
         """The slot number (1 to ``slots``) of the key ``entry`` holds or awaits."""
-        for number, key in enumerate(slot_keys(self.key, self.slots), start=1):
-            if key.pg_locks == entry.key.pg_locks:
-                return number
-        return None
+        return self._numbers.get(entry.key.pg_locks)
 
     def describe(self) -> str:
         text = f"{self.held} of {self.slots} held"
@@ -213,9 +215,13 @@ class LockReport:
     pool: PoolUsage | None = None
     pools: tuple[PoolUsage, ...] = ()
 
+    @functools.cached_property
+    def _pooled(self) -> frozenset[int]:
+        return frozenset(id(member) for pool in self.pools for member in pool.entries)
+
     def pooled(self, entry: LockEntry) -> bool:
         """Whether ``entry`` holds or awaits a slot of one of :attr:`pools` (shown in its pool's row)."""
-        return any(member is entry for pool in self.pools for member in pool.entries)
+        return id(entry) in self._pooled
 
     def to_json(self) -> dict[str, Any]:
         pool = {} if self.pool is None else {"pool": self.pool.to_json()}  # only when a pool was asked for
@@ -395,7 +401,7 @@ def pool_entries(entries: Sequence[LockEntry], slots: Sequence[LockKey], databas
 
 
 def with_slot_names(entries: Sequence[LockEntry], slots: Sequence[LockKey], database: str) -> tuple[LockEntry, ...]:
-    """``entries``, those of a slot in ``database`` that nothing named named after their slot (source ``pool``)."""
+    """``entries``; those of a slot in ``database`` that have no name get the slot's (name source ``pool``)."""
     by_coordinates = {slot.pg_locks: slot for slot in slots}
     named = []
     for entry in entries:
