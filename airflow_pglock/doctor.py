@@ -288,10 +288,15 @@ def _registry_checks(conn: psycopg.Connection[Any], facts: ServerFacts) -> list[
             )
         ]
     missing = [p.upper() for p in ("usage", "select", "insert") if not privileges[p]]
+    effect = "names are not recorded or read"
+    if privileges["usage"] and not privileges["update_slots"]:  # init-db 4 without a new --grant
+        missing.append("UPDATE (slots)")
+        if len(missing) == 1:
+            effect = "the names of a pool's slots (slots=N) are not recorded, so `locks` cannot show it as one row"
     lacking = Check(
         "registry",
         "warning",
-        f"role {facts.user!r} lacks {', '.join(missing)} on the key-name registry: names are not recorded or read",
+        f"role {facts.user!r} lacks {', '.join(missing)} on the key-name registry: {effect}",
         f"airflow-pglock init-db --grant {facts.user}",
     )
     if not privileges["select"]:

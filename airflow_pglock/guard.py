@@ -222,8 +222,7 @@ class LockGuard:
             self.held = self._acquire()
         except LockBusyError as busy:
             self.refusal = busy
-            outcome = {"fail": "failed", "defer": "deferred"}.get(self.policy.on_busy, "skipped")
-            self._report(outcome, detail=f"busy: {busy}")
+            self._report(self.policy.busy_outcome(), detail=f"busy: {busy}")
             raise
         except (PgLockError, psycopg.Error) as error:
             self._report("failed", detail=f"{type(error).__name__}: {error}")
@@ -233,7 +232,7 @@ class LockGuard:
         try:
             self._wait_seconds = time.monotonic() - self._started
             self._log_acquired(self.held)
-            record_acquisition(self.held, self.application_name, self.log)  # optional key-name registry
+            record_acquisition(self.held, self.application_name, self.log, self.policy.slots)  # optional registry
             if self.rules.active:
                 self.fencing_token = check_before_work(self.rules, self.held, self.application_name)
             self.interruption.arm(interrupt=self.policy.on_lost == "fail")

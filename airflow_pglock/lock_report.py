@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from airflow_pglock.identity import is_provider_session, parse_application_name
-from airflow_pglock.keys import LockKey, slot_keys
+from airflow_pglock.keys import MAX_SLOTS, SLOT_SEPARATOR, LockKey, slot_keys
 
 if TYPE_CHECKING:
     from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
@@ -138,28 +139,61 @@ class PoolUsage:
     """A pool of slots (``slots=N``) as one row: how many of its slots are held, and by whom.
 
     :param name: the pool's key name.
-    :param slots: how many slots it has (as the reader says: the database does not know N).
+    :param slots: how many slots it has: as given (``--pool NAME --slots N``), or as the
+        key-name registry recorded it when a guarded execution took one of its slots.
     :param entries: the sessions holding or waiting for one of its slots.
+    :param source: where ``slots`` comes from: ``given`` or ``registry``.
+    :param recorded: the registry's sizes for the held slots (several: deployments disagree
+        on N; ``slots`` is the largest).
     """
 
     name: str
     slots: int
     entries: tuple[LockEntry, ...]
+    source: str = "given"
+    recorded: tuple[int, ...] = ()
+
+    @property
+    def key(self) -> LockKey:
+        """The pool's key: slot 1."""
+        return LockKey.from_name(self.name)
 
     @property
     def held(self) -> int:
         return len({entry.key.pg_locks for entry in self.entries if entry.holder.granted})
 
+    @property
+    def waiting(self) -> int:
+        return sum(1 for entry in self.entries if not entry.holder.granted)
+
+    @functools.cached_property
+    def _numbers(self) -> dict[tuple[int, int, int], int]:
+        return {key.pg_locks: number for number, key in enumerate(slot_keys(self.key, self.slots), start=1)}
+
+    def slot_of(self, entry: LockEntry) -> int | None:
+        """The slot number (1 to ``slots``) of the key ``entry`` holds or awaits."""
+        return self._numbers.get(entry.key.pg_locks)
+
     def describe(self) -> str:
-        return f"{self.held} of {self.slots} held"
+        text = f"{self.held} of {self.slots} held"
+        if len(self.recorded) > 1:
+            sizes = ", ".join(map(str, self.recorded))
+            text += f" (deployments recorded different sizes: {sizes}; keep N the same everywhere)"
+        return text
 
     def to_json(self) -> dict[str, Any]:
+        def member(entry: LockEntry) -> dict[str, Any]:
+            return {**entry.to_json(), "slot": self.slot_of(entry)}
+
         return {
             "name": self.name,
             "slots": self.slots,
+            "slots_source": self.source,
+            "slots_recorded": list(self.recorded),
             "held": self.held,
             "summary": self.describe(),
-            "holders": [entry.to_json() for entry in self.entries if entry.holder.granted],
+            "holders": [member(entry) for entry in self.entries if entry.holder.granted],
+            "waiting": [member(entry) for entry in self.entries if not entry.holder.granted],
         }
 
 
@@ -179,6 +213,15 @@ class LockReport:
     filters: Mapping[str, str | None]
     entries: tuple[LockEntry, ...] = field(default_factory=tuple)
     pool: PoolUsage | None = None
+    pools: tuple[PoolUsage, ...] = ()
+
+    @functools.cached_property
+    def _pooled(self) -> frozenset[int]:
+        return frozenset(id(member) for pool in self.pools for member in pool.entries)
+
+    def pooled(self, entry: LockEntry) -> bool:
+        """Whether ``entry`` holds or awaits a slot of one of :attr:`pools` (shown in its pool's row)."""
+        return id(entry) in self._pooled
 
     def to_json(self) -> dict[str, Any]:
         pool = {} if self.pool is None else {"pool": self.pool.to_json()}  # only when a pool was asked for
@@ -191,6 +234,7 @@ class LockReport:
             "registry": self.registry,
             "filters": dict(self.filters),
             "locks": [entry.to_json() for entry in self.entries],
+            "pools": [usage.to_json() for usage in self.pools],
         }
 
 
@@ -293,9 +337,12 @@ def collect_lock_report(
 ) -> LockReport:
     """Open one short connection, read every advisory lock and the registry's names, close.
 
+    Without ``pool``, the slots of every pool the registry knows (a guarded execution that
+    took a slot recorded the pool's size) are grouped into ``report.pools``.
+
     :param hook: where the lock database is.
     :param dag: keep only keys that a task of this DAG holds or awaits.
-    :param key: keep only this key (a name, an int64 or ``A,B``).
+    :param key: keep only this key (a name, an int64 or ``A,B``; a pool's name keeps all its slots).
     :param all_databases: also list other databases' advisory locks.
     :param pool: keep only the slots of this pool (a key name), summed up in ``report.pool``.
     :param slots: how many slots ``pool`` has.
@@ -319,11 +366,20 @@ def collect_lock_report(
         if registered is None and registry == REGISTRY_INSTALLED:
             registry = REGISTRY_MISSING
         server = hook.describe_target()
-    entries = filter_entries(build_entries(snapshot, registered), dag=dag, key=key)
+    everything = build_entries(snapshot, registered)
     usage = None
     if pool is not None and pool_keys is not None:
-        entries = pool_entries(entries, pool_keys, snapshot.database)
+        entries = pool_entries(filter_entries(everything, dag=dag, key=key), pool_keys, snapshot.database)
         usage = PoolUsage(pool, slots, entries)
+        pools: tuple[PoolUsage, ...] = (usage,)
+    else:
+        everything, pools = group_pools(everything, registered, snapshot.database)
+        entries = filter_entries(everything, dag=dag, key=key)
+        kept = {id(entry) for entry in entries}
+        pools = tuple(p for p in pools if p.name == key or any(id(member) in kept for member in p.entries))
+        if key is not None and any(p.name == key for p in pools):  # --key POOL: every slot of it
+            kept |= {id(member) for p in pools if p.name == key for member in p.entries}
+            entries = tuple(e for e in everything if id(e) in kept)
     return LockReport(
         database=snapshot.database,
         server=server,
@@ -333,18 +389,73 @@ def collect_lock_report(
         filters={"dag": dag, "key": key},
         entries=entries,
         pool=usage,
+        pools=pools,
     )
 
 
 def pool_entries(entries: Sequence[LockEntry], slots: Sequence[LockKey], database: str) -> tuple[LockEntry, ...]:
     """The entries of a pool's slots in ``database``, each named after its slot when nothing else named it."""
+    named = with_slot_names(entries, slots, database)
+    coordinates = {slot.pg_locks for slot in slots}
+    return tuple(e for e in named if e.key.pg_locks in coordinates and e.holder.database == database)
+
+
+def with_slot_names(entries: Sequence[LockEntry], slots: Sequence[LockKey], database: str) -> tuple[LockEntry, ...]:
+    """``entries``; those of a slot in ``database`` that have no name get the slot's (name source ``pool``)."""
     by_coordinates = {slot.pg_locks: slot for slot in slots}
-    selected = []
+    named = []
     for entry in entries:
         slot = by_coordinates.get(entry.key.pg_locks)
-        if slot is None or entry.holder.database != database:
-            continue
-        if not entry.names and slot.name is not None:
+        if slot is not None and entry.holder.database == database and not entry.names and slot.name is not None:
             entry = dataclasses.replace(entry, names=(slot.name,), name_source="pool")
-        selected.append(entry)
-    return tuple(selected)
+        named.append(entry)
+    return tuple(named)
+
+
+def pool_of(registered: RegisteredName) -> str | None:
+    """The pool a registry row names a slot of (the row recorded a size), or None.
+
+    ``<pool>#slot<i>`` (2 <= i <= the size) is slot ``i`` of ``<pool>``; any other name with
+    a size is slot 1, the pool's own key. The name must hash to the row's key (an explicit
+    numeric key recorded under a name is no slot).
+    """
+    size = registered.slots
+    if size is None or size < 2:
+        return None
+    base, separator, number = registered.name.rpartition(SLOT_SEPARATOR)
+    is_slot = bool(separator and base) and number.isdigit() and 2 <= int(number) <= size
+    pool = base if is_slot else registered.name
+    coordinates = (registered.classid, registered.objid, registered.objsubid)
+    return pool if LockKey.from_name(registered.name).pg_locks == coordinates else None
+
+
+def group_pools(
+    entries: Sequence[LockEntry], registered: Sequence[RegisteredName] | None, database: str
+) -> tuple[tuple[LockEntry, ...], tuple[PoolUsage, ...]]:
+    """The pools whose slots ``entries`` hold or await, as the registry knows them; and the
+    entries again, every slot of those pools named after its slot.
+
+    A pool is found when one of its held (or awaited) slots has a registry row with a size
+    (``slots`` column, init-db 4+, written when a guarded execution takes a slot). Without
+    the registry nothing is grouped: ``locks --pool NAME --slots N`` still is.
+
+    :param registered: the registry rows of the snapshot's keys (None: no registry).
+    :param database: the database the registry describes (the snapshot's).
+    """
+    sizes: dict[str, set[int]] = {}
+    for row in registered or ():
+        pool = pool_of(row)
+        if pool is not None and row.slots is not None:
+            sizes.setdefault(pool, set()).add(row.slots)
+    layouts = {name: slot_keys(LockKey.from_name(name), min(max(found), MAX_SLOTS)) for name, found in sizes.items()}
+    named = tuple(entries)
+    for keys in layouts.values():
+        named = with_slot_names(named, keys, database)
+    pools = []
+    for name in sorted(layouts):
+        coordinates = {key.pg_locks for key in layouts[name]}
+        members = tuple(e for e in named if e.key.pg_locks in coordinates and e.holder.database == database)
+        if members:
+            size = len(layouts[name])
+            pools.append(PoolUsage(name, size, members, source="registry", recorded=tuple(sorted(sizes[name]))))
+    return named, tuple(pools)

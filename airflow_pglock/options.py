@@ -132,7 +132,6 @@ class LockSpec:
     :param tenant_arg: name of the function argument whose value is the tenant.
     :param min_interval: seconds; skip while the key's last completion is more recent.
     :param fencing: issue a fencing token per acquisition (handle and XCom).
-    :param on_wait_timeout: ``"skip"`` or ``"fail"`` when the key is still busy after ``wait_timeout``.
     :param templated: the options rendered at run time (key, tenant, once_per), as written.
     """
 
@@ -143,7 +142,6 @@ class LockSpec:
     min_interval: float | None = None
     fencing: bool = False
     templated: Mapping[str, Any] = field(default_factory=dict)
-    on_wait_timeout: str = "skip"
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], *, declaration: type, caller: str) -> LockSpec:
@@ -176,13 +174,12 @@ class LockSpec:
             on_lost=given["on_lost"],
             on_error=given["on_error"],
             slots=given["slots"],
+            on_wait_timeout=given["on_wait_timeout"],
         )
         try:
             Liveness(lease)
         except ValueError as error:
             raise LockConfigurationError(str(error)) from None
-        if given["on_wait_timeout"] not in ("skip", "fail"):
-            raise LockConfigurationError(f"on_wait_timeout must be 'skip' or 'fail'; got {given['on_wait_timeout']!r}")
         if given["on_wait_timeout"] != "skip" and policy.on_busy not in ("wait", "defer"):
             raise LockConfigurationError("on_wait_timeout only applies with on_busy='wait' or on_busy='defer'")
         interval = seconds(given["min_interval"], "min_interval")
@@ -204,8 +201,12 @@ class LockSpec:
             min_interval=interval,
             fencing=given["fencing"],
             templated={name: given[name] for name in TEMPLATED},
-            on_wait_timeout=given["on_wait_timeout"],
         )
+
+    @property
+    def on_wait_timeout(self) -> str:
+        """``"skip"`` or ``"fail"`` when the key is still busy after ``wait_timeout`` (in the policy)."""
+        return self.policy.on_wait_timeout
 
     def hook(self) -> AdvisoryLockHook:
         from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook

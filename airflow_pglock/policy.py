@@ -16,10 +16,12 @@ from airflow_pglock.keys import MAX_SLOTS
 OnBusy = Literal["skip", "fail", "wait", "defer"]
 OnLost = Literal["fail", "warn"]
 OnError = Literal["fail", "skip"]
+OnWaitTimeout = Literal["skip", "fail"]
 
 ON_BUSY_CHOICES: tuple[str, ...] = ("skip", "fail", "wait", "defer")
 ON_LOST_CHOICES: tuple[str, ...] = ("fail", "warn")
 ON_ERROR_CHOICES: tuple[str, ...] = ("fail", "skip")
+ON_WAIT_TIMEOUT_CHOICES: tuple[str, ...] = ("skip", "fail")
 MODE_CHOICES: tuple[str, ...] = ("session", "transaction")
 
 
@@ -52,6 +54,8 @@ class LockPolicy:
         ``"defer"``: the whole wait across deferrals).
     :param on_lost: ``"fail"`` (interrupt the work, fail) or ``"warn"`` (log and go on).
     :param on_error: ``"fail"`` or ``"skip"`` when the lock database cannot be used.
+    :param on_wait_timeout: ``"skip"`` or ``"fail"`` when ``on_busy="wait"`` ran out of
+        ``wait_timeout`` (for ``"defer"`` the Airflow adapter applies it at the deadline).
     :param slots: the key names a pool of this many slots; a run holds any one free slot
         (1: a plain lock on the key). Exclusive only (``shared`` is refused with more than one).
     """
@@ -63,6 +67,7 @@ class LockPolicy:
     on_lost: OnLost = "fail"
     on_error: OnError = "fail"
     slots: int = 1
+    on_wait_timeout: OnWaitTimeout = "skip"
 
     def __post_init__(self) -> None:
         check_slots(self.slots, self.shared)
@@ -70,6 +75,7 @@ class LockPolicy:
         _check_choice("on_busy", self.on_busy, ON_BUSY_CHOICES)
         _check_choice("on_lost", self.on_lost, ON_LOST_CHOICES)
         _check_choice("on_error", self.on_error, ON_ERROR_CHOICES)
+        _check_choice("on_wait_timeout", self.on_wait_timeout, ON_WAIT_TIMEOUT_CHOICES)
         if not isinstance(self.shared, bool):
             raise LockConfigurationError(f"shared must be True or False, got {self.shared!r}")
         if self.on_busy in ("wait", "defer"):
@@ -83,3 +89,9 @@ class LockPolicy:
             raise LockConfigurationError(
                 f"wait_timeout={self.wait_timeout!r} only applies with on_busy='wait' or on_busy='defer'"
             )
+
+    def busy_outcome(self) -> str:
+        """The outcome line of a refusal because the key is busy: what the task will be."""
+        if self.on_busy == "fail" or (self.on_busy == "wait" and self.on_wait_timeout == "fail"):
+            return "failed"
+        return "deferred" if self.on_busy == "defer" else "skipped"

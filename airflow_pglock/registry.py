@@ -24,7 +24,9 @@ from airflow_pglock.keys import LockKey
 log = logging.getLogger("airflow_pglock")
 
 
-def record_acquisition(held: HeldLock, application_name: str | None, logger: logging.Logger | Any = None) -> None:
+def record_acquisition(
+    held: HeldLock, application_name: str | None, logger: logging.Logger | Any = None, slots: int = 1
+) -> None:
     """Record the name of ``held.key`` on its own connection; warn of a collision.
 
     The lock statement said whether the registry is there (``held.registry``): when it is
@@ -36,6 +38,8 @@ def record_acquisition(held: HeldLock, application_name: str | None, logger: log
     :param held: the lock just taken (its connection runs the insert).
     :param application_name: recorded as who used the name first.
     :param logger: where the collision warning goes (the task log).
+    :param slots: the size of the pool ``held.key`` is a slot of (1: a plain key), recorded
+        with the name so that ``locks`` can show the pool as one row.
     """
     logger = logger or log
     if held.key.name is None or held.registry is None or held.registry == "absent":
@@ -52,7 +56,7 @@ def record_acquisition(held: HeldLock, application_name: str | None, logger: log
         report(ValueError(f"unknown registry state {held.registry!r}"))
     else:
         try:
-            others = record_key_name(held.connection, key, application_name, installed=True)
+            others = record_key_name(held.connection, key, application_name, slots, installed=True)
         except Exception as error:  # the registry is optional: never fail a task that holds its lock
             report(error)
         else:

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
-    from airflow_pglock.lock_report import LockEntry
+    from airflow_pglock.lock_report import LockEntry, PoolUsage
 
 EXIT_OK = 0
 EXIT_PROBLEM = 1
@@ -265,7 +265,13 @@ def cmd_locks(args: argparse.Namespace, out: TextIO) -> int:
         out.write(f"pool {report.pool.name!r}: {report.pool.describe()}\n")
     if not report.entries:
         return EXIT_OK
-    rows = [_lock_row(e) + ([e.holder.database] if report.all_databases else []) for e in report.entries]
+
+    def database(e: LockEntry) -> list[str]:
+        return [e.holder.database] if report.all_databases else []
+
+    rows = [] if report.pool is not None else [_pool_row(p) + database(p.entries[0]) for p in report.pools]
+    # --pool: its summary line above, then each slot's session; else a pool is one row
+    rows += [_lock_row(e) + database(e) for e in report.entries if report.pool is not None or not report.pooled(e)]
     headers = ["KEY", "NUMBERS", "STATE", "WAITERS", "HOLDER (DAG / TASK / RUN or application)", "PID", "CLIENT"]
     headers += ["SINCE", "FOR"] + (["DATABASE"] if report.all_databases else [])
     _table(headers, rows, out)
@@ -274,17 +280,46 @@ def cmd_locks(args: argparse.Namespace, out: TextIO) -> int:
     return EXIT_OK
 
 
-def _lock_row(e: LockEntry) -> list[str]:
+def _holder_text(e: LockEntry) -> str:
     h = e.holder
-    name = " | ".join(e.names) + (" (COLLISION)" if e.collision else "") if e.names else "?"
     if e.airflow is not None:
         mapped = f"[{e.airflow.map_index}]" if e.airflow.map_index >= 0 else ""
-        holder = f"{e.airflow.dag_id} / {e.airflow.task_id}{mapped} / {e.airflow.run_id}"
-    else:
-        holder = h.application_name or ("(hidden: no privilege)" if h.user is None else "(no application_name)")
+        return f"{e.airflow.dag_id} / {e.airflow.task_id}{mapped} / {e.airflow.run_id}"
+    return h.application_name or ("(hidden: no privilege)" if h.user is None else "(no application_name)")
+
+
+def _since_text(e: LockEntry) -> str:
     since = "?" if e.since is None else e.since.isoformat(timespec="seconds")
     if e.since_basis and e.since_basis.startswith("session start"):
         since = "~" + since
+    return since
+
+
+def _pool_row(pool: PoolUsage) -> list[str]:
+    """A pool as one row: 'K of N held', then each holder with its slot (oldest since, longest for)."""
+    holding = [e for e in pool.entries if e.holder.granted]
+    holders = "; ".join(f"slot {pool.slot_of(e)}: {_holder_text(e)}" for e in holding) or "-"
+    dated = [e for e in holding if e.since is not None]
+    oldest = min(dated, key=lambda e: e.since, default=None)  # type: ignore[arg-type,return-value]
+    clients = dict.fromkeys(e.holder.client_addr or ("local" if e.holder.user else "?") for e in holding)
+    return [
+        f"{pool.name} (pool of {pool.slots})",
+        f"{pool.key.numbers_text} (slot 1)",
+        pool.describe(),
+        f"{pool.waiting} waiting" if pool.waiting else "0",
+        holders,
+        ",".join(str(e.holder.pid) for e in holding) or "-",
+        ",".join(clients) or "-",
+        "-" if oldest is None else _since_text(oldest),
+        "-" if oldest is None else human_duration(oldest.seconds),
+    ]
+
+
+def _lock_row(e: LockEntry) -> list[str]:
+    h = e.holder
+    name = " | ".join(e.names) + (" (COLLISION)" if e.collision else "") if e.names else "?"
+    holder = _holder_text(e)
+    since = _since_text(e)
     if h.granted:
         queue = str(h.waiters)
     elif h.blocked_by:

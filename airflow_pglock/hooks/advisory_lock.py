@@ -456,7 +456,7 @@ class AdvisoryLockHook(LockDatabase):
             from airflow_pglock.registry import record_acquisition  # registry imports this module
 
             try:  # never raises an Exception; an interrupt must not leave the lock held
-                record_acquisition(held, held.connection.info.parameter_status("application_name"), self.log)
+                record_acquisition(held, held.connection.info.parameter_status("application_name"), self.log, slots)
             except BaseException:
                 held.release()
                 raise

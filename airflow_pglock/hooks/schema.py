@@ -4,7 +4,8 @@ Hook-level module: the SQL of ``airflow-pglock init-db`` and of the key-name reg
 Nothing here is needed to take a plain lock; every table is optional and created only by
 an explicit ``airflow-pglock init-db``. Version 1 is the key-name registry, version 2 the
 ledger of ``once_per`` / ``min_interval`` completions and fencing tokens (its SQL is in
-``hooks/ledger.py``).
+``hooks/ledger.py``), version 4 the registry's ``slots`` column (the size of the pool a
+name is a slot of, so ``locks`` can show a pool as one row).
 
 Adding a table means appending a :class:`Migration` to :data:`MIGRATIONS` with the next
 version number. Never edit or
@@ -95,6 +96,18 @@ MIGRATIONS: tuple[Migration, ...] = (
         version=3,
         description="fencing: refuse a token for a key that was never issued one (a typo in the key name)",
         statements=STRICT_FENCING_STATEMENTS,
+    ),
+    Migration(
+        version=4,
+        description="key-name registry: the slot count of a pool (slots=N), so `locks` shows a pool as one row",
+        statements=(
+            # NULL: a plain key (or recorded before this version). N: the name is slot 1 (the
+            # pool's own name) or `<pool>#slot<i>` of a pool of N slots, as last taken.
+            "ALTER TABLE pglock.key_names ADD COLUMN slots integer CHECK (slots IS NULL OR slots >= 2)",
+            "COMMENT ON COLUMN pglock.key_names.slots IS 'airflow-pglock: the size of the pool this name is a slot "
+            "of, as the last guarded execution that took it said (NULL: not a pool)'",
+        ),
+        grants=("GRANT UPDATE (slots) ON pglock.key_names TO {role}",),
     ),
 )
 
@@ -244,47 +257,78 @@ REGISTRY_READY = "ready"
 REGISTRY_NO_ACCESS = {"no usage": "no USAGE on the schema pglock", "no privilege": "no SELECT and INSERT on it"}
 
 
-def _name_params(key: LockKey, recorded_by: str | None) -> dict[str, Any]:
-    classid, objid, objsubid = key.pg_locks
-    return {"objsubid": objsubid, "classid": classid, "objid": objid, "name": key.name, "by": recorded_by}
-
-
-def _recorded_names(table: sql.Composable) -> sql.Composed:
-    """``recorded`` (writes the name, once) and ``other_names`` (the other names of the key)."""
-    return sql.SQL(
-        "recorded AS (INSERT INTO {table} (objsubid, classid, objid, name, first_recorded_by)"
-        " VALUES (%(objsubid)s, %(classid)s, %(objid)s, %(name)s, %(by)s) ON CONFLICT DO NOTHING RETURNING 1),"
-        " other_names AS MATERIALIZED (SELECT (SELECT count(*) FROM recorded) AS written,"
-        " ARRAY(SELECT name FROM {table} WHERE objsubid = %(objsubid)s AND classid = %(classid)s"
-        " AND objid = %(objid)s AND name <> %(name)s ORDER BY name) AS names)"
-    ).format(table=table)
-
-
 def record_key_name(
-    conn: psycopg.Connection[Any], key: LockKey, recorded_by: str | None, *, installed: bool | None = None
+    conn: psycopg.Connection[Any],
+    key: LockKey,
+    recorded_by: str | None,
+    slots: int = 1,
+    *,
+    installed: bool | None = None,
 ) -> list[str] | None:
     """Record ``key.name`` for ``key``; return the *other* names recorded for the same key.
 
     Returns None when the registry is not installed (nothing is written then). A non-empty
     list is a collision: those names and this one share one lock. Inside an open
     transaction (transaction-mode locks) the write runs in a savepoint, so an error here
-    never aborts the caller's transaction. Only the first use of a name writes a row.
+    never aborts the caller's transaction. Only the first use of a name writes a row; with
+    ``slots`` greater than 1, also a use that changes the pool's recorded size.
 
     :param conn: the lock's own connection (autocommit, or inside its transaction).
     :param key: a key with a name (keys without one are not recorded: returns []).
     :param recorded_by: who used it first (the lock connection's application_name).
+    :param slots: the size of the pool ``key`` is a slot of (1: a plain key; its statement
+        does not name the ``slots`` column, so it runs on every schema version).
     :param installed: True when the caller knows the registry is there (no check then).
     """
     if key.name is None:
         return []
-    statement = sql.SQL("WITH {names} SELECT names FROM other_names").format(names=_recorded_names(_registry_table()))
-    params = _name_params(key, recorded_by)
+    classid, objid, objsubid = key.pg_locks
+    params = {
+        "objsubid": objsubid,
+        "classid": classid,
+        "objid": objid,
+        "name": key.name,
+        "by": recorded_by,
+        "slots": slots,
+    }
+    if slots > 1:
+        try:
+            return _run_registry(conn, _record_statement(pool=True), params, installed)
+        except psycopg.errors.UndefinedColumn:  # init-db before version 4: the name alone
+            pass
+    return _run_registry(conn, _record_statement(pool=False), params, installed)
+
+
+def _record_statement(*, pool: bool) -> sql.Composed:
+    # A slot's row is written only by the session holding that slot (slots are exclusive), so
+    # the resize never waits for another row lock; it writes only when N changed.
+    resize = (
+        ", resized AS (UPDATE {table} SET slots = %(slots)s WHERE objsubid = %(objsubid)s AND classid = %(classid)s"
+        " AND objid = %(objid)s AND name = %(name)s AND slots IS DISTINCT FROM %(slots)s RETURNING 1)"
+        if pool
+        else ""
+    )
+    return sql.SQL(
+        "WITH recorded AS (INSERT INTO {table} (objsubid, classid, objid, name, first_recorded_by"
+        + (", slots" if pool else "")
+        + ") VALUES (%(objsubid)s, %(classid)s, %(objid)s, %(name)s, %(by)s"
+        + (", %(slots)s" if pool else "")
+        + ") ON CONFLICT DO NOTHING RETURNING 1)"
+        + resize
+        + " SELECT name FROM {table} WHERE objsubid = %(objsubid)s AND classid = %(classid)s AND objid = %(objid)s"
+        " AND name <> %(name)s ORDER BY name"
+    ).format(table=_registry_table())
+
+
+def _run_registry(
+    conn: psycopg.Connection[Any], statement: sql.Composed, params: dict[str, Any], installed: bool | None
+) -> list[str] | None:
     in_transaction = conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
     with conn.transaction(savepoint_name="pglock_registry") if in_transaction else contextlib.nullcontext():
         if not installed and not registry_installed(conn):
             return None
-        row = conn.execute(statement, params).fetchone()
-    return list(row[0]) if row else []
+        rows = conn.execute(statement, params).fetchall()
+    return [row[0] for row in rows]
 
 
 @dataclass(frozen=True)
@@ -297,11 +341,19 @@ class RegisteredName:
     name: str
     first_recorded_at: dt.datetime
     first_recorded_by: str | None
+    #: the size of the pool this name is a slot of (None: not a pool, or not known: init-db < 4)
+    slots: int | None = None
 
 
 def _registered(row: Sequence[Any]) -> RegisteredName:
     return RegisteredName(
-        classid=row[0], objid=row[1], objsubid=row[2], name=row[3], first_recorded_at=row[4], first_recorded_by=row[5]
+        classid=row[0],
+        objid=row[1],
+        objsubid=row[2],
+        name=row[3],
+        first_recorded_at=row[4],
+        first_recorded_by=row[5],
+        slots=row[6] if len(row) > 6 else None,
     )
 
 
@@ -314,9 +366,11 @@ def registered_names(
     """
     if not registry_installed(conn):
         return None
-    query = sql.SQL("SELECT classid, objid, objsubid, name, first_recorded_at, first_recorded_by FROM {} r").format(
-        _registry_table()
-    )
+    # The slots column by way of the row's JSON: the same query reads a registry of any version.
+    query = sql.SQL(
+        "SELECT classid, objid, objsubid, name, first_recorded_at, first_recorded_by,"
+        " (to_jsonb(r) ->> 'slots')::integer FROM {} r"
+    ).format(_registry_table())
     params: list[Any] = []
     if coordinates is not None:
         if not coordinates:
@@ -349,19 +403,27 @@ def registry_collisions(conn: psycopg.Connection[Any]) -> list[list[RegisteredNa
 
 
 def registry_privileges(conn: psycopg.Connection[Any]) -> dict[str, bool] | None:
-    """Whether the current role may ``SELECT`` / ``INSERT`` the registry; None if no registry."""
+    """Whether the current role may ``SELECT`` / ``INSERT`` the registry and ``UPDATE`` its
+    ``slots`` column (a pool's size; True when that column is not installed yet); None if no registry."""
     if not registry_installed(conn):
         return None
     row = conn.execute(
         # By oid: resolving the name 'pglock.key_names' would itself need USAGE on the schema.
         "SELECT has_schema_privilege(n.oid, 'USAGE'), has_table_privilege(c.oid, 'SELECT'),"
-        " has_table_privilege(c.oid, 'INSERT')"
+        " has_table_privilege(c.oid, 'INSERT'),"
+        " CASE WHEN EXISTS (SELECT 1 FROM pg_catalog.pg_attribute a WHERE a.attrelid = c.oid"
+        " AND a.attname = 'slots' AND NOT a.attisdropped) THEN has_column_privilege(c.oid, 'slots', 'UPDATE') END"
         " FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
         " WHERE n.nspname = %s AND c.relname = %s",
         [SCHEMA, REGISTRY_TABLE],
     ).fetchone()
     assert row is not None
-    return {"usage": bool(row[0]), "select": bool(row[0] and row[1]), "insert": bool(row[0] and row[2])}
+    return {
+        "usage": bool(row[0]),
+        "select": bool(row[0] and row[1]),
+        "insert": bool(row[0] and row[2]),
+        "update_slots": bool(row[0] and row[3] is not False),
+    }
 
 
 def grant_usage(conn: psycopg.Connection[Any], role: str) -> list[str]:

@@ -4,8 +4,8 @@ A FastAPI app mounted by the API server at ``/pglock`` (``fastapi_apps``) serves
 
 * ``/pglock/locks``: the page (an ``external_views`` entry shows it in the UI's
   *Browse* menu, inside the UI);
-* ``/pglock/api/locks?conn_id=&dag=&key=``: the same JSON as ``airflow-pglock locks
-  --output json``.
+* ``/pglock/api/locks?conn_id=&dag=&key=&pool=&slots=``: the same JSON as
+  ``airflow-pglock locks --output json`` (``pool`` and ``slots``: as ``--pool`` and ``--slots``).
 
 Both need a logged-in user allowed to see the cluster-activity view
 (``AccessView.CLUSTER_ACTIVITY``: Airflow's viewers and up); the browser's Airflow session
@@ -102,6 +102,8 @@ def create_app() -> Any:
                 status_code=400,
                 detail=f"conn_id {chosen!r} is not one of [pglock] ui_conn_ids ({', '.join(allowed)})",
             )
+        if slots != 1 and not pool:
+            raise HTTPException(status_code=400, detail=f"slots={slots} goes with pool=NAME (the pool's key name)")
         try:
             report = collect_lock_report(
                 AdvisoryLockHook(chosen), dag=dag or None, key=key or None, pool=pool or None, slots=slots
@@ -112,7 +114,10 @@ def create_app() -> Any:
             raise HTTPException(status_code=503, detail=str(error)) from None
         data = report.to_json()
         data["conn_id"] = chosen
-        add_run_urls(data["locks"], ui_base_path())
+        base = ui_base_path()
+        add_run_urls(data["locks"], base)
+        for usage in data["pools"] + ([data["pool"]] if "pool" in data else []):
+            add_run_urls(usage["holders"] + usage["waiting"], base)
         return data
 
     @app.get("/static/lock.svg")

@@ -1,7 +1,8 @@
 """The HTML of the advisory-lock page: one self-contained document, no build step, no CDN.
 
 It polls ``api/locks`` (relative to itself, so any ``[api] base_url`` works), renders
-the same entries as ``airflow-pglock locks --output json`` and links each Airflow holder
+the same entries as ``airflow-pglock locks --output json`` (each pool of slots as one row:
+"2 of 3 held" and its holders, slot by slot) and links each Airflow holder
 to its DAG run (``run_url``, from the server) in the Airflow UI (``target=_top``: the page
 runs inside the UI's iframe).
 Every value is inserted with ``textContent``: nothing from the database is parsed as HTML.
@@ -34,6 +35,7 @@ _TEMPLATE = """<!doctype html>
   .waiting { color: var(--warn); font-weight: 600; }
   .holding { font-weight: 600; }
   .collision { color: var(--bad); font-weight: 600; }
+  .slot { display: block; }
   #error { color: var(--bad); font-weight: 600; white-space: pre-wrap; }
   #empty { color: var(--muted); padding: 12px 0; }
 </style>
@@ -88,20 +90,54 @@ _TEMPLATE = """<!doctype html>
     if (h < 24) return h + " h " + (m % 60) + " min";
     return Math.floor(h / 24) + " d " + (h % 24) + " h";
   }
-  function runLink(e) {
-    const a = e.airflow;
-    const cell = node("td");
-    const label = a.dag_id + " / " + a.task_id + (a.map_index >= 0 ? "[" + a.map_index + "]" : "");
-    if (!e.run_url) {
-      cell.append(node("span", label), node("span", a.run_id, "sub"));
-      return cell;
+  function holderCell(e, cell) {
+    if (!e.airflow) {
+      cell.append(node("span", e.application_name || "(no application_name)"));
+      return;
     }
-    const link = node("a", label);
-    link.href = e.run_url;
-    link.target = "_top";
-    link.className = "run-link";
-    cell.append(link, node("span", a.run_id, "sub"));
-    return cell;
+    const a = e.airflow;
+    const label = a.dag_id + " / " + a.task_id + (a.map_index >= 0 ? "[" + a.map_index + "]" : "");
+    if (e.run_url) {
+      const link = node("a", label);
+      link.href = e.run_url;
+      link.target = "_top";
+      link.className = "run-link";
+      cell.append(link);
+    } else {
+      cell.append(node("span", label));
+    }
+    cell.append(node("span", a.run_id, "sub"));
+  }
+  function poolRow(p) {
+    const tr = node("tr");
+    tr.className = "pool";
+    tr.dataset.pool = p.name;
+    const key = node("td");
+    key.append(node("span", p.name, "keyname"));
+    key.append(node("span", "pool of " + p.slots + " slots", "sub"));
+    tr.append(key);
+    tr.append(node("td", p.summary, "holding"));
+    tr.append(node("td", p.waiting.length ? p.waiting.length + " waiting" : "-", "num"));
+    const holders = node("td");
+    p.holders.forEach((h) => {
+      const line = node("span", null, "slot");
+      line.append(node("span", "slot " + h.slot + ": "));
+      holderCell(h, line);
+      holders.append(line);
+    });
+    tr.append(holders);
+    tr.append(node("td", p.holders.map((h) => h.pid).join(", "), "num"));
+    const clients = new Set(p.holders.map((h) => h.client_addr || (h.user ? "local" : "?")));
+    tr.append(node("td", [...clients].join(", "), "num"));
+    const dated = p.holders.filter((h) => h.since);
+    const oldest = dated.reduce((a, b) => (a && a.since <= b.since ? a : b), null);
+    tr.append(node("td", oldest ? oldest.since.replace("T", " ").slice(0, 19) : "-", "num"));
+    tr.append(node("td", oldest ? duration(oldest.seconds) : "-", "num"));
+    return tr;
+  }
+  function slotId(e) {
+    const c = e.key.pg_locks;
+    return e.database + " " + e.pid + " " + c.classid + " " + c.objid + " " + c.objsubid + " " + e.state;
   }
   function row(e) {
     const tr = node("tr");
@@ -115,8 +151,9 @@ _TEMPLATE = """<!doctype html>
     tr.append(node("td", e.state + (e.mode === "shared" ? " (shared)" : ""), e.state));
     const queue = e.blocked_by.length ? "behind " + e.blocked_by.join(", ") : "-";
     tr.append(node("td", e.state === "holding" ? e.waiters : queue, "num"));
-    if (e.airflow) tr.append(runLink(e));
-    else tr.append(node("td", e.application_name || "(no application_name)"));
+    const holder = node("td");
+    holderCell(e, holder);
+    tr.append(holder);
     tr.append(node("td", e.pid === null ? "prepared xact" : e.pid, "num"));
     tr.append(node("td", e.client_addr || (e.user ? "local" : "?"), "num"));
     const since = node("td", e.since ? e.since.replace("T", " ").slice(0, 19) : "?", "num");
@@ -139,7 +176,10 @@ _TEMPLATE = """<!doctype html>
       if (!response.ok) throw new Error(data.detail || response.statusText);
       el("error").textContent = "";
       const tbody = el("locks").querySelector("tbody");
-      tbody.replaceChildren(...data.locks.map(row));
+      const pools = data.pools || [];
+      const pooled = new Set(pools.flatMap((p) => [...p.holders, ...p.waiting].map(slotId)));
+      const rest = data.locks.filter((e) => !pooled.has(slotId(e)));  // a pool's sessions: in its row
+      tbody.replaceChildren(...pools.map(poolRow), ...rest.map(row));
       el("locks").hidden = data.locks.length === 0;
       el("empty").hidden = data.locks.length !== 0;
       el("meta").textContent = data.locks.length + " session(s) holding or awaiting an advisory lock in " +

@@ -169,7 +169,7 @@ def test_bad_native_keys_fail_naming_the_value(airflow_db: Any, admin: Any, capf
     [
         ({"on_busy": "sometimes"}, "on_busy must be one of 'skip', 'fail', 'wait', 'defer'; got 'sometimes'"),
         ({"on_busy": "defer"}, "on_busy='defer' needs wait_timeout"),
-        ({"on_wait_timeout": "retry"}, "on_wait_timeout must be 'skip' or 'fail'; got 'retry'"),
+        ({"on_wait_timeout": "retry"}, "on_wait_timeout must be one of 'skip', 'fail'; got 'retry'"),
         ({"mode": "global"}, "mode must be one of 'session', 'transaction'; got 'global'"),
         ({"on_busy": "wait"}, "on_busy='wait' needs wait_timeout"),
         ({"wait_timeout": 5}, "only applies with on_busy='wait'"),

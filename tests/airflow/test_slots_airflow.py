@@ -378,3 +378,48 @@ def test_metrics_report_how_many_slots_of_the_pool_were_in_use(
     assert [line.rpartition(":")[2] for line in gauges] == ["2|g", "3|g"], gauges
     names = [name.removeprefix("airflow.pglock.") for name, _, _ in metrics]
     assert names.count("acquired") == 1 and names.count("skipped") == 1
+
+
+WAIT_FAIL_DAG = """
+import pendulum
+from airflow.sdk import dag, task
+
+CONN = "pglock_test"
+
+
+@dag(dag_id="wait_then_fail", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False)
+def wait_then_fail():
+    @task.advisory_lock(key="wait-fail-key", on_busy="wait", wait_timeout=0.5, on_wait_timeout="fail",
+                        postgres_conn_id=CONN)
+    def plain():
+        raise AssertionError("must not run")
+
+    @task.advisory_lock(key="wait-fail-pool", slots=2, on_busy="wait", wait_timeout=0.5, on_wait_timeout="fail",
+                        postgres_conn_id=CONN, trigger_rule="all_done")
+    def pooled():
+        raise AssertionError("must not run")
+
+    plain() >> pooled()
+
+
+wait_then_fail_dag = wait_then_fail()
+"""
+
+
+def test_on_wait_timeout_fail_fails_the_task_and_its_outcome_line_says_failed(
+    airflow_db: Any, holder_hook: AdvisoryLockHook, admin: Any, capfd: Any, caplog: Any
+) -> None:
+    held = _hold(holder_hook, 1, "wait-fail-key", slots=1) + _hold(holder_hook, 2, "wait-fail-pool", slots=2)
+    try:
+        capfd.readouterr()
+        result = run_dag(WAIT_FAIL_DAG, "wait_then_fail")
+        log = "".join(capfd.readouterr()) + caplog.text
+    finally:
+        for lock in held:
+            lock.release()
+    assert result.state("plain") == "failed", log[-3000:]
+    assert result.state("pooled") == "failed", log[-3000:]
+    outcomes = re.findall(r"pglock outcome=(\w+) key '(wait-fail-[a-z]+)'", log)
+    assert sorted(set(outcomes)) == [("failed", "wait-fail-key"), ("failed", "wait-fail-pool")], outcomes
+    assert "after wait_timeout (on_wait_timeout='fail')" in log
+    assert advisory_locks(admin) == []

@@ -34,7 +34,10 @@ import psycopg
 import pytest
 
 from airflow_pglock.compat import HAS_UI_PAGE, UI_PAGE_SINCE
+from airflow_pglock.guard import LockGuard, LockPolicy
+from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 from airflow_pglock.hooks.schema import migrate
+from airflow_pglock.identity import TaskIdentity
 from airflow_pglock.keys import LockKey
 from devtools.browser import BrowserUnavailableError, find_chromium, headless_flags
 from devtools.pgcluster import free_port
@@ -179,6 +182,58 @@ def test_json_endpoint_needs_authentication_and_an_allowed_connection(api_server
     assert entry["key"]["numbers"] == list(LockKey.from_name("billing").numbers)
 
 
+POOL = "ui-exports"
+
+
+@contextlib.contextmanager
+def _pool_held(ui_db: str, count: int) -> Iterator[list[LockGuard]]:
+    """``count`` slots of the pool POOL (slots=3) held by guarded executions of DAG ``exports_<n>``,
+    which record the pool's size in the registry, as a guarded task does."""
+    guards = []
+    try:
+        for n in range(count):
+            app = TaskIdentity(f"exports_{n}", "export", "manual__2026-11-30T00:00:00+00:00", -1).application_name()
+            guard = LockGuard(
+                AdvisoryLockHook(dsn=ui_db), LockKey.from_name(POOL), LockPolicy(slots=3), application_name=app
+            )
+            guard.__enter__()
+            guards.append(guard)
+        yield guards
+    finally:
+        for guard in guards:
+            guard.__exit__(None, None, None)
+
+
+@pytest.mark.matrix("ui-page", since=UI_PAGE_SINCE)
+def test_json_endpoint_shows_pools_and_passes_pool_and_slots_through(api_server: ApiServer, ui_db: str) -> None:
+    token = api_server.token()
+    with _pool_held(ui_db, 2) as guards:
+        status, data = api_server.get("/pglock/api/locks", token)
+        assert status == 200, data
+        [pool] = data["pools"]  # told nothing: the registry knows the pool and its size
+        assert (pool["name"], pool["summary"], pool["slots_source"]) == (POOL, "2 of 3 held", "registry")
+        assert [(h["slot"], h["pid"]) for h in sorted(pool["holders"], key=lambda h: h["slot"])] == [
+            (1, guards[0].held.server.backend_pid),  # type: ignore[union-attr]
+            (2, guards[1].held.server.backend_pid),  # type: ignore[union-attr]
+        ]
+        assert all(h["airflow"]["dag_id"].startswith("exports_") and "run_url" in h for h in pool["holders"])
+        assert len(data["locks"]) == 2 and "pool" not in data
+
+        status, data = api_server.get(f"/pglock/api/locks?pool={POOL}&slots=5", token)  # as the caller says
+        assert status == 200, data
+        assert data["pool"]["summary"] == "2 of 5 held" and data["pool"]["slots_source"] == "given"
+        assert sorted(e["key"]["name"] for e in data["locks"]) == [POOL, f"{POOL}#slot2"]
+        status, data = api_server.get("/pglock/api/locks?pool=not-a-pool&slots=2", token)
+        assert status == 200 and data["pool"]["summary"] == "0 of 2 held" and data["locks"] == []
+
+        status, data = api_server.get("/pglock/api/locks?slots=3", token)
+        assert status == 400 and "slots=3 goes with pool=NAME" in data["detail"]
+        status, data = api_server.get(f"/pglock/api/locks?pool={POOL}&slots=0", token)
+        assert status == 400 and "slots must be an integer from 1 to 1000, got 0" in data["detail"]
+    status, data = api_server.get("/pglock/api/locks", token)
+    assert status == 200 and data["pools"] == [] and data["locks"] == []
+
+
 def _browser(chromium: str, chromedriver: str) -> Any:
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
@@ -285,3 +340,51 @@ def test_page_shows_the_holding_task_in_a_real_browser(
     keep = os.environ.get("PGLOCK_SCREENSHOT_DIR")
     if keep:
         shutil.copy(shot, Path(keep) / "ui-locks.png")
+
+
+def _login_and_open_page(driver: Any, server: ApiServer) -> Any:
+    """Log in through the UI's form and open the page as its Browse menu does; inside its iframe."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    wait = WebDriverWait(driver, 60)
+    driver.get(f"{server.url}/")
+    wait.until(ec.presence_of_element_located((By.NAME, "username"))).send_keys(USER)
+    driver.find_element(By.NAME, "password").send_keys(PASSWORD)
+    driver.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
+    wait.until(lambda d: "/auth/login" not in d.current_url)
+    driver.get(f"{server.url}/plugin/pglock_locks")
+    driver.switch_to.frame(wait.until(ec.presence_of_element_located((By.TAG_NAME, "iframe"))))
+    return wait
+
+
+def test_page_shows_a_pool_as_one_row_with_its_holders_in_a_real_browser(api_server: ApiServer, ui_db: str) -> None:
+    pytest.importorskip("selenium", reason="the browser test drives Chromium with selenium (test extra)")
+    from selenium.webdriver.common.by import By
+
+    try:
+        chromium = find_chromium()
+    except BrowserUnavailableError as error:
+        pytest.skip(f"no headless browser here: {error}")
+    plain = AdvisoryLockHook(dsn=ui_db).try_acquire("billing", application_name="billing-service")
+    driver = None
+    try:
+        with _pool_held(ui_db, 2) as guards:
+            driver = _browser(*chromium)
+            wait = _login_and_open_page(driver, api_server)
+            wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#locks tbody tr")) == 2)
+            [pool_row] = driver.find_elements(By.CSS_SELECTOR, "#locks tbody tr.pool")
+            text = pool_row.text
+            rows = [r.text for r in driver.find_elements(By.CSS_SELECTOR, "#locks tbody tr")]
+            pids = [str(g.held.server.backend_pid) for g in guards]  # type: ignore[union-attr]
+    finally:
+        if driver is not None:
+            driver.quit()
+        if plain is not None:
+            plain.release()
+    assert POOL in text and "pool of 3 slots" in text and "2 of 3 held" in text, text
+    assert "slot 1: exports_0 / export" in text and "slot 2: exports_1 / export" in text, text
+    assert all(pid in text for pid in pids), text
+    assert f"{POOL}#slot2" not in "".join(rows)  # the slot is not a row of its own
+    assert any("billing-service" in row and "holding" in row for row in rows), rows

@@ -22,6 +22,7 @@ from airflow_pglock.hooks.schema import (
     LATEST_VERSION,
     MIGRATIONS,
     Migration,
+    grant_usage,
     migrate,
     registered_names,
     schema_status,
@@ -52,7 +53,7 @@ ENTRY_KEYS = {
     "blocked_by",
 }
 KEY_KEYS = {"name", "names", "name_source", "collision", "kind", "numbers", "pg_locks"}
-REPORT_KEYS = {"database", "server", "server_time", "all_databases", "registry", "filters", "locks"}
+REPORT_KEYS = {"database", "server", "server_time", "all_databases", "registry", "filters", "locks", "pools"}
 
 
 @pytest.fixture
@@ -180,6 +181,24 @@ def test_registry_in_transaction_mode_keeps_the_work_transaction(ops_db: str) ->
         assert [r.name for r in registered_names(conn) or []] == ["tx-name"]
 
 
+@pytest.mark.parametrize("version", [3, LATEST_VERSION])
+def test_a_pool_in_transaction_mode_keeps_the_work_transaction(ops_dsn: str, version: int) -> None:
+    """Before version 4 the pool's statement fails inside its savepoint and the name alone is
+    recorded; either way the work's transaction (the lock's) commits."""
+    with psycopg.connect(ops_dsn, autocommit=True) as conn:
+        migrate(conn, MIGRATIONS[:version])
+    guard = LockGuard(
+        AdvisoryLockHook(dsn=ops_dsn), LockKey.from_name("tx-pool"), LockPolicy(mode="transaction", slots=2)
+    )
+    with guard as handle:
+        assert handle.connection is not None
+        handle.connection.execute("CREATE TABLE work_done (id int)")
+    with psycopg.connect(ops_dsn, autocommit=True) as conn:
+        assert conn.execute("SELECT to_regclass('work_done')").fetchone() == ("work_done",)
+        expected = None if version < 4 else 2
+        assert [(r.name, r.slots) for r in registered_names(conn) or []] == [("tx-pool", expected)]
+
+
 def test_without_registry_or_privileges_the_lock_still_works(ops_dsn: str, ops_db_role: str, caplog: Any) -> None:
     logger = logging.getLogger("pglock-test-optional")
     with caplog.at_level(logging.DEBUG, logger=logger.name), _guard(ops_dsn, LockKey.from_name("plain"), logger):
@@ -196,6 +215,69 @@ def test_without_registry_or_privileges_the_lock_still_works(ops_dsn: str, ops_d
     ):
         assert len(advisory_locks(conn)) == 1  # held although the name could not be recorded
     assert "could not record the name" in caplog.text and "InsufficientPrivilege" in caplog.text
+
+
+def _slot(dsn: str, pool: LockKey, logger: logging.Logger) -> LockGuard:
+    return LockGuard(AdvisoryLockHook(dsn=dsn), pool, LockPolicy(slots=2), logger=logger)
+
+
+def test_pool_sizes_are_recorded_from_version_4_once_the_role_may(
+    ops_dsn: str, ops_db_role: str, capsys: Any, caplog: Any
+) -> None:
+    """Version 4 adds the registry's ``slots`` column. Before it a pool's slot names are still
+    recorded (and `locks` shows no pool); a role granted before it needs a new --grant,
+    which doctor names; after it, `locks` groups the pool without being told N."""
+    logger = logging.getLogger("pglock-test-pool-sizes")
+    pool = LockKey.from_name("exports")
+    role_dsn = with_user(ops_dsn, ops_db_role)
+    with psycopg.connect(ops_dsn, autocommit=True) as conn:  # what an older release's init-db --grant did
+        migrate(conn, MIGRATIONS[:3])
+        grant_usage(conn, ops_db_role)
+    with (
+        caplog.at_level(logging.WARNING, logger=logger.name),
+        _slot(role_dsn, pool, logger),
+        _slot(role_dsn, pool, logger) as second,
+    ):
+        assert second.key.name == "exports#slot2"
+        before = run_cli("locks", "--dsn", ops_dsn, "--output", "json", capsys=capsys).json()
+    assert "WARNING" not in caplog.text  # version 3: the names alone, silently
+    assert before["pools"] == [] and sorted(e["key"]["name"] for e in before["locks"]) == ["exports", "exports#slot2"]
+
+    with psycopg.connect(ops_dsn, autocommit=True) as conn:
+        assert [m.version for m in migrate(conn).applied] == [4]
+    doctor = run_cli("doctor", "--dsn", role_dsn, "--output", "json", capsys=capsys).json()
+    [registry] = [c for c in doctor["checks"] if c["name"] == "registry" and c["status"] == "warning"]
+    assert "lacks UPDATE (slots)" in registry["summary"] and registry["fix"].endswith(f"--grant {ops_db_role}")
+    caplog.clear()
+    plain = LockKey.from_name("plain")
+    with (
+        caplog.at_level(logging.WARNING, logger=logger.name),
+        LockGuard(AdvisoryLockHook(dsn=role_dsn), plain, LockPolicy(), logger=logger),
+    ):
+        pass
+    assert "WARNING" not in caplog.text  # a plain key never needs UPDATE (slots)
+    with caplog.at_level(logging.WARNING, logger=logger.name), _slot(role_dsn, pool, logger):
+        pass
+    assert "could not record the name" in caplog.text and "InsufficientPrivilege" in caplog.text
+
+    granted = run_cli("init-db", "--dsn", ops_dsn, "--grant", ops_db_role, capsys=capsys)
+    assert f'GRANT UPDATE (slots) ON pglock.key_names TO "{ops_db_role}";' in granted.out
+    caplog.clear()
+    with (
+        caplog.at_level(logging.WARNING, logger=logger.name),
+        _slot(role_dsn, pool, logger),
+        _slot(role_dsn, pool, logger),
+    ):
+        after = run_cli("locks", "--dsn", ops_dsn, "--output", "json", capsys=capsys).json()
+    assert "WARNING" not in caplog.text
+    assert [(p["name"], p["summary"], p["slots_source"]) for p in after["pools"]] == [
+        ("exports", "2 of 2 held", "registry")
+    ]
+    with psycopg.connect(ops_dsn, autocommit=True) as conn:
+        rows = {r.name: r.slots for r in registered_names(conn) or []}
+        assert rows == {"exports": 2, "exports#slot2": 2, "plain": None}  # a plain key has no size
+    doctor = run_cli("doctor", "--dsn", role_dsn, "--output", "json", capsys=capsys).json()
+    assert {c["name"]: c["status"] for c in doctor["checks"]}["registry"] == "ok"
 
 
 @pytest.fixture
@@ -228,6 +310,7 @@ def test_locks_lists_plain_sessions_waiters_and_filters(ops_dsn: str, capsys: An
         assert result.code == 0, result.err
         data = result.json()
         assert set(data) == REPORT_KEYS and data["registry"] == "not installed"
+        assert data["pools"] == []  # no registry: no pool is known (and none is held here)
         assert data["filters"] == {"dag": None, "key": None} and data["all_databases"] is False
         by_state = {
             (e["key"]["numbers"][0] if len(e["key"]["numbers"]) == 1 else tuple(e["key"]["numbers"]), e["state"]): e

@@ -185,9 +185,15 @@ def test_wait_takes_a_slot_freed_during_the_wait(hook: AdvisoryLockHook, dsn: st
     assert all(held is not None for held in holders)
     assert {held.key for held in holders if held} == set(slot_keys(pool, 2))
     started = time.monotonic()
+    skipping = LockGuard(hook, pool, LockPolicy(on_busy="wait", wait_timeout=0.5, slots=2))
     with pytest.raises(LockBusyError, match=r"after waiting 0\.5 s"):
-        LockGuard(hook, pool, LockPolicy(on_busy="wait", wait_timeout=0.5, slots=2)).__enter__()
+        skipping.__enter__()
     assert time.monotonic() - started >= 0.5
+    assert skipping.outcome == "skipped"
+    failing = LockGuard(hook, pool, LockPolicy(on_busy="wait", wait_timeout=0.2, slots=2, on_wait_timeout="fail"))
+    with pytest.raises(LockBusyError, match=r"after waiting 0\.2 s"):
+        failing.__enter__()
+    assert failing.outcome == "failed"  # the task fails: so does its outcome line
     timer = threading.Timer(0.5, holders[0].release)  # type: ignore[union-attr]
     timer.start()
     try:
@@ -297,6 +303,111 @@ def test_locks_shows_a_pool_as_one_row_with_its_holders(dsn: str, holder_hook: A
         assert main(["locks", "--dsn", dsn, "--slots", "3"], io.StringIO()) != 0  # --slots needs --pool
     finally:
         for lock in [*held, other]:
+            if lock is not None:
+                lock.release()
+
+
+@pytest.fixture
+def registry_dsn(pg_server: str) -> Any:
+    """A database of its own with init-db done (the key-name registry records each pool's size)."""
+    from airflow_pglock.hooks.schema import migrate
+    from tests.ops_helpers import scratch_database
+
+    with scratch_database(pg_server, prefix="pglock_pools") as scratch:
+        with psycopg.connect(scratch, autocommit=True) as conn:
+            migrate(conn)
+        yield scratch
+
+
+def _guarded_slot(dsn: str, pool: str, slots: int, dag: str) -> LockGuard:
+    from airflow_pglock.identity import TaskIdentity
+
+    app = TaskIdentity(dag, "export", "manual__2026-11-30T00:00:00+00:00", -1).application_name()
+    guard = LockGuard(AdvisoryLockHook(dsn=dsn), LockKey.from_name(pool), LockPolicy(slots=slots), application_name=app)
+    guard.__enter__()
+    return guard
+
+
+def _locks(dsn: str, *args: str) -> Any:
+    import io
+    import json
+
+    from airflow_pglock.cli.main import main
+
+    out = io.StringIO()
+    assert main(["locks", "--dsn", dsn, *args], out) == 0
+    return json.loads(out.getvalue()) if "json" in args else out.getvalue()
+
+
+def test_locks_groups_every_registered_pool_into_one_row_without_being_told_n(registry_dsn: str) -> None:
+    guards = [_guarded_slot(registry_dsn, "report-pool", 3, dag) for dag in ("exports_eu", "exports_us")]
+    # A service outside Airflow takes slot 3 with plain SQL: no registry row of its own.
+    cron = psycopg.connect(registry_dsn, autocommit=True, application_name="cron exporter")
+    cron.execute("SELECT pg_advisory_lock(%s)", slot_keys(LockKey.from_name("report-pool"), 3)[2].numbers)
+    other = AdvisoryLockHook(dsn=registry_dsn).try_acquire("not-in-the-pool")
+    try:
+        data = _locks(registry_dsn, "--output", "json")
+        [pool] = data["pools"]
+        assert pool["name"] == "report-pool" and pool["summary"] == "3 of 3 held"
+        assert pool["slots"] == 3 and pool["slots_source"] == "registry" and pool["slots_recorded"] == [3]
+        assert sorted((h["slot"], h["key"]["name"], h["application_name"]) for h in pool["holders"]) == [
+            (1, "report-pool", guards[0].application_name),
+            (2, "report-pool#slot2", guards[1].application_name),
+            (3, "report-pool#slot3", "cron exporter"),
+        ]
+        assert pool["waiting"] == [] and "pool" not in data  # `pool` only with --pool
+        assert len(data["locks"]) == 4  # every session is still listed, each slot under its name
+        [slot3] = [e for e in data["locks"] if e["application_name"] == "cron exporter"]
+        assert slot3["key"]["name"] == "report-pool#slot3" and slot3["key"]["name_source"] == "pool"
+
+        text = _locks(registry_dsn)
+        [row] = [line for line in text.splitlines() if "report-pool" in line]  # the pool is one row
+        assert "report-pool (pool of 3)" in row and "3 of 3 held" in row
+        assert "slot 1: exports_eu / export" in row and "slot 3: cron exporter" in row
+        assert str(cron.info.backend_pid) in row
+        assert any("not-in-the-pool" in line for line in text.splitlines())
+
+        by_key = _locks(registry_dsn, "--key", "report-pool", "--output", "json")  # the pool's name: all its slots
+        assert [p["summary"] for p in by_key["pools"]] == ["3 of 3 held"] and len(by_key["locks"]) == 3
+        by_dag = _locks(registry_dsn, "--dag", "exports_us", "--output", "json")
+        assert [p["held"] for p in by_dag["pools"]] == [3]  # the dag holds a slot: its pool, whole
+        assert [e["key"]["name"] for e in by_dag["locks"]] == ["report-pool#slot2"]
+        assert _locks(registry_dsn, "--key", "not-in-the-pool", "--output", "json")["pools"] == []
+
+        # A deployment that says slots=4: it takes slot 4, and the disagreement is shown.
+        guards.append(_guarded_slot(registry_dsn, "report-pool", 4, "exports_apac"))
+        [pool] = _locks(registry_dsn, "--output", "json")["pools"]
+        assert pool["slots"] == 4 and pool["slots_recorded"] == [3, 4] and pool["held"] == 4
+        assert pool["summary"].startswith("4 of 4 held (deployments recorded different sizes: 3, 4;")
+    finally:
+        for guard in guards:
+            guard.__exit__(None, None, None)
+        cron.close()
+        if other is not None:
+            other.release()
+    # The pool grown to 5: slot 1's row (recorded with 3) now says 5, and so does the row.
+    resized = _guarded_slot(registry_dsn, "report-pool", 5, "exports_eu")
+    try:
+        [pool] = _locks(registry_dsn, "--output", "json")["pools"]
+        assert (pool["summary"], pool["slots_recorded"]) == ("1 of 5 held", [5])
+    finally:
+        resized.__exit__(None, None, None)
+
+
+def test_without_the_registry_pool_slots_stay_separate_rows(dsn: str, hook: AdvisoryLockHook) -> None:
+    held = [
+        hook.acquire_lock("plain-pool", shared=False, scope="session", timeout=None, application_name=None, slots=2)
+        for _ in range(2)
+    ]
+    try:
+        data = _locks(dsn, "--output", "json")
+        assert data["registry"] == "not installed" and data["pools"] == []
+        mine = {tuple(e["key"]["numbers"]) for e in data["locks"]}
+        assert {tuple(k.numbers) for k in slot_keys(LockKey.from_name("plain-pool"), 2)} <= mine
+        given = _locks(dsn, "--pool", "plain-pool", "--slots", "2", "--output", "json")  # still: tell N
+        assert given["pool"]["summary"] == "2 of 2 held" and [p["slots_source"] for p in given["pools"]] == ["given"]
+    finally:
+        for lock in held:
             if lock is not None:
                 lock.release()
 
