@@ -9,7 +9,8 @@ died or are not airflow-pglock. After (re)connecting it checks every key at once
 restarted triggerer or lock database loses at most one poll interval, never the wake-up.
 
 Nothing here blocks the event loop: the Airflow connection is read in a worker thread
-(``AdvisoryLockHook.aconnect``), the rest is asyncio.
+(``AdvisoryLockHook.aconnect``), log lines are written from one (a triggerer's log socket
+can block while its supervisor is busy), the rest is asyncio.
 """
 
 from __future__ import annotations
@@ -103,8 +104,8 @@ class WakeupHub:
         try:
             await self._connect_and_watch()
         except Exception as error:  # anything unforeseen: the waiters report it instead of waiting forever
-            log.exception("pglock wakeups: stopped")
             self._fail_all(error)
+            await asyncio.to_thread(log.error, "pglock wakeups: stopped", exc_info=error)
 
     async def _connect_and_watch(self) -> None:
         hook = AdvisoryLockHook(self.postgres_conn_id, connect_timeout=self.connect_timeout)
@@ -116,7 +117,9 @@ class WakeupHub:
                 if not connected_once or isinstance(error, LockConfigurationError | UnsafeSetupError):
                     self._fail_all(error)  # a setting to fix, or no database at all: the waiters report it
                     return
-                log.warning("pglock wakeups: cannot reconnect to the lock database (%s); retrying", error)
+                await asyncio.to_thread(
+                    log.warning, "pglock wakeups: cannot reconnect to the lock database (%s); retrying", error
+                )
                 await asyncio.sleep(RECONNECT_DELAY)
                 continue
             connected_once = True
@@ -126,7 +129,9 @@ class WakeupHub:
                     self.pending |= set(self.waiters)  # anything released while we were away
                     await self._watch(conn)
             except (psycopg.Error, OSError) as error:
-                log.warning("pglock wakeups: lost the lock database connection (%s); reconnecting", error)
+                await asyncio.to_thread(
+                    log.warning, "pglock wakeups: lost the lock database connection (%s); reconnecting", error
+                )
                 await asyncio.sleep(RECONNECT_DELAY)
 
     async def _watch(self, conn: psycopg.AsyncConnection[object]) -> None:
