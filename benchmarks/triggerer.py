@@ -1,6 +1,7 @@
 """Deferred tasks in a real Airflow 3 deployment: resume latency, and many waiting tasks in one triggerer.
 
-    .venv/bin/python -m benchmarks.triggerer --out /tmp/triggerer.md [--tuned] [--resumes 10] [--herd 200]
+    .venv/bin/python -m benchmarks.triggerer --out /tmp/t.md [--write docs/benchmarks.md] [--tuned]
+        [--resumes 20] [--herd 200 [--herd-airflow] [--probe]]
 
 One deployment (api-server, scheduler with LocalExecutor, dag-processor, ``airflow
 triggerer``; Airflow 3) on a throwaway PostgreSQL cluster: its metadata database and the
@@ -13,7 +14,9 @@ lock database. The DAGs are in ``benchmarks/triggerer_dags``.
   the unlock), the trigger's event (the triggerer's "Trigger fired event" line in the
   task's log), the task instance's ``scheduled_dttm`` (the triggerer wrote the event),
   ``queued_dttm`` (the scheduler queued it) and the moment the resumed function started
-  (a row it inserts, ``clock_timestamp()``). All on one machine's clock.
+  (a row it inserts, ``clock_timestamp()``). All on one machine's clock. Between two
+  samples the benchmark sleeps 1-2 s at random, so the releases fall at any phase of the
+  triggerer's and the scheduler's once-a-second loops.
 * **Many waiting tasks** (``--herd``): the same number of mapped tasks wait in the
   triggerer twice: on airflow-pglock keys that one plain session holds and then releases
   at once (``bench_herd_pglock``), and on Airflow's own ``DateTimeSensorAsync`` all
@@ -34,6 +37,7 @@ import datetime as dt
 import functools
 import json
 import os
+import random
 import shutil
 import sys
 import tempfile
@@ -157,7 +161,7 @@ def measure_resumes(d: Deployment, locks_dsn: str, count: int) -> list[Sample]:
         done = functools.partial(lambda i: _states(d, "bench_resume", "resume").get(i) == "success", index)
         _wait(f"task {index} resumed", done, 120, d)
         print(f"resume {index}: done {time.time() - released[-1]:.1f} s after the release", flush=True)
-        time.sleep(1)
+        time.sleep(1 + random.random())  # a random phase against the triggerer's and the scheduler's loops
     rows = d.query(
         "SELECT map_index, extract(epoch from scheduled_dttm), extract(epoch from queued_dttm)"
         " FROM task_instance WHERE dag_id = 'bench_resume'"
@@ -318,7 +322,7 @@ def herd_table(herds: list[Herd]) -> str:
         "longest stall: wall / loop thread CPU",
         "slowest callback on the loop",
         "full garbage collections",
-        "airflow-pglock's code: longest step / longest turn (GC excluded)",
+        "airflow-pglock's code, GC excluded: slowest step over 50 ms / share of a turn over 150 ms",
     ]
     rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     rows += ["| " + " | ".join(herd_row(h)) + " |" for h in herds]
@@ -337,16 +341,14 @@ def herd_summary(h: Herd) -> str:
     return "\n".join(lines)
 
 
-BEGIN, END = "<!-- benchmarks/triggerer.py -->", "<!-- /benchmarks/triggerer.py -->"
-
-
-def write_block(path: Path, text: str) -> None:
-    """Replace the block between the markers (at the end of section 9), or append it there."""
+def write_block(path: Path, tag: str, text: str) -> None:
+    """Replace the block between this run's markers in section 9 of ``path``, or append it at the end of the file."""
     document = path.read_text()
-    block = f"{BEGIN}\n{text}\n{END}"
-    if BEGIN in document:
-        head, rest = document.split(BEGIN, 1)
-        document = head + block + rest.split(END, 1)[1]
+    begin, end = f"<!-- benchmarks/triggerer.py {tag} -->", f"<!-- /benchmarks/triggerer.py {tag} -->"
+    block = f"{begin}\n{text}\n{end}"
+    if begin in document:
+        head, rest = document.split(begin, 1)
+        document = head + block + rest.split(end, 1)[1]
     else:
         document = document.rstrip("\n") + "\n\n" + block + "\n"
     path.write_text(document)
@@ -354,7 +356,8 @@ def write_block(path: Path, text: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True, help="a markdown report")
+    parser.add_argument("--out", type=Path, required=True, help="a markdown report, with the raw records")
+    parser.add_argument("--write", type=Path, help="also write the tables into this file (docs/benchmarks.md)")
     parser.add_argument("--tuned", action="store_true")
     parser.add_argument("--resumes", type=int, default=10)
     parser.add_argument("--herd", type=int, default=0)
@@ -384,6 +387,9 @@ def main() -> None:
             raw += [herd_summary(h) for h in herds]
     out.append(f"\nLoad average at the end: {os.getloadavg()[0]:.2f}.")
     args.out.write_text("\n".join(out) + "\n\n" + "\n".join(raw) + "\n")
+    if args.write:
+        tag = ("tuned" if args.tuned else "default") + ("" if args.herd else " resume")
+        write_block(args.write, tag, "\n".join(out))
     print("\n".join(out) + "\n\n" + "\n".join(raw))
 
 

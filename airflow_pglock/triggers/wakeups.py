@@ -39,6 +39,9 @@ WAKEUP_APPLICATION_NAME = "airflow-pglock wakeups"
 LISTEN_SLICE = 0.1
 #: Seconds between two attempts to reconnect after the lock database went away.
 RECONNECT_DELAY = 1.0
+#: Keys settled before the hub lets the loop turn: many keys freed at once wake their
+#: triggers a batch per turn, so the loop's timers (Airflow's watchdog) run in between.
+WAKE_BATCH = 20
 
 
 @dataclass(eq=False)
@@ -144,9 +147,11 @@ class WakeupHub:
             self.pending.clear()
             if keys:
                 held = await wakeups.aheld(conn, keys)
-                for coordinates in keys:
+                for count, coordinates in enumerate(keys, 1):
                     for waiter in list(self.waiters.get(coordinates, ())):
                         waiter.settle(held.get(coordinates))
+                    if count % WAKE_BATCH == 0:
+                        await asyncio.sleep(0)  # the woken triggers run WAKE_BATCH to a turn of the loop
             async for notify in conn.notifies(timeout=LISTEN_SLICE, stop_after=1):
                 announced = wakeups.coordinates(notify.payload)
                 if announced is not None and announced in self.waiters:
