@@ -10,7 +10,7 @@ key stays held ends as a skip at its deadline. All waiting triggers share one co
 
 Then many tasks wait at once: ``e2e_defer_many`` maps one task ``PGLOCK_E2E_WAITERS`` ways
 (default 48, about two minutes for the module on two cores; the issue's case is 200:
-``PGLOCK_E2E_WAITERS=200``, about five more), each deferred on a key the test holds, then released.
+``PGLOCK_E2E_WAITERS=200``: that test alone about two minutes), each deferred on a key the test holds, then released.
 
 The event loop. The trigger runner runs under ``devtools/loopprobe``, which records every
 callback over 50 ms (wall, CPU, garbage collection), every stall Airflow's watchdog would
