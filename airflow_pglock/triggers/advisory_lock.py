@@ -145,7 +145,8 @@ class AdvisoryLockTrigger(BaseTrigger):
                     for slot in self.slot_keys
                 ]
                 remaining = None if self.deadline is None else self.deadline - time.time()
-                self.log.info(
+                await _log(
+                    self.log.info,
                     "pglock waiting: %s until it is free (woken when it is released; re-read every %g s%s)",
                     key,
                     self.poll_interval,
@@ -160,7 +161,7 @@ class AdvisoryLockTrigger(BaseTrigger):
             yield TriggerEvent({"status": TIMEOUT, "holders": who, "message": message, "deadline": self.deadline})
         except Exception as error:  # the hub's error (connection, settings): the task reports it
             message = f"could not read who holds {key} ({type(error).__name__}: {error})"
-            self.log.error("pglock trigger: %s", message)
+            await _log(self.log.error, "pglock trigger: %s", message)
             event = {"status": ERROR, "error_type": type(error).__name__, "message": message, "deadline": self.deadline}
             yield TriggerEvent(event)
 
@@ -178,6 +179,19 @@ class AdvisoryLockTrigger(BaseTrigger):
         except Exception as error:  # the deadline passed either way; the names are a courtesy
             return f"a holder that could not be named ({type(error).__name__})"
         return describe_holders(holders, dt.datetime.now().astimezone())
+
+
+async def _log(method: Any, *args: object) -> None:
+    """Write a log line from a worker thread.
+
+    In ``airflow triggerer`` a trigger's log line is written to a socket that the
+    triggerer's supervisor drains; while it is busy (writing many events to its database,
+    or waiting for a core) that write blocks, and on the event loop it would block every
+    trigger (measured: Airflow's own ``DateTimeTrigger`` blocked the loop 2 s this way,
+    benchmarks section 9). The thread keeps the task's log context (``asyncio.to_thread``
+    copies it), so the line still goes to the task's log.
+    """
+    await asyncio.to_thread(method, *args)
 
 
 async def _any_free(waiters: Sequence[Any], timeout: float | None) -> bool:

@@ -9,7 +9,8 @@ died or are not airflow-pglock. After (re)connecting it checks every key at once
 restarted triggerer or lock database loses at most one poll interval, never the wake-up.
 
 Nothing here blocks the event loop: the Airflow connection is read in a worker thread
-(``AdvisoryLockHook.aconnect``), the rest is asyncio.
+(``AdvisoryLockHook.aconnect``), log lines are written from one (a triggerer's log socket
+can block while its supervisor is busy), the rest is asyncio.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ WAKEUP_APPLICATION_NAME = "airflow-pglock wakeups"
 LISTEN_SLICE = 0.1
 #: Seconds between two attempts to reconnect after the lock database went away.
 RECONNECT_DELAY = 1.0
+#: Keys settled before the hub lets the loop turn: many keys freed at once wake their
+#: triggers a batch per turn, so the loop's timers (Airflow's watchdog) run in between.
+WAKE_BATCH = 20
 
 
 @dataclass(eq=False)
@@ -103,8 +107,8 @@ class WakeupHub:
         try:
             await self._connect_and_watch()
         except Exception as error:  # anything unforeseen: the waiters report it instead of waiting forever
-            log.exception("pglock wakeups: stopped")
             self._fail_all(error)
+            await asyncio.to_thread(log.error, "pglock wakeups: stopped", exc_info=error)
 
     async def _connect_and_watch(self) -> None:
         hook = AdvisoryLockHook(self.postgres_conn_id, connect_timeout=self.connect_timeout)
@@ -116,7 +120,9 @@ class WakeupHub:
                 if not connected_once or isinstance(error, LockConfigurationError | UnsafeSetupError):
                     self._fail_all(error)  # a setting to fix, or no database at all: the waiters report it
                     return
-                log.warning("pglock wakeups: cannot reconnect to the lock database (%s); retrying", error)
+                await asyncio.to_thread(
+                    log.warning, "pglock wakeups: cannot reconnect to the lock database (%s); retrying", error
+                )
                 await asyncio.sleep(RECONNECT_DELAY)
                 continue
             connected_once = True
@@ -126,7 +132,9 @@ class WakeupHub:
                     self.pending |= set(self.waiters)  # anything released while we were away
                     await self._watch(conn)
             except (psycopg.Error, OSError) as error:
-                log.warning("pglock wakeups: lost the lock database connection (%s); reconnecting", error)
+                await asyncio.to_thread(
+                    log.warning, "pglock wakeups: lost the lock database connection (%s); reconnecting", error
+                )
                 await asyncio.sleep(RECONNECT_DELAY)
 
     async def _watch(self, conn: psycopg.AsyncConnection[object]) -> None:
@@ -139,9 +147,11 @@ class WakeupHub:
             self.pending.clear()
             if keys:
                 held = await wakeups.aheld(conn, keys)
-                for coordinates in keys:
+                for count, coordinates in enumerate(keys, 1):
                     for waiter in list(self.waiters.get(coordinates, ())):
                         waiter.settle(held.get(coordinates))
+                    if count % WAKE_BATCH == 0:
+                        await asyncio.sleep(0)  # the woken triggers run WAKE_BATCH to a turn of the loop
             async for notify in conn.notifies(timeout=LISTEN_SLICE, stop_after=1):
                 announced = wakeups.coordinates(notify.payload)
                 if announced is not None and announced in self.waiters:

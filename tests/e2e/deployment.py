@@ -102,6 +102,17 @@ class Deployment:
             os.killpg(self.processes[role].pid, signal.SIGKILL)
         self.processes[role].wait(timeout=30)
 
+    def restart(self, role: str) -> None:
+        """Stop one process as a shutdown does (SIGTERM, then SIGKILL after 30 s) and start it again."""
+        process = self.processes[role]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.kill(role)
+        self._spawn(role)
+
     def _spawn(self, role: str) -> None:
         args = dict(PROCESSES)[role]
         if role == "api-server":

@@ -6,16 +6,28 @@ lock database can restart alone. The test process holds the keys, as another dep
 would. While the tasks wait in the triggerer: the triggerer is killed and restarted, then
 the lock database restarts (the holder takes its key back at once). Then the holder
 releases: the deferred task runs exactly once, the sensor succeeds, and the task whose
-key stays held ends as a skip at its deadline. The triggerer never warns that a trigger
-blocked its event loop, and all waiting triggers share one connection.
+key stays held ends as a skip at its deadline. All waiting triggers share one connection.
 
 Then many tasks wait at once: ``e2e_defer_many`` maps one task ``PGLOCK_E2E_WAITERS`` ways
-(default 48, to stay near a minute on two cores; the issue's case is 200:
-``PGLOCK_E2E_WAITERS=200``), each deferred on a key the test holds, then released.
+(default 48, about two minutes for the module on two cores; the issue's case is 200:
+``PGLOCK_E2E_WAITERS=200``: that test alone about two minutes), each deferred on a key the test holds, then released.
+
+The event loop. The trigger runner runs under ``devtools/loopprobe``, which records every
+callback over 50 ms (wall, CPU, garbage collection), every stall Airflow's watchdog would
+see, and every long collection. Both tests fail on any step of airflow-pglock's code (its
+triggers' steps, the wake-up hub's) over 0.1 s, GC excluded. The triggerer's own
+"async thread was blocked" warning fails the first test (a few waiting tasks) outright.
+With many waiting tasks a warning fails the second test unless the probe saw that stall
+and none of ours caused it; it is printed with the probe's records. Measured with 200
+(docs/benchmarks.md, section 9): such warnings come from the triggerer's first full
+garbage collection (0.2 s of CPU, up to 1 s on a loaded machine) and, with Airflow's own
+DateTimeSensorAsync, from its triggers' blocking log writes.
 """
 
 from __future__ import annotations
 
+import datetime as dt
+import json
 import os
 import shutil
 import time
@@ -31,6 +43,7 @@ from airflow_pglock.keys import LockKey
 from airflow_pglock.liveness import Liveness
 from devtools.pgcluster import Cluster, free_port
 from tests.conftest import AIRFLOW_HOME
+from tests.e2e import loop_check
 from tests.e2e.deployment import Deployment
 
 pytestmark = [pytest.mark.slow, pytest.mark.airflow]
@@ -58,8 +71,15 @@ def deployment(clusters: tuple[Cluster, Cluster]) -> Iterator[Deployment]:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier("meta_defer")))
     with psycopg.connect(locks.dsn, autocommit=True) as conn:
         conn.execute("CREATE TABLE e2e_defer_runs (task_id text, at timestamptz DEFAULT clock_timestamp())")
-    env = {"AIRFLOW_CONN_POSTGRES_DEFAULT": locks.dsn, "PGLOCK_E2E_DSN": locks.dsn, "PGLOCK_E2E_WAITERS": str(WAITERS)}
     home = AIRFLOW_HOME / "e2e-defer"
+    env = {
+        "AIRFLOW_CONN_POSTGRES_DEFAULT": locks.dsn,
+        "PGLOCK_E2E_DSN": locks.dsn,
+        "PGLOCK_E2E_WAITERS": str(WAITERS),
+        # The trigger runner's event loop under devtools/loopprobe: what ran when it stalled.
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(loop_check.PROBE), os.environ.get("PYTHONPATH")])),
+        "PGLOCK_LOOP_PROBE": str(home / "loopprobe.jsonl"),
+    }
     d = Deployment("D", home, metadata.dsn_for("meta_defer"), free_port(), DAGS, env)
     d.home.mkdir(parents=True)
     migrated = d.airflow("db", "migrate")
@@ -137,7 +157,7 @@ def test_deferred_tasks_wait_in_the_triggerer_and_resume_after_the_release(
         time.sleep(3)
         states = _states(deployment)
         assert states["after_holder"] == "deferred" and states["sensor"] == "deferred", states
-        released_at = time.monotonic()
+        released_at, released_wall = time.monotonic(), time.time()
         waiting.release()  # announced in the unlock statement: the triggerer wakes the waiters
         states = _wait_for(
             deployment,
@@ -153,10 +173,21 @@ def test_deferred_tasks_wait_in_the_triggerer_and_resume_after_the_release(
     assert runs == [("after_holder",)]  # exactly once, triggerer crash and database restart included
     log = deployment.logs("triggerer", tail=10**7)
     assert "Starting the triggerer" in log or "triggerer" in log.lower()
-    assert BLOCKED_WARNING not in log, [line for line in log.splitlines() if BLOCKED_WARNING in line]
+    _check_the_loop(deployment, warnings_allowed=False)  # a few waiting tasks: no warning at all
     # The triggers' own lines go to the tasks' logs (the trigger part of each attempt's log).
     task_logs = "".join(path.read_text(errors="replace") for path in (deployment.home / "logs").rglob("*.log*"))
     assert "pglock waiting: key 'e2e/defer'" in task_logs
+    # Not a resume latency (benchmarks/triggerer.py measures that): the triggers of the killed
+    # triggerer start again only once Airflow finds it dead; when they did, from the tasks' logs:
+    starts = sorted(
+        round(
+            dt.datetime.fromisoformat(json.loads(line)["timestamp"].replace("Z", "+00:00")).timestamp() - released_wall,
+            1,
+        )
+        for line in task_logs.splitlines()
+        if "pglock waiting: key 'e2e/defer'" in line and line.startswith("{")
+    )
+    print(f"e2e defer: triggers of 'e2e/defer' started at {starts} s from the release")
     assert "pglock deferred: " in task_logs and "other deployment" in task_logs
 
 
@@ -164,6 +195,27 @@ def _blocked_lines(d: Deployment) -> list[str]:
     """Each "async thread was blocked" warning of the triggerer, with the 12 log lines before it."""
     lines = d.logs("triggerer", tail=10**7).splitlines()
     return ["\n".join(lines[max(0, i - 12) : i + 1]) for i, line in enumerate(lines) if BLOCKED_WARNING in line]
+
+
+def _check_the_loop(d: Deployment, *, warnings_allowed: bool) -> None:
+    """airflow-pglock's code never blocks the triggerer's loop; each warning the triggerer logs has a named cause.
+
+    With ``warnings_allowed`` a warning may remain when the probe shows that the loop was
+    stalled by something else (the garbage collector, Airflow's own coroutines, a busy machine):
+    it is printed with the probe's records, never ignored silently.
+    """
+    records = loop_check.read(d.home / "loopprobe.jsonl")
+    ours = loop_check.our_slow_steps(records, ["e2e_defer", "e2e_defer_many"])
+    assert ours == [], "airflow-pglock blocked the triggerer's loop:\n" + "\n".join(json.dumps(r) for r in ours)
+    blocked = _blocked_lines(d)
+    stalls = [r for r in records if r["kind"] == "stall"]
+    if blocked:
+        print(f"triggerer warnings ({len(blocked)}), none from airflow-pglock's code:", *blocked, sep="\n")
+        print("what the loop probe saw:\n" + loop_check.report(records))
+    if not warnings_allowed:
+        assert blocked == [], "\n\n".join(blocked) + "\n" + loop_check.report(records)
+    unseen = "a warning the probe did not see: its cause is unknown\n"
+    assert len(stalls) >= len(blocked), unseen + loop_check.report(records)
 
 
 @pytest.mark.timeout(240 + 3 * WAITERS)  # each mapped task starts twice (defers, resumes): ~1 s each on 2 cores
@@ -206,5 +258,4 @@ def test_many_deferred_tasks_share_one_connection_and_never_block_the_triggerer(
     with psycopg.connect(locks.dsn, autocommit=True) as conn:
         runs = conn.execute("SELECT task_id FROM e2e_defer_runs WHERE task_id LIKE 'many/%'").fetchall()
     assert sorted(row[0] for row in runs) == sorted(f"many/{index}" for index in range(WAITERS))  # each once
-    blocked = _blocked_lines(deployment)
-    assert blocked == [], "\n\n".join(blocked)
+    _check_the_loop(deployment, warnings_allowed=True)

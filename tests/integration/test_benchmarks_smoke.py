@@ -109,4 +109,5 @@ def test_quick_wakeups_section(tmp_path: Path) -> None:
     assert "(10 of 10 fired `free`)" in text
     assert "Target: at most 2 connections: **met** (1)." in text
     assert "| Connections of 10 waiting triggers | <= 2 | 1 | met |" in text  # in the summary
-    assert "| Deferred wait woken after a provider release (trigger p95) | <= 1 s |" in text
+    summary_row = "| Deferred wait woken after a provider release (trigger p95; the resumed task: section 9) | <= 1 s |"
+    assert summary_row in text

@@ -1,0 +1,397 @@
+"""Deferred tasks in a real Airflow 3 deployment: resume latency, and many waiting tasks in one triggerer.
+
+    .venv/bin/python -m benchmarks.triggerer --out /tmp/t.md [--write docs/benchmarks.md] [--tuned]
+        [--resumes 20] [--herd 200 [--herd-airflow] [--probe]]
+
+One deployment (api-server, scheduler with LocalExecutor, dag-processor, ``airflow
+triggerer``; Airflow 3) on a throwaway PostgreSQL cluster: its metadata database and the
+lock database. The DAGs are in ``benchmarks/triggerer_dags``.
+
+* **Resume latency** (``bench_resume``): ``--resumes`` mapped tasks defer on keys the
+  benchmark holds with ``AdvisoryLockHook`` (a provider release, announced). The keys are
+  released one at a time, each after the previous task finished, so every sample is a
+  task resuming alone. Each sample is split at: the release (``time.time()`` just before
+  the unlock), the trigger's event (the triggerer's "Trigger fired event" line in the
+  task's log), the task instance's ``scheduled_dttm`` (the triggerer wrote the event),
+  ``queued_dttm`` (the scheduler queued it) and the moment the resumed function started
+  (a row it inserts, ``clock_timestamp()``). All on one machine's clock. Between two
+  samples the benchmark sleeps 1-2 s at random, so the releases fall at any phase of the
+  triggerer's and the scheduler's once-a-second loops.
+* **Many waiting tasks** (``--herd``): the same number of mapped tasks wait in the
+  triggerer twice: on airflow-pglock keys that one plain session holds and then releases
+  at once (``bench_herd_pglock``), and on Airflow's own ``DateTimeSensorAsync`` all
+  waiting for the same moment (``bench_herd_airflow``, the baseline). For each, the
+  triggerer's "async thread was blocked" warnings and, with ``--probe``, what the event
+  loop ran when it stalled (``devtools/loopprobe``).
+
+``--tuned`` sets what a user can set to shorten the scheduler's part:
+``[scheduler] scheduler_idle_sleep_time = 0.1`` (default 1 s). The triggerer's own
+loops (the runner's 1 s sync, the supervisor's 1 s service) are not configurable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import functools
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.stats import percentile  # noqa: E402
+from devtools.pgcluster import Cluster, free_port  # noqa: E402
+from tests.e2e.deployment import Deployment  # noqa: E402
+
+DAGS = Path(__file__).parent / "triggerer_dags"
+PROBE_DIR = ROOT / "devtools" / "loopprobe"
+BLOCKED = "async thread was blocked"
+TUNED = {"AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "0.1"}
+
+
+@dataclass
+class Sample:
+    release: float
+    event: float | None
+    scheduled: float | None
+    queued: float | None
+    started: float | None
+
+    def parts(self) -> dict[str, float | None]:
+        def gap(a: float | None, b: float | None) -> float | None:
+            return None if a is None or b is None else b - a
+
+        return {
+            "release -> trigger event": gap(self.release, self.event),
+            "event -> scheduled": gap(self.event, self.scheduled),
+            "scheduled -> queued": gap(self.scheduled, self.queued),
+            "queued -> function starts": gap(self.queued, self.started),
+            "release -> function starts": gap(self.release, self.started),
+        }
+
+
+@dataclass
+class Herd:
+    trigger: str
+    waiters: int
+    seconds_to_defer_all: float
+    seconds_release_to_all_done: float
+    blocked: list[str] = field(default_factory=list)
+    probe: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _wait(what: str, done: Callable[[], bool], timeout: float, d: Deployment) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if done():
+            return
+        d.check_alive()
+        time.sleep(0.1)
+    raise AssertionError(f"{what}: not after {timeout} s\n{d.logs('triggerer')}")
+
+
+def _states(d: Deployment, dag_id: str, task_id: str) -> dict[int, str | None]:
+    rows = d.query("SELECT map_index, state FROM task_instance WHERE dag_id = %s AND task_id = %s", [dag_id, task_id])
+    return {int(row[0]): row[1] for row in rows}
+
+
+def _fired_at(d: Deployment, dag_id: str, map_index: int) -> float | None:
+    """When the triggerer logged "Trigger fired event" for this task (from the task's log)."""
+    for path in (d.home / "logs" / f"dag_id={dag_id}").rglob(f"map_index={map_index}/*.log"):
+        for line in path.read_text(errors="replace").splitlines():
+            if "Trigger fired event" not in line:
+                continue
+            with contextlib.suppress(ValueError):
+                stamp = json.loads(line).get("timestamp")
+                if stamp:
+                    return dt.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    return None
+
+
+def _log_size(path: Path) -> int:
+    return path.stat().st_size if path.exists() else 0
+
+
+def _read_from(path: Path, offset: int) -> str:
+    if not path.exists():
+        return ""
+    with open(path, "rb") as handle:
+        handle.seek(offset)
+        return handle.read().decode(errors="replace")
+
+
+def measure_resumes(d: Deployment, locks_dsn: str, count: int) -> list[Sample]:
+    from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+    from airflow_pglock.liveness import Liveness
+
+    hook = AdvisoryLockHook(dsn=locks_dsn, liveness=Liveness(lease=600))
+    held = []
+    for index in range(count):
+        lock = hook.try_acquire(f"bench/resume/{index}", application_name="bench holder")
+        assert lock is not None
+        held.append(lock)
+    triggered = d.airflow("dags", "trigger", "bench_resume", timeout=120)
+    assert triggered.returncode == 0, triggered.stderr[-2000:]
+    _wait(
+        f"{count} deferred",
+        lambda: list(_states(d, "bench_resume", "resume").values()).count("deferred") == count,
+        60 + 10 * count,
+        d,
+    )
+    time.sleep(3)
+    released: list[float] = []
+    for index, lock in enumerate(held):
+        released.append(time.time())
+        lock.release()
+        done = functools.partial(lambda i: _states(d, "bench_resume", "resume").get(i) == "success", index)
+        _wait(f"task {index} resumed", done, 120, d)
+        print(f"resume {index}: done {time.time() - released[-1]:.1f} s after the release", flush=True)
+        time.sleep(1 + random.random())  # a random phase against the triggerer's and the scheduler's loops
+    rows = d.query(
+        "SELECT map_index, extract(epoch from scheduled_dttm), extract(epoch from queued_dttm)"
+        " FROM task_instance WHERE dag_id = 'bench_resume'"
+    )
+    times = {int(r[0]): (float(r[1]) if r[1] else None, float(r[2]) if r[2] else None) for r in rows}
+    with psycopg.connect(locks_dsn, autocommit=True) as conn:
+        started = dict(
+            conn.execute(
+                "SELECT map_index, extract(epoch from at)::float8 FROM bench_started WHERE dag_id = 'bench_resume'"
+            ).fetchall()
+        )
+    return [
+        Sample(released[i], _fired_at(d, "bench_resume", i), times[i][0], times[i][1], started.get(i))
+        for i in range(count)
+    ]
+
+
+def _probe_records(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def measure_herd(d: Deployment, locks_dsn: str, count: int, trigger: str, probe: Path, defer_estimate: float) -> Herd:
+    d.restart("triggerer")  # each herd in a triggerer process of its own, started afresh
+    time.sleep(5)
+    log, log_at, probe_at = d.home / "triggerer.log", _log_size(d.home / "triggerer.log"), _log_size(probe)
+    dag_id = f"bench_herd_{trigger}"
+    started = time.monotonic()
+    holder = psycopg.connect(locks_dsn, autocommit=True, application_name="bench foreign holder")
+    release_at = 0.0
+    try:
+        if trigger == "pglock":
+            from airflow_pglock.keys import LockKey
+
+            for index in range(count):
+                holder.execute("SELECT pg_advisory_lock(%s)", [LockKey.from_name(f"bench/herd/{index}").numbers[0]])
+            triggered = d.airflow("dags", "trigger", dag_id, timeout=120)
+        else:
+            release_at = time.time() + defer_estimate
+            moment = dt.datetime.fromtimestamp(release_at, dt.timezone.utc).isoformat()
+            triggered = d.airflow("dags", "trigger", dag_id, "--conf", json.dumps({"release_at": moment}), timeout=120)
+        assert triggered.returncode == 0, triggered.stderr[-2000:]
+
+        def deferred() -> int:
+            return list(_states(d, dag_id, "wait").values()).count("deferred")
+
+        _wait(f"{count} {trigger} tasks deferred", lambda: deferred() == count, 60 + 5 * count, d)
+        defer_all = time.monotonic() - started
+        print(f"herd {trigger}: {count} deferred after {defer_all:.0f} s", flush=True)
+        if trigger == "pglock":
+            time.sleep(10)  # all waiting: the steady state
+            released = time.monotonic()
+            holder.execute("SELECT pg_advisory_unlock_all()")
+        else:
+            assert time.time() < release_at, f"the moment passed before all {count} deferred: raise the estimate"
+            released = time.monotonic() + (release_at - time.time())
+        _wait(
+            f"{count} {trigger} tasks done",
+            lambda: set(_states(d, dag_id, "wait").values()) == {"success"},
+            120 + 5 * count,
+            d,
+        )
+        done = time.monotonic() - released
+        print(f"herd {trigger}: all done {done:.0f} s after the release", flush=True)
+    finally:
+        holder.close()
+    time.sleep(3)
+    blocked = [line for line in _read_from(log, log_at).splitlines() if BLOCKED in line]
+    return Herd(trigger, count, defer_all, done, blocked, _probe_records(_read_from(probe, probe_at)))
+
+
+@contextlib.contextmanager
+def deployment(tuned: bool, resumes: int, herd: int, probe: Path | None) -> Iterator[tuple[Deployment, str]]:
+    with Cluster() as cluster:
+        with psycopg.connect(cluster.dsn, autocommit=True) as conn:
+            for name in ("bench_meta", "bench_locks"):
+                conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        locks_dsn = cluster.dsn_for("bench_locks")
+        with psycopg.connect(locks_dsn, autocommit=True) as conn:
+            conn.execute(
+                "CREATE TABLE bench_started (dag_id text, map_index int, at timestamptz DEFAULT clock_timestamp())"
+            )
+        env = {
+            "AIRFLOW_CONN_POSTGRES_DEFAULT": locks_dsn,
+            "PGLOCK_BENCH_DSN": locks_dsn,
+            "PGLOCK_BENCH_RESUMES": str(resumes),
+            "PGLOCK_BENCH_HERD": str(herd),
+            **(TUNED if tuned else {}),
+        }
+        if probe is not None:
+            env["PYTHONPATH"] = os.pathsep.join([str(PROBE_DIR), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+            env["PGLOCK_LOOP_PROBE"] = str(probe)
+            if os.environ.get("PGLOCK_LOOP_PROBE_FREEZE"):
+                env["PGLOCK_LOOP_PROBE_FREEZE"] = "1"
+        home = Path(tempfile.mkdtemp(prefix="pglock-bench-triggerer-"))
+        d = Deployment("bench", home, cluster.dsn_for("bench_meta"), free_port(), DAGS, env)
+        migrated = d.airflow("db", "migrate")
+        assert migrated.returncode == 0, migrated.stderr[-3000:]
+        try:
+            d.start_api_server()
+            d.start_scheduling()
+            d.start_triggerer()
+            _wait("DAGs parsed", lambda: len(d.query("SELECT dag_id FROM dag")) >= 3, 180, d)
+            yield d, locks_dsn
+        finally:
+            d.stop()
+            if os.environ.get("PGLOCK_BENCH_KEEP"):
+                print(f"kept {home}")
+            else:
+                shutil.rmtree(home, ignore_errors=True)
+
+
+def resume_table(samples: list[Sample]) -> str:
+    rows = ["| part | p50 | p95 | max | n |", "|---|---|---|---|---|"]
+    names = list(samples[0].parts()) if samples else []
+    for name in names:
+        values = [v for s in samples if (v := s.parts()[name]) is not None]
+        rows.append(
+            f"| {name} | {percentile(values, 50):.2f} s | {percentile(values, 95):.2f} s"
+            f" | {max(values, default=float('nan')):.2f} s | {len(values)} |"
+        )
+    return "\n".join(rows)
+
+
+def _ours(group: str) -> bool:
+    return group.startswith(("trigger bench_herd_pglock", "WakeupHub."))
+
+
+def herd_row(h: Herd) -> list[str]:
+    """One row: what the triggerer warned, and what the loop probe says ran meanwhile."""
+    stalls = [r for r in h.probe if r["kind"] == "stall"]
+    gcs = [r["seconds"] for r in h.probe if r["kind"] == "gc" and r["generation"] == 2]
+    slow = [r for r in h.probe if r["kind"] == "slow_callback"]
+    ours_step = max((r["wall"] - r["gc"] for r in slow if _ours(r["group"])), default=0.0)
+    turns = [r for r in h.probe if r["kind"] == "slow_iteration"]
+    ours_turn = max((sum(g[2] - g[3] for g in r["by_group"] if _ours(g[0])) for r in turns), default=0.0)
+    worst = max(stalls, key=lambda r: r["wall"], default=None)
+    culprit = max(slow, key=lambda r: r["wall"], default=None)
+    seconds = ", ".join(
+        line.split("blocked for ")[1].split(" seconds")[0] for line in h.blocked if "blocked for " in line
+    )
+    stall = "-" if worst is None else f"{worst['wall']:.2f} s / {worst['main_thread_cpu']:.2f} s"
+    return [
+        'airflow-pglock (`on_busy="defer"`)' if h.trigger == "pglock" else "Airflow's `DateTimeSensorAsync`",
+        f"{h.waiters}",
+        f"{len(h.blocked)}" + (f" ({seconds} s)" if seconds else ""),
+        stall if worst is None else f"{stall} (load {worst['loadavg'][0]:.1f})",
+        "-" if culprit is None else f"{culprit['wall']:.2f} s, GC {culprit['gc']:.2f} s: `{culprit['group']}`",
+        f"{len(gcs)}" + (f" (longest {max(gcs):.2f} s)" if gcs else ""),
+        f"{ours_step * 1000:.0f} ms / {ours_turn * 1000:.0f} ms" if h.trigger == "pglock" else "-",
+    ]
+
+
+def herd_table(herds: list[Herd]) -> str:
+    header = [
+        "waiting tasks",
+        "n",
+        "triggerer warnings 'async thread was blocked'",
+        "longest stall: wall / loop thread CPU",
+        "slowest callback on the loop",
+        "full garbage collections",
+        "airflow-pglock's code, GC excluded: slowest step over 50 ms / share of a turn over 150 ms",
+    ]
+    rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows += ["| " + " | ".join(herd_row(h)) + " |" for h in herds]
+    return "\n".join(rows)
+
+
+def herd_summary(h: Herd) -> str:
+    lines = [
+        f"{h.trigger}: {h.waiters} tasks deferred in {h.seconds_to_defer_all:.0f} s, all done "
+        f"{h.seconds_release_to_all_done:.0f} s after the release; {len(h.blocked)} 'blocked' warnings",
+        *[f"  warning: {line.strip()[:200]}" for line in h.blocked],
+    ]
+    for record in h.probe:
+        if record["kind"] != "started":
+            lines.append("  " + json.dumps(record)[:3000])
+    return "\n".join(lines)
+
+
+def write_block(path: Path, tag: str, text: str) -> None:
+    """Replace the block between this run's markers in section 9 of ``path``, or append it at the end of the file."""
+    document = path.read_text()
+    begin, end = f"<!-- benchmarks/triggerer.py {tag} -->", f"<!-- /benchmarks/triggerer.py {tag} -->"
+    block = f"{begin}\n{text}\n{end}"
+    if begin in document:
+        head, rest = document.split(begin, 1)
+        document = head + block + rest.split(end, 1)[1]
+    else:
+        document = document.rstrip("\n") + "\n\n" + block + "\n"
+    path.write_text(document)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="a markdown report, with the raw records")
+    parser.add_argument("--write", type=Path, help="also write the tables into this file (docs/benchmarks.md)")
+    parser.add_argument("--tuned", action="store_true")
+    parser.add_argument("--resumes", type=int, default=10)
+    parser.add_argument("--herd", type=int, default=0)
+    parser.add_argument("--herd-airflow", action="store_true", help="also the DateTimeSensorAsync baseline")
+    parser.add_argument("--probe", action="store_true", help="run the triggerer under devtools/loopprobe")
+    args = parser.parse_args()
+    probe = Path(tempfile.mkdtemp(prefix="pglock-probe-")) / "probe.jsonl" if args.probe else None
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    out: list[str] = [
+        f"`.venv/bin/python -m benchmarks.triggerer {' '.join(sys.argv[1:])}`, {started}, "
+        f"load average {os.getloadavg()[0]:.2f} at start",
+    ]
+    raw: list[str] = []
+    with deployment(args.tuned, args.resumes, args.herd, probe) as (d, locks_dsn):
+        if args.resumes:
+            samples = measure_resumes(d, locks_dsn, args.resumes)
+            settings = ", ".join(f"{k}={v}" for k, v in TUNED.items()) if args.tuned else "Airflow's defaults"
+            out += ["", f"Resume after a provider release ({settings}):", "", resume_table(samples)]
+            raw.append(json.dumps([s.__dict__ for s in samples]))
+        herds = []
+        if args.herd:
+            herds.append(measure_herd(d, locks_dsn, args.herd, "pglock", probe or Path("/nonexistent"), 0))
+            if args.herd_airflow:
+                estimate = herds[0].seconds_to_defer_all * 1.5 + 30
+                herds.append(measure_herd(d, locks_dsn, args.herd, "airflow", probe or Path("/nonexistent"), estimate))
+            out += ["", "Many waiting tasks, each set in a triggerer started afresh:", "", herd_table(herds)]
+            raw += [herd_summary(h) for h in herds]
+    out.append(f"\nLoad average at the end: {os.getloadavg()[0]:.2f}.")
+    args.out.write_text("\n".join(out) + "\n\n" + "\n".join(raw) + "\n")
+    if args.write:
+        tag = ("tuned" if args.tuned else "default") + ("" if args.herd else " resume")
+        write_block(args.write, tag, "\n".join(out))
+    print("\n".join(out) + "\n\n" + "\n".join(raw))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""devtools/loopprobe names what blocked an event loop, and tests/e2e/loop_check tells ours from the rest.
+
+A real interpreter runs under the probe (as ``airflow triggerer`` does in tests/e2e): one
+task named as the triggerer names a trigger's task blocks the loop 0.3 s; another
+trigger's task and a plain coroutine stay quick. The e2e test's check must flag exactly
+the blocking trigger, so it can fail.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.e2e import loop_check
+
+SCRIPT = """
+import asyncio, time
+
+async def blocking_trigger():
+    await asyncio.sleep(0.05)
+    time.sleep(0.3)  # a synchronous call on the loop
+
+async def quick():
+    for _ in range(5):
+        await asyncio.sleep(0.02)
+
+async def main():
+    await asyncio.gather(
+        asyncio.create_task(blocking_trigger(), name="ours_dag/run_1/wait/0/1 (ID 1)"),
+        asyncio.create_task(quick(), name="other_dag/run_1/wait/0/1 (ID 2)"),
+        asyncio.create_task(quick()),
+    )
+    await asyncio.sleep(0.3)
+
+asyncio.run(main())
+"""
+
+
+def _run_probed(tmp_path: Path) -> list[loop_check.Record]:
+    out = tmp_path / "probe.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(loop_check.PROBE), "PGLOCK_LOOP_PROBE": str(out)}
+    subprocess.run([sys.executable, "-c", SCRIPT, "triggerer"], env=env, check=True, timeout=60)
+    return loop_check.read(out)
+
+
+def test_the_probe_names_the_blocking_trigger_and_its_stall(tmp_path: Path) -> None:
+    records = _run_probed(tmp_path)
+    slow = [r for r in records if r["kind"] == "slow_callback"]
+    assert [r["group"] for r in slow] == ["trigger ours_dag/wait"], slow
+    assert float(slow[0]["wall"]) >= 0.3 and float(slow[0]["cpu"]) < 0.1  # type: ignore[arg-type]  # a wait, not work
+    stalls = [r for r in records if r["kind"] == "stall"]
+    assert stalls and max(float(r["wall"]) for r in stalls) >= 0.3, records  # type: ignore[arg-type]
+
+
+def test_the_e2e_check_flags_our_blocking_step_and_nothing_else(tmp_path: Path) -> None:
+    records = _run_probed(tmp_path)
+    flagged = loop_check.our_slow_steps(records, ["ours_dag"])
+    assert flagged and all("ours_dag" in str(r) for r in flagged), flagged
+    assert loop_check.our_slow_steps(records, ["other_dag"]) == []  # the quick trigger is never blamed
