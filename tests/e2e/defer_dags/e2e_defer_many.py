@@ -1,6 +1,6 @@
 """Many deferred tasks at once in one real triggerer (tests/e2e/test_defer_triggerer.py).
 
-``wait`` is mapped ``PGLOCK_E2E_WAITERS`` ways (default 48; the issue's case is 200), each
+``wait`` is mapped ``PGLOCK_E2E_WAITERS`` ways (the test sets it: 200 in CI, 48 by default), each
 on its own key ``e2e/many/<i>``, which the test holds before it triggers the run: every
 mapped task defers, all their triggers wait in one triggerer, then the test releases the
 keys. Each run of a mapped task inserts a row: exactly one per index may exist.
