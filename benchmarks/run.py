@@ -5,7 +5,9 @@
 
 Starts its own PostgreSQL cluster, Redis server and (as root) network namespace, and
 stops them at the end. ``--sections`` picks a subset: overhead, imports, contention,
-recovery, scale, e2e, capacity, round_trips, wakeups.
+recovery, scale, e2e, capacity, round_trips, wakeups. What the run does not measure stays in
+the document it rewrites: the sections of ``benchmarks.many_keys`` and ``benchmarks.slots``,
+the real-deployment part of section 9 (``benchmarks.triggerer``), and any section left out.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from benchmarks import (  # noqa: E402
 )
 from benchmarks.machine import load, machine, versions  # noqa: E402
 from benchmarks.servers import servers  # noqa: E402
-from benchmarks.stats import progress, table  # noqa: E402
+from benchmarks.stats import keep_unmeasured, progress, table  # noqa: E402
 
 SECTIONS = ("overhead", "imports", "contention", "recovery", "scale", "e2e", "capacity", "round_trips", "wakeups")
 ALTERNATIVES = {"pals", "python-redis-lock"}
@@ -287,7 +289,10 @@ def write_document(
         if name in results:
             parts += [renderers[name](results[name]), ""]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(parts))
+    document = "\n".join(parts)
+    if path.exists():  # sections measured by their own scripts, or not in this run, stay
+        document = keep_unmeasured(path.read_text(), document)
+    path.write_text(document)
 
 
 def run(

@@ -109,3 +109,35 @@ def write_section(path: Path, heading: str, text: str) -> None:
     else:
         document = document.rstrip("\n") + "\n\n" + text
     path.write_text(document)
+
+
+def _split(text: str, level: str) -> tuple[str, list[tuple[str, str]]]:
+    """``text`` as (what precedes the first heading, [(heading line, the whole part)]) at ``level`` (``## ``)."""
+    parts = re.split(rf"(?m)^(?={re.escape(level)})", text)
+    head, rest = parts[0], parts[1:]
+    return head, [(part.split("\n", 1)[0].strip(), part) for part in rest]
+
+
+def keep_unmeasured(old: str, new: str) -> str:
+    """``new`` plus what ``old`` has that this run did not measure, so that a run never drops a section.
+
+    A ``## `` section of ``old`` missing from ``new`` is appended in its old order; a ``### ``
+    part of a section both have (e.g. the real-deployment measurements of ``benchmarks/triggerer.py``
+    under section 9) is appended to the end of the new section.
+    """
+    new_head, new_sections = _split(new, "## ")
+    _, old_sections = _split(old, "## ")
+    old_by_heading = dict(old_sections)
+    merged = []
+    for heading, part in new_sections:
+        if heading in old_by_heading:
+            _, new_subs = _split(part, "### ")
+            _, old_subs = _split(old_by_heading[heading], "### ")
+            present = {sub_heading for sub_heading, _ in new_subs}
+            extra = [sub for sub_heading, sub in old_subs if sub_heading not in present]
+            if extra:
+                part = part.rstrip("\n") + "\n\n" + "".join(extra)
+        merged.append(part)
+    present_headings = {heading for heading, _ in new_sections}
+    merged += [part for heading, part in old_sections if heading not in present_headings]
+    return new_head + "".join(part if part.endswith("\n") else part + "\n" for part in merged)
