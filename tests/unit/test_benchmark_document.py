@@ -16,7 +16,10 @@ def test_a_run_keeps_the_sections_and_parts_it_did_not_measure() -> None:
         "## Pools\n\nmeasured by benchmarks.slots\n\n"
         "## 9. Wake-ups\n\nold wake-ups\n\n### In a real deployment\n\n<!-- block -->\nkept\n<!-- /block -->\n"
     )
-    new = "# Benchmarks\n\nnew intro\n\n## Summary\n\nnew rows\n\n## 1. Overhead\n\nnew overhead\n\n### Profile\n\nnew profile\n\n## 9. Wake-ups\n\nnew wake-ups\n"
+    new = (
+        "# Benchmarks\n\nnew intro\n\n## Summary\n\nnew rows\n\n"
+        "## 1. Overhead\n\nnew overhead\n\n### Profile\n\nnew profile\n\n## 9. Wake-ups\n\nnew wake-ups\n"
+    )
 
     merged = keep_unmeasured(old, new)
 
