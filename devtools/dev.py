@@ -229,7 +229,8 @@ def main(argv: list[str]) -> int:
         env["PGLOCK_BENCH_COMMAND"] = " ".join(["python3 devtools/dev.py bench", *rest])
         return subprocess.call([python, "-m", "benchmarks.run", *rest], cwd=ROOT, env=env)
     if command == "lint":
-        ruff = subprocess.call([python, "-m", "ruff", "check", "airflow_pglock", "tests", "devtools", "dags", "benchmarks"], cwd=ROOT)
+        linted = ["airflow_pglock", "tests", "devtools", "dags", "benchmarks"]
+        ruff = subprocess.call([python, "-m", "ruff", "check", *linted], cwd=ROOT)
         mypy = subprocess.call([python, "-m", "mypy"], cwd=ROOT)
         return ruff or mypy
     if command == "matrix":
