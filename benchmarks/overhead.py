@@ -151,7 +151,7 @@ def build_variants(
         return run
 
     def hook_only() -> None:
-        with hook.session_lock(key, application_name=app) as held:
+        with hook.lock_without_heartbeat(key, application_name=app) as held:
             assert held is not None
 
     variants: dict[str, Callable[[], object]] = {"floor (raw psycopg)": floor, "LockGuard": guarded(hook, key)}

@@ -63,7 +63,7 @@ def _variants(
             assert handle is not None
 
     def session_lock() -> None:
-        with AdvisoryLockHook(dsn=dsn).session_lock(named, application_name=app) as held:
+        with AdvisoryLockHook(dsn=dsn).lock_without_heartbeat(named, application_name=app) as held:
             assert held is not None
 
     def try_acquire() -> None:

@@ -313,11 +313,11 @@ def test_shared_sensor_waits_only_for_exclusive_holders(dsn: str, hook: Advisory
         )
         return str(_run_trigger(trigger).payload["status"])
 
-    with hook.session_lock(key, shared=True) as reader:
+    with hook.lock_without_heartbeat(key, shared=True) as reader:
         assert reader is not None
         assert (exclusive.poke({}), shared.poke({})) == (False, True)  # type: ignore[arg-type]
         assert (trigger_says(False), trigger_says(True)) == ("timeout", "free")
-    with hook.session_lock(key) as writer:
+    with hook.lock_without_heartbeat(key) as writer:
         assert writer is not None
         assert (exclusive.poke({}), shared.poke({})) == (False, False)  # type: ignore[arg-type]
         assert (trigger_says(False), trigger_says(True)) == ("timeout", "timeout")

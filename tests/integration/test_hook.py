@@ -26,7 +26,7 @@ def test_sql_expression_equals_python(admin: Any, name: str) -> None:
 
 @pytest.mark.parametrize("key", [LockKey.from_name("coords"), LockKey.from_int(-5), LockKey.from_pair(-1, 2)])
 def test_pg_locks_coordinates_match_the_server(hook: AdvisoryLockHook, admin: Any, key: LockKey) -> None:
-    with hook.session_lock(key) as held:
+    with hook.lock_without_heartbeat(key) as held:
         assert held is not None
         [(pid, classid, objid, objsubid, granted)] = advisory_locks(admin)
         assert (classid, objid, objsubid) == key.pg_locks
@@ -47,7 +47,7 @@ def test_two_sessions_classic(hook: AdvisoryLockHook, admin: Any) -> None:
 
 def test_transaction_lock_released_by_commit(hook: AdvisoryLockHook, admin: Any) -> None:
     key = LockKey.from_pair(42, 1001)
-    with hook.transaction_lock(key) as held:
+    with hook.lock_without_heartbeat(key, mode="transaction") as held:
         assert held is not None
         assert hook.try_acquire(key) is None
     again = hook.try_acquire(key)
@@ -108,7 +108,7 @@ def test_a_bad_wait_timeout_is_refused_before_connecting(bad: object) -> None:
     down = AdvisoryLockHook(dsn=f"postgresql://postgres@127.0.0.1:{free_port()}/postgres", connect_timeout=2)
     with pytest.raises(LockConfigurationError, match=f"wait timeout must be a positive number of seconds, got {bad!r}"):
         down.acquire("k", timeout=bad)  # type: ignore[arg-type]
-    with pytest.raises(LockConfigurationError, match="wait timeout"), down.session_lock("k", timeout=bad):  # type: ignore[arg-type]
+    with pytest.raises(LockConfigurationError, match="wait timeout"), down.lock_without_heartbeat("k", timeout=bad):  # type: ignore[arg-type]
         pass
 
 
@@ -156,22 +156,22 @@ def test_release_after_the_connection_broke(hook: AdvisoryLockHook, admin: Any) 
 
 def test_session_lock_context_releases_on_error(hook: AdvisoryLockHook, admin: Any) -> None:
     key = LockKey.from_name("ctx-error")
-    with pytest.raises(RuntimeError), hook.session_lock(key) as held:
+    with pytest.raises(RuntimeError), hook.lock_without_heartbeat(key) as held:
         assert held is not None
         raise RuntimeError("work failed")
     assert advisory_locks(admin) == []
-    with hook.session_lock(key) as busy_free:
+    with hook.lock_without_heartbeat(key) as busy_free:
         assert busy_free is not None
-        with hook.session_lock(key) as busy:
+        with hook.lock_without_heartbeat(key) as busy:
             assert busy is None
 
 
 def test_transaction_lock_commits_and_rolls_back(hook: AdvisoryLockHook, admin: Any) -> None:
     admin.execute("DROP TABLE IF EXISTS tx_work; CREATE TABLE tx_work (n int)")
-    with hook.transaction_lock("tx-work") as held:
+    with hook.lock_without_heartbeat("tx-work", mode="transaction") as held:
         assert held is not None
         held.connection.execute("INSERT INTO tx_work VALUES (1)")
-    with pytest.raises(ValueError), hook.transaction_lock("tx-work") as held:
+    with pytest.raises(ValueError), hook.lock_without_heartbeat("tx-work", mode="transaction") as held:
         assert held is not None
         held.connection.execute("INSERT INTO tx_work VALUES (2)")
         raise ValueError("boom")
@@ -183,7 +183,7 @@ def test_transaction_lock_commits_and_rolls_back(hook: AdvisoryLockHook, admin: 
 def test_transaction_lock_refuses_to_pretend_an_aborted_commit_worked(hook: AdvisoryLockHook, admin: Any) -> None:
     with (
         pytest.raises(psycopg.errors.InFailedSqlTransaction, match="nothing was committed"),
-        hook.transaction_lock("aborted") as held,
+        hook.lock_without_heartbeat("aborted", mode="transaction") as held,
     ):
         assert held is not None
         with pytest.raises(psycopg.errors.DivisionByZero):
@@ -295,7 +295,7 @@ def test_a_short_role_statement_timeout_does_not_turn_busy_into_an_error(dsn: st
     holder = strict.try_acquire("statement-timeout")
     assert holder is not None
     assert strict.acquire("statement-timeout", timeout=0.5) is None  # busy after the wait, not QueryCanceled
-    with strict.transaction_lock("statement-timeout-2", timeout=0.5) as held:
+    with strict.lock_without_heartbeat("statement-timeout-2", mode="transaction", timeout=0.5) as held:
         assert held is not None
         # the role's statement_timeout is back after the wait
         assert held.connection.execute("SHOW statement_timeout").fetchone()[0] == "100ms"
@@ -313,7 +313,10 @@ def test_work_that_ends_the_lock_transaction_is_a_lost_lock(hook: AdvisoryLockHo
     ):
         assert lock.connection is not None
         lock.connection.execute("COMMIT")
-    with pytest.raises(psycopg.errors.NoActiveSqlTransaction), hook.transaction_lock("self-commit") as held:
+    with (
+        pytest.raises(psycopg.errors.NoActiveSqlTransaction),
+        hook.lock_without_heartbeat("self-commit", mode="transaction") as held,
+    ):
         assert held is not None
         held.connection.execute("ROLLBACK")
     assert advisory_locks(admin) == []

@@ -24,13 +24,13 @@ def installed(admin: Any) -> Any:
 
 def test_missing_tables_name_the_command(hook: AdvisoryLockHook, admin: Any) -> None:
     admin.execute("DROP SCHEMA IF EXISTS pglock CASCADE")
-    with hook.session_lock("no-tables") as held:
+    with hook.lock_without_heartbeat("no-tables") as held:
         assert held is not None
         with pytest.raises(LockConfigurationError, match="airflow-pglock init-db"):
             ledger.completion_for_period(held.connection, held.key, "2026-11-30")
         with pytest.raises(LockConfigurationError, match="airflow-pglock init-db"):
             ledger.issue_fencing_token(held.connection, held.key, "me")
-    with hook.transaction_lock("no-tables") as held:
+    with hook.lock_without_heartbeat("no-tables", mode="transaction") as held:
         assert held is not None
         with pytest.raises(LockConfigurationError, match="init-db"):
             ledger.last_completion(held.connection, held.key)
@@ -41,7 +41,7 @@ def test_missing_tables_name_the_command(hook: AdvisoryLockHook, admin: Any) -> 
 def test_tokens_only_grow_per_key_and_across_keys(hook: AdvisoryLockHook, installed: Any) -> None:
     tokens = []
     for name in ["fenced", "fenced", "other", "fenced"]:
-        with hook.session_lock(name) as held:
+        with hook.lock_without_heartbeat(name) as held:
             assert held is not None
             tokens.append(ledger.issue_fencing_token(held.connection, held.key, "test"))
     assert tokens == sorted(tokens) and len(set(tokens)) == 4
@@ -49,11 +49,11 @@ def test_tokens_only_grow_per_key_and_across_keys(hook: AdvisoryLockHook, instal
 
 
 def test_rolled_back_token_is_never_reissued(hook: AdvisoryLockHook, installed: Any) -> None:
-    with pytest.raises(RuntimeError), hook.transaction_lock("tx-fenced") as held:
+    with pytest.raises(RuntimeError), hook.lock_without_heartbeat("tx-fenced", mode="transaction") as held:
         assert held is not None
         rolled_back = ledger.issue_fencing_token(held.connection, held.key, "first")
         raise RuntimeError("work failed")
-    with hook.transaction_lock("tx-fenced") as held:
+    with hook.lock_without_heartbeat("tx-fenced", mode="transaction") as held:
         assert held is not None
         assert ledger.issue_fencing_token(held.connection, held.key, "second") > rolled_back
 
@@ -65,10 +65,10 @@ def test_stale_token_write_is_rejected_by_the_sql_helpers(hook: AdvisoryLockHook
         " EXECUTE FUNCTION pglock.reject_stale_fencing_token('refresh-forecasts')"
     )
     key = LockKey.from_name("refresh-forecasts")
-    with hook.session_lock(key) as held:
+    with hook.lock_without_heartbeat(key) as held:
         assert held is not None
         old = ledger.issue_fencing_token(held.connection, key, "old holder")
-    with hook.session_lock(key) as held:
+    with hook.lock_without_heartbeat(key) as held:
         assert held is not None
         new = ledger.issue_fencing_token(held.connection, key, "new holder")
     installed.execute("INSERT INTO forecasts VALUES (1, 20.5, %s)", [new])
@@ -85,7 +85,7 @@ def test_stale_token_write_is_rejected_by_the_sql_helpers(hook: AdvisoryLockHook
 
 def test_a_key_that_never_had_a_token_is_refused(hook: AdvisoryLockHook, installed: Any) -> None:
     """A token is valid only for a key that was issued one: a typo in the key name must not pass."""
-    with hook.session_lock("refresh-forecasts") as held:
+    with hook.lock_without_heartbeat("refresh-forecasts") as held:
         assert held is not None
         token = ledger.issue_fencing_token(held.connection, held.key, "holder")
     typo = "no fencing token was ever issued for lock key 'refresh-forecsts'"
@@ -113,7 +113,7 @@ def test_a_key_that_never_had_a_token_is_refused(hook: AdvisoryLockHook, install
 def test_completions_on_the_database_clock(hook: AdvisoryLockHook, installed: Any) -> None:
     key = LockKey.from_name("settle")
     identity = TaskIdentity("settlement", "settle", "scheduled__2026-11-30T02:00:00+00:00")
-    with hook.session_lock(key) as held:
+    with hook.lock_without_heartbeat(key) as held:
         assert held is not None
         assert ledger.completion_for_period(held.connection, key, "2026-11-30") is None
         ledger.record_completion(held.connection, key, "2026-11-30", identity, 7)
@@ -122,7 +122,7 @@ def test_completions_on_the_database_clock(hook: AdvisoryLockHook, installed: An
         assert 0 <= done.age_seconds < 60
         assert "by settlement/settle run scheduled__2026-11-30T02:00:00+00:00" in done.describe()
     installed.execute("UPDATE pglock.completions SET completed_at = now() - interval '2 hours'")
-    with hook.session_lock(key) as held:
+    with hook.lock_without_heartbeat(key) as held:
         assert held is not None
         latest = ledger.last_completion(held.connection, key)
         assert latest is not None and 7190 < latest.age_seconds < 7300

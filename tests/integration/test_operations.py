@@ -401,7 +401,9 @@ def test_hook_locks_name_the_provider_and_the_process(ops_db: str, capsys: Any) 
         assert "not an airflow-pglock session" not in table.out
     finally:
         held.release()
-    with AdvisoryLockHook(dsn=ops_db).session_lock("explicit", application_name="billing close-month") as named:
+    with AdvisoryLockHook(dsn=ops_db).lock_without_heartbeat(
+        "explicit", application_name="billing close-month"
+    ) as named:
         assert named is not None
         [entry] = run_cli("locks", "--dsn", ops_db, "--key", "explicit", "--output", "json", capsys=capsys).json()[
             "locks"
@@ -541,7 +543,7 @@ def test_doctor_strict_passes_the_least_privilege_role_of_the_how_to(ops_dsn: st
         conn.execute(statements.replace("'...'", "'lp-secret'"))  # type: ignore[arg-type]  # the how-to's SQL
     role_dsn = with_user(ops_dsn, role)
     try:
-        with AdvisoryLockHook(dsn=role_dsn).session_lock("least-privilege") as held:  # "that is enough"
+        with AdvisoryLockHook(dsn=role_dsn).lock_without_heartbeat("least-privilege") as held:  # "that is enough"
             assert held is not None
         ready = run_cli("doctor", "--dsn", role_dsn, "--strict", "--output", "json", capsys=capsys)
         assert ready.code == 0, ready.out
