@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -285,6 +286,20 @@ def record_key_name(
             return None
         row = conn.execute(statement, params).fetchone()
     return list(row[0]) if row else []
+
+
+def record_key_name_statement(conn: psycopg.Connection[Any], key: LockKey, recorded_by: str | None) -> bytes:
+    """:func:`record_key_name`'s write with its values in it, for a pipeline (``lock_session.pipelined``);
+    its one value is the other names as a JSON array (:func:`other_names_from`)."""
+    statement = sql.SQL("WITH {names} SELECT array_to_json(names)::text FROM other_names").format(
+        names=_recorded_names(_registry_table())
+    )
+    return psycopg.ClientCursor(conn).mogrify(statement, _name_params(key, recorded_by)).encode()
+
+
+def other_names_from(value: bytes | None) -> list[str]:
+    """The other names in the answer to :func:`record_key_name_statement`."""
+    return [str(name) for name in json.loads(value)] if value else []
 
 
 @dataclass(frozen=True)
