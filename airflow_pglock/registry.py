@@ -111,8 +111,10 @@ class PendingName:
     def _statement(self) -> bytes:
         return record_key_name_statement(self.held.connection, self.held.key, self.application_name)
 
-    def _report(self, result: psycopg.pq.abc.PGresult | None) -> None:
+    def _report(self, result: psycopg.pq.abc.PGresult | BaseException | None) -> None:
         try:
+            if isinstance(result, BaseException):
+                raise result
             if result is None:
                 raise psycopg.OperationalError("no answer")
             if result.status != psycopg.pq.ExecStatus.TUPLES_OK:
@@ -143,7 +145,11 @@ class PendingName:
             idle = conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
             if conn.pgconn.pipeline_status != psycopg.pq.PipelineStatus.OFF or not idle or not self._claim("heartbeat"):
                 return True
-            answers = pipelined(conn, [self._statement()], deadline)
+            try:
+                answers = pipelined(conn, [self._statement()], deadline)
+            except psycopg.Error as error:  # the session broke: said here, the loss by the heartbeat
+                self._report(error)
+                raise
             if answers is None:
                 before_giving_up()
                 conn.close()  # the write is still in flight: this connection can never be used again
@@ -165,7 +171,11 @@ class PendingName:
             _report(self.held.key, RuntimeError("the work left a transaction open on the lock connection"), self.logger)
             self.written.set()
             return self.held.unlock_checked()
-        still_held, result = self.held.unlock_after(self._statement())
+        try:
+            still_held, result = self.held.unlock_after(self._statement())
+        except psycopg.Error as error:  # the session broke: said here, the loss by the caller
+            self._report(error)
+            raise
         self._report(result)
         return still_held
 
