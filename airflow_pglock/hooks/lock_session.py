@@ -13,9 +13,11 @@ import contextlib
 import dataclasses
 import datetime as dt
 import logging
+import os
 import select
+import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -458,6 +460,32 @@ def _ready(pgconn: psycopg.pq.abc.PGconn, events: int, deadline: float) -> bool:
     return bool(poller.poll(remaining * 1000))
 
 
+@contextlib.contextmanager
+def _corked(fd: int) -> Iterator[None]:
+    """Hold back what is written to a TCP socket (Linux ``TCP_CORK``) until the block ends, so
+    that statements flushed one by one leave in one flight. Elsewhere (no ``TCP_CORK``, a
+    Unix-domain socket) nothing is held back: the statements may then take a flight each."""
+    cork = getattr(socket, "TCP_CORK", None)
+    if cork is None:
+        yield
+        return
+    sock = socket.socket(fileno=os.dup(fd))  # the same socket; closing the duplicate leaves it open
+    try:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, cork, 1)
+            corked = True
+        except OSError:
+            corked = False
+        try:
+            yield
+        finally:
+            if corked:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.IPPROTO_TCP, cork, 0)  # sends what was held back
+    finally:
+        sock.close()
+
+
 def pipelined(
     conn: psycopg.Connection[Any], statements: list[bytes], deadline: float
 ) -> list[psycopg.pq.abc.PGresult | None] | None:
@@ -472,12 +500,13 @@ def pipelined(
     pgconn = conn.pgconn
     pgconn.enter_pipeline_mode()
     try:
-        for statement in statements:
-            pgconn.send_query_params(statement, None)
-            pgconn.pipeline_sync()
-        while pgconn.flush() != 0:
-            if not _ready(pgconn, select.POLLOUT, deadline):
-                return None
+        with _corked(pgconn.socket):  # libpq < 17 flushes at each Sync: held back, sent as one
+            for statement in statements:
+                pgconn.send_query_params(statement, None)
+                pgconn.pipeline_sync()
+            while pgconn.flush() != 0:
+                if not _ready(pgconn, select.POLLOUT, deadline):
+                    return None
         answers: list[psycopg.pq.abc.PGresult | None] = []
         last: psycopg.pq.abc.PGresult | None = None
         while len(answers) < len(statements):
