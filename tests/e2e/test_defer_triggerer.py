@@ -108,7 +108,21 @@ def _wait_for(d: Deployment, done: object, what: str) -> dict[str, str | None]:
             return states
         d.check_alive()
         time.sleep(0.5)
-    raise AssertionError(f"{what}: not reached after {DEADLINE_SECONDS} s: {_states(d)}\n{d.logs('triggerer')}")
+    raise AssertionError(f"{what}: not reached after {DEADLINE_SECONDS} s: {_states(d)}\n{_diagnosis(d)}")
+
+
+def _diagnosis(d: Deployment) -> str:
+    """What a stuck wait needs to be understood: the triggers and who runs them, the triggerers' heartbeats,
+    the task states of every DAG, and the triggerer's and the scheduler's logs."""
+    triggers = d.query("SELECT triggerer_id, count(*) FROM trigger GROUP BY triggerer_id")
+    jobs = d.query(
+        "SELECT id, state, latest_heartbeat, now() - latest_heartbeat FROM job WHERE job_type = 'TriggererJob'"
+    )
+    states = d.query("SELECT dag_id, state, count(*) FROM task_instance GROUP BY dag_id, state ORDER BY dag_id")
+    return (
+        f"triggers by triggerer_id: {triggers}\ntriggerer jobs: {jobs}\ntask states: {states}\n"
+        f"{d.logs('triggerer')}\n{d.logs('scheduler')}"
+    )
 
 
 def _hold(hook: AdvisoryLockHook, key: str) -> HeldLock:
