@@ -41,14 +41,9 @@ def finish_transaction(
 
 
 def finish_session(
-    held: HeldLock,
-    succeeded: bool,
-    record: Callable[[], bool],
-    describe_error: Callable[[psycopg.Error], str],
-    unlock: Callable[[], bool] | None = None,
+    held: HeldLock, succeeded: bool, record: Callable[[], bool], describe_error: Callable[[psycopg.Error], str]
 ) -> Finished:
-    """Session mode: record the completion (only while the key is held), then unlock (with
-    ``unlock()`` when given: e.g. the key-name registry's write in the same flight)."""
+    """Session mode: record the completion (only while the key is held), then unlock."""
     commit_error: BaseException | None = None
     lost: str | None = None
     if succeeded:
@@ -58,7 +53,7 @@ def finish_session(
         except (psycopg.Error, PgLockError) as error:
             commit_error = error
     try:
-        still_held = (unlock or held.unlock_checked)()
+        still_held = held.unlock_checked()
     except psycopg.Error as error:
         still_held = False
         lost = describe_error(error)

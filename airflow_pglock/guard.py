@@ -42,7 +42,7 @@ from airflow_pglock.keys import LockKey, slot_keys
 from airflow_pglock.lock_set import AnyKey, LockSet, SubLock
 from airflow_pglock.outcome import OutcomeContext, OutcomeLine
 from airflow_pglock.policy import LockPolicy, OnBusy, OnError, OnLost
-from airflow_pglock.registry import PendingName, record_acquisition_later
+from airflow_pglock.registry import record_acquisition
 from airflow_pglock.run_rules import RunRules, check_before_work, check_not_shared, record_success
 
 __all__ = ["LOST_SIGNAL", "LockGuard", "LockHandle", "LockPolicy", "OnBusy", "OnError", "OnLost"]
@@ -203,7 +203,6 @@ class LockGuard:
         self._started = 0.0
         self._wait_seconds = 0.0
         self._handle: LockHandle | None = None
-        self._pending: PendingName | None = None  # the key-name registry's write, until done
 
     @property
     def outcome(self) -> str | None:
@@ -233,15 +232,11 @@ class LockGuard:
         try:
             self._wait_seconds = time.monotonic() - self._started
             self._log_acquired(self.held)
-            # The optional key-name registry: its write (session mode) is done off the work's path.
-            self._pending = record_acquisition_later(self.held, self.application_name, self.log, self.policy.slots)
+            record_acquisition(self.held, self.application_name, self.log, self.policy.slots)  # optional registry
             if self.rules.active:
                 self.fencing_token = check_before_work(self.rules, self.held, self.application_name)
             self.interruption.arm(interrupt=self.policy.on_lost == "fail")
-            first_act = self._pending.write_aside if self._pending is not None else None
-            self._heartbeat = Heartbeat(
-                self.hook, self.held, self._lose, self.interruption.lost, self._stop, first_act=first_act
-            )
+            self._heartbeat = Heartbeat(self.hook, self.held, self._lose, self.interruption.lost, self._stop)
             self._heartbeat.start()
             self._handle = LockHandle(
                 self.held, lambda: self.lost, fencing_token=self.fencing_token, period=self.rules.period
@@ -308,8 +303,6 @@ class LockGuard:
         self.interruption.disarm()
         if self.held is not None:
             self.held.close()
-        if self._pending is not None:
-            self._pending.abandon()  # a write not done by now is said to be lost, not lost silently
 
     # ----------------------------------------------------------------- release
 
@@ -360,8 +353,7 @@ class LockGuard:
             if lost is None and held.scope == "transaction":
                 lost, commit_error = finish_transaction(held, exc_type is None, record, self._describe_error)
             elif lost is None and not held.connection.closed:
-                unlock = self._pending.unlock if self._pending is not None else None
-                lost, commit_error = finish_session(held, exc_type is None, record, self._describe_error, unlock)
+                lost, commit_error = finish_session(held, exc_type is None, record, self._describe_error)
             elif lost is None:
                 lost = loss.CLOSED_AT_RELEASE
         except BaseException as interrupted:  # an asynchronous exception during the clean-up

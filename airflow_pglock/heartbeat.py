@@ -26,10 +26,6 @@ from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook, HeldLock
 
 #: ``on_loss(reason, ask_server)``: the lock is lost; ``ask_server``: the server may tell more.
 OnLoss = Callable[[str, bool], None]
-#: ``first_act(deadline, before_giving_up)``: done on the lock connection before the first wait
-#: (the key-name registry's write, ``registry.PendingName.write_aside``); False: no answer by
-#: ``deadline`` (it called ``before_giving_up`` and closed the connection).
-FirstAct = Callable[[float, Callable[[], None]], bool]
 
 
 class Heartbeat:
@@ -50,10 +46,8 @@ class Heartbeat:
         on_loss: OnLoss,
         first_alarm: Callable[[str], None],
         stop: threading.Event,
-        first_act: FirstAct | None = None,
     ) -> None:
         self.hook = hook
-        self.first_act = first_act
         self.held = held
         self.on_loss = on_loss
         self.first_alarm = first_alarm
@@ -195,25 +189,6 @@ class Heartbeat:
 
         def no_answer() -> str:
             return loss.no_answer_reason(time.monotonic() - confirmed, held.server.server, liveness.lease)
-
-        if self.first_act is not None and not self.stop_event.is_set():
-            started = time.monotonic()
-            try:
-                answered = self.first_act(
-                    max(confirmed + liveness.loss_deadline, started + grace),
-                    lambda: self.first_alarm(no_answer()),  # interrupt, then close
-                )
-            except psycopg.Error as error:
-                if held.connection.closed or not loss.is_ordinary_error(getattr(error, "sqlstate", None)):
-                    self.on_loss(*self.describe_error(error))
-                    return
-                answered = True
-            except Exception as error:  # never let the heartbeat die silently
-                self.on_loss(f"the heartbeat failed ({type(error).__name__}: {error})", False)
-                return
-            if not answered:
-                self.on_loss(no_answer(), False)
-                return
 
         while True:
             try:

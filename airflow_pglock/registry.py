@@ -13,22 +13,12 @@ without it. What "a collision is reported" means:
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Callable
 from typing import Any
 
-import psycopg
 from psycopg.errors import InsufficientPrivilege
 
 from airflow_pglock.hooks.advisory_lock import HeldLock
-from airflow_pglock.hooks.lock_session import pipelined
-from airflow_pglock.hooks.schema import (
-    REGISTRY_NO_ACCESS,
-    REGISTRY_READY,
-    other_names_from,
-    record_key_name,
-    record_key_name_statement,
-)
+from airflow_pglock.hooks.schema import REGISTRY_NO_ACCESS, REGISTRY_READY, record_key_name
 from airflow_pglock.keys import LockKey
 
 log = logging.getLogger("airflow_pglock")
@@ -71,125 +61,6 @@ def record_acquisition(
             report(error)
         else:
             report(others or [])
-
-
-def record_acquisition_later(
-    held: HeldLock, application_name: str | None, logger: logging.Logger | Any = None, slots: int = 1
-) -> PendingName | None:
-    """As :func:`record_acquisition`, but the write (if any) is left for off the work's path.
-
-    Returns the pending write, or None when there is none (no name, no registry, no access:
-    the warning is logged now, as ever). Two cases write now, as :func:`record_acquisition`:
-    a transaction lock (in a savepoint: the work may use the connection inside its
-    transaction, and a write overlapping it could not stay out of it), and a slot of a pool
-    (``slots`` > 1: its write records the pool's size, and needs a second statement on a
-    registry older than version 4).
-    """
-    if held.scope == "transaction" or slots > 1 or held.key.name is None or held.registry != REGISTRY_READY:
-        record_acquisition(held, application_name, logger, slots)
-        return None
-    return PendingName(held, application_name, logger or log)
-
-
-class PendingName:
-    """The registry write of a session lock just taken: done exactly once, either by the
-    heartbeat thread as its first act (:meth:`write_aside`, overlapping the work) or, when
-    it had not, in the same flight as the unlock (:meth:`unlock`). Never raises an error
-    of its own: a failure is a warning in the task log, as with :func:`record_acquisition`."""
-
-    def __init__(self, held: HeldLock, application_name: str | None, logger: logging.Logger | Any) -> None:
-        self.held = held
-        self.application_name = application_name
-        self.logger = logger
-        self._claim_lock = threading.Lock()
-        #: who does the write: ``"heartbeat"``, ``"unlock"`` or ``"nobody"`` (connection closed first)
-        self.done_by: str | None = None
-        self.written = threading.Event()  # set once the outcome (recorded, or the warning) is logged
-        self.tried_aside = threading.Event()  # set once the heartbeat's first act is over, whatever it did
-
-    def _claim(self, by: str) -> bool:
-        with self._claim_lock:
-            if self.done_by is not None:
-                return False
-            self.done_by = by
-            return True
-
-    def _statement(self) -> bytes:
-        return record_key_name_statement(self.held.connection, self.held.key, self.application_name)
-
-    def _report(self, result: psycopg.pq.abc.PGresult | BaseException | None) -> None:
-        try:
-            if isinstance(result, BaseException):
-                raise result
-            if result is None:
-                raise psycopg.OperationalError("no answer")
-            if result.status != psycopg.pq.ExecStatus.TUPLES_OK:
-                raise psycopg.errors.error_from_result(result, encoding=self.held.connection.info.encoding)
-            outcome: list[str] | BaseException = other_names_from(result.get_value(0, 0))
-        except Exception as error:
-            outcome = error
-        _report(self.held.key, outcome, self.logger)
-        self.written.set()
-
-    def write_aside(self, deadline: float, before_giving_up: Callable[[], None]) -> bool:
-        """The heartbeat's first act: the write, if the connection is free now (the work is not
-        using it) and nobody did it yet. Returns False when the server did not answer by
-        ``deadline``: as a probe without answer, ``before_giving_up()`` is called, then the
-        connection closed. Raises ``psycopg.Error`` when the session broke."""
-        try:
-            return self._write_aside(deadline, before_giving_up)
-        finally:
-            self.tried_aside.set()
-
-    def _write_aside(self, deadline: float, before_giving_up: Callable[[], None]) -> bool:
-        conn = self.held.connection
-        if not conn.lock.acquire(blocking=False):
-            return True  # the work is using the connection: the release writes it
-        try:
-            if conn.closed:
-                raise psycopg.OperationalError("the lock connection is closed")
-            idle = conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
-            if conn.pgconn.pipeline_status != psycopg.pq.PipelineStatus.OFF or not idle or not self._claim("heartbeat"):
-                return True
-            try:
-                answers = pipelined(conn, [self._statement()], deadline)
-            except psycopg.Error as error:  # the session broke: said here, the loss by the heartbeat
-                self._report(error)
-                raise
-            if answers is None:
-                before_giving_up()
-                conn.close()  # the write is still in flight: this connection can never be used again
-        finally:
-            conn.lock.release()
-        if answers is None:
-            self._report(None)
-            return False
-        self._report(answers[0])
-        return True
-
-    def unlock(self) -> bool:
-        """Session scope: the unlock, with the write in the same flight when it is still to do."""
-        if not self._claim("unlock"):
-            return self.held.unlock_checked()
-        conn = self.held.connection
-        if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
-            # The work left a transaction open: a write now would join it. Said, not lost silently.
-            _report(self.held.key, RuntimeError("the work left a transaction open on the lock connection"), self.logger)
-            self.written.set()
-            return self.held.unlock_checked()
-        try:
-            still_held, result = self.held.unlock_after(self._statement())
-        except psycopg.Error as error:  # the session broke: said here, the loss by the caller
-            self._report(error)
-            raise
-        self._report(result)
-        return still_held
-
-    def abandon(self) -> None:
-        """The lock connection is closed without an unlock: a write still to do is reported as not done."""
-        if self._claim("nobody"):
-            _report(self.held.key, RuntimeError("the lock connection closed before the write"), self.logger)
-            self.written.set()
 
 
 def _report(key: LockKey, outcome: list[str] | BaseException, logger: logging.Logger | Any) -> None:

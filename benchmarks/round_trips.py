@@ -263,10 +263,6 @@ def render(result: RoundTripResult) -> str:
             "(a pooler's pid differs), `pg_is_in_recovery()` (a standby), `pg_postmaster_start_time()` and, for a "
             "named key, whether the key-name registry is installed, and which takes the lock only on a primary and, "
             "for a session lock, only on the session the handshake reported (or through a declared session pooler). "
-            "With the key-name registry installed (the row 'registry installed') the work still starts after the "
-            "floor's flights: the write is off its path, done by the heartbeat thread while the work runs (one more "
-            "flight, overlapping the work) or, when the work ends first or is using the connection, sent with the "
-            "unlock in the same flight (the floor's 5): the empty work measured here takes either way, as the "
-            "threads are scheduled.",
+            "Only an installed registry costs a flight: its write (the row 'registry installed').",
         ]
     )

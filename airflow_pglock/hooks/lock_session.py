@@ -9,15 +9,12 @@ the connection and checking the server is the hook's job (``advisory_lock.py``).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime as dt
 import logging
-import os
 import select
-import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -339,14 +336,6 @@ def unlock(conn: psycopg.Connection[Any], key: LockKey, *, shared: bool = False)
     return bool(row and row[0])
 
 
-def unlock_statement(conn: psycopg.Connection[Any], key: LockKey, *, shared: bool = False) -> bytes:
-    """:func:`unlock`'s statement with its values in it (for :func:`pipelined`)."""
-    statement = sql.SQL("{}, pg_notify({}, %s)").format(
-        _call(_function("pg_advisory_unlock", shared), key), sql.Literal(wakeups.RELEASED_CHANNEL)
-    )
-    return psycopg.ClientCursor(conn).mogrify(statement, [*key.numbers, wakeups.payload(key)]).encode()
-
-
 def is_held(conn: psycopg.Connection[Any], key: LockKey, shared: bool = False, xact_id: int | None = None) -> bool:
     """Whether this very session holds the key now (reads ``pg_locks``, takes nothing).
 
@@ -430,7 +419,10 @@ def results_before(pgconn: psycopg.pq.abc.PGconn, deadline: float) -> list[psyco
     """
 
     def ready(events: int) -> bool:
-        return _ready(pgconn, events, deadline)
+        remaining = max(0.0, deadline - time.monotonic())
+        poller = select.poll()
+        poller.register(pgconn.socket, events)
+        return bool(poller.poll(remaining * 1000))
 
     while pgconn.flush() != 0:
         if not ready(select.POLLOUT):
@@ -451,82 +443,6 @@ def results_before(pgconn: psycopg.pq.abc.PGconn, deadline: float) -> list[psyco
         if result is None:
             return results
         results.append(result)
-
-
-def _ready(pgconn: psycopg.pq.abc.PGconn, events: int, deadline: float) -> bool:
-    remaining = max(0.0, deadline - time.monotonic())
-    poller = select.poll()
-    poller.register(pgconn.socket, events)
-    return bool(poller.poll(remaining * 1000))
-
-
-@contextlib.contextmanager
-def _corked(fd: int) -> Iterator[None]:
-    """Hold back what is written to a TCP socket (Linux ``TCP_CORK``) until the block ends, so
-    that statements flushed one by one leave in one flight. Elsewhere (no ``TCP_CORK``, a
-    Unix-domain socket) nothing is held back: the statements may then take a flight each."""
-    cork = getattr(socket, "TCP_CORK", None)
-    if cork is None:
-        yield
-        return
-    sock = socket.socket(fileno=os.dup(fd))  # the same socket; closing the duplicate leaves it open
-    try:
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, cork, 1)
-            corked = True
-        except OSError:
-            corked = False
-        try:
-            yield
-        finally:
-            if corked:
-                with contextlib.suppress(OSError):
-                    sock.setsockopt(socket.IPPROTO_TCP, cork, 0)  # sends what was held back
-    finally:
-        sock.close()
-
-
-def pipelined(
-    conn: psycopg.Connection[Any], statements: list[bytes], deadline: float
-) -> list[psycopg.pq.abc.PGresult | None] | None:
-    """Run ``statements`` in one flight, each with its own Sync: an error in one affects no other.
-
-    The caller holds ``conn.lock`` and the connection is idle (no pipeline, no transaction
-    unless the statements are meant to run in it). Returns the last result of each statement
-    (an error result for one that failed), or None when the deadline passed first (the
-    connection is then unusable: the caller closes it). Raises ``OperationalError`` when the
-    connection broke.
-    """
-    pgconn = conn.pgconn
-    pgconn.enter_pipeline_mode()
-    try:
-        with _corked(pgconn.socket):  # libpq < 17 flushes at each Sync: held back, sent as one
-            for statement in statements:
-                pgconn.send_query_params(statement, None)
-                pgconn.pipeline_sync()
-            while pgconn.flush() != 0:
-                if not _ready(pgconn, select.POLLOUT, deadline):
-                    return None
-        answers: list[psycopg.pq.abc.PGresult | None] = []
-        last: psycopg.pq.abc.PGresult | None = None
-        while len(answers) < len(statements):
-            while pgconn.is_busy():
-                if not _ready(pgconn, select.POLLIN, deadline):
-                    return None
-                pgconn.consume_input()
-            result = pgconn.get_result()
-            if result is None:
-                continue
-            if result.status == psycopg.pq.ExecStatus.PIPELINE_SYNC:
-                answers.append(last)
-                last = None
-            else:
-                last = result
-        return answers
-    finally:
-        if pgconn.status == psycopg.pq.ConnStatus.OK and not pgconn.is_busy():
-            with contextlib.suppress(psycopg.Error):
-                pgconn.exit_pipeline_mode()
 
 
 @dataclass
@@ -658,26 +574,6 @@ class HeldLock:
     def unlock_checked(self) -> bool:
         """Session scope: unlock (the connection stays open); whether the key was still held."""
         return unlock(self.connection, self.key, shared=self.shared)
-
-    def unlock_after(self, before: bytes) -> tuple[bool, psycopg.pq.abc.PGresult | None]:
-        """Session scope: ``before`` and the unlock in one flight, each with its own Sync (an
-        error in ``before`` does not touch the unlock). Whether the key was still held, and
-        ``before``'s result. Raises as :meth:`unlock_checked` when the session ended."""
-        conn = self.connection
-        statement = unlock_statement(conn, self.key, shared=self.shared)
-        with conn.lock:
-            if conn.closed:
-                raise psycopg.OperationalError("the lock connection is closed")
-            answers = pipelined(conn, [before, statement], time.monotonic() + self.hook.liveness.loss_deadline)
-        if answers is None:
-            conn.close()
-            raise psycopg.OperationalError("the server did not answer the unlock in time")
-        before_result, unlocked = answers
-        if unlocked is None or unlocked.status != psycopg.pq.ExecStatus.TUPLES_OK:
-            if unlocked is None:
-                raise psycopg.OperationalError("no answer to the unlock")
-            raise psycopg.errors.error_from_result(unlocked, encoding=conn.info.encoding)
-        return unlocked.get_value(0, 0) == b"t", before_result
 
     def close(self) -> None:
         """Close the connection: the session ends, an open transaction rolls back, the lock goes

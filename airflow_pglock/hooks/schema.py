@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -283,7 +282,15 @@ def record_key_name(
     """
     if key.name is None:
         return []
-    params = _name_params(key, recorded_by, slots)
+    classid, objid, objsubid = key.pg_locks
+    params = {
+        "objsubid": objsubid,
+        "classid": classid,
+        "objid": objid,
+        "name": key.name,
+        "by": recorded_by,
+        "slots": slots,
+    }
     if slots > 1:
         try:
             return _run_registry(conn, _record_statement(pool=True), params, installed)
@@ -292,21 +299,7 @@ def record_key_name(
     return _run_registry(conn, _record_statement(pool=False), params, installed)
 
 
-def _name_params(key: LockKey, recorded_by: str | None, slots: int = 1) -> dict[str, Any]:
-    classid, objid, objsubid = key.pg_locks
-    return {
-        "objsubid": objsubid,
-        "classid": classid,
-        "objid": objid,
-        "name": key.name,
-        "by": recorded_by,
-        "slots": slots,
-    }
-
-
-def _record_statement(*, pool: bool, as_json: bool = False) -> sql.Composed:
-    """The registry write; it answers the key's other names, one row each, or (``as_json``)
-    as one JSON array (one value, for a pipeline: :func:`other_names_from`)."""
+def _record_statement(*, pool: bool) -> sql.Composed:
     # A slot's row is written only by the session holding that slot (slots are exclusive), so
     # the resize never waits for another row lock; it writes only when N changed.
     resize = (
@@ -322,9 +315,8 @@ def _record_statement(*, pool: bool, as_json: bool = False) -> sql.Composed:
         + (", %(slots)s" if pool else "")
         + ") ON CONFLICT DO NOTHING RETURNING 1)"
         + resize
-        + (" SELECT coalesce(json_agg(name ORDER BY name), '[]')::text" if as_json else " SELECT name")
-        + " FROM {table} WHERE objsubid = %(objsubid)s AND classid = %(classid)s AND objid = %(objid)s"
-        " AND name <> %(name)s" + ("" if as_json else " ORDER BY name")
+        + " SELECT name FROM {table} WHERE objsubid = %(objsubid)s AND classid = %(classid)s AND objid = %(objid)s"
+        " AND name <> %(name)s ORDER BY name"
     ).format(table=_registry_table())
 
 
@@ -337,20 +329,6 @@ def _run_registry(
             return None
         rows = conn.execute(statement, params).fetchall()
     return [row[0] for row in rows]
-
-
-def record_key_name_statement(conn: psycopg.Connection[Any], key: LockKey, recorded_by: str | None) -> bytes:
-    """:func:`record_key_name`'s write of a plain key's name with its values in it, for a pipeline
-    (``lock_session.pipelined``); its one value is the other names as a JSON array
-    (:func:`other_names_from`). A pool's slot is written by :func:`record_key_name` (its
-    statement may need a second try on a registry before version 4)."""
-    statement = _record_statement(pool=False, as_json=True)
-    return psycopg.ClientCursor(conn).mogrify(statement, _name_params(key, recorded_by)).encode()
-
-
-def other_names_from(value: bytes | None) -> list[str]:
-    """The other names in the answer to :func:`record_key_name_statement`."""
-    return [str(name) for name in json.loads(value)] if value else []
 
 
 @dataclass(frozen=True)
