@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from devtools.pgcluster import Cluster  # noqa: E402
 
 DEMO_DIR = ROOT / ".pglock-demo"
 DEPLOYMENTS = ("A", "B")
+TENANTS = [1, 2, 3, 4]
 OUTCOME = re.compile(r"pglock outcome=(?P<outcome>\w+) (?P<rest>.*?)(?: \[airflow\.task.*)?$")
 TASK_LINE = re.compile(r"task_id=(?P<task>[\w.]+) map_index=(?P<index>-?\d+)")
 
@@ -78,21 +80,27 @@ def init_lock_db(env: dict[str, str]) -> None:
         raise SystemExit(f"airflow-pglock init-db failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
 
 
-def wait_until_held(conn_uri: str, key: str, timeout: float = 120.0) -> None:
-    """Return once some session holds ``key`` (or after ``timeout`` s): the second deployment
-    starts while the first holds it, however slowly this machine starts ``airflow dags test``."""
+def wait_until_held(conn_uri: str, keys: Sequence[str], timeout: float = 120.0) -> None:
+    """Return once some session holds one of ``keys`` (or after ``timeout`` s): the second
+    deployment starts while the first holds one, however slowly this machine starts
+    ``airflow dags test`` (and whichever mapped task it runs first)."""
     from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 
     hook = AdvisoryLockHook(dsn=conn_uri)
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not any(holder.granted for holder in hook.holders(key)):
+    while time.monotonic() < deadline and not any(holder.granted for key in keys for holder in hook.holders(key)):
         time.sleep(0.2)
 
 
 def run_both(
-    dag_id: str, conf: dict[str, object], envs: dict[str, dict[str, str]], *when: str, overlap_on: str, conn_uri: str
+    dag_id: str,
+    conf: dict[str, object],
+    envs: dict[str, dict[str, str]],
+    *when: str,
+    overlap_on: Sequence[str],
+    conn_uri: str,
 ) -> list[Outcome]:
-    """Run ``dag_id`` in both deployments: B starts once A holds the key ``overlap_on``."""
+    """Run ``dag_id`` in both deployments: B starts once A holds one of the keys ``overlap_on``."""
 
     def one(name: str) -> list[Outcome]:
         if name != DEPLOYMENTS[0]:
@@ -171,7 +179,7 @@ def main() -> int:
             flush=True,
         )
         forecast = run_both(
-            "forecast_refresh", {"work_seconds": 8}, envs, overlap_on="refresh-forecasts", conn_uri=conn_uri
+            "forecast_refresh", {"work_seconds": 8}, envs, overlap_on=["refresh-forecasts"], conn_uri=conn_uri
         )
         summarize("forecast_refresh: one key for the whole job", forecast)
 
@@ -183,10 +191,11 @@ def main() -> int:
         )
         exports = run_both(
             "tenant_exports",
-            {"tenants": [1, 2, 3, 4], "work_seconds": 5},
+            {"tenants": TENANTS, "work_seconds": 10},
             envs,
             day,
-            overlap_on="tenant_exports/export_tenant/1",
+            # dag.test runs the mapped exports in no set order: B starts once A holds any tenant
+            overlap_on=[f"tenant_exports/export_tenant/{tenant}" for tenant in TENANTS],
             conn_uri=conn_uri,
         )
         summarize("tenant_exports: one key per tenant", exports)
