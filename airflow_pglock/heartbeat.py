@@ -12,7 +12,6 @@ probes stay for what only they can see: a silent network, a lock gone on a live 
 
 from __future__ import annotations
 
-import _thread
 import os
 import select
 import threading
@@ -53,15 +52,7 @@ class Heartbeat:
         self.first_alarm = first_alarm
         self.stop_event = stop
         self.server_notice: tuple[str, str] | None = None  # (sqlstate, message) of a 57P.. notice
-        # The thread's life, tracked here rather than by a threading.Thread, whose start() waits
-        # until the new thread runs: on a loaded machine that wait was the costliest step of a
-        # short guarded execution (docs/benchmarks.md, section 1). stop() waits only for a
-        # thread that began (see _run); one that had not is told to stop before it touches anything.
-        self._started = False
-        self._began = False
-        self._ident: int | None = None
-        self._state = threading.Lock()
-        self._finished = threading.Event()
+        self._thread: threading.Thread | None = None
         self._wake_read, self._wake_write = os.pipe()  # stop() wakes the socket watch at once
         self._wake_lock = threading.Lock()
 
@@ -69,36 +60,27 @@ class Heartbeat:
         # A server that ends every session (crash, immediate shutdown) says why in a notice
         # just before it hangs up; the error the client then sees does not.
         self.held.connection.add_notice_handler(self._on_notice)
-        self._started = True
-        _thread.start_new_thread(self._run, ())  # a daemon thread; returns without waiting for it to run
-
-    def _run(self) -> None:
-        with self._state:
-            self._began = not self.stop_event.is_set()
-            self._ident = threading.get_ident()
-        try:
-            if self._began:
-                self._loop()
-        finally:
-            self._finished.set()
+        self._thread = threading.Thread(
+            target=self._loop, name=f"pglock-heartbeat-{self.held.server.backend_pid}", daemon=True
+        )
+        self._thread.start()
 
     def stop(self) -> None:
         self.stop_event.set()
         with self._wake_lock:
             if self._wake_write >= 0:
                 os.write(self._wake_write, b"x")
-        with self._state:
-            began, ident = self._began, self._ident
-        if began and ident != threading.get_ident():
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
             # Every step of the heartbeat is bounded: a probe by the loss deadline, a server
             # check by its 2 s connect timeout.
-            self._finished.wait(timeout=self.hook.liveness.loss_deadline + 5)
-        if not began:  # never started, or told to stop before it began: it touches nothing
+            thread.join(timeout=self.hook.liveness.loss_deadline + 5)
+        if thread is None:
             self._close_wake()
 
     @property
     def alive(self) -> bool:
-        return self._began and not self._finished.is_set()
+        return self._thread is not None and self._thread.is_alive()
 
     def _on_notice(self, diagnostic: psycopg.errors.Diagnostic) -> None:
         # A FATAL read by the socket watch (the server ending an idle session: terminated, the
