@@ -288,12 +288,17 @@ class LockDatabase(BaseHook):
 
         :param server_version_num: settings this server version lacks are left out.
         """
+        conn.execute(self.liveness_statement(local=local, server_version_num=server_version_num))
+
+    def liveness_statement(self, *, local: bool, server_version_num: int) -> sql.Composed:
+        """``SELECT set_config(...), ...`` for the liveness settings, values inlined (no parameters,
+        so that it can travel with other statements in one simple query)."""
         settings = self.liveness.server_settings(transaction=local, server_version_num=server_version_num)
         selects = sql.SQL(", ").join(
-            sql.SQL("set_config({}, {}, {})").format(sql.Literal(name), sql.Placeholder(), sql.Literal(local))
-            for name in settings
+            sql.SQL("set_config({}, {}, {})").format(sql.Literal(name), sql.Literal(value), sql.Literal(local))
+            for name, value in settings.items()
         )
-        conn.execute(sql.SQL("SELECT {}").format(selects), list(settings.values()))
+        return sql.SQL("SELECT {}").format(selects)
 
     def server_from_handshake(self, conn: psycopg.Connection[Any]) -> ServerInfo:
         """What the handshake of ``conn`` told about the server (no statement; see :func:`server.from_handshake`)."""

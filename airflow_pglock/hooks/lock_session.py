@@ -122,8 +122,14 @@ def _named_call(function: str, key: LockKey) -> tuple[sql.Composed, dict[str, An
 # hooks/server.py need besides the handshake, so no statement of its own inspects the server.
 _FIRST_TRY = (
     "SELECT CASE WHEN NOT pg_is_in_recovery() AND (pg_backend_pid() = %(reported_pid)s OR %(pooled)s)"
-    " THEN {attempt} END, pg_backend_pid(), pg_is_in_recovery(), pg_postmaster_start_time(){registry}"
+    " THEN {attempt} END, pg_backend_pid(), pg_is_in_recovery(), pg_postmaster_start_time(){registry}{xact}"
 )
+# A transaction lock's session opens its transaction (READ COMMITTED whatever the database's
+# or role's default: under REPEATABLE READ or SERIALIZABLE the snapshot would be taken before
+# the lock is granted, and the work and the once_per check would read what was there before
+# the previous holder committed) and sets its liveness in the same simple query as the first
+# try, which then also answers the transaction's id: one round trip, as a session lock's try.
+_OPEN_TRANSACTION = "BEGIN ISOLATION LEVEL READ COMMITTED; {liveness}; "
 
 
 @dataclass(frozen=True)
@@ -135,11 +141,13 @@ class FirstTry:
     :param server: the handshake's facts completed by the session's answers.
     :param registry: the key-name registry's state (:data:`schema.REGISTRY_STATE`), or None
         when not asked (a key without a name).
+    :param xact_id: transaction scope: the id of the transaction the statement opened.
     """
 
     taken: int | bool | None
     server: ServerInfo
     registry: str | None
+    xact_id: int | None = None
 
 
 def first_try(
@@ -150,8 +158,13 @@ def first_try(
     shared: bool,
     scope: Scope,
     pool_mode: str | None,
+    opening: sql.Composable | None = None,
 ) -> FirstTry:
-    """Try the lock (one key, or the first free slot of ``pool``) in the session's first statement."""
+    """Try the lock (one key, or the first free slot of ``pool``) in the session's first statement.
+
+    :param opening: transaction scope: the statements that open the lock's transaction
+        (:data:`_OPEN_TRANSACTION`), sent in the same simple query, before the try.
+    """
     base = "pg_try_advisory_lock" if scope == "session" else "pg_try_advisory_xact_lock"
     params: dict[str, Any] = {
         "reported_pid": handshake.reported_pid,
@@ -167,10 +180,28 @@ def first_try(
 
     asks_registry = pool[0].name is not None
     registry = sql.SQL(", ") + schema.REGISTRY_STATE if asks_registry else sql.SQL("")
-    row = conn.execute(sql.SQL(_FIRST_TRY).format(attempt=attempt, registry=registry), params).fetchone()
+    # A standby cannot assign a transaction id; the rules refuse it from the row's answers.
+    xact = sql.SQL("")
+    if opening is not None:
+        xact = sql.SQL(", CASE WHEN NOT pg_is_in_recovery() THEN txid_current() END")
+    statement = sql.SQL(_FIRST_TRY).format(attempt=attempt, registry=registry, xact=xact)
+    if opening is None:
+        row = conn.execute(statement, params).fetchone()
+    else:
+        # Several statements in one simple query take no parameters: psycopg binds them client-side.
+        inlined = psycopg.ClientCursor(conn).mogrify(statement, params)
+        cursor = conn.execute(sql.Composed([opening, sql.SQL(inlined)]))
+        while cursor.nextset():  # the try's row is the last result
+            pass
+        row = cursor.fetchone()
     assert row is not None
     server = dataclasses.replace(handshake, backend_pid=row[1], in_recovery=row[2], started_at=row[3])
-    return FirstTry(taken=row[0], server=server, registry=row[4] if asks_registry else None)
+    return FirstTry(
+        taken=row[0],
+        server=server,
+        registry=row[4] if asks_registry else None,
+        xact_id=None if opening is None or row[-1] is None else int(row[-1]),
+    )
 
 
 def try_lock(conn: psycopg.Connection[Any], key: LockKey, *, shared: bool = False, scope: Scope = "session") -> bool:
@@ -623,14 +654,11 @@ def take(
     :param pool_mode: the connection's declared ``pool_mode``.
     """
     pool = slot_keys(key, slots)
+    opening = None
     if scope == "transaction":
-        # READ COMMITTED whatever the database's or role's default: under REPEATABLE READ or
-        # SERIALIZABLE the snapshot would be taken before the lock is granted, and the work
-        # (and the once_per check) would read what was there before the previous holder
-        # committed.
-        conn.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
-        hook.apply_liveness(conn, local=True, server_version_num=handshake.version_num)
-    answer = first_try(conn, handshake, pool, shared=shared, scope=scope, pool_mode=pool_mode)
+        liveness = hook.liveness_statement(local=True, server_version_num=handshake.version_num)
+        opening = sql.SQL(_OPEN_TRANSACTION).format(liveness=liveness)
+    answer = first_try(conn, handshake, pool, shared=shared, scope=scope, pool_mode=pool_mode, opening=opening)
     server = answer.server
     found = server_rules.violations(server, scope, pool_mode)
     if found:
@@ -650,10 +678,6 @@ def take(
         key = pool[slot]
     elif not answer.taken and (timeout is None or not wait_lock(conn, key, timeout, shared=shared, scope=scope)):
         return None
-    xact_id = None
-    if scope == "transaction":
-        row = conn.execute("SELECT txid_current()").fetchone()
-        xact_id = int(row[0]) if row else None
     return HeldLock(
         key=key,
         shared=shared,
@@ -661,6 +685,6 @@ def take(
         connection=conn,
         server=server,
         hook=hook,
-        xact_id=xact_id,
+        xact_id=answer.xact_id,
         registry=answer.registry,
     )
