@@ -19,6 +19,7 @@ if AIRFLOW_V_3_PLUS:
     from airflow.sdk import BaseOperator, BaseSensorOperator, Context, get_current_context
     from airflow.sdk.bases.decorator import DecoratedOperator, TaskDecorator, task_decorator_factory
     from airflow.sdk.definitions.mappedoperator import MappedOperator
+
     if AIRFLOW_VERSION >= (3, 1):
         from airflow.sdk import BaseHook
     else:  # Airflow 3.0: hooks still live in core

@@ -165,9 +165,7 @@ def run_guarded(
         raise
 
 
-def defer_until_released(
-    spec: LockSpec, key: LockKey, busy: LockBusyError, deadline: float, logger: Any
-) -> NoReturn:
+def defer_until_released(spec: LockSpec, key: LockKey, busy: LockBusyError, deadline: float, logger: Any) -> NoReturn:
     """Defer the task to the triggerer until ``key`` is released (or the deadline); it resumes with a new try."""
     from airflow_pglock.triggers.advisory_lock import DEFAULT_POLL_INTERVAL, AdvisoryLockTrigger
 

@@ -313,9 +313,7 @@ def run_overhead(servers: Servers, rounds: int, profile_runs: int) -> OverheadRe
         close()
     rtt, connect = Summary.of(samples.pop("_round_trip")), Summary.of(samples.pop("_connect"))
     ratios = paired_ratios(samples, "floor (raw psycopg)")
-    return OverheadResult(
-        samples, ratios, rtt, connect, profile, total, profile_runs, steps, dict(servers.missing)
-    )
+    return OverheadResult(samples, ratios, rtt, connect, profile, total, profile_runs, steps, dict(servers.missing))
 
 
 def render(result: OverheadResult) -> str:

@@ -78,7 +78,7 @@ def _awaiting(task) -> str:
 
 
 def _group(task) -> str:
-    """"trigger dag/task" for a trigger's task (named "dag/run/task/map/try (ID n)"), else its coroutine."""
+    """ "trigger dag/task" for a trigger's task (named "dag/run/task/map/try (ID n)"), else its coroutine."""
     name = task.get_name()
     parts = name.split("/")
     if " (ID " in name and len(parts) >= 3:

@@ -17,7 +17,7 @@ from tests.helpers import advisory_locks, run_dag, write_dag
 
 pytestmark = pytest.mark.airflow
 
-EVERY_ENTRY_POINT_DAG = '''
+EVERY_ENTRY_POINT_DAG = """
 import pendulum
 from airflow.providers.standard.operators.bash import BashOperator
 from airflow.sdk import chain, dag, task
@@ -81,7 +81,7 @@ def every_entry_point():
 
 
 every_entry_point_dag = every_entry_point()
-'''
+"""
 
 
 @pytest.mark.matrix("every-entry-point")

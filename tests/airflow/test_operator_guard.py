@@ -159,10 +159,14 @@ def test_guarded_operators(
     assert not (tmp_path / "lost_ran").exists()
     # Deferring under a lock is refused; bad input fails with a clear message.
     assert "tried to defer while guarded by key 'etl/defers'" in log
-    assert not failure_reasons_reach_the_test_log() or (
-        "the key template '{{ params.no_such_param }}' of task 'unknown_param' cannot be rendered: "
-        "UndefinedError: 'dict object' has no attribute 'no_such_param'"
-    ) in log
+    assert (
+        not failure_reasons_reach_the_test_log()
+        or (
+            "the key template '{{ params.no_such_param }}' of task 'unknown_param' cannot be rendered: "
+            "UndefinedError: 'dict object' has no attribute 'no_such_param'"
+        )
+        in log
+    )
     assert "cannot connect to the lock database 'postgres' on 127.0.0.1" in log
     # One outcome line per guarded execution that reached the lock database (not the bad template).
     assert len(re.findall(r"pglock outcome=", log)) == 8
@@ -212,7 +216,7 @@ def test_bad_guards_are_refused_when_the_dag_is_parsed() -> None:
             guarded(twice)
 
 
-RULES_DAG = '''
+RULES_DAG = """
 import pendulum
 from airflow.providers.standard.operators.bash import BashOperator
 from airflow.sdk import dag, task
@@ -243,7 +247,7 @@ def guard_rules():
 
 
 guard_rules_dag = guard_rules()
-'''
+"""
 
 
 @pytest.fixture
