@@ -123,6 +123,19 @@ def failure_reasons_reach_the_test_log() -> bool:
     return AIRFLOW_VERSION != (3, 0)
 
 
+def assert_unknown_param_reported(log: str) -> None:
+    """The task ``unknown_param`` (key template ``{{ params.no_such_param }}``) failed naming the
+    template and why, where this Airflow prints failure reasons on one line."""
+    assert (
+        not failure_reasons_reach_the_test_log()
+        or (
+            "the key template '{{ params.no_such_param }}' of task 'unknown_param' cannot be rendered: "
+            "UndefinedError: 'dict object' has no attribute 'no_such_param'"
+        )
+        in log
+    )
+
+
 @contextlib.contextmanager
 def _task_log_printed_once() -> Iterator[None]:
     """The dag.test() of Airflow 2 and 3.0 adds a stdout handler to ``airflow.task``, which also
