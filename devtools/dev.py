@@ -4,7 +4,7 @@
     python3 devtools/dev.py demo    # two "deployments" run a guarded DAG at once
     python3 devtools/dev.py test    # the whole test suite (extra args go to pytest)
     python3 devtools/dev.py matrix  # the entry-point suite (pytest -m matrix) on one Airflow line / Python
-    python3 devtools/dev.py lint    # ruff + mypy
+    python3 devtools/dev.py lint    # ruff check, ruff format --check, mypy
     python3 devtools/dev.py bench   # benchmarks -> docs/benchmarks.md (a few minutes; needs redis-server)
     python3 devtools/dev.py constraints   # re-resolve constraints/airflow-<line>[-py<X.Y>].txt in a fresh venv
     python3 devtools/dev.py versions-doc  # matrix-results/*.json -> the table in docs/airflow-versions.md
@@ -247,8 +247,9 @@ def main(argv: list[str]) -> int:
     if command == "lint":
         linted = ["airflow_pglock", "tests", "devtools", "dags", "benchmarks"]
         ruff = subprocess.call([python, "-m", "ruff", "check", *linted], cwd=ROOT)
+        layout = subprocess.call([python, "-m", "ruff", "format", "--check", *linted], cwd=ROOT)
         mypy = subprocess.call([python, "-m", "mypy"], cwd=ROOT)
-        return ruff or mypy
+        return ruff or layout or mypy
     if command == "matrix":
         env.setdefault("PGLOCK_MATRIX_RESULTS", str(RESULTS))
         env["PGLOCK_MATRIX_SUITE"] = "matrix"
