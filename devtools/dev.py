@@ -109,14 +109,17 @@ def _create_venv(interpreter: Path, where: Path) -> Path:
     print(f"[dev] creating {where} (Python {PYTHON_VERSION})", flush=True)
     subprocess.run([str(interpreter), "-m", "venv", str(where)], check=True)
     python = where / "bin" / "python"
-    pip = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "--upgrade", "pip"], check=True)
+    subprocess.run([*_pip_install(python), "--upgrade", "pip"], check=True)
     return python
+
+
+def _pip_install(python: Path) -> list[str]:
+    return [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
 
 
 def _install(python: Path, *requirements: str) -> None:
     """`pip install` the requirements into python's venv: with uv where it installs and works, else pip."""
-    pip = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
+    pip = _pip_install(python)
     uv = python.parent / "uv"
     if not uv.exists():
         subprocess.run([*pip, UV_PIN], cwd=ROOT)
@@ -159,8 +162,7 @@ def regenerate_constraints() -> int:
         python = _create_venv(interpreter, Path(scratch) / "venv")
         pins = (f"apache-airflow=={RELEASES[AIRFLOW_LINE]}", *RESOLVER_PINS.get(AIRFLOW_LINE, ()))
         print(f"[dev] resolving {', '.join(pins)} + airflow-provider-pglock[{EXTRAS}] (unconstrained)", flush=True)
-        pip = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
-        subprocess.run([*pip, *pins, "-e", f"{ROOT}[{EXTRAS}]"], check=True, cwd=ROOT)
+        subprocess.run([*_pip_install(python), *pins, "-e", f"{ROOT}[{EXTRAS}]"], check=True, cwd=ROOT)
         frozen = subprocess.run(
             [str(python), "-m", "pip", "freeze", "--exclude-editable"], check=True, capture_output=True, text=True
         ).stdout
