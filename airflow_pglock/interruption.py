@@ -4,14 +4,16 @@
 (the first reason, refined later) and raises :class:`LockLostInterrupt` in the guarded
 thread: in the main thread through a real-time signal and a handler installed once, in
 another thread with ``PyThreadState_SetAsyncExc``. The handler never raises while the main
-thread is inside a guard's clean-up (code registered with :func:`protect_clean_up`); the
-interruption then stays pending and is sent again until delivered or disarmed.
+thread is inside a guard's clean-up or starting a child process (code registered with
+:func:`protect_clean_up`); the interruption then stays pending and is sent again until
+delivered or disarmed.
 """
 
 from __future__ import annotations
 
 import ctypes
 import signal
+import subprocess
 import threading
 from collections.abc import Callable
 from types import FrameType
@@ -153,3 +155,6 @@ def _disarm_main_thread(interruption: Interruption) -> None:
 
 
 protect_clean_up(Interruption.disarm, Interruption.disarm_absorbing, _disarm_main_thread)
+# Nor while a child process is being started: raised inside Popen, the interruption would lose the
+# half-built Popen and leave the child running, out of reach of the operator's on_kill().
+protect_clean_up(subprocess.Popen.__init__)

@@ -5,6 +5,7 @@ blocks can rely on, and that the interruption cannot escape the guard's own clea
 from __future__ import annotations
 
 import os
+import subprocess
 import threading
 import time
 from typing import Any
@@ -97,6 +98,25 @@ def test_nested_guards_the_lost_outer_lock_interrupts_the_inner_work(
     with pytest.raises(LockLostError, match="nested-outer"):
         outer.run(outer_work)
     assert inner.outcome == "failed" and outer.outcome == "lost"
+
+
+def test_a_child_process_being_started_is_not_orphaned(fault_server: FaultServer, fault_admin: Any) -> None:
+    """The loss arrives while Popen waits for its child to exec (BashOperator starting its
+    command): the interruption waits until Popen has returned, so the work's clean-up (an
+    operator's on_kill) can reach the child."""
+    started: list[subprocess.Popen[bytes]] = []
+
+    def work(lock: LockHandle) -> None:
+        _terminate_soon(fault_server, lock.backend_pid, delay=0.1)
+        # The child sleeps before its exec: Popen waits for it all that time (what a loaded machine does).
+        started.append(subprocess.Popen(["sleep", "30"], preexec_fn=lambda: time.sleep(2)))
+        time.sleep(30)
+
+    with pytest.raises(LockLostError):
+        _guard(fault_server, "interrupt-popen").run(work)
+    assert len(started) == 1, "the interruption was raised inside Popen: its child is out of reach"
+    started[0].kill()
+    started[0].wait()
 
 
 def test_a_stray_signal_after_the_guard_is_harmless(fault_server: FaultServer, fault_admin: Any) -> None:
