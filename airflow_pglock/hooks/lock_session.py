@@ -354,6 +354,40 @@ def commit(conn: psycopg.Connection[Any]) -> None:
         )
 
 
+# A transaction lock ends with its COMMIT, which must not run when the session no longer
+# holds the key in that transaction (the work ended it and began another). The check and the
+# COMMIT travel in one simple query: a key not held makes the check divide by zero (at run
+# time: the divisor reads pg_locks), and an error stops the query before its COMMIT.
+_CHECK_THEN_COMMIT = "SELECT 1 / ({condition})::int; COMMIT"
+
+
+def commit_if_held(conn: psycopg.Connection[Any], key: LockKey, shared: bool, xact_id: int | None) -> bool:
+    """COMMIT the lock's transaction if this session still holds ``key`` in it: one round trip.
+
+    Returns False when it does not: nothing is committed, and the transaction is aborted
+    (closing the connection rolls it back). Raises ``InFailedSqlTransaction`` when an earlier
+    error had aborted the transaction, and the driver's error when the session ended.
+    """
+    condition = HELD_CONDITION.format("pg_backend_pid()", "%s", "%s", "%s", "%s")
+    params = held_params(key, shared)
+    if xact_id is not None:
+        condition += IN_LOCK_TRANSACTION.format("%s")
+        params.append(xact_id)
+    # Several statements in one simple query take no parameters: psycopg binds them client-side.
+    query = psycopg.ClientCursor(conn).mogrify(_CHECK_THEN_COMMIT.format(condition=condition), params)
+    try:
+        cursor = conn.execute(sql.SQL(query))
+    except psycopg.errors.DivisionByZero:
+        return False
+    while cursor.nextset():  # the COMMIT's status is the last result's
+        pass
+    if cursor.statusmessage != "COMMIT":
+        raise psycopg.errors.InFailedSqlTransaction(
+            f"PostgreSQL answered COMMIT with {cursor.statusmessage}: nothing was committed"
+        )
+    return True
+
+
 def unlock(conn: psycopg.Connection[Any], key: LockKey, *, shared: bool = False) -> bool:
     """``pg_advisory_unlock[_shared]``: True if this session held the key.
 
@@ -572,14 +606,12 @@ class HeldLock:
         status = self.connection.info.transaction_status
         if status == psycopg.pq.TransactionStatus.IDLE:
             return False
-        if status == psycopg.pq.TransactionStatus.INTRANS and not self.hook.is_held(
-            self.connection, self.key, self.shared, self.xact_id
-        ):
-            return False
+        if status != psycopg.pq.TransactionStatus.INTRANS:  # aborted: COMMIT says so (and commits nothing)
+            commit(self.connection)
+            return True
         if not record():
             return False
-        commit(self.connection)
-        return True
+        return commit_if_held(self.connection, self.key, self.shared, self.xact_id)
 
     def commit(self) -> None:
         """Transaction scope: commit the lock's transaction (which releases the lock).
@@ -589,12 +621,13 @@ class HeldLock:
         aborted it: nothing is committed then.
         """
         in_transaction = self.connection.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
-        if in_transaction and not is_held(self.connection, self.key, self.shared, self.xact_id):
+        if not in_transaction:
+            commit(self.connection)
+        elif not commit_if_held(self.connection, self.key, self.shared, self.xact_id):
             raise psycopg.errors.NoActiveSqlTransaction(
                 "the lock's transaction was ended on its connection (a COMMIT or ROLLBACK by the work): the lock "
                 "ended with it, and whatever ran afterwards ran without the lock; not committed"
             )
-        commit(self.connection)
 
     def probe(self, timeout: float, before_giving_up: Callable[[], None] | None = None) -> ProbeResult:
         """The heartbeat's bounded check of this lock (see :func:`probe`)."""

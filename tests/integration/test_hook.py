@@ -320,3 +320,35 @@ def test_work_that_ends_the_lock_transaction_is_a_lost_lock(hook: AdvisoryLockHo
         assert held is not None
         held.connection.execute("ROLLBACK")
     assert advisory_locks(admin) == []
+
+
+def test_work_that_commits_and_begins_anew_commits_nothing_after(hook: AdvisoryLockHook, admin: Any) -> None:
+    """COMMIT then BEGIN on the lock's connection: the release's check (sent with its COMMIT, in
+    one round trip) finds the key not held in the lock's transaction and commits nothing more."""
+    from airflow_pglock.exceptions import LockLostError
+    from airflow_pglock.guard import LockGuard, LockPolicy
+
+    admin.execute("DROP TABLE IF EXISTS commit_begin; CREATE TABLE commit_begin (note text)")
+    try:
+        with (
+            pytest.raises(LockLostError, match="ended the lock's transaction"),
+            LockGuard(hook, LockKey.from_name("commit-begin-anew"), LockPolicy(mode="transaction")) as lock,
+        ):
+            assert lock.connection is not None
+            lock.connection.execute("INSERT INTO commit_begin VALUES ('under the lock')")
+            lock.connection.execute("COMMIT")
+            lock.connection.execute("BEGIN")
+            lock.connection.execute("INSERT INTO commit_begin VALUES ('after the lock ended')")
+        with (
+            pytest.raises(psycopg.errors.NoActiveSqlTransaction, match="not committed"),
+            hook.lock_without_heartbeat("commit-begin-anew", mode="transaction") as held,
+        ):
+            assert held is not None
+            held.connection.execute("COMMIT")
+            held.connection.execute("BEGIN")
+            held.connection.execute("INSERT INTO commit_begin VALUES ('after the lock ended, hook')")
+        notes = admin.execute("SELECT note FROM commit_begin").fetchall()
+        assert notes == [("under the lock",)]
+        assert advisory_locks(admin) == []
+    finally:
+        admin.execute("DROP TABLE commit_begin")
