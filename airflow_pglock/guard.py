@@ -232,7 +232,7 @@ class LockGuard:
         try:
             self._wait_seconds = time.monotonic() - self._started
             self._log_acquired(self.held)
-            record_acquisition(self.held, self.application_name, self.log, self.policy.slots)  # optional registry
+            record_acquisition(self.held, self.application_name, self.log, self.policy.slots)  # written at release
             if self.rules.active:
                 self.fencing_token = check_before_work(self.rules, self.held, self.application_name)
             self.interruption.arm(interrupt=self.policy.on_lost == "fail")

@@ -1,11 +1,11 @@
-"""Record a key's name when a guarded execution takes it, and report collisions.
+"""Record a key's name with the release of a guarded execution's lock, and report collisions.
 
 The key-name registry (``pglock.key_names``, created by ``airflow-pglock init-db``) is
 optional: when it is missing, or the role may not write it, the task goes on exactly as
 without it. What "a collision is reported" means:
 
-* the acquisition logs a WARNING naming both names, the key's numbers and what to do
-  (the task still runs: the two names already shared one lock before anyone looked);
+* the release logs a WARNING naming both names, the key's numbers and what to do
+  (the task ran: the two names already shared one lock before anyone looked);
 * ``airflow-pglock locks`` and the UI page show every name of the key and mark it;
 * ``airflow-pglock doctor`` reports a ``registry`` problem (exit code 1).
 """
@@ -15,10 +15,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import psycopg
 from psycopg.errors import InsufficientPrivilege
 
 from airflow_pglock.hooks.advisory_lock import HeldLock
-from airflow_pglock.hooks.schema import REGISTRY_NO_ACCESS, REGISTRY_READY, record_key_name
+from airflow_pglock.hooks.lock_session import WriteAtRelease
+from airflow_pglock.hooks.schema import REGISTRY_NO_ACCESS, REGISTRY_READY, key_name_record, record_key_name
 from airflow_pglock.keys import LockKey
 
 log = logging.getLogger("airflow_pglock")
@@ -27,15 +29,18 @@ log = logging.getLogger("airflow_pglock")
 def record_acquisition(
     held: HeldLock, application_name: str | None, logger: logging.Logger | Any = None, slots: int = 1
 ) -> None:
-    """Record the name of ``held.key`` on its own connection; warn of a collision.
+    """Have the name of ``held.key`` recorded with the lock's release; warn of a collision then.
 
     The lock statement said whether the registry is there (``held.registry``): when it is
-    not (the default), nothing happens and no statement runs; when the role may not use it,
-    a warning says so, without a statement either. Only an installed, usable registry costs
-    a round trip: the write (in a savepoint in transaction mode, so that an error cannot
-    abort the lock's transaction). Never raises: the registry is optional.
+    not (the default), nothing happens; when the role may not use it, a warning says so at
+    once. An installed, usable registry costs no round trip either: its write travels with the
+    release (the unlock, or the commit in transaction mode, in a savepoint there), so it never
+    delays the work; the name is recorded, and a collision reported, when the first hold of
+    the name ends. A write that fails there is sent again on its own and its error logged:
+    never silently lost, never failing the task (the registry is optional). A lock that is
+    lost, or a transaction that rolls back, records nothing: the next hold does.
 
-    :param held: the lock just taken (its connection runs the insert).
+    :param held: the lock just taken (its connection runs the write).
     :param application_name: recorded as who used the name first.
     :param logger: where the collision warning goes (the task log).
     :param slots: the size of the pool ``held.key`` is a slot of (1: a plain key), recorded
@@ -52,15 +57,25 @@ def record_acquisition(
     if held.registry in REGISTRY_NO_ACCESS:
         problem = f"the registry is installed, but this role has {REGISTRY_NO_ACCESS[held.registry]}"
         report(InsufficientPrivilege(problem))  # what the write would have raised, without a statement
-    elif held.registry != REGISTRY_READY:
+        return
+    if held.registry != REGISTRY_READY:
         report(ValueError(f"unknown registry state {held.registry!r}"))
-    else:
+        return
+
+    def alone(conn: psycopg.Connection[Any]) -> None:
         try:
-            others = record_key_name(held.connection, key, application_name, slots, installed=True)
+            others = record_key_name(conn, key, application_name, slots, installed=True)
         except Exception as error:  # the registry is optional: never fail a task that holds its lock
             report(error)
         else:
             report(others or [])
+
+    statement, params = key_name_record(key, application_name, slots)
+    held.at_release = WriteAtRelease(
+        statement=psycopg.ClientCursor(held.connection).mogrify(statement, params),
+        done=lambda rows: report([row[0] for row in rows]),
+        alone=alone,
+    )
 
 
 def _report(key: LockKey, outcome: list[str] | BaseException, logger: logging.Logger | Any) -> None:

@@ -51,9 +51,10 @@ def _variants(
             conn.execute("SELECT pg_try_advisory_lock(%s)", named.numbers).fetchone()
             conn.execute("SELECT pg_advisory_unlock(%s)", named.numbers).fetchone()
 
-    def guarded(key: LockKey, where: str = dsn) -> Callable[[], None]:
+    def guarded(key: LockKey, where: str = dsn, policy: LockPolicy | None = None) -> Callable[[], None]:
         def run() -> None:
-            with LockGuard(AdvisoryLockHook(dsn=where), key, LockPolicy(), application_name=app, logger=quiet):
+            hook = AdvisoryLockHook(dsn=where)
+            with LockGuard(hook, key, policy or LockPolicy(), application_name=app, logger=quiet):
                 pass
 
         return run
@@ -75,6 +76,7 @@ def _variants(
         FLOOR: floor,
         GUARD: guarded(named),
         "LockGuard (int64 key)": guarded(numbered),
+        "LockGuard (named key, transaction mode)": guarded(named, policy=LockPolicy(mode="transaction")),
         "hook.lock (named key; LockGuard)": hook_lock,
         "hook.session_lock (named key)": session_lock,
         "hook.try_acquire + release (named key)": try_acquire,
@@ -263,6 +265,8 @@ def render(result: RoundTripResult) -> str:
             "(a pooler's pid differs), `pg_is_in_recovery()` (a standby), `pg_postmaster_start_time()` and, for a "
             "named key, whether the key-name registry is installed, and which takes the lock only on a primary and, "
             "for a session lock, only on the session the handshake reported (or through a declared session pooler). "
-            "Only an installed registry costs a flight: its write (the row 'registry installed').",
+            "A transaction lock sends `BEGIN` and its liveness settings with the try, and the check that its "
+            "transaction still holds the key with the `COMMIT`. An installed registry's write travels with the "
+            "release, in the unlock's (or the commit's) flight (the row 'registry installed').",
         ]
     )

@@ -426,8 +426,8 @@ class AdvisoryLockHook(LockDatabase):
         :param scope: ``"session"`` (autocommit; held until released) or ``"transaction"``
             (a transaction is opened and stays open; the lock ends with it).
         :param timeout: None to try once, or seconds to wait (enforced by the server).
-        :param record_name: record the key's name in the key-name registry (the guard does
-            that itself, after logging the acquisition).
+        :param record_name: record the key's name in the key-name registry, with the release
+            (the guard does that itself, after logging the acquisition).
         :param slots: more than one: ``key`` names a pool of that many slots
             (:func:`~airflow_pglock.keys.slot_keys`); the lock held is any one free slot.
         """

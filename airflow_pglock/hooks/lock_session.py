@@ -354,19 +354,54 @@ def commit(conn: psycopg.Connection[Any]) -> None:
         )
 
 
+@dataclass(frozen=True)
+class WriteAtRelease:
+    """A write that travels with the lock's release, in its round trip (the key-name registry's
+    record of the key's name: ``registry.record_acquisition``).
+
+    :param statement: the write, its values bound (psycopg's client-side binding); it returns rows.
+    :param done: called with the write's rows once it ran with the release.
+    :param alone: called instead when the write failed there, on the connection back in the
+        state it had before: writes on its own and reports the outcome; the release goes on.
+    """
+
+    statement: str
+    done: Callable[[list[tuple[Any, ...]]], None]
+    alone: Callable[[psycopg.Connection[Any]], None]
+
+
+def _run_together(conn: psycopg.Connection[Any], statements: list[str]) -> tuple[list[list[Any]], str | None]:
+    """Send ``statements`` as one simple query (one round trip): the rows of each, and the
+    status of the last. The first error stops the query (raised here), and aborts its
+    (implicit or explicit) transaction."""
+    cursor = conn.execute(sql.SQL("; ".join(statements)))
+    rows = [cursor.fetchall() if cursor.description else []]
+    while cursor.nextset():
+        rows.append(cursor.fetchall() if cursor.description else [])
+    return rows, cursor.statusmessage
+
+
 # A transaction lock ends with its COMMIT, which must not run when the session no longer
 # holds the key in that transaction (the work ended it and began another). The check and the
 # COMMIT travel in one simple query: a key not held makes the check divide by zero (at run
 # time: the divisor reads pg_locks), and an error stops the query before its COMMIT.
-_CHECK_THEN_COMMIT = "SELECT 1 / ({condition})::int; COMMIT"
+_CHECK = "SELECT 1 / ({condition})::int"
 
 
-def commit_if_held(conn: psycopg.Connection[Any], key: LockKey, shared: bool, xact_id: int | None) -> bool:
+def commit_if_held(
+    conn: psycopg.Connection[Any],
+    key: LockKey,
+    shared: bool,
+    xact_id: int | None,
+    at_release: WriteAtRelease | None = None,
+) -> bool:
     """COMMIT the lock's transaction if this session still holds ``key`` in it: one round trip.
 
     Returns False when it does not: nothing is committed, and the transaction is aborted
     (closing the connection rolls it back). Raises ``InFailedSqlTransaction`` when an earlier
     error had aborted the transaction, and the driver's error when the session ended.
+
+    :param at_release: a write sent in the same round trip, after the check, in a savepoint.
     """
     condition = HELD_CONDITION.format("pg_backend_pid()", "%s", "%s", "%s", "%s")
     params = held_params(key, shared)
@@ -374,31 +409,66 @@ def commit_if_held(conn: psycopg.Connection[Any], key: LockKey, shared: bool, xa
         condition += IN_LOCK_TRANSACTION.format("%s")
         params.append(xact_id)
     # Several statements in one simple query take no parameters: psycopg binds them client-side.
-    query = psycopg.ClientCursor(conn).mogrify(_CHECK_THEN_COMMIT.format(condition=condition), params)
+    statements = [psycopg.ClientCursor(conn).mogrify(_CHECK.format(condition=condition), params)]
+    if at_release is not None:
+        statements += [_SAVEPOINT, at_release.statement, f"RELEASE {_SAVEPOINT}"]
     try:
-        cursor = conn.execute(sql.SQL(query))
+        rows, status = _run_together(conn, [*statements, "COMMIT"])
     except psycopg.errors.DivisionByZero:
         return False
-    while cursor.nextset():  # the COMMIT's status is the last result's
-        pass
-    if cursor.statusmessage != "COMMIT":
-        raise psycopg.errors.InFailedSqlTransaction(
-            f"PostgreSQL answered COMMIT with {cursor.statusmessage}: nothing was committed"
-        )
+    except psycopg.Error:
+        if at_release is None or not _back_to_savepoint(conn):
+            raise
+        at_release.alone(conn)
+        return commit_if_held(conn, key, shared, xact_id)
+    if at_release is not None:
+        at_release.done(rows[2])
+    if status != "COMMIT":
+        raise psycopg.errors.InFailedSqlTransaction(f"PostgreSQL answered COMMIT with {status}: nothing was committed")
     return True
 
 
-def unlock(conn: psycopg.Connection[Any], key: LockKey, *, shared: bool = False) -> bool:
+_SAVEPOINT = "SAVEPOINT pglock_at_release"
+
+
+def _back_to_savepoint(conn: psycopg.Connection[Any]) -> bool:
+    """After a failed write at release: back to the savepoint before it; False when there is none."""
+    if conn.closed or conn.info.transaction_status != psycopg.pq.TransactionStatus.INERROR:
+        return False
+    try:
+        conn.execute(f"ROLLBACK TO {_SAVEPOINT}")
+    except psycopg.Error:
+        return False
+    return True
+
+
+def unlock(
+    conn: psycopg.Connection[Any], key: LockKey, *, shared: bool = False, at_release: WriteAtRelease | None = None
+) -> bool:
     """``pg_advisory_unlock[_shared]``: True if this session held the key.
 
     The same statement announces the release to waiting triggers (``pg_notify``, see
     :mod:`~airflow_pglock.hooks.wakeups`): no extra round trip.
+
+    :param at_release: a write sent in the same round trip, before the unlock.
     """
     statement = sql.SQL("{}, pg_notify({}, %s)").format(
         _call(_function("pg_advisory_unlock", shared), key), sql.Literal(wakeups.RELEASED_CHANNEL)
     )
-    row = conn.execute(statement, [*key.numbers, wakeups.payload(key)]).fetchone()
-    return bool(row and row[0])
+    params = [*key.numbers, wakeups.payload(key)]
+    if at_release is None:
+        row = conn.execute(statement, params).fetchone()
+        return bool(row and row[0])
+    try:
+        rows, _ = _run_together(conn, [at_release.statement, psycopg.ClientCursor(conn).mogrify(statement, params)])
+    except psycopg.Error:
+        # The write failed: the query stopped before the unlock (its implicit transaction rolled back).
+        if conn.closed or conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            raise
+        at_release.alone(conn)
+        return unlock(conn, key, shared=shared)
+    at_release.done(rows[0])
+    return bool(rows[1] and rows[1][0][0])
 
 
 def is_held(conn: psycopg.Connection[Any], key: LockKey, shared: bool = False, xact_id: int | None = None) -> bool:
@@ -528,6 +598,7 @@ class HeldLock:
         holds the lock; every later check verifies the session is still in it.
     :param registry: the key-name registry's state when the lock was taken (for a key
         with a name; see ``schema.REGISTRY_STATE``), else None.
+    :param at_release: a write to send with the release (the unlock, or the commit), once.
     """
 
     key: LockKey
@@ -541,6 +612,7 @@ class HeldLock:
     released: bool = False
     xact_id: int | None = None
     registry: str | None = None
+    at_release: WriteAtRelease | None = None
 
     def is_held(self) -> bool:
         """Ask the server whether this session still holds the key (a round trip).
@@ -576,7 +648,7 @@ class HeldLock:
         was_held = False
         try:
             if self.scope == "session" and not self.connection.closed:
-                was_held = unlock(self.connection, self.key, shared=self.shared)
+                was_held = unlock(self.connection, self.key, shared=self.shared, at_release=self._take_at_release())
             elif self.scope == "transaction" and not self.connection.closed:
                 was_held = is_held(self.connection, self.key, self.shared, self.xact_id)
         except psycopg.Error:
@@ -611,7 +683,7 @@ class HeldLock:
             return True
         if not record():
             return False
-        return commit_if_held(self.connection, self.key, self.shared, self.xact_id)
+        return commit_if_held(self.connection, self.key, self.shared, self.xact_id, self._take_at_release())
 
     def commit(self) -> None:
         """Transaction scope: commit the lock's transaction (which releases the lock).
@@ -623,7 +695,7 @@ class HeldLock:
         in_transaction = self.connection.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
         if not in_transaction:
             commit(self.connection)
-        elif not commit_if_held(self.connection, self.key, self.shared, self.xact_id):
+        elif not commit_if_held(self.connection, self.key, self.shared, self.xact_id, self._take_at_release()):
             raise psycopg.errors.NoActiveSqlTransaction(
                 "the lock's transaction was ended on its connection (a COMMIT or ROLLBACK by the work): the lock "
                 "ended with it, and whatever ran afterwards ran without the lock; not committed"
@@ -637,7 +709,11 @@ class HeldLock:
 
     def unlock_checked(self) -> bool:
         """Session scope: unlock (the connection stays open); whether the key was still held."""
-        return unlock(self.connection, self.key, shared=self.shared)
+        return unlock(self.connection, self.key, shared=self.shared, at_release=self._take_at_release())
+
+    def _take_at_release(self) -> WriteAtRelease | None:
+        at_release, self.at_release = self.at_release, None  # sent once, with the first release statement
+        return at_release
 
     def close(self) -> None:
         """Close the connection: the session ends, an open transaction rolls back, the lock goes

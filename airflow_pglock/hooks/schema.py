@@ -282,8 +282,28 @@ def record_key_name(
     """
     if key.name is None:
         return []
+    params = _record_params(key, recorded_by, slots)
+    if slots > 1:
+        try:
+            return _run_registry(conn, _record_statement(pool=True), params, installed)
+        except psycopg.errors.UndefinedColumn:  # init-db before version 4: the name alone
+            pass
+    return _run_registry(conn, _record_statement(pool=False), params, installed)
+
+
+def key_name_record(key: LockKey, recorded_by: str | None, slots: int = 1) -> tuple[sql.Composed, dict[str, Any]]:
+    """The statement of :func:`record_key_name` and its parameters, to send with another
+    statement; its rows are the *other* names of the key. It needs an installed registry
+    (and, with ``slots`` greater than 1, init-db version 4).
+
+    :param key: a key with a name.
+    """
+    return _record_statement(pool=slots > 1), _record_params(key, recorded_by, slots)
+
+
+def _record_params(key: LockKey, recorded_by: str | None, slots: int) -> dict[str, Any]:
     classid, objid, objsubid = key.pg_locks
-    params = {
+    return {
         "objsubid": objsubid,
         "classid": classid,
         "objid": objid,
@@ -291,12 +311,6 @@ def record_key_name(
         "by": recorded_by,
         "slots": slots,
     }
-    if slots > 1:
-        try:
-            return _run_registry(conn, _record_statement(pool=True), params, installed)
-        except psycopg.errors.UndefinedColumn:  # init-db before version 4: the name alone
-            pass
-    return _run_registry(conn, _record_statement(pool=False), params, installed)
 
 
 def _record_statement(*, pool: bool) -> sql.Composed:

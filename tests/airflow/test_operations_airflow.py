@@ -21,6 +21,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 from airflow_pglock.hooks.schema import migrate
 from airflow_pglock.identity import TaskIdentity, parse_application_name
 from airflow_pglock.keys import LockKey
@@ -140,7 +141,9 @@ def test_locks_from_a_task_and_metrics(
 ) -> None:
     with scratch_database(pg_server) as ops_dsn:
         with psycopg.connect(ops_dsn, autocommit=True) as conn:
-            migrate(conn)  # the registry names "ops-hold" for `locks`
+            migrate(conn)  # the registry names "ops-hold" for `locks`...
+        earlier = AdvisoryLockHook(dsn=ops_dsn).try_acquire("ops-hold")
+        assert earlier is not None and earlier.release()  # ...recorded when an earlier hold ended
         monkeypatch.setenv(f"AIRFLOW_CONN_{CONN_ID.upper()}", dsn_uri(ops_dsn))
         monkeypatch.setenv("PGLOCK_OPS_DSN", ops_dsn)
         monkeypatch.setenv("PGLOCK_OPS_OUT", str(tmp_path / "locks.json"))

@@ -108,6 +108,11 @@ def ui_db(pg_server: str) -> Iterator[str]:
     with scratch_database(pg_server, prefix="pglock_ui") as dsn:
         with psycopg.connect(dsn, autocommit=True) as conn:
             migrate(conn)  # the registry names the key on the page
+        # Earlier runs: each release records its key's name (and a slot's pool size) in the registry.
+        with _pool_held(dsn, 3):
+            pass
+        earlier = AdvisoryLockHook(dsn=dsn).try_acquire(KEY)
+        assert earlier is not None and earlier.release()
         yield dsn
 
 

@@ -149,13 +149,21 @@ def test_registry_records_names_and_reports_a_collision(ops_db: str, capsys: Any
         with _guard(ops_db, alpha, logger):
             pass
         assert "COLLISION" not in caplog.text
+        # A name is recorded with the release of its first hold (no round trip of its own):
+        # during that hold the registry knows the names recorded before.
+        with _guard(ops_db, beta, logger):
+            [entry] = collect_lock_report(AdvisoryLockHook(dsn=ops_db), key="alpha").entries
+            assert entry.names == ("alpha",) and not entry.collision
+            assert "COLLISION" not in caplog.text
+        assert "KEY COLLISION" in caplog.text and "'alpha'" in caplog.text and "'beta'" in caplog.text
+        caplog.clear()
         with _guard(ops_db, beta, logger):
             report = collect_lock_report(AdvisoryLockHook(dsn=ops_db), key="alpha")
             [entry] = report.entries
             assert entry.names == ("alpha", "beta") and entry.collision and entry.name_source == "registry"
             table = run_cli("locks", "--dsn", ops_db, capsys=capsys)
             assert "alpha | beta (COLLISION)" in table.out
-    assert "KEY COLLISION" in caplog.text and "'alpha'" in caplog.text and "'beta'" in caplog.text
+        assert "KEY COLLISION" in caplog.text  # at every release of either name
     with psycopg.connect(ops_db, autocommit=True) as conn:
         rows = registered_names(conn)
         assert rows is not None
@@ -217,6 +225,33 @@ def test_without_registry_or_privileges_the_lock_still_works(ops_dsn: str, ops_d
     assert "could not record the name" in caplog.text and "InsufficientPrivilege" in caplog.text
 
 
+@pytest.mark.parametrize("mode", ["session", "transaction"])
+def test_a_registry_write_that_fails_at_release_is_reported_and_the_release_goes_on(
+    ops_dsn: str, ops_db_role: str, caplog: Any, mode: str
+) -> None:
+    """The write travels with the release; refused there (the role lost INSERT during the hold),
+    it is tried on its own, its error logged, and the lock released (in transaction mode, the
+    work committed) all the same."""
+    logger = logging.getLogger("pglock-test-release-write")
+    with psycopg.connect(ops_dsn, autocommit=True) as admin:
+        migrate(admin)
+        grant_usage(admin, ops_db_role)
+        admin.execute(f"CREATE TABLE work_done (id int); GRANT INSERT ON work_done TO {ops_db_role}")
+        policy = LockPolicy(mode="transaction") if mode == "transaction" else LockPolicy()
+        hook = AdvisoryLockHook(dsn=with_user(ops_dsn, ops_db_role))
+        guard = LockGuard(hook, LockKey.from_name("revoked"), policy, logger=logger)
+        with caplog.at_level(logging.WARNING, logger=logger.name), guard as handle:
+            if handle.connection is not None:
+                handle.connection.execute("INSERT INTO work_done VALUES (1)")
+            admin.execute(f"REVOKE INSERT ON pglock.key_names FROM {ops_db_role}")
+        assert guard.outcome == "completed"
+        assert "could not record the name of key 'revoked'" in caplog.text and "InsufficientPrivilege" in caplog.text
+        assert advisory_locks(admin) == []
+        assert registered_names(admin) == []
+        committed = admin.execute("SELECT count(*) FROM work_done").fetchone()
+        assert committed == ((1,) if mode == "transaction" else (0,))
+
+
 def _slot(dsn: str, pool: LockKey, logger: logging.Logger) -> LockGuard:
     return LockGuard(AdvisoryLockHook(dsn=dsn), pool, LockPolicy(slots=2), logger=logger)
 
@@ -233,13 +268,14 @@ def test_pool_sizes_are_recorded_from_version_4_once_the_role_may(
     with psycopg.connect(ops_dsn, autocommit=True) as conn:  # what an older release's init-db --grant did
         migrate(conn, MIGRATIONS[:3])
         grant_usage(conn, ops_db_role)
-    with (
-        caplog.at_level(logging.WARNING, logger=logger.name),
-        _slot(role_dsn, pool, logger),
-        _slot(role_dsn, pool, logger) as second,
-    ):
-        assert second.key.name == "exports#slot2"
-        before = run_cli("locks", "--dsn", ops_dsn, "--output", "json", capsys=capsys).json()
+    for _ in range(2):  # the names are recorded as the first holds end; the second holds show them
+        with (
+            caplog.at_level(logging.WARNING, logger=logger.name),
+            _slot(role_dsn, pool, logger),
+            _slot(role_dsn, pool, logger) as second,
+        ):
+            assert second.key.name == "exports#slot2"
+            before = run_cli("locks", "--dsn", ops_dsn, "--output", "json", capsys=capsys).json()
     assert "WARNING" not in caplog.text  # version 3: the names alone, silently
     assert before["pools"] == [] and sorted(e["key"]["name"] for e in before["locks"]) == ["exports", "exports#slot2"]
 
@@ -263,12 +299,13 @@ def test_pool_sizes_are_recorded_from_version_4_once_the_role_may(
     granted = run_cli("init-db", "--dsn", ops_dsn, "--grant", ops_db_role, capsys=capsys)
     assert f'GRANT UPDATE (slots) ON pglock.key_names TO "{ops_db_role}";' in granted.out
     caplog.clear()
-    with (
-        caplog.at_level(logging.WARNING, logger=logger.name),
-        _slot(role_dsn, pool, logger),
-        _slot(role_dsn, pool, logger),
-    ):
-        after = run_cli("locks", "--dsn", ops_dsn, "--output", "json", capsys=capsys).json()
+    for _ in range(2):  # the sizes are recorded as the first holds end; the second holds show the pool
+        with (
+            caplog.at_level(logging.WARNING, logger=logger.name),
+            _slot(role_dsn, pool, logger),
+            _slot(role_dsn, pool, logger),
+        ):
+            after = run_cli("locks", "--dsn", ops_dsn, "--output", "json", capsys=capsys).json()
     assert "WARNING" not in caplog.text
     assert [(p["name"], p["summary"], p["slots_source"]) for p in after["pools"]] == [
         ("exports", "2 of 2 held", "registry")
@@ -385,6 +422,8 @@ def test_hook_locks_name_the_provider_and_the_process(ops_db: str, capsys: Any) 
     import socket
 
     password_dsn = ops_db + " password=s3cret-pw"  # trust auth ignores it; it must not show anywhere
+    first = AdvisoryLockHook(dsn=password_dsn).try_acquire("billing/close-month")
+    assert first is not None and first.release()  # the first hold's release records the name
     held = AdvisoryLockHook(dsn=password_dsn).try_acquire("billing/close-month")
     assert held is not None
     try:
@@ -401,14 +440,16 @@ def test_hook_locks_name_the_provider_and_the_process(ops_db: str, capsys: Any) 
         assert "not an airflow-pglock session" not in table.out
     finally:
         held.release()
-    with AdvisoryLockHook(dsn=ops_db).lock_without_heartbeat(
-        "explicit", application_name="billing close-month"
-    ) as named:
-        assert named is not None
-        [entry] = run_cli("locks", "--dsn", ops_db, "--key", "explicit", "--output", "json", capsys=capsys).json()[
-            "locks"
-        ]
-        assert entry["application_name"] == "billing close-month" and entry["key"]["name"] == "explicit"
+    for which in ("first", "second"):  # the name is recorded as the first hold ends
+        with AdvisoryLockHook(dsn=ops_db).lock_without_heartbeat(
+            "explicit", application_name="billing close-month"
+        ) as named:
+            assert named is not None
+            [entry] = run_cli("locks", "--dsn", ops_db, "--key", "explicit", "--output", "json", capsys=capsys).json()[
+                "locks"
+            ]
+            assert entry["application_name"] == "billing close-month"
+            assert entry["key"]["name"] == (None if which == "first" else "explicit")
 
 
 def test_key_coordinates_roundtrip() -> None:

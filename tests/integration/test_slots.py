@@ -339,11 +339,22 @@ def _locks(dsn: str, *args: str) -> Any:
     return json.loads(out.getvalue()) if "json" in args else out.getvalue()
 
 
+def _earlier_run(dsn: str, pool: str, slots: int, count: int) -> None:
+    """Hold ``count`` slots at once and release them: each release records its slot's name and
+    the pool's size in the registry (a size is known to `locks` once a hold that says it ends)."""
+    guards = [_guarded_slot(dsn, pool, slots, f"earlier_{n}") for n in range(count)]
+    for guard in guards:
+        guard.__exit__(None, None, None)
+
+
 def test_locks_groups_every_registered_pool_into_one_row_without_being_told_n(registry_dsn: str) -> None:
+    _earlier_run(registry_dsn, "report-pool", 3, 2)  # slots 1 and 2: slot 3 stays unrecorded
     guards = [_guarded_slot(registry_dsn, "report-pool", 3, dag) for dag in ("exports_eu", "exports_us")]
     # A service outside Airflow takes slot 3 with plain SQL: no registry row of its own.
     cron = psycopg.connect(registry_dsn, autocommit=True, application_name="cron exporter")
     cron.execute("SELECT pg_advisory_lock(%s)", slot_keys(LockKey.from_name("report-pool"), 3)[2].numbers)
+    earlier = AdvisoryLockHook(dsn=registry_dsn).try_acquire("not-in-the-pool")
+    assert earlier is not None and earlier.release()  # records its name
     other = AdvisoryLockHook(dsn=registry_dsn).try_acquire("not-in-the-pool")
     try:
         data = _locks(registry_dsn, "--output", "json")
@@ -374,7 +385,12 @@ def test_locks_groups_every_registered_pool_into_one_row_without_being_told_n(re
         assert [e["key"]["name"] for e in by_dag["locks"]] == ["report-pool#slot2"]
         assert _locks(registry_dsn, "--key", "not-in-the-pool", "--output", "json")["pools"] == []
 
-        # A deployment that says slots=4: it takes slot 4, and the disagreement is shown.
+        # A deployment that says slots=4: it takes slot 4, and the disagreement is shown once a
+        # hold that says 4 has ended (the size is recorded with the release).
+        apac = _guarded_slot(registry_dsn, "report-pool", 4, "exports_apac")
+        [pool] = _locks(registry_dsn, "--output", "json")["pools"]
+        assert pool["slots"] == 3 and pool["held"] == 3  # slot 4 is not known to be the pool's yet
+        apac.__exit__(None, None, None)
         guards.append(_guarded_slot(registry_dsn, "report-pool", 4, "exports_apac"))
         [pool] = _locks(registry_dsn, "--output", "json")["pools"]
         assert pool["slots"] == 4 and pool["slots_recorded"] == [3, 4] and pool["held"] == 4
@@ -386,6 +402,7 @@ def test_locks_groups_every_registered_pool_into_one_row_without_being_told_n(re
         if other is not None:
             other.release()
     # The pool grown to 5: slot 1's row (recorded with 3) now says 5, and so does the row.
+    _guarded_slot(registry_dsn, "report-pool", 5, "exports_eu").__exit__(None, None, None)
     resized = _guarded_slot(registry_dsn, "report-pool", 5, "exports_eu")
     try:
         [pool] = _locks(registry_dsn, "--output", "json")["pools"]
