@@ -16,11 +16,10 @@ import logging
 from typing import Any
 
 import psycopg
-from psycopg.errors import InsufficientPrivilege
 
 from airflow_pglock.hooks.advisory_lock import HeldLock
 from airflow_pglock.hooks.lock_session import WriteAtRelease
-from airflow_pglock.hooks.schema import REGISTRY_NO_ACCESS, REGISTRY_READY, key_name_record, record_key_name
+from airflow_pglock.hooks.schema import REGISTRY_PRESENT, key_name_record, record_key_name
 from airflow_pglock.keys import LockKey
 
 log = logging.getLogger("airflow_pglock")
@@ -31,14 +30,15 @@ def record_acquisition(
 ) -> None:
     """Have the name of ``held.key`` recorded with the lock's release; warn of a collision then.
 
-    The lock statement said whether the registry is there (``held.registry``): when it is
-    not (the default), nothing happens; when the role may not use it, a warning says so at
-    once. An installed, usable registry costs no round trip either: its write travels with the
-    release (the unlock, or the commit in transaction mode, in a savepoint there), so it never
-    delays the work; the name is recorded, and a collision reported, when the first hold of
-    the name ends. A write that fails there is sent again on its own and its error logged:
-    never silently lost, never failing the task (the registry is optional). A lock that is
-    lost, or a transaction that rolls back, records nothing: the next hold does.
+    The lock statement said whether the registry's schema is there (``held.registry``): when
+    it is not (the default), nothing happens. When it is, the write costs no round trip: it
+    travels with the release (before the unlock, or with the commit in transaction mode, in a
+    savepoint there), so it never delays the work; the name is recorded, and a collision
+    reported, when the hold ends. A write that fails there (this role may not use the
+    registry) is logged as a warning, never silently lost and never failing the task (the
+    registry is optional); before init-db version 4, a pool's slot is recorded by its name
+    alone. A lock that is lost, or a transaction that rolls back, records nothing: the next
+    hold does.
 
     :param held: the lock just taken (its connection runs the write).
     :param application_name: recorded as who used the name first.
@@ -47,34 +47,29 @@ def record_acquisition(
         with the name so that ``locks`` can show the pool as one row.
     """
     logger = logger or log
-    if held.key.name is None or held.registry is None or held.registry == "absent":
+    if held.key.name is None or held.registry != REGISTRY_PRESENT:
         return
     key = held.key
 
     def report(outcome: list[str] | BaseException) -> None:
         _report(key, outcome, logger)
 
-    if held.registry in REGISTRY_NO_ACCESS:
-        problem = f"the registry is installed, but this role has {REGISTRY_NO_ACCESS[held.registry]}"
-        report(InsufficientPrivilege(problem))  # what the write would have raised, without a statement
-        return
-    if held.registry != REGISTRY_READY:
-        report(ValueError(f"unknown registry state {held.registry!r}"))
-        return
-
-    def alone(conn: psycopg.Connection[Any]) -> None:
-        try:
-            others = record_key_name(conn, key, application_name, slots, installed=True)
-        except Exception as error:  # the registry is optional: never fail a task that holds its lock
-            report(error)
+    def failed(conn: psycopg.Connection[Any], error: psycopg.Error) -> None:
+        if slots > 1 and isinstance(error, psycopg.errors.UndefinedColumn):
+            try:  # init-db before version 4 has no slots column: record the name alone
+                others = record_key_name(conn, key, application_name, 1, installed=True)
+            except Exception as again:  # the registry is optional: never fail a task that held its lock
+                report(again)
+            else:
+                report(others or [])
         else:
-            report(others or [])
+            report(error)
 
     statement, params = key_name_record(key, application_name, slots)
     held.at_release = WriteAtRelease(
         statement=psycopg.ClientCursor(held.connection).mogrify(statement, params),
         done=lambda rows: report([row[0] for row in rows]),
-        alone=alone,
+        failed=failed,
     )
 
 

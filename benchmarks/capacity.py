@@ -382,7 +382,8 @@ def measure_reading(result: CapacityResult, cluster: Cluster, dsn: str, rounds: 
 
 
 def run_capacity(holders: int, processes: int, rounds: int = 5, with_ui: bool = True) -> CapacityResult:
-    from airflow_pglock.hooks.schema import migrate
+    from airflow_pglock.hooks.schema import migrate, record_key_name
+    from airflow_pglock.keys import LockKey
 
     result = CapacityResult(holders, processes)
     result.max_connections = max_connections_for(holders)
@@ -393,7 +394,10 @@ def run_capacity(holders: int, processes: int, rounds: int = 5, with_ui: bool = 
             conn.execute(f"CREATE DATABASE {CAPACITY_DATABASE}")
         dsn = cluster.dsn_for(CAPACITY_DATABASE)
         with psycopg.connect(dsn, autocommit=True) as conn:
-            migrate(conn)  # the key-name registry: `locks` shows names
+            migrate(conn)  # the key-name registry: `locks` shows names...
+            with conn.transaction():  # ...recorded, as by earlier runs (a first hold's name is written at its release)
+                for index in range(holders):
+                    record_key_name(conn, LockKey.from_name(f"capacity/{index}"), "earlier run", installed=True)
         with psycopg.connect(dsn, autocommit=True, application_name="pglock-capacity observer") as admin:
             row = admin.execute("SELECT current_setting('superuser_reserved_connections')::int").fetchone()
             result.reserved = int(row[0]) if row else 3

@@ -5,9 +5,9 @@ is timed once per round, round-robin (see :func:`benchmarks.stats.interleaved`):
 
 * ``floor``: raw psycopg: connect, ``pg_try_advisory_lock``, ``pg_advisory_unlock``, close.
 * ``LockGuard``: what a guarded task does per execution (dedicated connection, server
-  checks, liveness settings, key-name registry lookup, heartbeat thread, outcome line).
+  checks, liveness settings, key-name registry state, heartbeat thread, outcome line).
 * ``LockGuard, registry installed``: the same on a database where ``airflow-pglock init-db``
-  ran (the key's name is recorded: an insert that finds the row already there).
+  ran (the key's name is recorded with the unlock: an insert that finds the row already there).
 * ``hook.session_lock``: the hook alone (no heartbeat, no outcome line, no registry).
 * ``pals``: PyPI ``pals`` (SQLAlchemy); with its engine's connection pool warm (how it is
   used in a long-lived process) and with ``NullPool`` (a connection per lock, like a task
@@ -198,7 +198,11 @@ PROFILED_STEPS: tuple[tuple[str, str, str], ...] = (
     ("connect (libpq start-up, auth, parameters)", "advisory_lock.py", "connect"),
     ("server facts from the handshake + its rules (no I/O)", "server.py", "from_handshake"),
     ("first lock statement (try + server facts + registry state): 1 round trip", "lock_session.py", "first_try"),
-    ("key-name registry (no I/O unless installed)", "registry.py", "record_acquisition"),
+    (
+        "key-name registry (no I/O: an installed one's write travels with the unlock)",
+        "registry.py",
+        "record_acquisition",
+    ),
     ("heartbeat thread start", "heartbeat.py", "start"),
     ("heartbeat thread stop + join", "guard.py", "_stop_heartbeat"),
     ("unlock: 1 round trip", "lock_session.py", "unlock"),

@@ -252,6 +252,19 @@ def test_a_registry_write_that_fails_at_release_is_reported_and_the_release_goes
         assert committed == ((1,) if mode == "transaction" else (0,))
 
 
+@pytest.mark.parametrize("mode", ["session", "transaction"])
+def test_a_name_with_quotes_percent_and_semicolons_is_recorded_as_given(ops_db: str, mode: str) -> None:
+    """The write travels bound client-side in a multi-statement query: nothing in the name may
+    end it, quote out of it or be read as a placeholder."""
+    name = f"50% off; it's {{x}} $1 %s -- {mode}"
+    policy = LockPolicy(mode="transaction") if mode == "transaction" else LockPolicy()
+    with LockGuard(AdvisoryLockHook(dsn=ops_db), LockKey.from_name(name), policy) as handle:
+        assert handle.backend_pid > 0
+    with psycopg.connect(ops_db, autocommit=True) as conn:
+        assert [r.name for r in registered_names(conn) or []] == [name]
+        assert advisory_locks(conn) == []
+
+
 def _slot(dsn: str, pool: LockKey, logger: logging.Logger) -> LockGuard:
     return LockGuard(AdvisoryLockHook(dsn=dsn), pool, LockPolicy(slots=2), logger=logger)
 
