@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
-from importlib.metadata import version as _version
+import sys
 from typing import TYPE_CHECKING, Any
 
-AIRFLOW_VERSION: tuple[int, int] = tuple(int(part) for part in _version("apache-airflow").split(".")[:2])  # type: ignore[assignment]
+
+def _airflow_version() -> tuple[int, int]:
+    # A DAG file or a task has imported Airflow already: its __version__ costs nothing, while
+    # importlib.metadata scans the installed distributions (milliseconds at every DAG file parse).
+    text = getattr(sys.modules.get("airflow"), "__version__", None)
+    if not isinstance(text, str):
+        from importlib.metadata import version
+
+        text = version("apache-airflow")
+    major, minor = text.split(".")[:2]
+    return int(major), int(minor)
+
+
+AIRFLOW_VERSION: tuple[int, int] = _airflow_version()
 AIRFLOW_V_3_PLUS = AIRFLOW_VERSION >= (3, 0)
 
 #: ``airflow pglock ...``: Airflow reads a provider's ``cli`` entry from 3.2 on (older lines ignore it).
