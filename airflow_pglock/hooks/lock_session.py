@@ -384,7 +384,8 @@ def _run_together(conn: psycopg.Connection[Any], statements: list[str]) -> tuple
 # A transaction lock ends with its COMMIT, which must not run when the session no longer
 # holds the key in that transaction (the work ended it and began another). The check and the
 # COMMIT travel in one simple query: a key not held makes the check divide by zero (at run
-# time: the divisor reads pg_locks), and an error stops the query before its COMMIT.
+# time: the divisor is no constant the planner could fold), and an error stops the query
+# before its COMMIT.
 _CHECK = "SELECT 1 / ({condition})::int"
 _IN_TRANSACTION = "txid_current_if_assigned() IS NOT DISTINCT FROM %s::bigint"
 
