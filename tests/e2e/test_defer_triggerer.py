@@ -121,8 +121,20 @@ def _diagnosis(d: Deployment) -> str:
     states = d.query("SELECT dag_id, state, count(*) FROM task_instance GROUP BY dag_id, state ORDER BY dag_id")
     return (
         f"triggers by triggerer_id: {triggers}\ntriggerer jobs: {jobs}\ntask states: {states}\n"
-        f"{d.logs('triggerer')}\n{d.logs('scheduler')}"
+        f"{_failed_task_logs(d)}\n{d.logs('triggerer')}\n{d.logs('scheduler')}"
     )
+
+
+def _failed_task_logs(d: Deployment, most: int = 3) -> str:
+    """The end of the task log of (at most ``most``) failed task instances: why they failed."""
+    failed = d.query("SELECT dag_id, task_id, map_index FROM task_instance WHERE state = 'failed' ORDER BY map_index")
+    parts = []
+    for dag_id, task_id, map_index in failed[:most]:
+        marks = [f"dag_id={dag_id}", f"task_id={task_id}"] + ([f"map_index={map_index}"] if map_index >= 0 else [])
+        for path in sorted((d.home / "logs").rglob("attempt=*.log")):
+            if all(f"/{mark}/" in f"/{path.relative_to(d.home)}" for mark in marks):
+                parts.append(f"--- {path.relative_to(d.home)} ---\n{path.read_text(errors='replace')[-3000:]}")
+    return "\n".join(parts)
 
 
 def _hold(hook: AdvisoryLockHook, key: str) -> HeldLock:
