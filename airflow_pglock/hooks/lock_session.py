@@ -454,7 +454,10 @@ def unlock(
     The same statement announces the release to waiting triggers (``pg_notify``, see
     :mod:`~airflow_pglock.hooks.wakeups`): no extra round trip.
 
-    :param at_release: a write sent in the same round trip, before the unlock.
+    :param at_release: a write sent in the same round trip, right after the unlock: the key is
+        free as soon as without it. A write that fails there rolls back the query's implicit
+        transaction, and with it the announcement (waiting triggers then see the key free at
+        their next poll); the unlock stands (a session lock's unlock is not transactional).
     """
     statement = sql.SQL("{}, pg_notify({}, %s)").format(
         _call(_function("pg_advisory_unlock", shared), key), sql.Literal(wakeups.RELEASED_CHANNEL)
@@ -463,16 +466,38 @@ def unlock(
     if at_release is None:
         row = conn.execute(statement, params).fetchone()
         return bool(row and row[0])
-    try:
-        rows, _ = _run_together(conn, [at_release.statement, psycopg.ClientCursor(conn).mogrify(statement, params)])
-    except psycopg.Error as error:
-        # The write failed: the query stopped before the unlock (its implicit transaction rolled back).
-        if conn.closed or conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
-            raise
-        at_release.failed(conn, error)
-        return unlock(conn, key, shared=shared)
-    at_release.done(rows[0])
-    return bool(rows[1] and rows[1][0][0])
+    bound = psycopg.ClientCursor(conn).mogrify(statement, params)
+    results = _results_of(conn, f"{bound}; {at_release.statement}")
+    encoding = conn.info.encoding
+    unlocked = results[0]
+    if unlocked.status != psycopg.pq.ExecStatus.TUPLES_OK:
+        raise psycopg.errors.error_from_result(unlocked, encoding=encoding)
+    written = results[1] if len(results) > 1 else None
+    if written is not None and written.status == psycopg.pq.ExecStatus.TUPLES_OK:
+        at_release.done([(bytes(written.get_value(row, 0) or b"").decode(encoding),) for row in range(written.ntuples)])
+    elif written is not None:
+        at_release.failed(conn, psycopg.errors.error_from_result(written, encoding=encoding))
+    else:
+        at_release.failed(conn, psycopg.OperationalError("the session ended before the write at release ran"))
+    return unlocked.ntuples > 0 and unlocked.get_value(0, 0) == b"t"
+
+
+def _results_of(conn: psycopg.Connection[Any], query: str) -> list[psycopg.pq.abc.PGresult]:
+    """Every result of a simple query of several statements, an error's included (psycopg's
+    ``execute`` raises at the first error and drops the results before it)."""
+    with conn.lock:
+        if conn.closed:
+            raise psycopg.OperationalError("the lock connection is closed")
+        pgconn = conn.pgconn
+        pgconn.send_query(query.encode(conn.info.encoding))
+        results = results_before(pgconn, time.monotonic() + _NO_CLIENT_DEADLINE)
+    if not results:  # the server hung up without a word (its reason, if any, went to the notice handler)
+        raise psycopg.OperationalError("the server closed the lock session")
+    return results
+
+
+# A release waits for its answer as a plain statement does: bounded by the server and TCP settings.
+_NO_CLIENT_DEADLINE = 24 * 3600.0
 
 
 def is_held(conn: psycopg.Connection[Any], key: LockKey, shared: bool = False, xact_id: int | None = None) -> bool:
