@@ -361,8 +361,9 @@ class WriteAtRelease:
 
     :param statement: the write, its values bound (psycopg's client-side binding); it returns rows.
     :param done: called with the write's rows once it ran with the release.
-    :param failed: called instead, with the error, when the write failed there: the connection
-        is back in the state it had before (it may write again on its own); the release goes on.
+    :param failed: called instead, with the error, when the write failed there: its query's
+        transaction is rolled back and the connection usable (it may write again on its own);
+        a session lock's unlock has run, a transaction lock's commit follows.
     """
 
     statement: str
