@@ -19,7 +19,7 @@ import psycopg
 
 from airflow_pglock.hooks.advisory_lock import HeldLock
 from airflow_pglock.hooks.lock_session import WriteAtRelease
-from airflow_pglock.hooks.schema import REGISTRY_PRESENT, key_name_record, record_key_name
+from airflow_pglock.hooks.schema import REGISTRY_PRESENT, record_key_name, record_key_name_statement
 from airflow_pglock.keys import LockKey
 
 log = logging.getLogger("airflow_pglock")
@@ -65,7 +65,7 @@ def record_acquisition(
         else:
             report(error)
 
-    statement, params = key_name_record(key, application_name, slots)
+    statement, params = record_key_name_statement(key, application_name, slots)
     held.at_release = WriteAtRelease(
         statement=psycopg.ClientCursor(held.connection).mogrify(statement, params),
         done=lambda rows: report([row[0] for row in rows]),

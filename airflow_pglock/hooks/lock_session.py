@@ -44,7 +44,8 @@ HELD_CONDITION = (
 # ...and, for a transaction lock, that the session is still in the transaction that took it
 # (a COMMIT then BEGIN on the lock's connection ends the lock; the key may even be taken
 # again in the new transaction, which is not the lock the guard holds).
-IN_LOCK_TRANSACTION = " AND txid_current_if_assigned() IS NOT DISTINCT FROM {0}::bigint"
+_IN_TRANSACTION = "txid_current_if_assigned() IS NOT DISTINCT FROM {0}::bigint"
+IN_LOCK_TRANSACTION = " AND " + _IN_TRANSACTION
 # The same seen from another session: the holder's current top-level transaction id (32 bits).
 _SIDE_IN_LOCK_TRANSACTION = (
     " AND (SELECT backend_xid::text::bigint FROM pg_stat_activity WHERE pid = {0}) = mod({1}::bigint, 4294967296)"
@@ -388,7 +389,6 @@ def _run_together(conn: psycopg.Connection[Any], statements: list[str]) -> tuple
 # time: the divisor is no constant the planner could fold), and an error stops the query
 # before its COMMIT.
 _CHECK = "SELECT 1 / ({condition})::int"
-_IN_TRANSACTION = "txid_current_if_assigned() IS NOT DISTINCT FROM %s::bigint"
 
 
 def commit_if_held(
@@ -410,7 +410,7 @@ def commit_if_held(
         # A transaction-level lock lasts as long as its transaction (there is no unlock, and it was
         # taken before any savepoint the work could roll back to): still in that transaction is
         # still holding it. Cheaper than reading pg_locks, which a fresh backend pays ~1 ms for.
-        condition, params = _IN_TRANSACTION, [xact_id]
+        condition, params = _IN_TRANSACTION.format("%s"), [xact_id]
     else:
         condition, params = HELD_CONDITION.format("pg_backend_pid()", "%s", "%s", "%s", "%s"), held_params(key, shared)
     # Several statements in one simple query take no parameters: psycopg binds them client-side.

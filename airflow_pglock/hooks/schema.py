@@ -248,11 +248,11 @@ def registry_installed(conn: psycopg.Connection[Any]) -> bool:
 #: that: asking for the table and this role's privileges too cost a fresh backend 0.2 ms more
 #: (medians of 150), paid by every named key without a registry; a registry this role may not use
 #: makes the write at release fail instead, and that error is logged.
-REGISTRY_STATE = sql.SQL("CASE WHEN to_regnamespace({schema}) IS NULL THEN 'absent' ELSE 'present' END").format(
-    schema=sql.Literal(SCHEMA)
-)
 REGISTRY_ABSENT = "absent"
 REGISTRY_PRESENT = "present"
+REGISTRY_STATE = sql.SQL("CASE WHEN to_regnamespace({schema}) IS NULL THEN {absent} ELSE {present} END").format(
+    schema=sql.Literal(SCHEMA), absent=sql.Literal(REGISTRY_ABSENT), present=sql.Literal(REGISTRY_PRESENT)
+)
 
 
 def record_key_name(
@@ -289,7 +289,9 @@ def record_key_name(
     return _run_registry(conn, _record_statement(pool=False), params, installed)
 
 
-def key_name_record(key: LockKey, recorded_by: str | None, slots: int = 1) -> tuple[sql.Composed, dict[str, Any]]:
+def record_key_name_statement(
+    key: LockKey, recorded_by: str | None, slots: int = 1
+) -> tuple[sql.Composed, dict[str, Any]]:
     """The statement of :func:`record_key_name` and its parameters, to send with another
     statement; its rows are the *other* names of the key. It needs an installed registry
     (and, with ``slots`` greater than 1, init-db version 4).
