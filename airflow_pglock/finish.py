@@ -1,13 +1,15 @@
 """How a guarded execution ends: the commit or the unlock, and what either found.
 
-Each returns ``(loss, error)``: why the lock turned out lost (None if it was held to the
-end), and an error in finishing (the commit, the completion record) to raise when the
-lock was not lost. The guard runs them with interruptions deferred.
+Each returns ``Finished(loss, error, note)``: why the lock turned out lost (None if it was
+held to the end), an error in finishing (the commit, the completion record) to raise when
+the lock was not lost, and what the outcome line should add to a completion. The guard
+runs them with interruptions deferred.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import psycopg
 
@@ -15,8 +17,11 @@ from airflow_pglock import loss
 from airflow_pglock.exceptions import PgLockError
 from airflow_pglock.hooks.lock_session import HeldLock
 
-#: (why the lock was lost, or None; the error in finishing, or None)
-Finished = tuple[str | None, BaseException | None]
+
+class Finished(NamedTuple):
+    lost: str | None = None  # why the lock was lost, or None
+    error: BaseException | None = None  # the error in finishing, or None
+    note: str | None = None  # said with a completion (e.g. the unlock failed after it)
 
 
 def finish_transaction(
@@ -25,38 +30,53 @@ def finish_transaction(
     """Transaction mode: commits only if the work succeeded and the session is still in the
     lock's transaction, holding the key; ``record()`` runs first, inside it."""
     if not held.transaction_open:
-        return loss.ENDED_BY_WORK, None
+        return Finished(lost=loss.ENDED_BY_WORK)
     if not succeeded:
-        return None, None  # closing the connection rolls the work back
+        return Finished()  # closing the connection rolls the work back
     try:
         if not held.commit_if_held(record):
-            return loss.ENDED_BY_WORK, None
+            return Finished(lost=loss.ENDED_BY_WORK)
     except psycopg.Error as error:
         if held.connection.closed or not loss.is_ordinary_error(getattr(error, "sqlstate", None)):
-            return loss.found_at_commit(describe_error(error)), None
-        return None, error
+            return Finished(lost=loss.found_at_commit(describe_error(error)))
+        return Finished(error=error)
     except PgLockError as error:
-        return None, error
-    return None, None
+        return Finished(error=error)
+    return Finished()
 
 
 def finish_session(
-    held: HeldLock, succeeded: bool, record: Callable[[], bool], describe_error: Callable[[psycopg.Error], str]
+    held: HeldLock,
+    succeeded: bool,
+    record: Callable[[], bool],
+    describe_error: Callable[[psycopg.Error], str],
+    *,
+    records_completion: bool = False,
 ) -> Finished:
-    """Session mode: record the completion (only while the key is held), then unlock."""
+    """Session mode: record the completion (only while the key is held), then unlock.
+
+    :param records_completion: whether ``record()`` writes a completion (once_per /
+        min_interval). Its statement checks that the session holds the key, after the work:
+        once it is recorded, the work is known to have run under the lock to its end, and a
+        session that ends before the unlock only frees the key sooner.
+    """
     commit_error: BaseException | None = None
     lost: str | None = None
+    recorded = False
     if succeeded:
         try:
-            if not record():
+            recorded = record() and records_completion
+            if not recorded and records_completion:
                 lost = loss.NOT_HELD_AT_COMPLETION
         except (psycopg.Error, PgLockError) as error:
             commit_error = error
     try:
         still_held = held.unlock_checked()
     except psycopg.Error as error:
+        if recorded:
+            return Finished(note=loss.unlock_failed_after_completion(describe_error(error)))
         still_held = False
         lost = describe_error(error)
     if not still_held:
         lost = loss.found_at_release(lost)
-    return lost, (None if lost is not None else commit_error)
+    return Finished(lost=lost, error=None if lost is not None else commit_error)

@@ -343,6 +343,7 @@ class LockGuard:
         assert held is not None
         lost: str | None = None
         commit_error: BaseException | None = None
+        note: str | None = None
         try:
             self.interruption.disarm_absorbing()
             self._stop_heartbeat()
@@ -351,9 +352,15 @@ class LockGuard:
             if lost is None and self._handle is not None and not held.connection.closed:
                 self._handle.release_all()  # free now; the closed session would free them only when its backend ends
             if lost is None and held.scope == "transaction":
-                lost, commit_error = finish_transaction(held, exc_type is None, record, self._describe_error)
+                lost, commit_error, note = finish_transaction(held, exc_type is None, record, self._describe_error)
             elif lost is None and not held.connection.closed:
-                lost, commit_error = finish_session(held, exc_type is None, record, self._describe_error)
+                lost, commit_error, note = finish_session(
+                    held,
+                    exc_type is None,
+                    record,
+                    self._describe_error,
+                    records_completion=self.rules.records_completion,
+                )
             elif lost is None:
                 lost = loss.CLOSED_AT_RELEASE
         except BaseException as interrupted:  # an asynchronous exception during the clean-up
@@ -384,7 +391,7 @@ class LockGuard:
         if exc_type is not None:
             self._report("failed", detail=f"{exc_type.__name__}: {exc}", held=held_for)
         else:
-            self._report("completed", held=held_for)
+            self._report("completed", detail=note, held=held_for)
 
     def _stop_heartbeat(self) -> None:
         self._stop.set()

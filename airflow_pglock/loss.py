@@ -107,6 +107,14 @@ def found_at_release(reason: str | None) -> str:
     return f"found at release: {reason or 'the session no longer held the key'}"
 
 
+def unlock_failed_after_completion(reason: str) -> str:
+    """The completion was recorded while the key was held, then the unlock failed."""
+    return (
+        f"the unlock failed after the completion was recorded ({reason}); the work ran under the lock to its "
+        "end, and the server frees the key when it ends the session"
+    )
+
+
 def found_at_commit(reason: str) -> str:
     return f"found at commit: {reason}"
 

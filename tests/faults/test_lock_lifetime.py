@@ -28,7 +28,7 @@ from airflow_pglock.keys import LockKey
 from airflow_pglock.liveness import Liveness
 from airflow_pglock.options import LockOptions, LockSpec
 from airflow_pglock.run_rules import RunRules
-from tests.faults.conftest import FaultServer
+from tests.faults.conftest import FaultServer, assert_nothing_left
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
@@ -115,6 +115,35 @@ def test_heartbeat_notices_a_lock_retaken_in_another_transaction(fault_server: F
         _guard(fault_server, "retaken", mode="transaction").run(work)
     assert time.monotonic() - started < 6
     assert isinstance(error.value.__cause__, LockLostInterrupt)
+
+
+def test_session_ended_between_the_completion_and_the_unlock_is_a_completion(
+    fault_server: FaultServer, ledger: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Session mode, once_per: the completion's statement finds the key held after the work,
+    so a session terminated just before the unlock has not lost anything. The run completes
+    (the outcome line says the unlock failed), the completion stays recorded, and the ended
+    session leaves no lock behind."""
+    from airflow_pglock.hooks.lock_session import HeldLock
+
+    unlock = HeldLock.unlock_checked
+    terminated: list[int] = []
+
+    def terminate_then_unlock(held: HeldLock) -> bool:
+        pid = held.server.backend_pid
+        ledger.execute("SELECT pg_terminate_backend(%s, 5000)", [pid])  # waits until it is gone
+        terminated.append(pid)
+        return unlock(held)
+
+    monkeypatch.setattr(HeldLock, "unlock_checked", terminate_then_unlock)
+    guard = _guard(fault_server, "terminated-before-unlock", rules=RunRules(period=PERIOD))
+    with caplog.at_level("WARNING", logger="airflow_pglock"):
+        assert guard.run(lambda lock: "done") == "done"
+    assert len(terminated) == 1
+    assert guard.outcome == "completed"
+    assert _completions(ledger) == [PERIOD]
+    assert "the unlock failed after the completion was recorded" in caplog.text
+    assert assert_nothing_left(ledger) == ([], [])
 
 
 # ------------------------------------------------ 2: shared locks with run rules
