@@ -69,6 +69,11 @@ BENCH_PINS = ("PALs==0.4.0", "python-redis-lock==4.0.1", "redis==6.4.0", "pyinst
 #: (measured here, each into a fresh venv). pip stays the fallback: uv does not read pip's
 #: configuration, so an index or find-links set only there reaches pip alone.
 UV_PIN = "uv==0.13.9"
+#: Compile the installed modules to bytecode, as pip does and uv does not by default. Python
+#: then never compiles them at import, which matters where PYTHONDONTWRITEBYTECODE is set
+#: (as on these machines): every Airflow process would compile Airflow again (measured: 3.0 s
+#: to import the scheduler's modules instead of 1.3 s; a fresh venv with it: 11.6 s, lint included).
+UV_OPTIONS = ("--compile-bytecode",)
 
 
 def find_interpreter() -> Path:
@@ -124,7 +129,9 @@ def _install(python: Path, *requirements: str) -> None:
     if not uv.exists():
         subprocess.run([*pip, UV_PIN], cwd=ROOT)
     if uv.exists():
-        installed = subprocess.run([str(uv), "pip", "install", "-q", "--python", str(python), *requirements], cwd=ROOT)
+        installed = subprocess.run(
+            [str(uv), "pip", "install", "-q", *UV_OPTIONS, "--python", str(python), *requirements], cwd=ROOT
+        )
         if installed.returncode == 0:
             return
         print("[dev] uv could not install them; installing with pip instead", flush=True)
