@@ -1,6 +1,6 @@
 """How a guarded execution ends: the commit or the unlock, and what either found.
 
-Each returns ``Finished(loss, error, note)``: why the lock turned out lost (None if it was
+Each returns ``Finished(lost, error, note)``: why the lock turned out lost (None if it was
 held to the end), an error in finishing (the commit, the completion record) to raise when
 the lock was not lost, and what the outcome line should add to a completion. The guard
 runs them with interruptions deferred.
@@ -65,9 +65,12 @@ def finish_session(
     recorded = False
     if succeeded:
         try:
-            recorded = record() and records_completion
-            if not recorded and records_completion:
+            held_at_completion = record()
+            if records_completion and not held_at_completion:
                 lost = loss.NOT_HELD_AT_COMPLETION
+            # Committed, not just written: a session in a transaction would roll the record back.
+            idle = held.connection.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+            recorded = records_completion and held_at_completion and idle
         except (psycopg.Error, PgLockError) as error:
             commit_error = error
     try:

@@ -289,7 +289,7 @@ def test_many_deferred_tasks_share_one_connection_and_never_block_the_triggerer(
                 "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'airflow-pglock wakeups'"
             ).fetchone()
         assert watchers is not None and 1 <= watchers[0] <= 2, watchers
-        # Airflow 3.3's scheduler fails a resumed task if the executor's report of the process
+        # Airflow 3's scheduler fails a resumed task if the executor's report of the process
         # that deferred it arrives after the resumed attempt started (apache/airflow#72716, open).
         # Under load the last tasks' reports lag the release, so the keys stay held until the
         # scheduler has taken every report: the test is about the triggers, not that race.

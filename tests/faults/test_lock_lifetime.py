@@ -146,6 +146,28 @@ def test_session_ended_between_the_completion_and_the_unlock_is_a_completion(
     assert assert_nothing_left(ledger) == ([], [])
 
 
+def test_session_ended_after_the_work_before_the_completion_is_lost(
+    fault_server: FaultServer, ledger: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other side of the boundary above: a session terminated after the work but before
+    the completion's statement leaves nothing proven. The run is lost and nothing is recorded."""
+    from airflow_pglock import guard as guard_module
+
+    record = guard_module.record_success
+
+    def terminate_then_record(rules: RunRules, held: Any, *args: Any) -> bool:
+        ledger.execute("SELECT pg_terminate_backend(%s, 5000)", [held.server.backend_pid])
+        return record(rules, held, *args)
+
+    monkeypatch.setattr(guard_module, "record_success", terminate_then_record)
+    guard = _guard(fault_server, "terminated-before-record", rules=RunRules(period=PERIOD))
+    with pytest.raises(LockLostError):
+        guard.run(lambda lock: "done")
+    assert guard.outcome == "lost"
+    assert _completions(ledger) == []
+    assert assert_nothing_left(ledger) == ([], [])
+
+
 # ------------------------------------------------ 2: shared locks with run rules
 
 
