@@ -127,6 +127,48 @@ def rendered_task(context: Any) -> Any:
     return context["task"]
 
 
+#: Where the deployment's name is set: ``[pglock] deployment`` (also ``AIRFLOW__PGLOCK__DEPLOYMENT``).
+DEPLOYMENT_OPTION = ("pglock", "deployment")
+#: Airflow's own name for the instance, used when ``[pglock] deployment`` is unset.
+INSTANCE_NAME_OPTION = ("api", "instance_name") if AIRFLOW_V_3_PLUS else ("webserver", "instance_name")
+
+
+def deployment_name() -> str | None:
+    """This deployment's name, for the holder identity of its lock sessions; None: unnamed.
+
+    ``[pglock] deployment`` if set, else Airflow's instance name (``[api] instance_name`` on
+    3.x, ``[webserver] instance_name`` on 2.x) if set; unnamed, the host name stands for the
+    deployment. Read when a lock session opens, never when a DAG file is parsed.
+    """
+    for section, option in (DEPLOYMENT_OPTION, INSTANCE_NAME_OPTION):
+        try:
+            value = conf.get(section, option, fallback=None)
+        except Exception:  # a broken config must not keep a lock from being named
+            value = None
+        if isinstance(value, str) and value.strip():
+            return value.strip()
+    return None
+
+
+def load_dag(dag_id: str, dags_folder: str | None = None) -> tuple[Any, str]:
+    """The DAG ``dag_id`` parsed from the DAG files (None if no file defines it), and the folder read.
+
+    Parses the files as the DAG processor does (``DagBag``), without the metadata database.
+
+    :param dags_folder: where the DAG files are (default: ``[core] dags_folder``).
+    """
+    folder = dags_folder or conf.get("core", "dags_folder")
+    try:
+        from airflow.dag_processing.dagbag import DagBag  # Airflow 3.1+
+    except ImportError:  # Airflow 2.x, 3.0
+        from airflow.models.dagbag import DagBag  # type: ignore[no-redef,attr-defined]
+    kwargs: dict[str, Any] = {"dag_folder": folder}
+    if not AIRFLOW_V_3_PLUS:
+        kwargs["include_examples"] = False
+    bag = DagBag(**kwargs)
+    return bag.dags.get(dag_id), folder
+
+
 def use_server_connections() -> None:
     """Let connection look-ups outside a task also read the metadata database.
 
@@ -144,8 +186,10 @@ def use_server_connections() -> None:
 __all__ = [
     "AIRFLOW_VERSION",
     "AIRFLOW_V_3_PLUS",
+    "DEPLOYMENT_OPTION",
     "HAS_PROVIDER_CLI",
     "HAS_UI_PAGE",
+    "INSTANCE_NAME_OPTION",
     "PROVIDER_CLI_SINCE",
     "UI_PAGE_SINCE",
     "AirflowFailException",
@@ -163,8 +207,10 @@ __all__ = [
     "TaskDeferred",
     "TriggerEvent",
     "conf",
+    "deployment_name",
     "get_current_context",
     "get_stats",
+    "load_dag",
     "rendered_task",
     "task_decorator_factory",
     "use_server_connections",

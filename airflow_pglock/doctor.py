@@ -6,7 +6,7 @@ set-up left halfway, a guarantee weakened) or ``problem`` (a guarded task would 
 the lock would not exclude anybody), with the fix. *Ready* means no warning and no
 problem: ``doctor --strict`` exits 0 for the least-privilege role of
 docs/howto-least-privilege.md (CONNECT only, no ``pg_read_all_stats``, no ``init-db``).
-No SQL here: the hook and ``hooks/inspection.py`` / ``hooks/schema.py`` read.
+No SQL here: the lock database (``pg/inspection.py``, ``pg/schema.py``, ``pg/key_names.py``) reads.
 """
 
 from __future__ import annotations
@@ -20,14 +20,16 @@ import psycopg
 
 from airflow_pglock.exceptions import LockConnectionError, PgLockError
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
-from airflow_pglock.hooks.inspection import PROBE_KEY, ServerFacts, probe_advisory_lock, server_facts
-from airflow_pglock.hooks.schema import (
-    SchemaStatus,
-    registry_collisions,
-    registry_privileges,
-    schema_status,
-)
-from airflow_pglock.hooks.server import ServerInfo, Violation, violations
+from airflow_pglock.pg.holders import WAITSTART_VERSION
+from airflow_pglock.pg.inspection import PROBE_KEY, ServerFacts, probe_advisory_lock, server_facts
+from airflow_pglock.pg.key_names import registry_collisions, registry_privileges
+from airflow_pglock.pg.ledger import fencing_replication
+from airflow_pglock.pg.schema import SchemaStatus, schema_status
+from airflow_pglock.pg.server import inspect_server
+from airflow_pglock.server_rules import ServerInfo, Violation, violations
+
+#: Where the least-privilege set-up is described (the superuser note points there).
+LEAST_PRIVILEGE_DOC = "docs/howto-least-privilege.md"
 
 Status = Literal["ok", "note", "warning", "problem"]
 STATUSES: tuple[Status, ...] = ("ok", "note", "warning", "problem")  # from best to worst
@@ -40,7 +42,6 @@ CAPACITY_WARNING = 0.5
 CAPACITY_PROBLEM = 0.8
 
 #: Below this server version pg_locks has no waitstart: ``locks`` cannot say since when a session waits.
-WAITSTART_VERSION = 140000
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ def run_doctor(hook: AdvisoryLockHook) -> DoctorReport:
     report = DoctorReport(target=target)
     started = time.perf_counter()
     try:
-        conn = hook.connect(DOCTOR_APPLICATION_NAME, settings)
+        conn = hook.database.connect(DOCTOR_APPLICATION_NAME, settings)
     except LockConnectionError as error:
         report.checks.append(
             Check(
@@ -105,7 +106,7 @@ def run_doctor(hook: AdvisoryLockHook) -> DoctorReport:
     with conn:
         elapsed = (time.perf_counter() - started) * 1000
         report.checks.append(Check("connection", "ok", f"connected to {target} in {elapsed:.0f} ms"))
-        info = hook.inspect_server(conn)
+        info = inspect_server(conn)
         report.checks.extend(_server_checks(info, settings.pool_mode))
         report.checks.append(_guarded(conn, "liveness", lambda: _liveness_check(hook, conn, info)))
         facts = server_facts(conn)
@@ -114,6 +115,9 @@ def run_doctor(hook: AdvisoryLockHook) -> DoctorReport:
         report.checks.append(_capacity_check(facts))
         report.checks.append(_connections_check(facts))
         report.checks.extend(_registry_checks(conn, facts))
+        fencing = _guarded(conn, "fencing", lambda: _fencing_check(conn))
+        if fencing.summary:
+            report.checks.append(fencing)
     return report
 
 
@@ -134,7 +138,7 @@ _FIXES = {
 
 
 def _server_checks(info: ServerInfo, pool_mode: str | None) -> list[Check]:
-    """The hook's server rules (``hooks/server.py``) for a session lock: one check per rule group."""
+    """The server rules (``server_rules.py``) for a session lock: one check per rule group."""
     found: dict[str, Violation] = {}
     for violation in violations(info, "session", pool_mode):
         found.setdefault(violation.check, violation)
@@ -179,7 +183,7 @@ def _server_checks(info: ServerInfo, pool_mode: str | None) -> list[Check]:
 
 
 def _liveness_check(hook: AdvisoryLockHook, conn: psycopg.Connection[Any], info: ServerInfo) -> Check:
-    hook.apply_liveness(conn, local=False, server_version_num=info.version_num)  # as a lock session does
+    hook.database.apply_liveness(conn, local=False, server_version_num=info.version_num)  # as a lock session does
     expected = hook.liveness.server_settings(transaction=False, server_version_num=info.version_num)
     facts = server_facts(conn, settings=list(expected))
     over_tcp = not conn.info.host.startswith("/")  # a Unix socket's "host" is its directory
@@ -209,8 +213,15 @@ def _liveness_check(hook: AdvisoryLockHook, conn: psycopg.Connection[Any], info:
 
 
 def _privileges_check(facts: ServerFacts) -> Check:
-    if facts.superuser:
-        return Check("privileges", "ok", f"role {facts.user!r} is a superuser: `locks` sees every session")
+    if facts.superuser:  # works, and sees everything; but a guarded task needs none of its powers
+        return Check(
+            "privileges",
+            "note",
+            f"role {facts.user!r} is a superuser: `locks` sees every session, but tasks need far less "
+            "(a superuser's tasks can also end any session, and use superuser_reserved_connections)",
+            f"connect tasks as a least-privilege role (CONNECT only, plus pg_read_all_stats for `locks`): "
+            f"see {LEAST_PRIVILEGE_DOC}",
+        )
     if facts.reads_all_stats:
         return Check(
             "privileges", "ok", f"role {facts.user!r} has pg_read_all_stats: `locks` sees every holder's details"
@@ -249,11 +260,7 @@ def _capacity_check(facts: ServerFacts) -> Check:
         "when the lock table is full every new lock fails with 'out of shared memory': raise "
         "max_locks_per_transaction (needs a restart), or find who holds so many locks (`airflow-pglock locks`)"
     )
-    if share >= CAPACITY_PROBLEM:
-        return Check("capacity", "problem", summary, fix)
-    if share >= CAPACITY_WARNING:
-        return Check("capacity", "warning", summary, fix)
-    return Check("capacity", "ok", summary)
+    return _by_share("capacity", share, summary, fix)
 
 
 def _connections_check(facts: ServerFacts) -> Check:
@@ -269,11 +276,16 @@ def _connections_check(facts: ServerFacts) -> Check:
         "lock role (ALTER ROLE ... CONNECTION LIMIT) or the concurrency of guarded tasks (pools, "
         "max_active_tis_per_dag)"
     )
+    return _by_share("connections", share, summary, fix)
+
+
+def _by_share(name: str, share: float, summary: str, fix: str) -> Check:
+    """A capacity check: a problem from :data:`CAPACITY_PROBLEM` in use, a warning from :data:`CAPACITY_WARNING`."""
     if share >= CAPACITY_PROBLEM:
-        return Check("connections", "problem", summary, fix)
+        return Check(name, "problem", summary, fix)
     if share >= CAPACITY_WARNING:
-        return Check("connections", "warning", summary, fix)
-    return Check("connections", "ok", summary)
+        return Check(name, "warning", summary, fix)
+    return Check(name, "ok", summary)
 
 
 def _registry_checks(conn: psycopg.Connection[Any], facts: ServerFacts) -> list[Check]:
@@ -322,6 +334,36 @@ def _registry_checks(conn: psycopg.Connection[Any], facts: ServerFacts) -> list[
     else:
         checks.append(Check("registry", "ok", "key-name registry installed; no two names share a key"))
     return checks
+
+
+def _fencing_check(conn: psycopg.Connection[Any]) -> Check:
+    """Fencing tokens survive a failover only under synchronous replication (docs/safety.md);
+    an empty summary: no token was ever issued here (nothing to say)."""
+    replication = fencing_replication(conn)
+    if replication is None:
+        return Check("fencing", "ok", "")
+    if replication.synchronous_standbys >= 1:
+        return Check(
+            "fencing",
+            "ok",
+            f"fencing tokens are in use; {replication.synchronous_standbys} synchronous standby(s) keep them "
+            "across a failover",
+        )
+    names = replication.synchronous_standby_names
+    found = (
+        f"synchronous_standby_names is {names!r} but no standby is connected as synchronous (or this role may not "
+        "read pg_stat_replication)"
+        if names
+        else "replication is asynchronous (synchronous_standby_names is empty)"
+    )
+    return Check(
+        "fencing",
+        "warning",
+        f"fencing tokens are in use and {found}: after a failover to a standby that missed the newest tokens, a "
+        "token can go backwards and a stale holder's write be accepted",
+        "fail over only to a synchronous standby (synchronous_standby_names, or storage-level synchronous "
+        "replication such as a managed service's multi-zone mode); docs/safety.md",
+    )
 
 
 def _schema_check(status: SchemaStatus) -> Check:

@@ -1,4 +1,6 @@
-"""Errors raised by airflow-pglock. Pure: no Airflow, no database driver.
+"""Errors raised by airflow-pglock. Pure: no Airflow, no database driver, nothing of
+the package (a leaf: every other module may import it; a key or a holder an error carries is
+typed ``Any`` for that reason).
 
 Every error the provider raises is a :class:`PgLockError` (``except PgLockError`` catches
 them all); the ones about a bad value are also ``ValueError``. Two things are not errors
@@ -10,11 +12,7 @@ outcomes into.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from airflow_pglock.hooks.advisory_lock import LockHolder
-    from airflow_pglock.keys import LockKey
+from typing import Any
 
 __all__ = [
     "AlreadyDoneError",
@@ -55,18 +53,26 @@ class LockConnectionError(PgLockError):
 
 
 class LockBusyError(PgLockError):
-    """Another session holds the key (or the bounded wait for it ran out)."""
+    """Another session holds the key (or the bounded wait for it ran out).
 
-    def __init__(self, message: str, key: LockKey, holders: Sequence[LockHolder] = ()) -> None:
+    :ivar key: the :class:`~airflow_pglock.keys.LockKey` asked for.
+    :ivar holders: the :class:`~airflow_pglock.holder.LockHolder` s that hold it, as far as known.
+    """
+
+    def __init__(self, message: str, key: Any, holders: Sequence[Any] = ()) -> None:
         super().__init__(message)
         self.key = key
         self.holders = tuple(holders)
 
 
 class LockLostError(PgLockError):
-    """The lock was lost while the protected work ran: another worker may run it now."""
+    """The lock was lost while the protected work ran: another worker may run it now.
 
-    def __init__(self, message: str, key: LockKey, cause: str) -> None:
+    :ivar key: the :class:`~airflow_pglock.keys.LockKey` that was held.
+    :ivar cause: why it was lost.
+    """
+
+    def __init__(self, message: str, key: Any, cause: str) -> None:
         super().__init__(message)
         self.key = key
         self.cause = cause
@@ -85,7 +91,7 @@ class LockLostInterrupt(BaseException):
 class AlreadyDoneError(PgLockError):
     """The work is already done: ``once_per`` period completed, or within ``min_interval``."""
 
-    def __init__(self, message: str, key: LockKey, completion: object) -> None:
+    def __init__(self, message: str, key: Any, completion: object) -> None:
         super().__init__(message)
         self.key = key
         self.completion = completion

@@ -15,7 +15,7 @@ import psycopg
 
 from airflow_pglock import loss
 from airflow_pglock.exceptions import PgLockError
-from airflow_pglock.hooks.lock_session import HeldLock
+from airflow_pglock.pg.held import HeldLock
 
 
 class Finished(NamedTuple):
@@ -24,11 +24,41 @@ class Finished(NamedTuple):
     note: str | None = None  # said with a completion (e.g. the unlock failed after it)
 
 
-def finish_transaction(
-    held: HeldLock, succeeded: bool, record: Callable[[], bool], describe_error: Callable[[psycopg.Error], str]
-) -> Finished:
+class Ending(NamedTuple):
+    """How a guarded execution ends, as :func:`finish` needs it.
+
+    :param held: the lock, not found lost so far.
+    :param succeeded: whether the work succeeded (only then is anything committed or recorded).
+    :param record: records the completion (a statement that checks the key is held) and says
+        whether it found it held; in transaction mode it runs inside the lock's transaction.
+    :param describe_error: says why a driver error ended the session.
+    :param records_completion: whether ``record()`` writes a completion (once_per /
+        min_interval). Its statement checks that the session holds the key, after the work:
+        once it is recorded, the work is known to have run under the lock to its end, and a
+        session that ends before the unlock only frees the key sooner.
+    """
+
+    held: HeldLock
+    succeeded: bool
+    record: Callable[[], bool]
+    describe_error: Callable[[psycopg.Error], str]
+    records_completion: bool = False
+
+
+def finish(ending: Ending) -> Finished:
+    """End a guarded execution whose lock was not found lost: :func:`finish_transaction` or
+    :func:`finish_session` by the lock's scope (a session whose connection is closed is lost)."""
+    if ending.held.scope == "transaction":
+        return finish_transaction(ending)
+    if ending.held.connection.closed:
+        return Finished(lost=loss.CLOSED_AT_RELEASE)
+    return finish_session(ending)
+
+
+def finish_transaction(ending: Ending) -> Finished:
     """Transaction mode: commits only if the work succeeded and the session is still in the
     lock's transaction, holding the key; ``record()`` runs first, inside it."""
+    held, succeeded, record, describe_error, _ = ending
     if not held.transaction_open:
         return Finished(lost=loss.ENDED_BY_WORK)
     if not succeeded:
@@ -45,21 +75,9 @@ def finish_transaction(
     return Finished()
 
 
-def finish_session(
-    held: HeldLock,
-    succeeded: bool,
-    record: Callable[[], bool],
-    describe_error: Callable[[psycopg.Error], str],
-    *,
-    records_completion: bool = False,
-) -> Finished:
-    """Session mode: record the completion (only while the key is held), then unlock.
-
-    :param records_completion: whether ``record()`` writes a completion (once_per /
-        min_interval). Its statement checks that the session holds the key, after the work:
-        once it is recorded, the work is known to have run under the lock to its end, and a
-        session that ends before the unlock only frees the key sooner.
-    """
+def finish_session(ending: Ending) -> Finished:
+    """Session mode: record the completion (only while the key is held), then unlock."""
+    held, succeeded, record, describe_error, records_completion = ending
     commit_error: BaseException | None = None
     lost: str | None = None
     recorded = False

@@ -1,24 +1,31 @@
 """A guarded execution: one lock held around one piece of work, from acquisition to outcome.
 
-The lifetime object between the Airflow adapters and the hook. :class:`LockGuard`
-coordinates small parts with one job each: the held lock (hook; it owns its release and
-commit), the run rules, the :class:`~airflow_pglock.heartbeat.Heartbeat` that keeps a
-healthy session alive and notices a lost one, the
-:class:`~airflow_pglock.interruption.Interruption` of the work, the words of
+The lifetime object between the Airflow adapters (and the hook's ``lock()``) and the lock
+database. :class:`LockGuard` coordinates small parts with one job each: the held lock (it
+owns its release and commit), the run rules, the
+:class:`~airflow_pglock.heartbeat.Heartbeat` that keeps a healthy session alive and notices
+a lost one, the :class:`~airflow_pglock.interruption.Interruption` of the work, the words of
 :mod:`~airflow_pglock.loss`, and the single :class:`~airflow_pglock.outcome.OutcomeLine`
 each execution logs. It raises plain airflow-pglock errors; the adapters turn them into
 Airflow outcomes.
+
+``__exit__`` stops the heartbeat, releases (or commits / rolls back in transaction mode),
+closes the connection and logs exactly one outcome line. A lock lost during the block raises
+LockLostError (``on_lost="fail"``), also when the block itself succeeded. While the block
+runs, a heartbeat thread probes the lock every ``lease / 3`` s; with ``on_lost="fail"`` a loss
+interrupts the block: :class:`~airflow_pglock.exceptions.LockLostInterrupt` is raised in the
+guarded thread (at once in the main thread, via a signal; at its next Python bytecode in
+another thread).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime as dt
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -32,108 +39,31 @@ from airflow_pglock.exceptions import (
     LockLostInterrupt,
     PgLockError,
 )
-from airflow_pglock.finish import finish_session, finish_transaction
+from airflow_pglock.finish import Ending, finish, finish_session, finish_transaction
+from airflow_pglock.handle import LockHandle
 from airflow_pglock.heartbeat import Heartbeat
-from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook, HeldLock, Scope
-from airflow_pglock.hooks.holders import describe_holders
+from airflow_pglock.holder import LockHolder, describe_holders
 from airflow_pglock.identity import TaskIdentity
-from airflow_pglock.interruption import LOST_SIGNAL, Interruption, protect_clean_up
+from airflow_pglock.interruption import Interruption, protect_clean_up
 from airflow_pglock.keys import LockKey, slot_keys
-from airflow_pglock.lock_set import AnyKey, LockSet, SubLock
-from airflow_pglock.outcome import OutcomeContext, OutcomeLine
-from airflow_pglock.policy import LockPolicy, OnBusy, OnError, OnLost
+from airflow_pglock.outcome import OutcomeContext, OutcomeLine, Reported
+from airflow_pglock.pg.database import LockDatabase
+from airflow_pglock.pg.held import HeldLock
+from airflow_pglock.policy import LockPolicy
 from airflow_pglock.registry import record_acquisition
 from airflow_pglock.run_rules import RunRules, check_before_work, check_not_shared, record_success
-
-__all__ = ["LOST_SIGNAL", "LockGuard", "LockHandle", "LockPolicy", "OnBusy", "OnError", "OnLost"]
 
 T = TypeVar("T")
 
 log = logging.getLogger("airflow_pglock")
 
 
-class LockHandle:
-    """What the protected work sees of its lock.
-
-    :ivar key: the key held.
-    :ivar connection: in transaction mode, the connection whose open transaction holds
-        the lock (do the protected database work on it); None in session mode.
-    :ivar acquired_at: when the lock was taken (UTC).
-    :ivar fencing_token: this acquisition's fencing token (``fencing=True``), else None.
-    :ivar period: the ``once_per`` period being done, else None.
-    """
-
-    def __init__(
-        self,
-        held: HeldLock,
-        lost_reason: Callable[[], str | None],
-        *,
-        fencing_token: int | None = None,
-        period: str | None = None,
-    ) -> None:
-        self._held = held
-        self.fencing_token = fencing_token
-        self.period = period
-        self._lost_reason = lost_reason
-        self.key: LockKey = held.key
-        self.mode: Scope = held.scope
-        self.shared: bool = held.shared
-        self.acquired_at: dt.datetime = held.acquired_at
-        self.database: str = held.server.database
-        self.server: str = held.server.server
-        self.backend_pid: int = held.server.backend_pid
-        self.connection: psycopg.Connection[Any] | None = held.connection if held.scope == "transaction" else None
-        self._keys = LockSet(held.connection, lost_reason, reserved=held.key, can_wait=held.scope == "session")
-
-    # Sub-keys on the task's own connection, covered by its heartbeat (see lock_set.LockSet).
-
-    def try_lock(self, key: AnyKey, shared: bool = False) -> contextlib.AbstractContextManager[SubLock | None]:
-        """Try once to take another key (e.g. a tenant) for a ``with`` block; None when busy."""
-        return self._keys.try_lock(key, shared)
-
-    def lock(
-        self, key: AnyKey, *, timeout: float, shared: bool = False
-    ) -> contextlib.AbstractContextManager[SubLock | None]:
-        """Wait at most ``timeout`` seconds (server-side) for another key; None if it ran out."""
-        return self._keys.lock(key, timeout=timeout, shared=shared)
-
-    def try_lock_many(self, keys: Iterable[AnyKey], shared: bool = False) -> list[SubLock]:
-        """Try many keys in one round trip; the ones taken (held until released or the task ends)."""
-        return self._keys.try_lock_many(keys, shared)
-
-    def release(self, *locks: SubLock | AnyKey) -> bool:
-        """Release sub-keys taken through this handle; whether each was still held."""
-        return self._keys.release(*locks)
-
-    def held(self) -> list[LockKey]:
-        """The sub-keys held now (not the task's own key)."""
-        return self._keys.held()
-
-    def release_all(self) -> bool:
-        """Release every sub-key held now (one round trip; the task's own key stays held)."""
-        return self._keys.release_all()
-
-    @property
-    def lost(self) -> str | None:
-        """Why the lock was lost, or None while it is held (as of the last heartbeat)."""
-        return self._lost_reason()
-
-    def check(self) -> None:
-        """Raise LockLostError if the heartbeat found the lock lost."""
-        reason = self.lost
-        if reason is not None:
-            raise LockLostError(f"lost {self.key.describe()}: {reason}", self.key, reason)
-
-    def __repr__(self) -> str:
-        return f"LockHandle({self.key.describe()}, mode={self.mode}, shared={self.shared})"
-
-
-def busy_error(
-    hook: AdvisoryLockHook, key: LockKey, timeout: float | None, logger: Any, slots: int = 1
-) -> LockBusyError:
-    """The refusal for a busy key (or full pool), naming who holds it (as far as the server can still tell)."""
+def busy_error(database: LockDatabase, pool: Sequence[LockKey], timeout: float | None, logger: Any) -> LockBusyError:
+    """The refusal for a busy key (or full pool: its slots, slot 1 first), naming who holds it
+    (as far as the server can still tell)."""
+    key, slots = pool[0], len(pool)
     try:
-        holders = hook.holders(key, slots=slots)
+        holders = database.holders(pool)
     except (PgLockError, psycopg.Error) as error:
         logger.warning("pglock could not read the holders of %s: %s", key.describe(), error)
         holders = []
@@ -145,31 +75,26 @@ def busy_error(
 
 
 class LockGuard:
-    """Hold ``key`` around a ``with`` block according to ``policy``.
+    """Hold ``key`` around a ``with`` block according to ``policy`` (see the module's docstring).
 
     ``__enter__`` acquires (or raises LockBusyError / a connection or set-up error, after
-    logging the outcome) and returns a :class:`LockHandle`. ``__exit__`` stops the
-    heartbeat, releases (or commits / rolls back in transaction mode), closes the
-    connection and logs exactly one outcome line. A lock lost during the block raises
-    LockLostError (``on_lost="fail"``), also when the block itself succeeded.
+    logging the outcome) and returns a :class:`LockHandle`; ``__exit__`` releases, closes
+    and logs exactly one outcome line. :meth:`run` is the airtight form of the ``with`` block.
 
-    While the block runs, a heartbeat thread probes the lock every ``lease / 3`` s. With
-    ``on_lost="fail"`` a loss interrupts the block: :class:`LockLostInterrupt` is raised in
-    the guarded thread (at once in the main thread, via a signal; at its next Python
-    bytecode in another thread). :meth:`run` is the airtight form of the ``with`` block.
-
-    :param hook: the hook that opens the dedicated connection.
+    :param database: the lock database, which opens the dedicated connection.
     :param key: the key to hold.
     :param policy: what to do when busy, lost, ...
     :param application_name: names the holder in ``pg_stat_activity``.
     :param logger: where the acquisition and outcome lines go.
     :param rules: once_per / min_interval / fencing, checked and recorded under the lock.
     :param identity: the Airflow task instance, recorded with a completion.
+    :param stats: gives the metrics client the outcome's metrics go to (``compat.get_stats``);
+        None: no metrics.
     """
 
     def __init__(
         self,
-        hook: AdvisoryLockHook,
+        database: LockDatabase,
         key: LockKey,
         policy: LockPolicy,
         *,
@@ -177,8 +102,9 @@ class LockGuard:
         logger: logging.Logger | Any | None = None,
         rules: RunRules | None = None,
         identity: TaskIdentity | None = None,
+        stats: Callable[[], Any] | None = None,
     ) -> None:
-        self.hook = hook
+        self.database = database
         self.rules = rules or RunRules()
         check_not_shared(self.rules, policy.shared)
         self.identity = identity
@@ -194,12 +120,7 @@ class LockGuard:
         self.interruption = Interruption(key.describe())
         self._stop = threading.Event()
         self._heartbeat: Heartbeat | None = None
-        self._outcome = OutcomeLine(
-            self.log,
-            OutcomeContext(
-                key, policy.mode, policy.shared, policy.on_busy, application_name, self._target_text, policy.slots
-            ),
-        )
+        self._outcome = OutcomeLine(self.log, OutcomeContext.of(key, policy, application_name, database), stats)
         self._started = 0.0
         self._wait_seconds = 0.0
         self._handle: LockHandle | None = None
@@ -222,7 +143,7 @@ class LockGuard:
             self.held = self._acquire()
         except LockBusyError as busy:
             self.refusal = busy
-            self._report(self.policy.busy_outcome(), detail=f"busy: {busy}")
+            self._report(self.policy.busy_outcome(), detail=f"busy: {busy}", holders=busy.holders)
             raise
         except (PgLockError, psycopg.Error) as error:
             self._report("failed", detail=f"{type(error).__name__}: {error}")
@@ -231,12 +152,12 @@ class LockGuard:
         # timeout, Ctrl-C) can leave the lock connection open with no outcome line.
         try:
             self._wait_seconds = time.monotonic() - self._started
-            self._log_acquired(self.held)
+            self._outcome.acquired(self.held.key, self.held.server, self._wait_seconds)
             record_acquisition(self.held, self.application_name, self.log, self.policy.slots)  # written at release
             if self.rules.active:
-                self.fencing_token = check_before_work(self.rules, self.held, self.application_name)
+                self.fencing_token = check_before_work(self.rules, self.held, self.database, self.application_name)
             self.interruption.arm(interrupt=self.policy.on_lost == "fail")
-            self._heartbeat = Heartbeat(self.hook, self.held, self._lose, self.interruption.lost, self._stop)
+            self._heartbeat = Heartbeat(self.database, self.held, self._lose, self.interruption.lost, self._stop)
             self._heartbeat.start()
             self._handle = LockHandle(
                 self.held, lambda: self.lost, fencing_token=self.fencing_token, period=self.rules.period
@@ -247,39 +168,30 @@ class LockGuard:
             if isinstance(error, AlreadyDoneError):
                 self.refusal = error
                 self._report("skipped", detail=f"done: {error}")
+            elif isinstance(error, LockLostError):  # found not held before the work (fencing token)
+                self.interruption.refine(error.cause)
+                held_for = self.held.held_seconds if self.held is not None else None
+                self._report("lost", detail=error.cause, held=held_for)
             else:
                 self._report("failed", detail=f"{type(error).__name__}: {error}")
             raise
 
     def _acquire(self) -> HeldLock:
         timeout = self.policy.wait_timeout if self.policy.on_busy == "wait" else None
-        held = self.hook.acquire_lock(
-            self.key,
+        pool = slot_keys(self.key, self.policy.slots)  # the key, or a pool's slots: computed once
+        held = self.database.acquire_lock(
+            pool,
             shared=self.policy.shared,
             scope=self.policy.mode,
             timeout=timeout,
             application_name=self.application_name,
-            slots=self.policy.slots,
         )
         if held is not None:
-            if self.policy.slots > 1:  # a slot of a pool: the outcome line names the slot taken
-                slot = slot_keys(self.key, self.policy.slots).index(held.key) + 1
-                self._outcome.context = dataclasses.replace(self._outcome.context, key=held.key, slot=slot)
+            if held.slot is not None:  # a slot of a pool: the outcome line names the slot taken
+                self._outcome.context = dataclasses.replace(self._outcome.context, key=held.key, slot=held.slot)
                 self.interruption.label = held.key.describe()
             return held
-        raise busy_error(self.hook, self.key, timeout, self.log, self.policy.slots)
-
-    def _log_acquired(self, held: HeldLock) -> None:
-        self.log.info(
-            "pglock acquired %s (%s, %s) database=%r server=%s pid=%s in %.3fs",
-            held.key.describe(),
-            self.policy.mode,
-            "shared" if self.policy.shared else "exclusive",
-            held.server.database,
-            held.server.server,
-            held.server.backend_pid,
-            self._wait_seconds,
-        )
+        raise busy_error(self.database, pool, timeout, self.log)
 
     # --------------------------------------------------------------------- loss
 
@@ -290,7 +202,7 @@ class LockGuard:
         if ask_server:
             assert self.held is not None
             self.interruption.refine(
-                loss.refine_with_server_start(reason, self.hook.server_started_at(), self.held.server.started_at)
+                loss.refine_with_server_start(reason, self.database.server_started_at(), self.held.server.started_at)
             )
         held_key = self.held.key if self.held is not None else self.key  # a pool's slot: the slot
         self.log.error("pglock LOST %s: %s", held_key.describe(), self.lost)
@@ -351,18 +263,9 @@ class LockGuard:
             record = lambda: record_success(self.rules, held, self.identity, self.fencing_token)  # noqa: E731
             if lost is None and self._handle is not None and not held.connection.closed:
                 self._handle.release_all()  # free now; the closed session would free them only when its backend ends
-            if lost is None and held.scope == "transaction":
-                lost, commit_error, note = finish_transaction(held, exc_type is None, record, self._describe_error)
-            elif lost is None and not held.connection.closed:
-                lost, commit_error, note = finish_session(
-                    held,
-                    exc_type is None,
-                    record,
-                    self._describe_error,
-                    records_completion=self.rules.records_completion,
-                )
-            elif lost is None:
-                lost = loss.CLOSED_AT_RELEASE
+            if lost is None:
+                ending = Ending(held, exc_type is None, record, self._describe_error, self.rules.records_completion)
+                lost, commit_error, note = finish(ending)
         except BaseException as interrupted:  # an asynchronous exception during the clean-up
             self._abandon()
             detail = f"the clean-up was interrupted: {type(interrupted).__name__}"
@@ -401,23 +304,21 @@ class LockGuard:
     def _describe_error(self, error: psycopg.Error) -> str:
         if self._heartbeat is not None:
             return self._heartbeat.describe_error(error)[0]
-        text = str(error).strip().splitlines()
-        detail = text[0] if text else type(error).__name__
-        state = getattr(error, "sqlstate", None) or ""
-        return loss.session_end_reason(state, detail, type(error).__name__, self.hook.liveness.lease)[0]
+        return loss.error_reason(error, self.database.liveness.lease)[0]
 
     # ----------------------------------------------------------------- outcome
 
-    def _report(self, outcome: str, *, detail: str | None = None, held: float | None = None) -> None:
+    def _report(
+        self,
+        outcome: str,
+        *,
+        detail: str | None = None,
+        held: float | None = None,
+        holders: Sequence[LockHolder] = (),
+    ) -> None:
         waited = self._wait_seconds if self.held is not None else time.monotonic() - self._started
         server = self.held.server if self.held is not None else None
-        self._outcome.report(outcome, server=server, waited=waited, detail=detail, held=held)
-
-    def _target_text(self) -> str:
-        try:
-            return self.hook.describe_target()
-        except Exception:  # the connection itself may be what is wrong; the error says why
-            return f"conn id {self.hook.postgres_conn_id!r}"
+        self._outcome.report(Reported(outcome, server, waited, detail, held, holders))
 
 
-protect_clean_up(LockGuard.__exit__, LockGuard._abandon, finish_transaction, finish_session)
+protect_clean_up(LockGuard.__exit__, LockGuard._abandon, finish, finish_transaction, finish_session)

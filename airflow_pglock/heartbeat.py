@@ -1,4 +1,8 @@
-"""The heartbeat of a held lock: a daemon thread that probes it every ``lease / 3`` s.
+"""The heartbeat of every way to hold a lock: a daemon thread that probes it every ``lease / 3`` s.
+
+It keeps a guarded task's lock (a :class:`~airflow_pglock.pg.held.HeldLock`)
+and a lock session (``hook.lock_session()``, whose keys can end only with its session or
+by its own unlock: its probe asks only whether the session is alive) the same way.
 
 It keeps a healthy session from looking idle to the server (which ends a session silent
 for the lease) and notices a lost lock: the session ended, the key is gone, the server
@@ -17,21 +21,49 @@ import select
 import threading
 import time
 from collections.abc import Callable
+from typing import Any, Protocol
 
 import psycopg
 
 from airflow_pglock import loss
-from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook, HeldLock
+from airflow_pglock.exceptions import PgLockError
+from airflow_pglock.keys import LockKey
+from airflow_pglock.pg.database import LockDatabase
+from airflow_pglock.pg.probe import ProbeResult
+from airflow_pglock.server_rules import Scope, ServerInfo
 
 #: ``on_loss(reason, ask_server)``: the lock is lost; ``ask_server``: the server may tell more.
 OnLoss = Callable[[str, bool], None]
 
 
+class KeptAlive(Protocol):
+    """What a heartbeat keeps alive: a lock on its session (``HeldLock``), or a lock session."""
+
+    @property
+    def connection(self) -> psycopg.Connection[Any]: ...
+    @property
+    def server(self) -> ServerInfo: ...
+    @property
+    def key(self) -> LockKey | None:
+        """The key the session must hold; None: only the session must live."""
+
+    @property
+    def scope(self) -> Scope: ...
+    @property
+    def acquired_monotonic(self) -> float:
+        """``time.monotonic()`` when the session last answered before the heartbeat started."""
+
+    def probe(self, timeout: float, before_giving_up: Callable[[], None] | None = None) -> ProbeResult: ...
+
+    def seen_from_aside(self, side: psycopg.Connection[Any]) -> bool:
+        """Whether it still holds (lives), asked on another session ``side``."""
+
+
 class Heartbeat:
     """Probe ``held`` every ``lease / 3`` s until stopped or the lock is found lost.
 
-    :param hook: the hook that took the lock (its liveness settings, its probe).
-    :param held: the lock.
+    :param database: the lock database (its liveness settings, its side connections).
+    :param held: the lock, or the lock session.
     :param on_loss: called once, from the heartbeat thread, when the lock is lost.
     :param first_alarm: called with the reason *before* an unanswered connection is closed
         (closing lets the server release the lock: the work must be interrupted first).
@@ -40,13 +72,13 @@ class Heartbeat:
 
     def __init__(
         self,
-        hook: AdvisoryLockHook,
-        held: HeldLock,
+        database: LockDatabase,
+        held: KeptAlive,
         on_loss: OnLoss,
         first_alarm: Callable[[str], None],
         stop: threading.Event,
     ) -> None:
-        self.hook = hook
+        self.database = database
         self.held = held
         self.on_loss = on_loss
         self.first_alarm = first_alarm
@@ -74,7 +106,7 @@ class Heartbeat:
         if thread is not None and thread is not threading.current_thread():
             # Every step of the heartbeat is bounded: a probe by the loss deadline, a server
             # check by its 2 s connect timeout.
-            thread.join(timeout=self.hook.liveness.loss_deadline + 5)
+            thread.join(timeout=self.database.liveness.loss_deadline + 5)
         if thread is None:
             self._close_wake()
 
@@ -90,12 +122,7 @@ class Heartbeat:
 
     def describe_error(self, error: psycopg.Error) -> tuple[str, bool]:
         """Why the session ended, as far as the error (or the notice before it) tells."""
-        state = getattr(error, "sqlstate", None) or ""
-        text = str(error).strip().splitlines()
-        detail = text[0] if text else type(error).__name__
-        if not state and self.server_notice is not None:
-            state, detail = self.server_notice
-        return loss.session_end_reason(state, detail, type(error).__name__, self.hook.liveness.lease)
+        return loss.error_reason(error, self.database.liveness.lease, self.server_notice)
 
     def _watch(self, seconds: float) -> bool:
         """Wait ``seconds`` for the next probe, watching the session's socket; True when stopped.
@@ -119,8 +146,12 @@ class Heartbeat:
             ready = poller.poll(remaining * 1000)
             if self.stop_event.is_set():
                 break
-            if ready and not self._read_unasked() and self.stop_event.wait(min(0.2, remaining)):
-                break
+            if ready:
+                self._read_unasked()  # raises when the server ended the session
+                # Then a pause, whoever's data it was: on a connection the work uses in a tight
+                # loop (a lock session's keys, one statement after another) every reply wakes us.
+                if self.stop_event.wait(min(0.2, remaining)):
+                    break
         return True
 
     def _read_unasked(self) -> bool:
@@ -145,6 +176,15 @@ class Heartbeat:
         finally:
             conn.lock.release()
 
+    def _seen_from_aside(self) -> bool | None:
+        """Whether the session still holds (lives), asked from a side connection; None when the
+        server cannot be reached either."""
+        try:
+            with self.database.side_connection() as side:
+                return self.held.seen_from_aside(side)
+        except (psycopg.OperationalError, PgLockError):
+            return None
+
     def _close_wake(self) -> None:
         with self._wake_lock:
             if self._wake_read >= 0:
@@ -164,7 +204,7 @@ class Heartbeat:
         gives its lock up for lost before the server can release it (``lease`` s of silence).
         """
         held = self.held
-        liveness = self.hook.liveness
+        liveness = self.database.liveness
         interval = liveness.heartbeat_interval
         grace = min(interval, 1.0)
         confirmed = held.acquired_monotonic  # the lock statement was answered: the session is not idle before
@@ -182,12 +222,8 @@ class Heartbeat:
             started = time.monotonic()
             budget = max(confirmed + liveness.loss_deadline - started, grace)
             try:
-                result = self.hook.probe(
-                    held.connection,
-                    held.key,
-                    held.shared,
+                result = held.probe(
                     budget,
-                    xact_id=held.xact_id,
                     before_giving_up=lambda: self.first_alarm(no_answer()),  # interrupt, then close
                 )
             except psycopg.Error as error:
@@ -203,14 +239,16 @@ class Heartbeat:
                 # The work is using the connection (a statement, COPY, a stream, a pipeline), and has
                 # been since the last answer, at least one interval ago. A busy connection is no proof
                 # that the session still holds the lock: ask the server from a side connection.
-                seen = self.hook.holds_seen_from_aside(held)
+                seen = self._seen_from_aside()
                 if seen is None:  # the server cannot be reached either: silent, as a probe without answer
                     if time.monotonic() - confirmed >= liveness.loss_deadline:
                         self.on_loss(no_answer(), False)
                         return
                     continue
                 if not seen:
-                    self.on_loss(loss.NOT_HELD_SEEN_ASIDE, True)
+                    self.on_loss(
+                        loss.NOT_HELD_SEEN_ASIDE if held.key is not None else loss.SESSION_GONE_SEEN_ASIDE, True
+                    )
                     return
                 result = "held"
             if result == "held":

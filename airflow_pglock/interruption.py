@@ -23,8 +23,11 @@ from airflow_pglock.exceptions import LockLostInterrupt
 
 # Airflow's supervisor uses SIGUSR2, so pick a real-time signal where the platform has one.
 LOST_SIGNAL: int = getattr(signal, "SIGRTMIN", signal.SIGUSR1) + (7 if hasattr(signal, "SIGRTMIN") else 0)
-# Seconds between two sends of an interruption the main thread has not taken yet.
-PENDING_REPEAT = 0.05
+# Seconds between two sends of an interruption the main thread has not taken yet. Longer than
+# psycopg's wait interval (0.1 s): its C wait (psycopg[binary]) goes back to poll() after a
+# signal and returns to Python, where the handler runs, only when a whole interval passes with
+# no signal; a send every 50 ms kept a work waiting on a query from ever being interrupted.
+PENDING_REPEAT = 0.25
 
 
 class Interruption:

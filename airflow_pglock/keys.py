@@ -12,12 +12,13 @@ Pure module: no I/O, no Airflow. A key is one of
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from airflow_pglock.exceptions import InvalidLockKeyError as InvalidLockKeyError  # also importable from here
+from airflow_pglock.exceptions import InvalidLockKeyError
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
@@ -37,14 +38,47 @@ SLOT_SEPARATOR = "#slot"
 #: The most slots a pool may have (one statement tries them in order: keep it cheap).
 MAX_SLOTS = 1000
 
+#: The longest key name, in UTF-8 bytes (a pool's slot names included). The key-name registry's
+#: primary key (a btree on ``objsubid, classid, objid, name``) takes index rows of at most 2704
+#: bytes with PostgreSQL's default 8 kB pages: 2668 bytes of a name that does not compress. A
+#: longer name would fail the registry's write at every release, and the release's wake-up
+#: NOTIFY with it; 2048 leaves a margin.
+MAX_KEY_NAME_BYTES = 2048
 
-def int64_from_name(name: str) -> int:
+
+def int64_from_name(name: str | bytes) -> int:
     """The int64 of a name: first 8 bytes of SHA-256(UTF-8 name), big-endian, signed.
 
-    :param name: the key name (any string; hashed as UTF-8).
+    :param name: the key name (a string, hashed as UTF-8, or its UTF-8 bytes).
     """
-    digest = hashlib.sha256(name.encode("utf-8")).digest()
+    digest = hashlib.sha256(name.encode("utf-8") if isinstance(name, str) else name).digest()
     return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def name_bytes(name: str) -> bytes:
+    """The UTF-8 bytes of a key name, refused when it is not UTF-8 text or longer than the maximum.
+
+    :param name: the key name.
+    :raises InvalidLockKeyError: a lone surrogate (no UTF-8 form), or more than
+        :data:`MAX_KEY_NAME_BYTES` bytes.
+    """
+    try:
+        encoded = name.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidLockKeyError(
+            f"lock key name must be UTF-8 text, got {_shortened(name)} with {name[error.start]!r} at position "
+            f"{error.start} (a lone surrogate, e.g. from bytes decoded with errors='surrogateescape')"
+        ) from None
+    if len(encoded) > MAX_KEY_NAME_BYTES:
+        raise InvalidLockKeyError(
+            f"lock key name is {len(encoded)} bytes in UTF-8; a key name is at most {MAX_KEY_NAME_BYTES} bytes "
+            f"(the key-name registry must be able to store it), got {_shortened(name)}"
+        )
+    return encoded
+
+
+def _shortened(name: str) -> str:
+    return repr(name) if len(name) <= 80 else f"{name[:60]!r}... ({len(name)} characters)"
 
 
 def _sql_literal(text: str) -> str:
@@ -75,7 +109,8 @@ class LockKey:
             raise InvalidLockKeyError(f"lock key name must be non-empty text, got {name!r}")
         if "\x00" in name:
             raise InvalidLockKeyError(f"lock key name must not contain NUL characters, got {name!r}")
-        return cls(name=name, numbers=(int64_from_name(name),))
+        name = str.__str__(name)  # a str subclass (a str-mixin Enum member) as its characters
+        return cls(name=name, numbers=(int64_from_name(name_bytes(name)),))
 
     @classmethod
     def from_int(cls, value: int, name: str | None = None) -> LockKey:
@@ -170,6 +205,10 @@ class LockKey:
         return self.describe()
 
 
+#: What every ``key`` argument accepts: a :class:`LockKey`, a name, an int64 or an (int32, int32) pair.
+AnyKey = LockKey | str | int | tuple[int, int]
+
+
 def slot_keys(pool: LockKey, slots: int) -> list[LockKey]:
     """The keys of a pool of ``slots`` slots, slot 1 first: the pool's key, then ``<name>#slot2``...
 
@@ -187,27 +226,97 @@ def slot_keys(pool: LockKey, slots: int) -> list[LockKey]:
         raise InvalidLockKeyError(
             f"slots={slots} needs a key name (the slot keys are named after it), got the numeric {pool.describe()}"
         )
+    longest = f"{pool.name}{SLOT_SEPARATOR}{slots}"
+    if len(longest.encode("utf-8")) > MAX_KEY_NAME_BYTES:
+        raise InvalidLockKeyError(
+            f"slots={slots} names its last slot {_shortened(longest)}, {len(longest.encode('utf-8'))} bytes in UTF-8; "
+            f"a key name (slot names included) is at most {MAX_KEY_NAME_BYTES} bytes: shorten the pool's name"
+        )
     return [pool] + [LockKey.from_name(f"{pool.name}{SLOT_SEPARATOR}{i}") for i in range(2, slots + 1)]
 
 
-def tenant_text(tenant: Any, key: str | None = None) -> str:
-    """The text a tenant adds to a key name: a str as is, an int or a UUID in its usual form.
+#: What a pool's size markers are derived from: SHA-256 of the pool's name followed by this.
+POOL_MARKER_SUFFIX = "#pool-size"
 
-    Anything else (a dict, a list, a float, a bool, an object) is refused: its text form is
-    not a stable identity (``{'a': 1}`` and ``{'a': 1.0}`` are one tenant spelled two ways,
-    an object's repr changes between runs), so two runs could hold different locks for one
-    tenant.
+
+def _pool_marker_class(pool: LockKey) -> int:
+    """The high 32 bits of a pool's markers (pg_locks ``classid``): the first 4 bytes of
+    SHA-256(UTF-8 ``<name>#pool-size``), read as an unsigned integer. In SQL:
+    ``('x' || left(encode(sha256(convert_to(name || '#pool-size', 'UTF8')), 'hex'), 8))::bit(32)::bigint``."""
+    assert pool.name is not None
+    digest = hashlib.sha256(f"{pool.name}{POOL_MARKER_SUFFIX}".encode()).digest()
+    return int.from_bytes(digest[:4], "big")
+
+
+def _int64_of(high: int, low: int) -> int:
+    value = (high << 32) | low
+    return value - 2**64 if value > INT64_MAX else value
+
+
+def pool_size_marker(pool: LockKey, slots: int) -> LockKey:
+    """The key every holder of a pool of ``slots`` slots holds in shared mode with its slot: in
+    ``pg_locks`` classid = :func:`_pool_marker_class` of the name, objid = ``slots`` (objsubid 1).
+    A holder of the same pool with another size is seen there, and refused, before any slot is taken.
+
+    :param pool: the pool's key (a name; see :func:`slot_keys`).
+    :param slots: the pool's size, 2 to :data:`MAX_SLOTS`.
+    """
+    return LockKey(
+        name=f"{pool.name}{POOL_MARKER_SUFFIX}={slots}", numbers=(_int64_of(_pool_marker_class(pool), slots),)
+    )
+
+
+def pool_presence_marker(pool: LockKey) -> LockKey:
+    """The key every holder of a pool of that name holds in shared mode, whatever its size (objid 0):
+    a plain key of the pool's name tries it exclusively (and gives it back at once) to learn that
+    a pool is in use."""
+    return LockKey(name=f"{pool.name}{POOL_MARKER_SUFFIX}", numbers=(_int64_of(_pool_marker_class(pool), 0),))
+
+
+def is_named_key(key: LockKey) -> bool:
+    """Whether ``key`` is the int64 of its name (the keys a pool of that name can share)."""
+    return key.name is not None and not key.is_pair and key.numbers[0] == int64_from_name(key.name)
+
+
+def tenant_text(tenant: Any, key: str | None = None) -> str:
+    """The text a tenant adds to a key name: its value, spelled the same on every Python.
+
+    * a str as is; an int in decimal; a UUID in its usual form (subclasses by their value,
+      not by an overridden ``__str__``);
+    * an Enum member by its value: an ``IntEnum`` / ``IntFlag`` / int-mixin member as its int
+      (``Tenant.ACME = 1`` -> ``1``), a ``StrEnum`` / str-mixin member as its str, a plain
+      ``Enum`` member whose value is a str, an int or a UUID as that value. So a member is the
+      same lock as its value. ``str()`` of an enum is not used: it changed in Python 3.11
+      (``str(IntEnum)`` was ``'Tenant.ACME'``, is ``'1'``) and gives a str-mixin member's name.
+
+    Anything else (a dict, a list, a float, a bool, an object, an Enum member with another
+    value) is refused: its text form is not a stable identity (``{'a': 1}`` and ``{'a': 1.0}``
+    are one tenant spelled two ways, an object's repr changes between runs), so two runs could
+    hold different locks for one tenant.
 
     :param tenant: the tenant value.
     :param key: the key name the tenant is appended to (for the error message).
     """
     where = f" for key {key!r}" if key is not None else ""
-    if isinstance(tenant, bool) or not isinstance(tenant, str | int | uuid.UUID):
+    value = tenant.value if isinstance(tenant, enum.Enum) and not isinstance(tenant, int | str) else tenant
+    if isinstance(value, bool) or not isinstance(value, str | int | uuid.UUID):
+        if isinstance(tenant, enum.Enum):
+            raise InvalidLockKeyError(
+                f"tenant must be a str, an int or a UUID, or an Enum member whose value is one; got {tenant!r} "
+                f"({type(tenant).__name__}) whose value {tenant.value!r} is a {type(tenant.value).__name__}{where}"
+            )
         raise InvalidLockKeyError(
             f"tenant must be a str, an int or a UUID (a value with one stable text form), got {tenant!r} "
             f"({type(tenant).__name__}){where}; pass the tenant's id, e.g. tenant['id']"
         )
-    text = str(tenant)
+    if isinstance(value, int):
+        if value.bit_length() > 4 * MAX_KEY_NAME_BYTES:  # more digits than a key name holds (and than str() allows)
+            raise InvalidLockKeyError(f"tenant is an int of {value.bit_length()} bits, too long for a key name{where}")
+        text = int.__repr__(value)  # the digits, whatever the class's __str__ says (IntEnum on 3.10)
+    elif isinstance(value, str):
+        text = str.__str__(value)  # the characters, not a str-mixin Enum member's name
+    else:
+        text = str(uuid.UUID(int=value.int))
     if not text.strip():
         raise InvalidLockKeyError(f"tenant must be non-empty, got {tenant!r}{where}")
     return text

@@ -30,6 +30,15 @@ from airflow_pglock.exceptions import LockConfigurationError
 
 DEFAULT_LEASE_SECONDS = 30.0
 MIN_LEASE_SECONDS = 3.0
+#: The largest TCP keepalive idle time and interval the OS takes (Linux: ``MAX_TCP_KEEPIDLE``
+#: and ``MAX_TCP_KEEPINTVL``, 32767 s); libpq's ``setsockopt`` fails for a larger one.
+MAX_TCP_KEEPALIVE_SECONDS = 32767
+#: The largest millisecond setting PostgreSQL and libpq take (``idle_session_timeout``,
+#: ``tcp_user_timeout``...: a C int).
+MAX_SETTING_MS = 2**31 - 1
+#: The longest lease: its keepalive idle time (``lease / 3``) is the first setting to reach a
+#: limit, ``MAX_TCP_KEEPALIVE_SECONDS`` (98301 s, about 27.3 hours).
+MAX_LEASE_SECONDS = min(3 * MAX_TCP_KEEPALIVE_SECONDS, MAX_SETTING_MS // 1000)
 #: ``idle_session_timeout`` and ``client_connection_check_interval`` appeared in PostgreSQL 14.
 IDLE_SESSION_TIMEOUT_VERSION = 140000
 
@@ -38,16 +47,21 @@ IDLE_SESSION_TIMEOUT_VERSION = 140000
 class Liveness:
     """Server- and client-side liveness settings derived from one lease.
 
-    :param lease: seconds a silent holder may keep its lock on the server (default 30, min 3).
+    :param lease: seconds a silent holder may keep its lock on the server (default 30,
+        from :data:`MIN_LEASE_SECONDS` to :data:`MAX_LEASE_SECONDS`).
     """
 
     lease: float = DEFAULT_LEASE_SECONDS
 
     def __post_init__(self) -> None:
-        if isinstance(self.lease, bool) or not isinstance(self.lease, int | float) or not math.isfinite(self.lease):
-            raise LockConfigurationError(f"lease must be a number of seconds, got {self.lease!r}")
-        if self.lease < MIN_LEASE_SECONDS:
-            raise LockConfigurationError(f"lease must be at least {MIN_LEASE_SECONDS:g} s, got {self.lease!r}")
+        lease = self.lease
+        number = not isinstance(lease, bool) and isinstance(lease, int | float)
+        if not number or not MIN_LEASE_SECONDS <= lease <= MAX_LEASE_SECONDS:  # NaN and infinities too
+            raise LockConfigurationError(
+                f"lease must be a number of seconds, at least {MIN_LEASE_SECONDS:g} s and at most "
+                f"{MAX_LEASE_SECONDS:,} s (its TCP keepalive idle time, lease/3, may not exceed the OS limit of "
+                f"{MAX_TCP_KEEPALIVE_SECONDS} s), got {lease!r}"
+            )
 
     @property
     def heartbeat_interval(self) -> float:

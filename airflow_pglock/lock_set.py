@@ -6,15 +6,17 @@ and answers "busy" for such a key, and runs its operations one at a time under i
 lock: two threads sharing it never both hold one key. Its locks are session locks; they end
 when released, or with the session.
 
-:class:`LockSession` is a set on a dedicated connection of its own, with the lease and a
-heartbeat (``AdvisoryLockHook.lock_session``). Inside a guarded task the ``lock`` handle
+:class:`LockSession` is a set on a dedicated connection of its own, with the lease and the
+heartbeat every lock has (``AdvisoryLockHook.lock_session``). Inside a guarded task the ``lock`` handle
 offers the same operations on the task's own connection, covered by the task's heartbeat.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -24,12 +26,15 @@ import psycopg
 
 from airflow_pglock import loss
 from airflow_pglock.exceptions import LockConfigurationError, LockLostError, PgLockError
-from airflow_pglock.hooks import lock_session as statements
-from airflow_pglock.hooks.server import ServerInfo
-from airflow_pglock.keys import LockKey
-from airflow_pglock.liveness import Liveness
+from airflow_pglock.heartbeat import Heartbeat
+from airflow_pglock.keys import AnyKey, LockKey
+from airflow_pglock.pg import statements
+from airflow_pglock.pg.database import LockDatabase
+from airflow_pglock.pg.probe import ProbeResult, probe
+from airflow_pglock.pg.release import unlock
+from airflow_pglock.server_rules import Scope, ServerInfo
 
-AnyKey = LockKey | str | int | tuple[int, int]
+log = logging.getLogger("airflow_pglock")
 
 
 class SubLock:
@@ -84,6 +89,10 @@ class LockSet:
         self._can_wait = can_wait
         self._mutex = threading.RLock()
         self._held: dict[tuple[int, ...], SubLock] = {}
+        # Keys the session may hold although nobody holds them through this set: those of a
+        # take or a release whose statement failed part-way (cancelled, out of shared memory).
+        # Busy to take (PostgreSQL would count them twice); released at the next chance.
+        self._unsettled: dict[tuple[int, ...], tuple[LockKey, bool]] = {}
         self._ended: str | None = None
 
     @property
@@ -122,27 +131,40 @@ class LockSet:
 
         Every key is checked first: one bad key refuses the whole batch before anything is
         taken. A key given twice, or held by this session already, is not taken again.
-        They stay held until :meth:`release` or the end of the session.
+        They stay held until :meth:`release` or the end of the session. A batch whose
+        statement fails (cancelled, out of shared memory) raises the driver's error and
+        holds none of its keys: those it took before the error are released.
         """
         return self._take([LockKey.coerce(key) for key in keys], shared, None)
 
     def release(self, *locks: SubLock | AnyKey) -> bool:
         """Release keys this set holds (SubLocks or keys; one round trip); whether every one
-        of them was held until now. Keys it does not hold are left alone."""
+        of them was held until now. Keys it does not hold are left alone. A release whose
+        statement fails raises the driver's error; its keys are released all the same (at
+        once, or at the set's next operation), never left held and forgotten. On a lost
+        session it raises :class:`~airflow_pglock.exceptions.LockLostError`, as every other call."""
         wanted = [item.key if isinstance(item, SubLock) else LockKey.coerce(item) for item in locks]
         with self._mutex:
-            subs = [self._held.pop(key.numbers) for key in wanted if key.numbers in self._held]
-            if not subs or self.lost or self.connection.closed:
+            subs = list({key.numbers: self._held[key.numbers] for key in wanted if key.numbers in self._held}.values())
+            if not subs:
                 return False
-            by_mode = {mode: [sub.key for sub in subs if sub.shared is mode] for mode in (False, True)}
-            answers: list[bool] = []
-            with self._session_errors(subs[0].key):
-                for shared, keys in by_mode.items():
-                    if len(keys) == 1:
-                        answers.append(statements.unlock(self.connection, keys[0], shared=shared))
-                    elif keys:
-                        answers += statements.unlock_many(self.connection, keys, shared=shared)
-            return len(subs) == len(wanted) and all(answers)
+            reason = self.lost
+            if reason is not None or self.connection.closed:
+                for sub in subs:
+                    self._held.pop(sub.key.numbers, None)
+                if reason is not None:  # as every other call on a lost session: never a quiet False
+                    raise LockLostError(f"the lock session was lost: {reason}", subs[0].key, reason)
+                return False
+            self._settle()
+            try:
+                gone = self._unlock(subs)
+            except BaseException as error:
+                self._unsettle_after(error, [(sub.key, sub.shared) for sub in subs])
+                raise
+            finally:
+                for sub in subs:
+                    self._held.pop(sub.key.numbers, None)
+            return len(subs) == len(wanted) and not gone
 
     def release_all(self) -> bool:
         """Release every key this set holds, best effort (before its session closes: closing
@@ -152,39 +174,110 @@ class LockSet:
             return True
         try:
             return self.release(*held)
-        except (PgLockError, psycopg.Error):  # the session is gone: its keys went with it
+        except (PgLockError, psycopg.Error):  # the session is gone, or the release will be settled
             return False
 
     def _hold(self, taken: list[SubLock]) -> Iterator[SubLock | None]:
         sub = taken[0] if taken else None
         try:
             yield sub
-        finally:
+        except BaseException:
             if sub is not None:
-                self.release(sub)
+                with contextlib.suppress(LockLostError):  # the block's own error is the one to see
+                    self.release(sub)
+            raise
+        if sub is None or sub.key.numbers not in self._held:
+            return  # busy, or released (or lost) inside the block
+        if not self.release(sub) and self.lost is None:
+            # The session lives but no longer held the key (an unlock on its connection): the block
+            # ran at least partly without it.
+            reason = loss.found_at_release(f"the session no longer held {sub.key.describe()}")
+            raise LockLostError(f"lost {sub.key.describe()}: {reason}", sub.key, reason)
 
     def _take(self, keys: list[LockKey], shared: bool, timeout: float | None) -> list[SubLock]:
         with self._mutex:
             reason = self.lost
             if reason is not None and keys:
                 raise LockLostError(f"the lock session was lost: {reason}", keys[0], reason)
+            self._settle()
             fresh: dict[tuple[int, ...], LockKey] = {}
             for key in keys:
-                if key.numbers not in self._held and key.numbers != self._reserved:
+                if (
+                    key.numbers not in self._held
+                    and key.numbers not in self._unsettled
+                    and key.numbers != self._reserved
+                ):
                     fresh.setdefault(key.numbers, key)
             wanted = list(fresh.values())
             if not wanted:
                 return []
-            with self._session_errors(wanted[0]):
-                if timeout is not None:
-                    got = [statements.wait_lock(self.connection, wanted[0], timeout, shared=shared)]
-                elif len(wanted) == 1:
-                    got = [statements.try_lock(self.connection, wanted[0], shared=shared)]
-                else:
-                    got = statements.try_lock_many(self.connection, wanted, shared=shared)
+            try:
+                with self._session_errors(wanted[0]):
+                    if timeout is not None:
+                        got = [statements.wait_lock(self.connection, wanted[0], timeout, shared=shared)]
+                    elif len(wanted) == 1:
+                        got = [statements.try_lock(self.connection, wanted[0], shared=shared)]
+                    else:
+                        got = statements.try_lock_many(self.connection, wanted, shared=shared)
+            except BaseException as error:  # it may have taken some of them before the error (or the interrupt)
+                self._unsettle_after(error, [(key, shared) for key in wanted])
+                raise
             taken = [SubLock(self, key, shared) for key, ok in zip(wanted, got, strict=True) if ok]
             self._held.update((sub.key.numbers, sub) for sub in taken)
             return taken
+
+    def _unlock(self, subs: list[SubLock]) -> list[SubLock]:
+        """Unlock ``subs`` (one statement per mode); those the session no longer held."""
+        gone: list[SubLock] = []
+        with self._session_errors(subs[0].key):
+            for shared in (False, True):
+                group = [sub for sub in subs if sub.shared is shared]
+                if len(group) == 1:
+                    answers = [unlock(self.connection, group[0].key, shared=shared)]
+                elif group:
+                    answers = statements.unlock_many(self.connection, [sub.key for sub in group], shared=shared)
+                else:
+                    continue
+                gone += [sub for sub, held in zip(group, answers, strict=True) if not held]
+        return gone
+
+    def _unsettle_after(self, error: BaseException, keys: list[tuple[LockKey, bool]]) -> None:
+        """:meth:`_unsettle` after a failed statement; after an interrupt (KeyboardInterrupt, a
+        timeout's exception: psycopg cancels the query first) nothing may replace the interrupt."""
+        if isinstance(error, psycopg.Error):
+            self._unsettle(keys)
+            return
+        try:
+            self._unsettle(keys)
+        except Exception as settling:  # the set is marked lost if its session broke: nothing is untracked
+            log.warning("pglock could not release the keys of an interrupted statement yet: %s", settling)
+
+    def _unsettle(self, keys: list[tuple[LockKey, bool]]) -> None:
+        """A statement on these keys failed part-way: the session may hold any of them. Released
+        now if the connection can run a statement, else at the next operation."""
+        if self.lost is not None or self.connection.closed:
+            return  # the session is gone, its keys with it
+        self._unsettled.update((key.numbers, (key, shared)) for key, shared in keys)
+        self._settle()
+
+    def _settle(self) -> None:
+        """Release what the session still holds of the unsettled keys, when it can: not in a
+        failed transaction (nothing runs there until it ends), nor while its session ends."""
+        if not self._unsettled or self.connection.closed:
+            return
+        if self.connection.info.transaction_status == psycopg.pq.TransactionStatus.INERROR:
+            return
+        entries = list(self._unsettled.values())
+        try:
+            with self._session_errors(entries[0][0]):
+                for shared in (False, True):
+                    keys = [key for key, mode in entries if mode is shared]
+                    if keys:
+                        statements.unlock_held_among(self.connection, keys, shared=shared)
+        except psycopg.Error as error:  # e.g. cancelled as well: they stay busy, tried again next time
+            log.warning("pglock could not release %d keys of a failed statement yet: %s", len(entries), error)
+            return
+        self._unsettled.clear()
 
     @contextlib.contextmanager
     def _session_errors(self, key: LockKey) -> Iterator[None]:
@@ -203,56 +296,114 @@ class LockSet:
         detail = text[0] if text else type(error).__name__
         self._ended = self._ended or f"the session ended ({type(error).__name__}: {detail})"
         self._held.clear()
+        self._unsettled.clear()
+
+
+@dataclasses.dataclass(frozen=True)
+class _SessionKeptAlive:
+    """A lock session as its heartbeat sees it: its keys end only with it, or by its own
+    unlock, so the probe asks only whether the session is alive."""
+
+    connection: psycopg.Connection[Any]
+    server: ServerInfo
+    acquired_monotonic: float
+    key: LockKey | None = None
+    scope: Scope = "session"
+
+    def probe(self, timeout: float, before_giving_up: Callable[[], None] | None = None) -> ProbeResult:
+        return probe(self.connection, None, False, timeout, before_giving_up=before_giving_up)
+
+    def seen_from_aside(self, side: psycopg.Connection[Any]) -> bool:
+        return statements.session_alive_seen_from_aside(side, self.server.backend_pid)
 
 
 class LockSession(LockSet):
     """A :class:`LockSet` on a dedicated connection of its own, kept alive by a heartbeat.
 
     Made by ``AdvisoryLockHook.lock_session()``: same lease, liveness settings, refusals
-    and ``application_name`` as a guarded task's lock connection. The heartbeat asks the
-    server every ``lease / 3`` s whether the session is alive (its locks can end only with
-    it or by its own unlock); when it is not, every key is lost and the next operation,
-    and the end of the ``with`` block, raise :class:`~airflow_pglock.exceptions.LockLostError`.
+    and ``application_name`` as a guarded task's lock connection, and the same heartbeat
+    (:class:`~airflow_pglock.heartbeat.Heartbeat`): it asks the server every ``lease / 3`` s
+    whether the session is alive (its locks can end only with it or by its own unlock) and
+    watches the session's socket in between, so a session the server ends is noticed within
+    moments. Once it is lost, every key is lost: the next operation raises
+    :class:`~airflow_pglock.exceptions.LockLostError`, and so does the end of the ``with``
+    block, also when only the final release found it (see :meth:`close`).
 
     :param connection: the session's dedicated connection (from ``open_lock_session``).
     :param server: what the connection found at the other end.
-    :param liveness: the lease: heartbeat interval and loss deadline.
+    :param database: the lock database that opened it (the lease, side connections for the heartbeat).
     """
 
-    def __init__(self, connection: psycopg.Connection[Any], server: ServerInfo, liveness: Liveness) -> None:
+    def __init__(self, connection: psycopg.Connection[Any], server: ServerInfo, database: LockDatabase) -> None:
         super().__init__(connection, lambda: None)
         self.server = server
-        self._liveness = liveness
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._beat, name=f"pglock-session-heartbeat-{server.backend_pid}", daemon=True
+        self._database = database
+        self._heartbeat = Heartbeat(
+            database,
+            _SessionKeptAlive(connection, server, time.monotonic()),
+            self._found_lost,
+            self._losing,
+            threading.Event(),
         )
-        self._thread.start()
+        self._heartbeat.start()
 
     def close(self) -> None:
-        """Stop the heartbeat and close the connection: every key is released with the session."""
-        self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=self._liveness.loss_deadline + 5)
-        self.release_all()
-        with self._mutex:
-            self._held.clear()
-            self.connection.close()
+        """Stop the heartbeat, release every key, close the connection.
 
-    def _beat(self) -> None:
-        confirmed = time.monotonic()
-        while not self._stop.wait(self._liveness.heartbeat_interval):
-            budget = max(confirmed + self._liveness.loss_deadline - time.monotonic(), 1.0)
-            try:
-                result = statements.probe(self.connection, None, False, budget)
-            except psycopg.Error as error:
-                if self._stop.is_set():
-                    return
-                with self._mutex:
-                    self._lose(error)
-                return
-            if result == "no answer":
-                silent = time.monotonic() - confirmed
-                self._ended = loss.no_answer_reason(silent, self.server.server, self._liveness.lease)
-                return
-            confirmed = time.monotonic()
+        The release checks each key: when the session turns out lost there (ended, or a key
+        no longer held), :attr:`lost` says why, as it does for a loss the heartbeat found.
+        """
+        self._heartbeat.stop()
+        try:
+            with self._mutex:
+                self._release_at_end()
+        finally:
+            with self._mutex:
+                self._held.clear()
+                self._unsettled.clear()
+                self.connection.close()
+
+    def _release_at_end(self) -> None:
+        subs = list(self._held.values())
+        if self.lost is not None or not subs:
+            return
+        if self.connection.closed:
+            self._found_at_release(loss.CLOSED_AT_RELEASE)
+            return
+        try:
+            gone = self._unlock(subs)
+        except LockLostError:
+            return  # the session ended: _lose said why
+        except psycopg.Error as error:
+            detail = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            self._found_at_release(
+                loss.found_at_release(
+                    f"the unlock failed ({type(error).__name__}: {detail}), so the keys are not "
+                    "known to have been held to the end"
+                )
+            )
+            return
+        if gone:
+            named = ", ".join(sub.key.describe() for sub in gone[:3]) + (", ..." if len(gone) > 3 else "")
+            self._found_at_release(
+                loss.found_at_release(f"the session no longer held {len(gone)} of its {len(subs)} keys ({named})")
+            )
+
+    def _found_at_release(self, reason: str) -> None:
+        self._ended = self._ended or reason
+        log.error("pglock lock session (pid %s) LOST: %s", self.server.backend_pid, self._ended)
+
+    def _losing(self, reason: str) -> None:
+        """The heartbeat got no answer and is about to close the connection."""
+        self._ended = self._ended or reason
+
+    def _found_lost(self, reason: str, ask_server: bool) -> None:
+        """From the heartbeat: the session is lost (every key with it)."""
+        if self._ended is None:
+            self._ended = reason
+            if ask_server:
+                refined = loss.refine_with_server_start(
+                    reason, self._database.server_started_at(), self.server.started_at
+                )
+                self._ended = refined
+        log.error("pglock lock session (pid %s) LOST: %s", self.server.backend_pid, self._ended)

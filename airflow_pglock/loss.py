@@ -23,7 +23,18 @@ NOT_HELD_SEEN_ASIDE = (
     "the lock's connection busy: the session was terminated, or its transaction ended)"
 )
 
+SESSION_GONE_SEEN_ASIDE = (
+    "the lock session has ended (seen from a side connection while its own connection was busy: the session "
+    "was terminated, or the server restarted)"
+)
+
 CLOSED_AT_RELEASE = "found at release: the lock connection was closed"
+
+NOT_HELD_AT_FENCING = (
+    "found when its fencing token was issued, before the work started: the lock session no longer held the key "
+    "(its session or transaction had ended, e.g. this process stalled for longer than the lease). No token was "
+    "issued and the work did not run (a later holder's token stays the newest)"
+)
 
 NOT_HELD_AT_COMPLETION = "found at completion: the session no longer held the key (nothing recorded)"
 
@@ -60,6 +71,20 @@ def session_end_reason(sqlstate: str, detail: str, error_name: str, lease: float
             False,
         )
     return f"the connection to the lock database broke ({error_name}: {detail})", True
+
+
+def error_reason(error: BaseException, lease: float, notice: tuple[str, str] | None = None) -> tuple[str, bool]:
+    """Why the session ended, as far as a driver error (or the server's notice before it) tells.
+
+    :param notice: ``(sqlstate, message)`` of a 57P.. notice the server sent just before it hung up.
+    :returns: the reason, and whether asking the server may tell more (see :func:`session_end_reason`).
+    """
+    state = getattr(error, "sqlstate", None) or ""
+    text = str(error).strip().splitlines()
+    detail = text[0] if text else type(error).__name__
+    if not state and notice is not None:
+        state, detail = notice
+    return session_end_reason(state, detail, type(error).__name__, lease)
 
 
 def not_held_reason(mode: str) -> str:

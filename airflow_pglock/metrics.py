@@ -1,7 +1,8 @@
 """Metrics of guarded executions, sent through Airflow's own Stats (StatsD / OpenTelemetry).
 
 One call per guarded execution, when it ends (:func:`record_outcome`, from the outcome
-line of :class:`airflow_pglock.guard.LockGuard`). Names (Airflow adds its
+line of :class:`airflow_pglock.guard.LockGuard`, given the metrics client by whoever made
+the guard: the hook and the Airflow adapters pass ``compat.get_stats``). Names (Airflow adds its
 ``[metrics] statsd_prefix``, ``airflow.`` by default):
 
 ========================  =======  ==========================================================
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from airflow_pglock.identity import parse_application_name
@@ -77,6 +79,7 @@ def metric_names(outcome: str, *, acquired: bool) -> list[str]:
 
 
 def record_outcome(
+    stats: Callable[[], Any],
     outcome: str,
     *,
     acquired: bool,
@@ -87,6 +90,7 @@ def record_outcome(
 ) -> None:
     """Send the counters and timers of one guarded execution.
 
+    :param stats: gives the metrics client (Airflow's ``Stats``: ``compat.get_stats``).
     :param outcome: the guard's outcome (completed, skipped, busy, failed, lost).
     :param acquired: whether the lock was taken.
     :param waited: seconds spent taking the lock or giving up.
@@ -95,15 +99,13 @@ def record_outcome(
     :param pool_in_use: a pool of slots: how many were held at least (the ``pool_in_use`` gauge).
     """
     try:
-        from airflow_pglock.compat import get_stats
-
-        stats: Any = get_stats()
+        client: Any = stats()
         for name in metric_names(outcome, acquired=acquired):
-            stats.incr(f"{PREFIX}.{name}", tags=tags)
-        stats.timing(f"{PREFIX}.wait", dt.timedelta(seconds=waited), tags=tags)
+            client.incr(f"{PREFIX}.{name}", tags=tags)
+        client.timing(f"{PREFIX}.wait", dt.timedelta(seconds=waited), tags=tags)
         if acquired and held is not None:
-            stats.timing(f"{PREFIX}.hold", dt.timedelta(seconds=held), tags=tags)
+            client.timing(f"{PREFIX}.hold", dt.timedelta(seconds=held), tags=tags)
         if pool_in_use is not None:
-            stats.gauge(f"{PREFIX}.pool_in_use", pool_in_use, tags=tags)
+            client.gauge(f"{PREFIX}.pool_in_use", pool_in_use, tags=tags)
     except Exception:  # metrics must never fail or skip a task
         log.debug("pglock could not send metrics for outcome=%s", outcome, exc_info=True)

@@ -13,6 +13,7 @@ is parsed. Adding an option means adding it here (and to the docs), nothing else
 from __future__ import annotations
 
 import datetime as dt
+import enum
 import functools
 import inspect
 import typing
@@ -21,17 +22,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypedDict
 
 from airflow_pglock.exceptions import InvalidLockKeyError, LockConfigurationError, UnknownLockOptionError
-from airflow_pglock.hooks.server import Scope
-from airflow_pglock.keys import LockKey, slot_keys, tenant_text
+from airflow_pglock.hooks import DEFAULT_CONN_ID
+from airflow_pglock.keys import LockKey, name_bytes, slot_keys, tenant_text
 from airflow_pglock.liveness import DEFAULT_LEASE_SECONDS, Liveness
 from airflow_pglock.policy import LockPolicy, OnBusy, OnError, OnLost
 from airflow_pglock.run_rules import RunRules, check_not_shared, seconds
+from airflow_pglock.server_rules import Scope
 
 if TYPE_CHECKING:  # the hook (psycopg) loads when a task runs, not when a DAG file is parsed
     from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
-
-#: The Airflow connection a lock uses unless told otherwise (``AdvisoryLockHook.default_conn_name``).
-DEFAULT_CONN_ID = "postgres_default"
 
 KeySpec = str | int | tuple[int, int] | list[int] | LockKey | None
 Seconds = float | dt.timedelta
@@ -72,7 +71,8 @@ class LockOptions(TypedDict, total=False):
     """``"skip"`` (default), ``"fail"``, ``"wait"`` (hold a worker slot and wait) or ``"defer"`` (free the
     worker slot and wait in the triggerer; woken when the key is released): both need ``wait_timeout``."""
     wait_timeout: Annotated[Seconds | None, Option(None)]
-    """Seconds (or timedelta) to wait with ``on_busy="wait"`` or ``"defer"`` (the whole wait)."""
+    """Seconds (or timedelta) to wait with ``on_busy="wait"`` or ``"defer"`` (the whole wait). No default:
+    required with those two (a wait is always bounded), refused with ``"skip"`` and ``"fail"``."""
     on_wait_timeout: Annotated[Literal["skip", "fail"], Option("skip")]
     """``"skip"`` (default) or ``"fail"`` when the key is still busy after ``wait_timeout``."""
     on_lost: Annotated[OnLost, Option("fail")]
@@ -200,7 +200,7 @@ class LockSpec:
             tenant_arg=tenant_arg,
             min_interval=interval,
             fencing=given["fencing"],
-            templated={name: given[name] for name in TEMPLATED},
+            templated={name: _without_enum(name, given[name]) for name in TEMPLATED},
         )
 
     @property
@@ -227,6 +227,9 @@ def check_key_spec(key: KeySpec, tenant: Any) -> None:
     """Parse-time check of the key options (templates are checked when rendered)."""
     if tenant is not None and not isinstance(tenant, str):
         tenant_text(tenant)  # a dict or an object has no stable text form
+    for text in (key, tenant):
+        if isinstance(text, str) and not _is_template(text):
+            name_bytes(text)  # UTF-8 text within the name length (the whole name is checked when it is built)
     if key is None or isinstance(key, str | LockKey):
         return
     if isinstance(key, int | tuple | list):
@@ -240,6 +243,22 @@ def check_key_spec(key: KeySpec, tenant: Any) -> None:
     raise InvalidLockKeyError(
         f"key must be a name (str), an int64 or an (int32, int32) pair, got {key!r} ({type(key).__name__})"
     )
+
+
+def _without_enum(option: str, value: Any) -> Any:
+    """An enum member as its value's plain form: a template field renders a str-mixin member by its
+    *name* (Jinja spells it with ``str()``), and ``str()`` of an ``IntEnum`` differs between Pythons."""
+    if not isinstance(value, enum.Enum):
+        return value
+    if option == "tenant":
+        return tenant_text(value)
+    if isinstance(value, str):
+        return str.__str__(value)
+    return int(value) if isinstance(value, int) else value
+
+
+def _is_template(text: str) -> bool:
+    return any(marker in text for marker in ("{{", "{%", "{#"))
 
 
 def check_once_per(once_per: Any) -> None:

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from airflow_pglock.exceptions import LockConfigurationError
-from airflow_pglock.hooks.server import Scope
 from airflow_pglock.keys import MAX_SLOTS
+from airflow_pglock.server_rules import Scope
 
 OnBusy = Literal["skip", "fail", "wait", "defer"]
 OnLost = Literal["fail", "warn"]
@@ -23,6 +23,34 @@ ON_LOST_CHOICES: tuple[str, ...] = ("fail", "warn")
 ON_ERROR_CHOICES: tuple[str, ...] = ("fail", "skip")
 ON_WAIT_TIMEOUT_CHOICES: tuple[str, ...] = ("skip", "fail")
 MODE_CHOICES: tuple[str, ...] = ("session", "transaction")
+
+#: The largest ``lock_timeout`` PostgreSQL takes (a C int of milliseconds): it bounds ``on_busy="wait"``.
+MAX_LOCK_TIMEOUT_MS = 2**31 - 1
+#: The longest wait_timeout, in whole seconds (2,147,483 s, about 24.8 days; also for ``"defer"``).
+MAX_WAIT_TIMEOUT_SECONDS = MAX_LOCK_TIMEOUT_MS // 1000
+
+
+def wait_timeout_problem(timeout: Any) -> str | None:
+    """Why ``timeout`` is not a wait timeout (a positive, finite number of seconds up to
+    :data:`MAX_WAIT_TIMEOUT_SECONDS`), or None when it is one."""
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        return "not a number of seconds"
+    if not 0 < timeout <= MAX_WAIT_TIMEOUT_SECONDS:  # NaN and infinities too
+        return "out of range"
+    return None
+
+
+def longest_wait_text() -> str:
+    return (
+        f"the longest is {MAX_WAIT_TIMEOUT_SECONDS:,} s ({MAX_WAIT_TIMEOUT_SECONDS // 86400} days "
+        f"{MAX_WAIT_TIMEOUT_SECONDS % 86400 // 3600} hours: "
+        f"PostgreSQL's lock_timeout is at most {MAX_LOCK_TIMEOUT_MS} ms)"
+    )
+
+
+def lock_timeout_ms(timeout: float) -> int:
+    """``lock_timeout`` in milliseconds for a checked wait timeout (at least 1: 0 would mean no limit)."""
+    return max(1, round(timeout * 1000))
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -80,10 +108,10 @@ class LockPolicy:
             raise LockConfigurationError(f"shared must be True or False, got {self.shared!r}")
         if self.on_busy in ("wait", "defer"):
             timeout = self.wait_timeout
-            if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+            if wait_timeout_problem(timeout) is not None:
                 raise LockConfigurationError(
                     f"on_busy={self.on_busy!r} needs wait_timeout, a positive number of seconds (the wait is "
-                    f"bounded); got {timeout!r}"
+                    f"bounded); got {timeout!r}; {longest_wait_text()}"
                 )
         elif self.wait_timeout is not None:
             raise LockConfigurationError(

@@ -17,10 +17,10 @@ from typing import Any
 
 import psycopg
 
-from airflow_pglock.hooks.advisory_lock import HeldLock
-from airflow_pglock.hooks.lock_session import WriteAtRelease
-from airflow_pglock.hooks.schema import REGISTRY_PRESENT, record_key_name, record_key_name_statement
 from airflow_pglock.keys import LockKey
+from airflow_pglock.pg.held import HeldLock
+from airflow_pglock.pg.key_names import REGISTRY_PRESENT, record_key_name, record_key_name_statement
+from airflow_pglock.pg.release import AT_RELEASE_LOCK_TIMEOUT, BOUND_ERRORS, WriteAtRelease
 
 log = logging.getLogger("airflow_pglock")
 
@@ -34,7 +34,9 @@ def record_acquisition(
     it is not (the default), nothing happens. When it is, the write costs no round trip: it
     travels with the release (before the unlock, or with the commit in transaction mode, in a
     savepoint there), so it never delays the work; the name is recorded, and a collision
-    reported, when the hold ends. A write that fails there (this role may not use the
+    reported, when the hold ends. It never holds the release up either: it waits at most
+    ``AT_RELEASE_LOCK_TIMEOUT`` for a lock (another transaction writing the registry), then
+    is skipped with a warning naming the key. A write that fails there (this role may not use the
     registry) is logged as a warning, never silently lost and never failing the task (the
     registry is optional); before init-db version 4, a pool's slot is recorded by its name
     alone. A lock that is lost, or a transaction that rolls back, records nothing: the next
@@ -74,6 +76,18 @@ def record_acquisition(
 
 
 def _report(key: LockKey, outcome: list[str] | BaseException, logger: logging.Logger | Any) -> None:
+    if isinstance(outcome, BOUND_ERRORS):
+        logger.warning(
+            "pglock skipped recording the name of %s in the key-name registry: the write waited longer than %s for "
+            "a lock on pglock.key_names (%s: %s). Another transaction holds its row or the table: an UPDATE not yet "
+            "committed in a manual-commit client (psql with AUTOCOMMIT off, a GUI), or an init-db waiting behind a "
+            "reader. The lock was released as usual; a later hold records the name",
+            key.describe(),
+            AT_RELEASE_LOCK_TIMEOUT,
+            type(outcome).__name__,
+            str(outcome).strip(),
+        )
+        return
     if isinstance(outcome, BaseException):
         logger.warning(
             "pglock could not record the name of %s in the key-name registry (%s: %s); the lock is held and the "

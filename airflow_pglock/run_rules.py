@@ -1,6 +1,6 @@
 """Rules beyond mutual exclusion, checked and recorded under the lock: once_per, min_interval, fencing.
 
-Policy only; the SQL is in :mod:`airflow_pglock.hooks.ledger`. A lock stops two runs at
+Policy only; the SQL is in :mod:`airflow_pglock.pg.ledger`. A lock stops two runs at
 the *same time*; these rules stop a second run *after* the first one (``once_per``: one
 completion per key and period; ``min_interval``: none while the last completion is too
 recent, on the database clock) and give each holder a fencing token that only grows.
@@ -13,11 +13,12 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from airflow_pglock.exceptions import AlreadyDoneError, LockConfigurationError
+from airflow_pglock.exceptions import AlreadyDoneError, LockConfigurationError, LockLostError
 from airflow_pglock.identity import TaskIdentity
 
 if TYPE_CHECKING:  # the ledger (SQL, psycopg) loads when a rule runs, not when a DAG is parsed
-    from airflow_pglock.hooks.advisory_lock import HeldLock
+    from airflow_pglock.pg.database import LockDatabase
+    from airflow_pglock.pg.held import HeldLock
 
 
 @dataclass(frozen=True)
@@ -68,9 +69,15 @@ def seconds(value: float | dt.timedelta | None, option: str) -> float | None:
     return float(value)
 
 
-def check_before_work(rules: RunRules, held: HeldLock, application_name: str | None) -> int | None:
-    """Skip (AlreadyDoneError) if the period is done or the key too fresh; else issue a token if asked."""
-    from airflow_pglock.hooks import ledger
+def check_before_work(
+    rules: RunRules, held: HeldLock, database: LockDatabase, application_name: str | None
+) -> int | None:
+    """Skip (AlreadyDoneError) if the period is done or the key too fresh; else issue a token if asked.
+
+    Raises LockLostError when the token could not be issued because the lock was not held
+    any more (e.g. the holder stalled past the lease before it): the work must not run.
+    """
+    from airflow_pglock.pg import ledger
 
     conn: Any = held.connection
     if rules.period is not None:
@@ -91,14 +98,37 @@ def check_before_work(rules: RunRules, held: HeldLock, application_name: str | N
                 latest,
             )
     if rules.fencing:
-        if held.scope == "transaction":
-            # Issued on a side connection (committed at once, still under the lock): a token issued
-            # inside the lock's transaction stays invisible to other sessions until it commits, so
-            # they would keep accepting the previous holder's token meanwhile.
-            with held.hook.side_connection("pglock fencing", held.hook.connect_timeout) as side:
-                return ledger.issue_fencing_token(side, held.key, application_name)
-        return ledger.issue_fencing_token(conn, held.key, application_name)
+        token = _issue_fencing_token(held, database, application_name)
+        if token is None:
+            from airflow_pglock import loss
+
+            transaction = held.scope == "transaction"
+            message = loss.lost_message(held.key.describe(), loss.NOT_HELD_AT_FENCING, transaction=transaction)
+            raise LockLostError(message, held.key, loss.NOT_HELD_AT_FENCING)
+        return token
     return None
+
+
+def _issue_fencing_token(held: HeldLock, database: LockDatabase, application_name: str | None) -> int | None:
+    """The lock's fencing token, or None when the lock was found not held (nothing issued)."""
+    from airflow_pglock.pg import ledger
+
+    if held.scope == "transaction":
+        # Issued on a side connection (committed at once, still under the lock): a token issued
+        # inside the lock's transaction stays invisible to other sessions until it commits, so
+        # they would keep accepting the previous holder's token meanwhile. The statement checks
+        # that the lock's session is still in its transaction: a holder stalled past the lease
+        # before its token (a slow side connect, a pause) lost the key and must not get one.
+        with database.side_connection("pglock fencing", database.connect_timeout) as side:
+            return ledger.issue_fencing_token(
+                side,
+                held.key,
+                application_name,
+                holder_pid=held.server.backend_pid,
+                shared=held.shared,
+                xact_id=held.xact_id,
+            )
+    return ledger.issue_fencing_token(held.connection, held.key, application_name, shared=held.shared)
 
 
 def record_success(rules: RunRules, held: HeldLock, identity: TaskIdentity | None, token: int | None) -> bool:
@@ -109,7 +139,7 @@ def record_success(rules: RunRules, held: HeldLock, identity: TaskIdentity | Non
     """
     if not rules.records_completion:
         return True
-    from airflow_pglock.hooks import ledger
+    from airflow_pglock.pg import ledger
 
     period = rules.period if rules.period is not None else ledger.ROLLING_PERIOD
     return ledger.record_completion(

@@ -18,7 +18,14 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import jinja2
 
-from airflow_pglock.compat import AirflowFailException, AirflowSkipException, TaskDeferred, get_current_context
+from airflow_pglock.compat import (
+    AirflowFailException,
+    AirflowSkipException,
+    TaskDeferred,
+    deployment_name,
+    get_current_context,
+    get_stats,
+)
 from airflow_pglock.exceptions import (
     AlreadyDoneError,
     InvalidLockKeyError,
@@ -34,7 +41,8 @@ from airflow_pglock.options import KeySpec, LockSpec, check_key_spec
 from airflow_pglock.run_rules import RunRules
 
 if TYPE_CHECKING:  # the guard and psycopg load when a task runs, not when a DAG file is parsed
-    from airflow_pglock.guard import LockGuard, LockHandle
+    from airflow_pglock.guard import LockGuard
+    from airflow_pglock.handle import LockHandle
 
 T = TypeVar("T")
 
@@ -67,12 +75,20 @@ def resolve_key(key: KeySpec, tenant: Any, dag_id: str, task_id: str) -> LockKey
 
 
 def task_identity(context: Mapping[str, Any]) -> TaskIdentity:
+    """The task instance of ``context``, and the deployment and host it runs on.
+
+    The host is the one Airflow recorded for the task instance (``[core] hostname_callable``),
+    else this machine's; the deployment is ``[pglock] deployment`` (see :func:`deployment_name`).
+    """
     ti = context["ti"]
+    hostname = getattr(ti, "hostname", None)
     return TaskIdentity(
         dag_id=ti.dag_id,
         task_id=ti.task_id,
         run_id=ti.run_id,
         map_index=getattr(ti, "map_index", -1) if getattr(ti, "map_index", -1) is not None else -1,
+        deployment=deployment_name(),
+        host=hostname if isinstance(hostname, str) and hostname else None,
     )
 
 
@@ -130,13 +146,14 @@ def run_guarded(
             period=None if once_per is None else str(once_per), min_interval=spec.min_interval, fencing=spec.fencing
         )
         guard = LockGuard(
-            spec.hook(),
+            spec.hook().database,
             lock_key,
             policy,
             application_name=identity.application_name(),
             logger=logger,
             rules=rules,
             identity=identity,
+            stats=get_stats,
         )
         return guard.run(work_with_token)  # the airtight form of `with guard as handle: work(handle)`
     except (AlreadyDoneError, LockBusyError) as refused:
@@ -333,7 +350,27 @@ def guard_callable(python_callable: Callable[..., T], spec: LockSpec) -> Callabl
             fail_for_configuration(spec, error, task.log)
         return run_guarded(spec, context, lambda _: function(*args, **kwargs), task.log, **rendered)
 
+    guarded_call.pglock_spec = spec  # type: ignore[attr-defined]  # lock_spec_of() finds it here
     return guarded_call
+
+
+#: Attribute of a function guarded by ``@advisory_lock`` holding its :class:`LockSpec`.
+SPEC_ATTRIBUTE = "pglock_spec"
+#: Attribute of an operator guarded by ``guarded()`` holding its guard (which has the spec).
+GUARD_ATTRIBUTE = "pglock_guard"
+
+
+def lock_spec_of(task: Any) -> LockSpec | None:
+    """The lock options of a parsed task: ``@task.advisory_lock``, ``guarded(operator)`` or a
+    function under ``@advisory_lock``; None for a task airflow-pglock does not guard."""
+    spec = getattr(task, "lock_spec", None)
+    if isinstance(spec, LockSpec):
+        return spec
+    guard = getattr(task, GUARD_ATTRIBUTE, None)
+    if isinstance(getattr(guard, "spec", None), LockSpec):
+        return guard.spec  # type: ignore[union-attr,no-any-return]
+    spec = getattr(getattr(task, "python_callable", None), SPEC_ATTRIBUTE, None)
+    return spec if isinstance(spec, LockSpec) else None
 
 
 def _current_context(name: str) -> Mapping[str, Any]:

@@ -52,7 +52,8 @@ CAPACITY_DATABASE = "pglock_capacity"
 TARGET_SHARE = 0.85
 #: Client sessions besides the holders while doctor runs: the observer and doctor's own.
 OBSERVER_SESSIONS = 2
-APPLICATION_PREFIX = "pglock capacity_dag hold"
+#: The holders' application_name (pglock:<deployment>@<host> capacity_dag hold#<i> <run>), as a LIKE pattern.
+APPLICATION_PATTERN = "pglock:% capacity_dag hold%"
 
 
 @dataclass
@@ -120,10 +121,11 @@ def threshold_stages(usable: int, holders: int) -> list[int]:
 
 def _holder_process(dsn: str, indices: list[int], control: Connection, ready: Any) -> None:
     """Hold a lock per index (a thread each) as the parent raises the target; release on "release"."""
-    from airflow_pglock.guard import LockGuard, LockPolicy
+    from airflow_pglock.guard import LockGuard
     from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
     from airflow_pglock.identity import TaskIdentity
     from airflow_pglock.keys import LockKey
+    from airflow_pglock.policy import LockPolicy
 
     hook = AdvisoryLockHook(dsn=dsn)
     policy = LockPolicy()
@@ -134,7 +136,10 @@ def _holder_process(dsn: str, indices: list[int], control: Connection, ready: An
         identity = TaskIdentity("capacity_dag", "hold", "scheduled__2026-01-01T00:00:00+00:00", index)
         try:
             guard = LockGuard(
-                hook, LockKey.from_name(f"capacity/{index}"), policy, application_name=identity.application_name()
+                hook.database,
+                LockKey.from_name(f"capacity/{index}"),
+                policy,
+                application_name=identity.application_name(),
             )
             with guard:
                 ready.release()
@@ -245,7 +250,7 @@ def _server_pss(cluster: Cluster) -> float:
 
 def _lock_session_pids(admin: psycopg.Connection[Any]) -> list[int]:
     rows = admin.execute(
-        "SELECT pid FROM pg_stat_activity WHERE application_name LIKE %s", [APPLICATION_PREFIX + "%"]
+        "SELECT pid FROM pg_stat_activity WHERE application_name LIKE %s", [APPLICATION_PATTERN]
     ).fetchall()
     return [int(pid) for (pid,) in rows]
 
@@ -382,8 +387,9 @@ def measure_reading(result: CapacityResult, cluster: Cluster, dsn: str, rounds: 
 
 
 def run_capacity(holders: int, processes: int, rounds: int = 5, with_ui: bool = True) -> CapacityResult:
-    from airflow_pglock.hooks.schema import migrate, record_key_name
     from airflow_pglock.keys import LockKey
+    from airflow_pglock.pg.key_names import record_key_name
+    from airflow_pglock.pg.schema import migrate
 
     result = CapacityResult(holders, processes)
     result.max_connections = max_connections_for(holders)
@@ -422,7 +428,7 @@ def run_capacity(holders: int, processes: int, rounds: int = 5, with_ui: bool = 
                     "SELECT (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend'),"
                     " (SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE %s),"
                     " (SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted)",
-                    [APPLICATION_PREFIX + "%"],
+                    [APPLICATION_PATTERN],
                 ).fetchone()
                 assert counts is not None
                 result.client_sessions, result.lock_sessions, result.advisory_locks = map(int, counts)

@@ -77,15 +77,16 @@ def _attempt_function(variant: str, dsn: str, redis_port: int) -> Callable[[str,
     """``attempt(key_name, work) -> acquired`` for one library, set up once per worker process."""
     if variant == "airflow-pglock LockGuard":
         from airflow_pglock.exceptions import LockBusyError
-        from airflow_pglock.guard import LockGuard, LockPolicy
+        from airflow_pglock.guard import LockGuard
         from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
         from airflow_pglock.keys import LockKey
+        from airflow_pglock.policy import LockPolicy
 
         hook, policy = AdvisoryLockHook(dsn=dsn), LockPolicy()
 
         def pglock(name: str, work: Callable[[], None]) -> bool:
             try:
-                with LockGuard(hook, LockKey.from_name(name), policy, application_name="bench contention"):
+                with LockGuard(hook.database, LockKey.from_name(name), policy, application_name="bench contention"):
                     work()
             except LockBusyError:
                 return False

@@ -153,7 +153,7 @@ def _child(result_path: str, runs: int, tenants: int, fanout_runs: int) -> None:
 
 PROFILED = {
     "run_guarded": "inside the guard (`run_guarded`: key, hook, LockGuard)",
-    "connect": "of which: opening the lock connection (`AdvisoryLockHook.connect`)",
+    "connect": "of which: opening the lock connection (`LockDatabase.connect`)",
 }
 
 
@@ -177,7 +177,7 @@ def _profile_guarded(run: Any, runs: int) -> dict[str, float] | None:
         here = frame.function == "run_guarded" and frame.file_path.endswith("task_guard.py")
         if here and not inside:
             found["run_guarded"] += frame.time / runs
-        if inside and frame.function == "connect" and frame.file_path.endswith("advisory_lock.py"):
+        if inside and frame.function == "connect" and frame.file_path.endswith("pg/database.py"):
             found["connect"] += frame.time / runs
             return
         for child in frame.children:

@@ -86,7 +86,7 @@ class Bench:
             killed = holder.signal(signal.SIGKILL)
 
             def acquired() -> bool:
-                held = hook.try_acquire(key)
+                held = hook.acquire(key)
                 if held is None:
                     return False
                 held.release()

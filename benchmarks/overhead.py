@@ -8,7 +8,7 @@ is timed once per round, round-robin (see :func:`benchmarks.stats.interleaved`):
   checks, liveness settings, key-name registry state, heartbeat thread, outcome line).
 * ``LockGuard, registry installed``: the same on a database where ``airflow-pglock init-db``
   ran (the key's name is recorded with the unlock: an insert that finds the row already there).
-* ``hook.session_lock``: the hook alone (no heartbeat, no outcome line, no registry).
+* ``hook.acquire + release``: the hook's manual form alone (no heartbeat, no outcome line).
 * ``pals``: PyPI ``pals`` (SQLAlchemy); with its engine's connection pool warm (how it is
   used in a long-lived process) and with ``NullPool`` (a connection per lock, like a task
   process that starts cold).
@@ -54,7 +54,7 @@ def quiet_task_logger() -> None:
 
 
 def _registry_dsn(servers: Servers) -> str:
-    from airflow_pglock.hooks.schema import migrate
+    from airflow_pglock.pg.schema import migrate
 
     with servers.admin() as conn:
         conn.execute(f"DROP DATABASE IF EXISTS {REGISTRY_DATABASE}")
@@ -126,9 +126,10 @@ def build_variants(
     servers: Servers, *, registry_dsn: str | None
 ) -> tuple[dict[str, Callable[[], object]], Callable[[], None]]:
     """name -> one acquire + release around nothing; and what closes the pools and clients afterwards."""
-    from airflow_pglock.guard import LockGuard, LockPolicy
+    from airflow_pglock.guard import LockGuard
     from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
     from airflow_pglock.keys import LockKey
+    from airflow_pglock.policy import LockPolicy
 
     dsn = servers.dsn
     key = LockKey.from_name(KEY_NAME)
@@ -145,20 +146,21 @@ def build_variants(
 
     def guarded(guard_hook: Any, guard_key: Any) -> Callable[[], None]:
         def run() -> None:
-            with LockGuard(guard_hook, guard_key, policy, application_name=app):
+            with LockGuard(guard_hook.database, guard_key, policy, application_name=app):
                 pass
 
         return run
 
     def hook_only() -> None:
-        with hook.lock_without_heartbeat(key, application_name=app) as held:
-            assert held is not None
+        held = hook.acquire(key, application_name=app)
+        assert held is not None
+        held.release()
 
     variants: dict[str, Callable[[], object]] = {"floor (raw psycopg)": floor, "LockGuard": guarded(hook, key)}
     if registry_dsn is not None:
         variants["LockGuard, registry installed"] = guarded(AdvisoryLockHook(dsn=registry_dsn), key)
     variants["LockGuard, int64 key (no registry state asked)"] = guarded(hook, int_key)
-    variants["hook.session_lock"] = hook_only
+    variants["hook.acquire + release"] = hook_only
     closers: list[Callable[[], None]] = []
     if servers.has("pals"):
         more, close = _pals_variants(dsn)
@@ -195,9 +197,9 @@ class OverheadResult:
 
 # What a guarded execution spends its time on, by function (cumulative, per execution).
 PROFILED_STEPS: tuple[tuple[str, str, str], ...] = (
-    ("connect (libpq start-up, auth, parameters)", "advisory_lock.py", "connect"),
-    ("server facts from the handshake + its rules (no I/O)", "server.py", "from_handshake"),
-    ("first lock statement (try + server facts + registry state): 1 round trip", "lock_session.py", "first_try"),
+    ("connect (libpq start-up, auth, parameters)", "database.py", "connect"),
+    ("server facts from the handshake + its rules (no I/O)", "server_rules.py", "from_handshake"),
+    ("first lock statement (try + server facts + registry state): 1 round trip", "take.py", "first_try"),
     (
         "key-name registry (no I/O: an installed one's write travels with the unlock)",
         "registry.py",
@@ -205,7 +207,7 @@ PROFILED_STEPS: tuple[tuple[str, str, str], ...] = (
     ),
     ("heartbeat thread start", "heartbeat.py", "start"),
     ("heartbeat thread stop + join", "guard.py", "_stop_heartbeat"),
-    ("unlock: 1 round trip", "lock_session.py", "unlock"),
+    ("unlock: 1 round trip", "release.py", "unlock"),
     ("outcome line + metrics", "outcome.py", "report"),
     ("acquired line", "__init__.py", "info"),
 )
@@ -234,9 +236,10 @@ def profile_guard(run: Callable[[], object], runs: int) -> tuple[list[tuple[str,
 
 
 def _handshake(hook: Any, conn: Any) -> Any:
-    from airflow_pglock.hooks import server as server_rules
+    from airflow_pglock import server_rules
+    from airflow_pglock.pg.server import server_from_handshake
 
-    info = hook.server_from_handshake(conn)
+    info = server_from_handshake(conn)
     server_rules.check_server(info, "session", None, server_rules.HANDSHAKE_RULES)
     return info
 
@@ -244,15 +247,16 @@ def _handshake(hook: Any, conn: Any) -> Any:
 def decompose(servers: Servers, rounds: int) -> dict[str, list[float]]:
     """Time each step of a guarded execution and of the floor, without a profiler.
 
-    The guard's steps are the hook's own methods, called in LockGuard's order on a fresh
+    The guard's steps are the lock database's own functions, called in LockGuard's order on a fresh
     connection; the floor's are its two statements. Both sequences alternate, round by
     round. The heartbeat thread is timed as LockGuard starts and stops it (a thread that
     waits on an event, then is woken and joined).
     """
-    from airflow_pglock.hooks import lock_session
-    from airflow_pglock.hooks import server as server_rules
+    from airflow_pglock import server_rules
     from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
     from airflow_pglock.keys import LockKey
+    from airflow_pglock.pg.release import unlock
+    from airflow_pglock.pg.take import first_try
 
     hook = AdvisoryLockHook(dsn=servers.dsn)
     key = LockKey.from_name(KEY_NAME)
@@ -268,12 +272,12 @@ def decompose(servers: Servers, rounds: int) -> dict[str, list[float]]:
         startup = hook.liveness.server_settings(transaction=False)
         conn = timed(
             "guard: connect (+ liveness options, keepalives, application_name)",
-            lambda: hook.connect("bench", server_settings=startup),
+            lambda: hook.database.connect("bench", server_settings=startup),
         )
         info = timed("guard: handshake facts + their rules (no I/O)", lambda: _handshake(hook, conn))
         answer = timed(
             "guard: first lock statement (try + server facts + registry state)",
-            lambda: lock_session.first_try(conn, info, [key], shared=False, scope="session", pool_mode=None),
+            lambda: first_try(conn, info, [key], shared=False, scope="session", pool_mode=None),
         )
         timed("guard: server rules (no I/O)", lambda: server_rules.check_server(answer.server, "session", None))
         wake = threading.Event()
@@ -281,7 +285,7 @@ def decompose(servers: Servers, rounds: int) -> dict[str, list[float]]:
         timed("guard: heartbeat thread start", thread.start)
         wake.set()
         timed("guard: heartbeat thread stop + join", thread.join)
-        timed("guard: unlock (1 statement)", lambda: hook.unlock(conn, key))
+        timed("guard: unlock (1 statement)", lambda: unlock(conn, key))
         timed("guard: close", conn.close)
 
     def floor_steps() -> None:

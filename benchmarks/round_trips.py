@@ -54,7 +54,7 @@ def _variants(
     def guarded(key: LockKey, where: str = dsn, policy: LockPolicy | None = None) -> Callable[[], None]:
         def run() -> None:
             hook = AdvisoryLockHook(dsn=where)
-            with LockGuard(hook, key, policy or LockPolicy(), application_name=app, logger=quiet):
+            with LockGuard(hook.database, key, policy or LockPolicy(), application_name=app, logger=quiet):
                 pass
 
         return run
@@ -63,12 +63,8 @@ def _variants(
         with AdvisoryLockHook(dsn=dsn).lock(named, application_name=app) as handle:
             assert handle is not None
 
-    def session_lock() -> None:
-        with AdvisoryLockHook(dsn=dsn).lock_without_heartbeat(named, application_name=app) as held:
-            assert held is not None
-
-    def try_acquire() -> None:
-        held = AdvisoryLockHook(dsn=dsn).try_acquire(named, application_name=app)
+    def acquire() -> None:
+        held = AdvisoryLockHook(dsn=dsn).acquire(named, application_name=app)
         assert held is not None
         held.release()
 
@@ -78,8 +74,7 @@ def _variants(
         "LockGuard (int64 key)": guarded(numbered),
         "LockGuard (named key, transaction mode)": guarded(named, policy=LockPolicy(mode="transaction")),
         "hook.lock (named key; LockGuard)": hook_lock,
-        "hook.session_lock (named key)": session_lock,
-        "hook.try_acquire + release (named key)": try_acquire,
+        "hook.acquire + release (named key)": acquire,
     }
     if registry_dsn is not None:
         variants[REGISTRY] = guarded(named, registry_dsn)

@@ -56,8 +56,8 @@ def _names(count: int) -> list[str]:
 
 def _prepare_database(servers: Servers, count: int) -> str:
     """A database with the registry installed and the names of all ``count`` keys recorded."""
-    from airflow_pglock.hooks.schema import migrate
     from airflow_pglock.keys import LockKey
+    from airflow_pglock.pg.schema import migrate
 
     with servers.admin() as conn:
         conn.execute(f"DROP DATABASE IF EXISTS {SCALE_DATABASE}")
@@ -107,8 +107,8 @@ class LockHolders:
 def measure_reading(servers: Servers, result: ScaleResult, rounds: int, process_rounds: int) -> None:
     from airflow_pglock.cli.main import main as cli_main
     from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
-    from airflow_pglock.hooks.inspection import advisory_locks
     from airflow_pglock.keys import LockKey
+    from airflow_pglock.pg.holders import advisory_locks
 
     dsn = _prepare_database(servers, max(result.counts))
     hook = AdvisoryLockHook(dsn=dsn)
@@ -151,12 +151,13 @@ def measure_reading(servers: Servers, result: ScaleResult, rounds: int, process_
 
 
 def _hold_until(dsn: str, name: str, ready: Any, release: Any) -> None:
-    from airflow_pglock.guard import LockGuard, LockPolicy
+    from airflow_pglock.guard import LockGuard
     from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
     from airflow_pglock.keys import LockKey
+    from airflow_pglock.policy import LockPolicy
 
     with LockGuard(
-        AdvisoryLockHook(dsn=dsn), LockKey.from_name(name), LockPolicy(), application_name=f"bench task {name}"
+        AdvisoryLockHook(dsn=dsn).database, LockKey.from_name(name), LockPolicy(), application_name=f"bench task {name}"
     ):
         ready.release()
         release.wait(120)
@@ -164,16 +165,17 @@ def _hold_until(dsn: str, name: str, ready: Any, release: Any) -> None:
 
 def _guarded_runs(dsn: str, worker: int, runs: int, queue: Any) -> None:
     from airflow_pglock.exceptions import LockBusyError
-    from airflow_pglock.guard import LockGuard, LockPolicy
+    from airflow_pglock.guard import LockGuard
     from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
     from airflow_pglock.keys import LockKey
+    from airflow_pglock.policy import LockPolicy
 
     outcomes: dict[str, int] = {}
     hook, policy = AdvisoryLockHook(dsn=dsn), LockPolicy()
     keys = [LockKey.from_name(f"scale/runs/{i}") for i in range(4)]  # shared by the workers: some runs are busy
     try:
         for run in range(runs):
-            guard = LockGuard(hook, keys[run % len(keys)], policy, application_name=f"bench run {worker}")
+            guard = LockGuard(hook.database, keys[run % len(keys)], policy, application_name=f"bench run {worker}")
             try:
                 with guard:
                     pass

@@ -4,7 +4,7 @@
     .venv/bin/python -m benchmarks.slots --quick --out /tmp/slots.md
 
 For pools of N = 1, 8 and 64 slots with 0, half and N - 1 slots held by other sessions,
-one session that is already connected takes a slot (``lock_session.try_slot``: one
+one session that is already connected takes a slot (``pg.statements.try_slot``: one
 statement that tries the slots in order) and gives it back; only the take is timed. The
 mutex row is ``try_lock`` of a plain key on the same connection. The client's flights to
 the server are counted by a relay (:mod:`devtools.relay`). Only this section of
@@ -24,8 +24,9 @@ if str(ROOT) not in sys.path:
 
 import psycopg  # noqa: E402
 
-from airflow_pglock.hooks import lock_session  # noqa: E402
 from airflow_pglock.keys import LockKey, slot_keys  # noqa: E402
+from airflow_pglock.pg import statements  # noqa: E402
+from airflow_pglock.pg.release import unlock  # noqa: E402
 from benchmarks.servers import servers  # noqa: E402
 from benchmarks.stats import Summary, progress, table, write_section  # noqa: E402
 from devtools.relay import Relay  # noqa: E402
@@ -55,11 +56,11 @@ def measure(host: str, port: int, database: str, rounds: int) -> list[tuple[str,
         for round_no in range(WARMUP + rounds):
             flights.reset()
             started = time.perf_counter()
-            assert lock_session.try_lock(conn, mutex)
+            assert statements.try_lock(conn, mutex)
             if round_no >= WARMUP:
                 times.append(time.perf_counter() - started)
                 seen.add(flights.flights)
-            lock_session.unlock(conn, mutex)
+            unlock(conn, mutex)
         results.append(("mutex (try_lock)", 0, times, seen))
         for size in SIZES:
             pool = slot_keys(LockKey.from_name(f"bench/slots-{size}"), size)
@@ -67,17 +68,17 @@ def measure(host: str, port: int, database: str, rounds: int) -> list[tuple[str,
                 others = [psycopg.connect(direct, autocommit=True) for _ in range(held)]
                 try:
                     for other, key in zip(others, pool, strict=False):
-                        assert lock_session.try_lock(other, key)
+                        assert statements.try_lock(other, key)
                     times, seen = [], set()
                     for round_no in range(WARMUP + rounds):
                         flights.reset()
                         started = time.perf_counter()
-                        slot = lock_session.try_slot(conn, pool)
+                        slot = statements.try_slot(conn, pool)
                         if round_no >= WARMUP:
                             times.append(time.perf_counter() - started)
                             seen.add(flights.flights)
                         assert slot == held, (slot, held)
-                        lock_session.unlock(conn, pool[slot])
+                        unlock(conn, pool[slot])
                     results.append((f"pool of {size}", held, times, seen))
                 finally:
                     for other in others:

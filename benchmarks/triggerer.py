@@ -142,7 +142,7 @@ def measure_resumes(d: Deployment, locks_dsn: str, count: int) -> list[Sample]:
     hook = AdvisoryLockHook(dsn=locks_dsn, liveness=Liveness(lease=600))
     held = []
     for index in range(count):
-        lock = hook.try_acquire(f"bench/resume/{index}", application_name="bench holder")
+        lock = hook.acquire(f"bench/resume/{index}", application_name="bench holder")
         assert lock is not None
         held.append(lock)
     triggered = d.airflow("dags", "trigger", "bench_resume", timeout=120)

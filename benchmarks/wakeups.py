@@ -5,7 +5,7 @@ objects run under asyncio in this process, as ``airflow triggerer`` runs them (o
 loop, one shared wake-up connection per lock database). The holders release from another
 thread on their own connections:
 
-* a **provider release**: ``AdvisoryLockHook(...).try_acquire(...)`` then ``release()``
+* a **provider release**: ``AdvisoryLockHook(...).acquire(...)`` then ``release()``
   (announced by ``pg_notify`` in the unlock statement): seen at once;
 * a **foreign release**: a plain psycopg session's ``pg_advisory_unlock`` (no
   announcement): seen at the next poll of every waiting key.
@@ -109,7 +109,7 @@ def measure_latency(
     foreign: list[psycopg.Connection[Any]] = []
     for key in keys:
         if provider:
-            held = hook.try_acquire(key, application_name=HOLDER_APP)
+            held = hook.acquire(key, application_name=HOLDER_APP)
             assert held is not None, key
             releases.append(held.release)
         else:

@@ -19,7 +19,7 @@ try:
 except ImportError:  # Airflow 2.x
     from airflow.decorators import dag, task
 
-from airflow_pglock.guard import LockHandle
+from airflow_pglock.handle import LockHandle
 
 
 @dag(

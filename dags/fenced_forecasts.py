@@ -20,7 +20,7 @@ except ImportError:  # Airflow 2.x
 
 from airflow.providers.postgres.hooks.postgres import PostgresHook
 
-from airflow_pglock.guard import LockHandle
+from airflow_pglock.handle import LockHandle
 
 KEY = "fenced-forecasts"
 

@@ -4,22 +4,28 @@
     python3 devtools/dev.py demo    # two "deployments" run a guarded DAG at once
     python3 devtools/dev.py test    # the whole test suite (extra args go to pytest)
     python3 devtools/dev.py matrix  # the entry-point suite (pytest -m matrix) on one Airflow line / Python
-    python3 devtools/dev.py lint    # ruff check, ruff format --check, mypy
+    python3 devtools/dev.py lint    # ruff check, ruff format --check, mypy, the import layers (lint-imports)
     python3 devtools/dev.py bench   # benchmarks -> docs/benchmarks.md (a few minutes; needs redis-server)
     python3 devtools/dev.py constraints   # re-resolve constraints/airflow-<line>[-py<X.Y>].txt in a fresh venv
     python3 devtools/dev.py versions-doc  # matrix-results/*.json -> the table in docs/airflow-versions.md
+    python3 devtools/dev.py architecture-doc  # pyproject's import layers + the code -> docs/architecture.md's tables
+    python3 devtools/dev.py campaign [--minutes M] [--seed S] [--out DIR]   # the randomized fault campaign
+    python3 devtools/dev.py blue-green    # two deployments on different lines / Pythons share one lock database
+    python3 devtools/dev.py venv          # only build (or reuse) the venv of PGLOCK_AIRFLOW / PGLOCK_PYTHON
 
 Which Airflow and which Python (any command):
 
-    PGLOCK_AIRFLOW=2.11|3.0|3.1|3.2|3.3   the Airflow line (default 3.3)
+    PGLOCK_AIRFLOW=2.11|3.0|3.1|3.2|3.3|3.4   the Airflow line (default 3.3; 3.4 is its pre-release)
     PGLOCK_PYTHON=3.10|3.11|3.12|3.13     the interpreter (default: the python3 running this script),
                                           found as pythonX.Y under $PYENV_ROOT/versions or on PATH
 
 The default (3.3, this python3) lives in .venv, every other combination in its own
 .venv-<line>[-py<X.Y>], installed (editable, by uv; by pip where uv cannot) with the pinned
 versions of constraints/airflow-<line>-py<X.Y>.txt if that file exists, else constraints/airflow-<line>.txt.
-A venv is reinstalled when pyproject.toml or its constraints change. A full `test` run and
-every `matrix` run record which feature passed in matrix-results/ (read by versions-doc).
+A venv is reinstalled when pyproject.toml or its constraints change. With
+PGLOCK_MATRIX_RESULTS=matrix-results (as .ci/run sets it), a whole `test` run and a `matrix`
+run record which feature passed there (read by versions-doc); without it nothing in the
+checkout is written.
 Standard library only: it runs before anything is installed.
 """
 
@@ -29,16 +35,18 @@ import glob
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_LINE = "3.3"
 #: The Airflow release each line is tested on (the newest patch; `pip index versions apache-airflow`).
-RELEASES = {"2.11": "2.11.2", "3.0": "3.0.6", "3.1": "3.1.8", "3.2": "3.2.2", "3.3": "3.3.2"}
+RELEASES = {"2.11": "2.11.2", "3.0": "3.0.6", "3.1": "3.1.8", "3.2": "3.2.2", "3.3": "3.3.2", "3.4": "3.4.0b2"}
 #: Pins the resolver needs help with when `constraints` re-resolves a line, and why.
 RESOLVER_PINS: dict[str, tuple[str, ...]] = {
     # Airflow 3.0.6 resolved alone takes fastapi 0.165 / cadwyn 9 / pydantic 2.14, and every
@@ -62,9 +70,13 @@ PYTHON_CONSTRAINTS = ROOT / "constraints" / f"airflow-{AIRFLOW_LINE}-py{PYTHON_V
 CONSTRAINTS = PYTHON_CONSTRAINTS if PYTHON_CONSTRAINTS.exists() else LINE_CONSTRAINTS
 RESULTS = ROOT / "matrix-results"
 VERSIONS_DOC = ROOT / "docs" / "airflow-versions.md"
-EXTRAS = "test,docs"
+#: The import layers are a property of the code, not of the Airflow line: import-linter (the
+#: `lint` extra) goes into the default environment only (2.11's rich pin and Python 3.10 refuse it).
+EXTRAS = "test,docs,lint" if AIRFLOW_LINE == DEFAULT_LINE and OWN_PYTHON else "test,docs"
 # The benchmark's extra packages (pyproject's `bench` extra), pinned for reproducible numbers.
 BENCH_PINS = ("PALs==0.4.0", "python-redis-lock==4.0.1", "redis==6.4.0", "pyinstrument==5.1.3")
+#: The campaign's timeline picture (docs/safety.md): matplotlib, a dev-only dependency.
+CAMPAIGN_PINS = ("matplotlib==3.10.8",)
 #: The installer: uv puts a pinned Airflow environment in place in ~5 s where pip takes ~45 s
 #: (measured here, each into a fresh venv). pip stays the fallback: uv does not read pip's
 #: configuration, so an index or find-links set only there reaches pip alone.
@@ -74,6 +86,13 @@ UV_PIN = "uv==0.13.9"
 #: (as on these machines): every Airflow process would compile Airflow again (measured: 3.0 s
 #: to import the scheduler's modules instead of 1.3 s; a fresh venv with it: 11.6 s, lint included).
 UV_OPTIONS = ("--compile-bytecode",)
+#: The blue/green pairs (tests/e2e/test_blue_green.py): (old line, old Python), (new line, new
+#: Python); None = the Python running this script. Upgrades of the Airflow line, then of Python.
+BLUE_GREEN_PAIRS: tuple[tuple[tuple[str, str | None], tuple[str, str | None]], ...] = (
+    (("2.11", None), ("3.3", None)),
+    (("3.3", None), ("3.4", None)),
+    (("3.3", "3.10"), ("3.3", "3.13")),
+)
 
 
 def find_interpreter() -> Path:
@@ -203,7 +222,11 @@ def render_versions_doc() -> int:
     runs = [json.loads(path.read_text()) for path in sorted(RESULTS.glob("*.json"))]
     if not runs:
         sys.exit(f"no results in {RESULTS.relative_to(ROOT)}/: run `python3 devtools/dev.py matrix` (or test) first")
-    runs.sort(key=lambda run: ([int(p) for p in run["airflow"].split(".")], [int(p) for p in run["python"].split(".")]))
+
+    def numbers(version: str) -> list[int]:  # "3.4.0b2" -> [3, 4, 0, 2]: a pre-release sorts by its parts
+        return [int(part) for part in re.findall(r"\d+", version)]
+
+    runs.sort(key=lambda run: (numbers(run["airflow"]), numbers(run["python"])))
     labels: dict[str, str] = {}
     for run in sorted(runs, key=lambda run: run["recorded"]):  # the newest run's wording wins
         labels.update({feature: result["label"] for feature, result in run["features"].items()})
@@ -232,8 +255,57 @@ def render_versions_doc() -> int:
     return 0
 
 
+def _venv_of(line: str, python: str | None) -> str:
+    """The interpreter of the venv of ``line`` on ``python`` (built or reused by ``dev.py venv``)."""
+    env = {**os.environ, "PGLOCK_AIRFLOW": line}
+    env.pop("PGLOCK_VENV", None)
+    env.pop("PGLOCK_PYTHON", None)
+    if python is not None:
+        env["PGLOCK_PYTHON"] = python
+    built = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "venv"], env=env, stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    *progress, path = built.stdout.strip().splitlines() or [""]
+    if progress:  # what `venv` printed while it built: the path comes last
+        print("\n".join(progress), flush=True)
+    if built.returncode != 0:
+        sys.exit(f"[dev] could not build the venv of Airflow {line} on Python {python or PYTHON_VERSION}")
+    return path
+
+
+def run_blue_green(harness: str, rest: list[str]) -> int:
+    """Each pair of BLUE_GREEN_PAIRS in turn: both venvs, then tests/e2e/test_blue_green.py with their paths."""
+    failed = []
+    for old, new in BLUE_GREEN_PAIRS:
+        label = " -> ".join(f"Airflow {line} on Python {python or PYTHON_VERSION}" for line, python in (old, new))
+        env = {**os.environ, "PGLOCK_BG_OLD_PYTHON": _venv_of(*old), "PGLOCK_BG_NEW_PYTHON": _venv_of(*new)}
+        print(f"[dev] blue/green {label}", flush=True)
+        started = time.monotonic()
+        test = [harness, "-m", "pytest", "-m", "", "-p", "no:cacheprovider", "tests/e2e/test_blue_green.py", *rest]
+        code = subprocess.call(test, cwd=ROOT, env=env)
+        outcome = "passed" if code == 0 else f"FAILED (exit {code})"
+        print(f"[dev] blue/green {label}: {outcome} in {time.monotonic() - started:.0f} s", flush=True)
+        if code != 0:
+            failed.append(label)
+    for label in failed:
+        print(f"[dev] blue/green failed: {label}", flush=True)
+    return 1 if failed else 0
+
+
 def main(argv: list[str]) -> int:
-    commands = {"demo", "test", "matrix", "lint", "bench", "constraints", "versions-doc"}
+    commands = {
+        "demo",
+        "test",
+        "matrix",
+        "lint",
+        "bench",
+        "constraints",
+        "versions-doc",
+        "architecture-doc",
+        "campaign",
+        "blue-green",
+        "venv",
+    }
     if not argv or argv[0] not in commands:
         print(__doc__)
         return 2
@@ -243,6 +315,21 @@ def main(argv: list[str]) -> int:
     if command == "versions-doc":
         return render_versions_doc()
     python = str(ensure_environment())
+    if command == "venv":
+        print(python)
+        return 0
+    if command == "blue-green":
+        return run_blue_green(python, rest)
+    if command == "campaign":
+        if (
+            "--no-plot" not in rest
+            and subprocess.run([python, "-c", "import matplotlib"], capture_output=True).returncode
+        ):
+            print(f"[dev] installing the campaign's picture package: {', '.join(CAMPAIGN_PINS)}", flush=True)
+            _install(Path(python), "-c", str(CONSTRAINTS), *CAMPAIGN_PINS)
+        return subprocess.call([python, "-m", "devtools.campaign.run", *rest], cwd=ROOT)
+    if command == "architecture-doc":  # grimp (import-linter's) reads the imports: the venv's Python
+        return subprocess.call([python, str(ROOT / "devtools" / "architecture.py")], cwd=ROOT)
     env = dict(os.environ)
     if command == "demo":
         return subprocess.call([python, str(ROOT / "devtools" / "demo.py"), *rest], cwd=ROOT, env=env)
@@ -258,16 +345,32 @@ def main(argv: list[str]) -> int:
         ruff = subprocess.call([python, "-m", "ruff", "check", *linted], cwd=ROOT)
         layout = subprocess.call([python, "-m", "ruff", "format", "--check", *linted], cwd=ROOT)
         mypy = subprocess.call([python, "-m", "mypy"], cwd=ROOT)
-        return ruff or layout or mypy
+        layers = subprocess.call([str(Path(python).parent / "lint-imports")], cwd=ROOT)  # [tool.importlinter]
+        return ruff or layout or mypy or layers
     if command == "matrix":
-        env.setdefault("PGLOCK_MATRIX_RESULTS", str(RESULTS))
-        env["PGLOCK_MATRIX_SUITE"] = "matrix"
-        return subprocess.call([python, "-m", "pytest", "-m", "matrix", *rest], cwd=ROOT, env=env)
-    if not rest:  # the whole suite records its matrix features too
-        env.setdefault("PGLOCK_MATRIX_RESULTS", str(RESULTS))
-        env["PGLOCK_MATRIX_SUITE"] = "full suite"
+        return subprocess.call([python, "-m", "pytest", "-m", "matrix", *rest], cwd=ROOT, env=pytest_env(command, rest))
     # -m "": the whole suite, the slow tests too (a bare `pytest` leaves them out; a -m in rest wins)
-    return subprocess.call([python, "-m", "pytest", "-m", "", *rest], cwd=ROOT, env=env)
+    return subprocess.call([python, "-m", "pytest", "-m", "", *rest], cwd=ROOT, env=pytest_env(command, rest))
+
+
+def pytest_env(command: str, rest: list[str], environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of `test` / `matrix`'s pytest: it records results only when asked.
+
+    Recording writes matrix-results/*.json, tracked files: a plain `dev.py test` must leave the
+    checkout as it was. It records when PGLOCK_MATRIX_RESULTS names a directory (`.ci/run` sets
+    it to matrix-results/), for a `matrix` run and a whole `test` run; a `test <args>` run is
+    partial and never records, whatever the environment says.
+    """
+    env = dict(os.environ if environ is None else environ)
+    partial = command == "test" and bool(rest)
+    if partial or not env.get("PGLOCK_MATRIX_RESULTS"):
+        env.pop("PGLOCK_MATRIX_RESULTS", None)
+        env.pop("PGLOCK_MATRIX_SUITE", None)
+        return env
+    env["PGLOCK_MATRIX_SUITE"] = "matrix" if command == "matrix" else "full suite"
+    if command == "test" and env.get("PGLOCK_LINE_INDEPENDENT_ONCE") == "1":
+        env["PGLOCK_MATRIX_SUITE"] = "full suite (the fault tests that touch no Airflow: on the default line)"
+    return env
 
 
 if __name__ == "__main__":

@@ -64,16 +64,20 @@ def _child(config: HolderConfig, pipe: Connection) -> None:
         pipe.send({"event": event, "t": time.monotonic(), **data})
 
     from airflow_pglock.exceptions import LockBusyError, LockLostError, LockLostInterrupt
-    from airflow_pglock.guard import LockGuard, LockHandle, LockPolicy
+    from airflow_pglock.guard import LockGuard
+    from airflow_pglock.handle import LockHandle
     from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
     from airflow_pglock.keys import LockKey
     from airflow_pglock.liveness import Liveness
+    from airflow_pglock.policy import LockPolicy
 
     if config.netns:
         _enter_netns(config.netns)
     hook = AdvisoryLockHook(dsn=config.dsn, liveness=Liveness(config.lease), connect_timeout=5)
     policy = LockPolicy(mode=config.mode, on_lost=config.on_lost)  # type: ignore[arg-type]
-    guard = LockGuard(hook, LockKey.from_name(config.key), policy, application_name=f"pglock holder {os.getpid()}")
+    guard = LockGuard(
+        hook.database, LockKey.from_name(config.key), policy, application_name=f"pglock holder {os.getpid()}"
+    )
 
     def work(handle: LockHandle) -> None:
         emit("acquired", backend_pid=handle.backend_pid)

@@ -19,6 +19,37 @@ from typing import Any
 TEST_CONN_ID = "pglock_test"
 
 
+@contextlib.contextmanager
+def held_lock(hook: Any, key: Any, *, mode: str = "session", **options: Any) -> Iterator[Any]:
+    """``hook.acquire(key, ...)`` around a ``with`` block, the manual form's documented pattern:
+    yields the ``HeldLock`` (None when busy); at the end a transaction lock commits (rolls back
+    if the block raised), a session lock is released, and a release that finds the lock gone
+    raises ``LockLostError`` when the block itself succeeded."""
+    import psycopg
+
+    from airflow_pglock.exceptions import LockLostError
+
+    held = hook.acquire(key, mode=mode, **options)
+    if held is None:
+        yield None
+        return
+    try:
+        yield held
+        if mode == "transaction":
+            held.commit()
+        elif not held.released and not held.release():
+            reason = "the session no longer held it when the block ended (lease expired or session ended)"
+            raise LockLostError(f"lost {held.key.describe()}: {reason}", held.key, reason)
+    finally:
+        if mode == "session":
+            held.release()
+        else:
+            if not held.connection.closed and held.transaction_open:
+                with contextlib.suppress(psycopg.Error):
+                    held.connection.execute("ROLLBACK")
+            held.close()
+
+
 def other_sessions(conn: Any) -> list[tuple[int, str]]:
     """Client sessions on this database other than ``conn``'s own."""
     rows = conn.execute(

@@ -5,8 +5,9 @@ A test that shows a feature carries ``@pytest.mark.matrix("<feature>")``; ``pyte
 Airflow also has a test of its absence on older lines; both carry ``since=(major, minor)``,
 and on an older line the feature is recorded as absent when that test passed.
 
-When ``PGLOCK_MATRIX_RESULTS`` names a directory (``devtools/dev.py`` sets it for ``matrix``
-and for a full ``test`` run), the session writes ``airflow-<line>-py<X.Y>.json`` there;
+When ``PGLOCK_MATRIX_RESULTS`` names a directory (``.ci/run`` sets it to matrix-results/;
+``devtools/dev.py`` passes it on to ``matrix`` and to a whole ``test`` run, and leaves it out
+otherwise), the session writes ``airflow-<line>-py<X.Y>.json`` there;
 ``python3 devtools/dev.py versions-doc`` renders them into docs/airflow-versions.md.
 """
 
@@ -30,12 +31,14 @@ FEATURES: dict[str, str] = {
     "task-session": "`@task.advisory_lock`: runs when free, skips when busy (session mode)",
     "task-transaction": '`@task.advisory_lock(mode="transaction")`',
     "tenant-arg": "`tenant_arg` on a mapped task",
+    "stable-keys": "the same key numbers on every Python (names, tenants of each accepted type, pools, int64, pairs)",
     "guarded": "`guarded(BashOperator(...))`",
     "sensor-poke": "`AdvisoryLockSensor` (poke, reschedule)",
     "sensor-deferrable": "`AdvisoryLockSensor(deferrable=True)`",
     "branch": "`@advisory_lock` under `@task.branch`",
     "every-entry-point": "one DAG file using every entry point parses and runs",
     "examples": "the example DAGs in `dags/` parse",
+    "parse-time": "parsing a DAG file loads neither psycopg nor the lock machinery; bad options refused",
     "console-script": "`airflow-pglock` console script (locks, key, doctor, init-db)",
     "cli-group": "`airflow pglock ...` (Airflow 3.2+)",
     "ui-page": "Browse → Advisory locks page (Airflow 3.1+)",

@@ -1,0 +1,1 @@
+"""Task decorators: ``@task.advisory_lock`` and the composable ``@advisory_lock``."""

@@ -27,16 +27,17 @@ class _AdvisoryLockDecoratedOperator(DecoratedOperator, PythonOperator):
     """Runs the decorated function while holding a PostgreSQL advisory lock.
 
     Takes the lock options of :class:`~airflow_pglock.options.FunctionLockOptions` (its
-    templated ones are template fields: ``lock_key``, ``lock_tenant``, ``lock_once_per``)
-    and every ``@task`` / PythonOperator argument.
+    templated ones are template fields under the names the DAG author wrote: ``key``,
+    ``tenant``, ``once_per``, so a template error names the option) and every ``@task`` /
+    PythonOperator argument.
 
     :param python_callable: the function to guard.
     :param op_args: its positional arguments.
     :param op_kwargs: its keyword arguments.
     """
 
-    template_fields: Sequence[str] = (*PythonOperator.template_fields, *(f"lock_{name}" for name in TEMPLATED))
-    template_fields_renderers = {**PythonOperator.template_fields_renderers, **{f"lock_{n}": "py" for n in TEMPLATED}}
+    template_fields: Sequence[str] = (*PythonOperator.template_fields, *TEMPLATED)
+    template_fields_renderers = {**PythonOperator.template_fields_renderers, **dict.fromkeys(TEMPLATED, "py")}
     custom_operator_name: str = "@task.advisory_lock"
 
     def __init__(
@@ -54,7 +55,7 @@ class _AdvisoryLockDecoratedOperator(DecoratedOperator, PythonOperator):
         if function is not python_callable:
             refuse_lock_argument(getattr(python_callable, "__name__", repr(python_callable)), op_kwargs or {})
         for name, value in self.lock_spec.templated.items():
-            setattr(self, f"lock_{name}", value)
+            setattr(self, name, value)
         super().__init__(
             kwargs_to_upstream={"python_callable": function, "op_args": op_args, "op_kwargs": op_kwargs},
             python_callable=function,
@@ -79,7 +80,7 @@ class _AdvisoryLockDecoratedOperator(DecoratedOperator, PythonOperator):
         return self._execute_guarded(context, deadline=resume_deadline(event, deadline))
 
     def _execute_guarded(self, context: Context, deadline: float | None) -> Any:
-        rendered = {name: getattr(self, f"lock_{name}") for name in TEMPLATED}
+        rendered = {name: getattr(self, name) for name in TEMPLATED}
         if self.lock_spec.tenant_arg is not None:
             try:
                 rendered["tenant"] = tenant_from_arguments(

@@ -1,119 +1,17 @@
-"""Where the lock database is: an Airflow connection or a DSN, resolved into one immutable value.
-
-:func:`resolve` reads the Airflow connection the way ``PostgresHook`` does (SSL extras,
-IAM tokens, ``options``) and returns :class:`ConnectionSettings`: the libpq parameters
-and what the connection declares about the path to the server (``pool_mode``). Nothing
-here opens a connection to PostgreSQL.
-"""
+"""An Airflow Postgres connection read the way ``PostgresHook`` reads it (SSL extras, IAM tokens,
+``options``), into the lock database's :class:`~airflow_pglock.pg.settings.ConnectionSettings`."""
 
 from __future__ import annotations
 
-import functools
-import re
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
-import psycopg
-
 from airflow_pglock.exceptions import LockConfigurationError
-from airflow_pglock.identity import hook_application_name
-from airflow_pglock.liveness import Liveness
+from airflow_pglock.pg.settings import ConnectionSettings
 
 POSTGRES_CONN_TYPES = frozenset({"postgres", "postgresql"})
 # PostgresHook extras that are not libpq parameters (it drops these too).
 _NON_LIBPQ_EXTRAS = frozenset({"cursor", "pool_mode"})
-
-#: How a server (or a pooler) refuses server settings in the start-up packet: PgBouncer without
-#: ``ignore_startup_parameters = options``, or a server older than a setting (PostgreSQL 12/13).
-STARTUP_OPTIONS_REFUSED = ("unsupported startup parameter", "unrecognized configuration parameter")
-
-_URI_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")
-_KEYWORD_PASSWORD = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
-
-
-def redact(text: str) -> str:
-    """``text`` with passwords in URIs (``://user:pw@``) and ``password=...`` replaced by ``***``.
-
-    libpq repeats a malformed connection string word for word in its error message.
-    """
-    return _KEYWORD_PASSWORD.sub(r"\1***", _URI_PASSWORD.sub(r"\1***@", text))
-
-
-@dataclass(frozen=True)
-class ConnectionSettings:
-    """The lock database's connection, resolved once.
-
-    :param params: libpq parameters (no liveness settings, no application_name).
-    :param source: ``DSN`` or ``conn id 'x'``, for messages.
-    :param pool_mode: the connection extra ``pool_mode`` (``"session"`` declares a pooler in
-        session pooling, where session locks are safe); None when not declared.
-    """
-
-    params: Mapping[str, Any]
-    source: str
-    pool_mode: str | None = None
-
-    def describe(self) -> str:
-        """``'db' on host:port as user (conn id 'x')``; never the password."""
-        return describe_params(self.params, self.source)
-
-    def session_params(
-        self,
-        application_name: str | None,
-        liveness: Liveness,
-        connect_timeout: int,
-        *,
-        server_settings: Mapping[str, str] | None = None,
-    ) -> dict[str, Any]:
-        """The libpq parameters of one lock session: these, plus its name and liveness settings.
-
-        :param application_name: names the holder in ``pg_stat_activity``.
-        :param liveness: the lease's client-side settings (keepalives, ``tcp_user_timeout``).
-        :param connect_timeout: used when the connection sets none of its own.
-        :param server_settings: server settings to send in the start-up packet (libpq
-            ``options``, after the connection's own, so they win): no statement needed.
-        """
-        params = dict(self.params)
-        params.setdefault("connect_timeout", connect_timeout)
-        # The lease's keepalive settings win over the connection's extras: they bound how long
-        # a dead peer goes unnoticed, and a looser extra would silently break that bound.
-        params.update(liveness.client_settings())
-        if application_name:
-            params["application_name"] = application_name
-        else:  # never anonymous: `locks` shows the provider, the program and its pid
-            params.setdefault("application_name", hook_application_name())
-        if server_settings:
-            ours = " ".join(f"-c {name}={value}" for name, value in server_settings.items())
-            params["options"] = f"{params['options']} {ours}" if params.get("options") else ours
-        return params
-
-
-def refused_startup_options(error: BaseException) -> bool:
-    """Whether a failed connection attempt was refused for its start-up ``options``."""
-    return any(phrase in str(error) for phrase in STARTUP_OPTIONS_REFUSED)
-
-
-def describe_params(params: Mapping[str, Any], source: str) -> str:
-    """``'db' on host:port as user (source)`` from libpq parameters; never the password."""
-    host = params.get("host") or "local socket"
-    port = params.get("port") or 5432
-    database = params.get("dbname") or "(default database)"
-    user = params.get("user") or "(default user)"
-    return f"{database!r} on {host}:{port} as {user!r} ({source})"
-
-
-@functools.lru_cache(maxsize=32)
-def from_dsn(dsn: str) -> ConnectionSettings:
-    """Settings from a libpq connection string or URI (checked, never echoed with its password).
-
-    Cached: a DSN's settings never change, and parsing it was a measurable share of a short
-    guarded execution's CPU (the settings are immutable; ``session_params`` copies them).
-    """
-    try:
-        return ConnectionSettings(params=dict(psycopg.conninfo.conninfo_to_dict(dsn)), source="DSN")
-    except psycopg.ProgrammingError as error:
-        raise LockConfigurationError(f"invalid DSN for the lock database: {redact(str(error))}") from None
 
 
 def from_airflow(conn_id: str, get_connection: Callable[[str], Any]) -> ConnectionSettings:

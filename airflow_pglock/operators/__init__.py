@@ -1,0 +1,1 @@
+"""The operator guard: ``guarded(operator, key=...)``."""

@@ -23,6 +23,7 @@ from airflow_pglock.compat import BaseOperator, Context, MappedOperator, TaskDef
 from airflow_pglock.exceptions import LockConfigurationError, LockLostError
 from airflow_pglock.options import LockOptions, LockSpec
 from airflow_pglock.task_guard import (
+    GUARD_ATTRIBUTE,
     RESUME_METHOD,
     fail_for_configuration,
     render_lock_options,
@@ -33,12 +34,9 @@ from airflow_pglock.task_guard import (
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from airflow_pglock.guard import LockHandle
+    from airflow_pglock.handle import LockHandle
 
 OperatorT = TypeVar("OperatorT", bound=BaseOperator)
-
-#: Attribute of a guarded operator holding its :class:`OperatorGuard`.
-GUARD_ATTRIBUTE = "pglock_guard"
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from airflow.configuration import conf
 from airflow.plugins_manager import AirflowPlugin
 
 from airflow_pglock.compat import HAS_UI_PAGE
+from airflow_pglock.hooks import DEFAULT_CONN_ID
 
 URL_PREFIX = "/pglock"
 DEFAULT_REFRESH_SECONDS = 5
@@ -51,8 +52,8 @@ def ui_base_path() -> str:
 
 def ui_conn_ids() -> list[str]:
     """The connections the page may read: ``[pglock] ui_conn_ids``, comma-separated."""
-    raw = conf.get("pglock", "ui_conn_ids", fallback="postgres_default") or "postgres_default"
-    return [part.strip() for part in raw.split(",") if part.strip()] or ["postgres_default"]
+    raw = conf.get("pglock", "ui_conn_ids", fallback=DEFAULT_CONN_ID) or DEFAULT_CONN_ID
+    return [part.strip() for part in raw.split(",") if part.strip()] or [DEFAULT_CONN_ID]
 
 
 def refresh_seconds() -> int:
@@ -130,35 +131,74 @@ def create_app() -> Any:
 def add_run_urls(entries: list[dict[str, Any]], ui_base: str) -> None:
     """Give each Airflow holder a ``run_url``: its DAG run in this Airflow UI (None if unknown).
 
-    A long DAG or run id is shortened in the application_name (PostgreSQL keeps 63 bytes;
-    the shortened part ends with ``~``). Such a prefix is looked up in this deployment's
+    A long DAG, task or run id is shortened in the application_name (PostgreSQL keeps 63
+    bytes; the shortened part ends with ``~``). Such a prefix is looked up in this deployment's
     metadata database; when exactly one DAG / run matches, the entry gets the full ids and
-    the link. Holders from another Airflow deployment keep ``run_url`` None when their run
-    is not here.
+    the link; a shortened run id ends with the digest of the full one, which picks the run
+    among the DAG's unfinished runs. A holder of another named deployment (its
+    application_name names a deployment other than this one's ``[pglock] deployment``)
+    gets no link: its run is not in this metadata database.
 
     :param entries: the ``locks`` of a report's JSON; changed in place.
     :param ui_base: the UI's base path (see :func:`ui_base_path`).
     """
     from urllib.parse import quote
 
+    from airflow_pglock.compat import deployment_name
+    from airflow_pglock.identity import name_token
+
+    here = deployment_name()
     resolved: dict[tuple[str, str], tuple[str, str] | None] = {}
     for entry in entries:
         holder = entry.get("airflow")
         entry["run_url"] = None
         if not holder:
             continue
+        deployment = entry.get("deployment")
+        if deployment and deployment != entry.get("host") and here and deployment != name_token(here):
+            continue  # another deployment's run
         ids = (holder["dag_id"], holder["run_id"])
         if ids not in resolved:
             resolved[ids] = _full_run_ids(*ids)
         full = resolved[ids]
         if full is not None:
             holder["dag_id"], holder["run_id"] = full  # shortened ids completed
+            holder["task_id"] = _full_task_id(full[0], full[1], holder["task_id"])
             entry["run_url"] = f"{ui_base}dags/{quote(full[0], safe='')}/runs/{quote(full[1], safe='')}"
 
 
+def _full_task_id(dag_id: str, run_id: str, task_id: str) -> str:
+    """A shortened task id (``~``) completed from the run's task instances when one matches."""
+    if not task_id.endswith("~"):
+        return task_id
+    try:
+        from airflow.models.taskinstance import TaskInstance
+        from airflow.utils.session import create_session
+        from sqlalchemy import select
+
+        with create_session() as session:
+            found = session.scalars(
+                select(TaskInstance.task_id)
+                .where(
+                    TaskInstance.dag_id == dag_id,
+                    TaskInstance.run_id == run_id,
+                    TaskInstance.task_id.startswith(task_id[:-1], autoescape=True),
+                )
+                .distinct()
+                .limit(2)
+            ).all()
+    except Exception:  # a convenience, as the link: never fail the page for it
+        return task_id
+    return found[0] if len(found) == 1 else task_id
+
+
 def _full_run_ids(dag_id: str, run_id: str) -> tuple[str, str] | None:
-    mark = "~"  # identity.TRUNCATION_MARK
-    if not dag_id.endswith(mark) and not run_id.endswith(mark):
+    from airflow_pglock.identity import RUN_DIGEST_CHARS, TRUNCATION_MARK, run_digest
+
+    mark = TRUNCATION_MARK
+    kept, _, digest = run_id.rpartition(mark)
+    digested = bool(kept) and len(digest) == RUN_DIGEST_CHARS and all(c in "0123456789abcdef" for c in digest)
+    if not dag_id.endswith(mark) and mark not in run_id:
         return dag_id, run_id
     try:
         from airflow.models.dag import DagModel
@@ -174,7 +214,16 @@ def _full_run_ids(dag_id: str, run_id: str) -> tuple[str, str] | None:
                 if len(dags) != 1:
                     return None
                 dag_id = dags[0]
-            if run_id.endswith(mark):
+            if digested:  # a shortened run id ends with the digest of the full one: the runs of the DAG
+                # that can hold a lock now (not finished) are few; find the one with that digest
+                candidates = session.scalars(
+                    select(DagRun.run_id).where(DagRun.dag_id == dag_id, DagRun.end_date.is_(None))
+                ).all()
+                runs = [run for run in candidates if run_digest(run) == digest]
+                if len(runs) != 1:
+                    return None
+                run_id = runs[0]
+            elif run_id.endswith(mark):  # a session of an older provider version: a prefix
                 runs = session.scalars(
                     select(DagRun.run_id)
                     .where(DagRun.dag_id == dag_id, DagRun.run_id.startswith(run_id[:-1], autoescape=True))

@@ -52,7 +52,8 @@ _TEMPLATE = """<!doctype html>
 <div id="error"></div>
 <table id="locks" hidden>
   <thead><tr>
-    <th>Key</th><th>State</th><th>Waiters</th><th>Holder (DAG / task / run)</th><th>PID</th><th>Client</th>
+    <th>Key</th><th>State</th><th>Waiters</th><th>Holder (DAG / task / run)</th><th>Deployment @ host</th>
+    <th>PID</th><th>Client</th>
     <th>Since</th><th>For</th>
   </tr></thead>
   <tbody></tbody>
@@ -108,6 +109,10 @@ _TEMPLATE = """<!doctype html>
     }
     cell.append(node("span", a.run_id, "sub"));
   }
+  function where(e) {
+    if (!e.host) return "-";
+    return !e.deployment || e.deployment === e.host ? e.host : e.deployment + " @ " + e.host;
+  }
   function poolRow(p) {
     const tr = node("tr");
     tr.className = "pool";
@@ -126,6 +131,7 @@ _TEMPLATE = """<!doctype html>
       holders.append(line);
     });
     tr.append(holders);
+    tr.append(node("td", [...new Set(p.holders.map(where))].join("; ") || "-"));
     tr.append(node("td", p.holders.map((h) => h.pid).join(", "), "num"));
     const clients = new Set(p.holders.map((h) => h.client_addr || (h.user ? "local" : "?")));
     tr.append(node("td", [...clients].join(", "), "num"));
@@ -145,6 +151,9 @@ _TEMPLATE = """<!doctype html>
     const key = node("td");
     const name = e.key.names.length ? e.key.names.join(" | ") : "(name unknown)";
     key.append(node("span", name, e.key.collision ? "collision" : "keyname"));
+    if (!e.key.names.length && e.key.name_unknown_reason) {
+      key.append(node("span", e.key.name_unknown_reason, "sub name-unknown"));
+    }
     if (e.key.collision) key.append(node("span", "COLLISION: these names share one lock", "sub collision"));
     key.append(node("span", (e.key.kind === "pair" ? "pair " : "") + e.key.numbers.join(", "), "numbers"));
     tr.append(key);
@@ -154,6 +163,7 @@ _TEMPLATE = """<!doctype html>
     const holder = node("td");
     holderCell(e, holder);
     tr.append(holder);
+    tr.append(node("td", where(e), "where"));
     tr.append(node("td", e.pid === null ? "prepared xact" : e.pid, "num"));
     tr.append(node("td", e.client_addr || (e.user ? "local" : "?"), "num"));
     const since = node("td", e.since ? e.since.replace("T", " ").slice(0, 19) : "?", "num");

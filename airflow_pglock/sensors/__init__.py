@@ -1,0 +1,1 @@
+"""The sensor that waits for a key to be free, without taking it."""

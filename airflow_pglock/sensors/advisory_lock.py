@@ -27,12 +27,13 @@ from airflow_pglock.exceptions import (
     PgLockError,
     UnsafeSetupError,
 )
+from airflow_pglock.hooks import DEFAULT_CONN_ID
 from airflow_pglock.keys import LockKey
-from airflow_pglock.options import DEFAULT_CONN_ID, KeySpec, LockOptions, LockSpec, declared
+from airflow_pglock.options import KeySpec, LockOptions, LockSpec, declared
 from airflow_pglock.task_guard import resolve_key
 
 if TYPE_CHECKING:  # the hook, psycopg and the trigger load when the sensor runs, not when a DAG is parsed
-    from airflow_pglock.hooks.holders import LockHolder
+    from airflow_pglock.holder import LockHolder
 
 #: The lock options a sensor takes; their declaration says which are templated and checks them.
 SENSOR_OPTIONS = ("key", "tenant", "shared", "postgres_conn_id", "slots")
@@ -116,7 +117,7 @@ class AdvisoryLockSensor(BaseSensorOperator):
         return self._free(key, holders)
 
     def _free(self, key: LockKey, holders: Sequence[LockHolder]) -> bool:
-        from airflow_pglock.hooks.holders import blocking_holders, describe_holders
+        from airflow_pglock.holder import blocking_holders, describe_holders
 
         blocking = blocking_holders(holders, self.shared)
         if self.slots > 1 and len({holder.coordinates for holder in blocking}) < self.slots:

@@ -169,8 +169,8 @@ class AdvisoryLockTrigger(BaseTrigger):
         """Who holds the key now (for the deadline's message), on a short connection."""
         import datetime as dt
 
+        from airflow_pglock.holder import describe_holders
         from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
-        from airflow_pglock.hooks.holders import describe_holders
 
         try:
             holders = await AdvisoryLockHook(self.postgres_conn_id, connect_timeout=self.connect_timeout).aholders(

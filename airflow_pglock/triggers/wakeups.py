@@ -8,6 +8,11 @@ interval it re-checks every waiting key in one statement, which covers holders t
 died or are not airflow-pglock. After (re)connecting it checks every key at once, so a
 restarted triggerer or lock database loses at most one poll interval, never the wake-up.
 
+Anyone who may connect can NOTIFY the channel: a payload that is not an announcement is
+ignored. An error nobody foresaw restarts the hub (a new connection, every key checked
+again); only when it fails again and again without ever completing a check do its
+waiters report the error: a hub's error never leaves a trigger waiting in silence.
+
 Nothing here blocks the event loop: the Airflow connection is read in a worker thread
 (``AdvisoryLockHook.aconnect``), log lines are written from one (a triggerer's log socket
 can block while its supervisor is busy), the rest is asyncio.
@@ -26,10 +31,10 @@ from dataclasses import dataclass, field
 import psycopg
 
 from airflow_pglock.exceptions import LockConfigurationError, PgLockError, UnsafeSetupError
-from airflow_pglock.hooks import wakeups
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
-from airflow_pglock.hooks.wakeups import Coordinates
 from airflow_pglock.keys import LockKey
+from airflow_pglock.pg import wakeups
+from airflow_pglock.pg.wakeups import Coordinates
 
 log = logging.getLogger("airflow_pglock.wakeups")
 
@@ -42,6 +47,9 @@ RECONNECT_DELAY = 1.0
 #: Keys settled before the hub lets the loop turn: many keys freed at once wake their
 #: triggers a batch per turn, so the loop's timers (Airflow's watchdog) run in between.
 WAKE_BATCH = 20
+#: Unforeseen errors in a row, with no complete check of the waiting keys in between, after
+#: which the waiting triggers report the error instead of waiting on a hub that cannot read.
+FAILURES_REPORTED = 3
 
 
 @dataclass(eq=False)
@@ -53,14 +61,15 @@ class Waiter:
     poll_interval: float
     checked: asyncio.Event = field(default_factory=asyncio.Event)
     free: asyncio.Event = field(default_factory=asyncio.Event)
+    woken: asyncio.Event = field(default_factory=asyncio.Event)  # free, or the hub failed
     error: BaseException | None = None
 
     async def wait(self, timeout: float | None) -> bool:
         """True once the key is free; False at ``timeout`` (after at least one check). Raises the hub's error."""
         await self.checked.wait()
-        if not self.free.is_set() and self.error is None and (timeout is None or timeout > 0):
+        if not self.woken.is_set() and (timeout is None or timeout > 0):
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.free.wait(), timeout)
+                await asyncio.wait_for(self.woken.wait(), timeout)
         if self.error is not None:
             raise self.error
         return self.free.is_set()
@@ -69,6 +78,13 @@ class Waiter:
         """The hub read the key: None (nobody holds it), True (held exclusively), False (held shared)."""
         if held_exclusively is None or (self.shared and not held_exclusively):
             self.free.set()
+            self.woken.set()
+        self.checked.set()
+
+    def fail(self, error: BaseException) -> None:
+        """The hub cannot read the key: the trigger reports ``error`` now, checked or not."""
+        self.error = error
+        self.woken.set()
         self.checked.set()
 
 
@@ -81,6 +97,9 @@ class WakeupHub:
         self.waiters: dict[Coordinates, set[Waiter]] = {}
         self.pending: set[Coordinates] = set()
         self._task: asyncio.Task[None] | None = None
+        self._connected_once = False
+        self._checked_all = False  # since the hub (re)started: it read every waiting key once
+        self._told_of_foreign = False
 
     @contextlib.asynccontextmanager
     async def watch(self, key: LockKey, *, shared: bool, poll_interval: float) -> AsyncIterator[Waiter]:
@@ -104,20 +123,40 @@ class WakeupHub:
         return min((w.poll_interval for ws in self.waiters.values() for w in ws), default=5.0)
 
     async def _serve(self) -> None:
-        try:
-            await self._connect_and_watch()
-        except Exception as error:  # anything unforeseen: the waiters report it instead of waiting forever
-            self._fail_all(error)
-            await asyncio.to_thread(log.error, "pglock wakeups: stopped", exc_info=error)
+        """Watch while keys wait; after an unforeseen error start again, checking every key."""
+        self._connected_once = False
+        failures = 0
+        while self.waiters:
+            self._checked_all = False
+            try:
+                await self._connect_and_watch()
+                return
+            except Exception as error:  # a bug or an input nobody foresaw: restart rather than go silent
+                failures = 1 if self._checked_all else failures + 1
+                if failures < FAILURES_REPORTED:
+                    await asyncio.to_thread(
+                        log.error,
+                        "pglock wakeups: restarting after an error; every waiting key is read again",
+                        exc_info=error,
+                    )
+                else:
+                    self._fail_all(error)
+                    failures = 0
+                    await asyncio.to_thread(
+                        log.error,
+                        "pglock wakeups: failed %d times in a row; the waiting triggers report it",
+                        FAILURES_REPORTED,
+                        exc_info=error,
+                    )
+                await asyncio.sleep(RECONNECT_DELAY)
 
     async def _connect_and_watch(self) -> None:
         hook = AdvisoryLockHook(self.postgres_conn_id, connect_timeout=self.connect_timeout)
-        connected_once = False
         while self.waiters:
             try:
                 conn = await hook.aconnect(WAKEUP_APPLICATION_NAME)
             except (PgLockError, psycopg.Error, OSError) as error:
-                if not connected_once or isinstance(error, LockConfigurationError | UnsafeSetupError):
+                if not self._connected_once or isinstance(error, LockConfigurationError | UnsafeSetupError):
                     self._fail_all(error)  # a setting to fix, or no database at all: the waiters report it
                     return
                 await asyncio.to_thread(
@@ -125,7 +164,7 @@ class WakeupHub:
                 )
                 await asyncio.sleep(RECONNECT_DELAY)
                 continue
-            connected_once = True
+            self._connected_once = True
             try:
                 async with conn:
                     await wakeups.alisten(conn)
@@ -146,22 +185,45 @@ class WakeupHub:
             keys = self.pending & set(self.waiters)
             self.pending.clear()
             if keys:
+                every_key = keys == set(self.waiters)
                 held = await wakeups.aheld(conn, keys)
                 for count, coordinates in enumerate(keys, 1):
                     for waiter in list(self.waiters.get(coordinates, ())):
                         waiter.settle(held.get(coordinates))
                     if count % WAKE_BATCH == 0:
                         await asyncio.sleep(0)  # the woken triggers run WAKE_BATCH to a turn of the loop
-            async for notify in conn.notifies(timeout=LISTEN_SLICE, stop_after=1):
-                announced = wakeups.coordinates(notify.payload)
-                if announced is not None and announced in self.waiters:
-                    self.pending.add(announced)
+                self._checked_all = self._checked_all or every_key
+            try:
+                async for notify in conn.notifies(timeout=LISTEN_SLICE, stop_after=1):
+                    await self._read_announcement(notify.payload)
+            except UnicodeDecodeError as error:
+                # A payload not in the connection's encoding (a SQL_ASCII database passes any
+                # byte on). psycopg drops the rest of its batch with it: read every key again.
+                self.pending |= set(self.waiters)
+                await self._tell_of_foreign(repr(error.object[:80]))
+
+    async def _read_announcement(self, payload: str) -> None:
+        announced = wakeups.coordinates(payload)
+        if announced is None:
+            await self._tell_of_foreign(repr(payload[:80]))
+        elif announced in self.waiters:
+            self.pending.add(announced)
+
+    async def _tell_of_foreign(self, payload: str) -> None:
+        """Log the first foreign NOTIFY on the channel (at debug: anyone who may connect can send one)."""
+        if not self._told_of_foreign:
+            self._told_of_foreign = True
+            await asyncio.to_thread(
+                log.debug,
+                "pglock wakeups: ignored a NOTIFY on %s that is not an announcement: %s (and any later)",
+                wakeups.RELEASED_CHANNEL,
+                payload,
+            )
 
     def _fail_all(self, error: BaseException) -> None:
         for waiters in self.waiters.values():
             for waiter in waiters:
-                waiter.error = error
-                waiter.checked.set()
+                waiter.fail(error)
 
 
 _HUBS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, int], WakeupHub]] = (

@@ -52,8 +52,12 @@ def bad_input():
     def unknown_param():
         raise AssertionError("must not run")
 
+    @task.advisory_lock(postgres_conn_id="pglock_test", tenant="{{ params.no_such_tenant }}")
+    def unknown_tenant_param():
+        raise AssertionError("must not run")
+
     for t in (unknown_conn, not_postgres, unreachable, unreachable_but_skip_asked, wrong_credentials,
-              renders_empty, tenant_renders_empty, unknown_param):
+              renders_empty, tenant_renders_empty, unknown_param, unknown_tenant_param):
         t()
 
 
@@ -122,9 +126,13 @@ def bad_connections(dsn: str) -> Any:
         os.environ.pop(name, None)
 
 
-def test_bad_input_fails_with_a_clear_message(airflow_db: Any, admin: Any, bad_connections: Any, capfd: Any) -> None:
+def test_bad_input_fails_with_a_clear_message(
+    airflow_db: Any, admin: Any, bad_connections: Any, capfd: Any, caplog: Any
+) -> None:
     result = run_dag(BAD_DAG, "bad_input")
-    log = "".join(capfd.readouterr())
+    # Airflow's own errors (a template that does not render) reach the output, or the log capture
+    # when an earlier test of the session configured logging.
+    log = "".join(capfd.readouterr()) + caplog.text
 
     expected_failures = [
         "unknown_conn",
@@ -134,6 +142,7 @@ def test_bad_input_fails_with_a_clear_message(airflow_db: Any, admin: Any, bad_c
         "renders_empty",
         "tenant_renders_empty",
         "unknown_param",
+        "unknown_tenant_param",
     ]
     assert {task: result.state(task) for task in expected_failures} == dict.fromkeys(expected_failures, "failed")
     assert result.state("unreachable_but_skip_asked") == "skipped"
@@ -146,6 +155,9 @@ def test_bad_input_fails_with_a_clear_message(airflow_db: Any, admin: Any, bad_c
     assert "rendered to an empty name" in log
     assert "tenant of task 'tenant_renders_empty' rendered to an empty value" in log
     assert "no_such_param" in log
+    # The option as the DAG author wrote it (tenant=), not an internal attribute name.
+    assert "lock_tenant" not in log, [line for line in log.splitlines() if "lock_tenant" in line]
+    assert "field 'tenant'" in log and "no_such_tenant" in log, log[-3000:]
     assert "s3cret-pw" not in log, "a password reached the task log"
     assert advisory_locks(admin) == []
 
@@ -182,7 +194,13 @@ def test_bad_native_keys_fail_naming_the_value(airflow_db: Any, admin: Any, capf
             {"tenant": {"a": 1}},
             "tenant must be a str, an int or a UUID (a value with one stable text form), got {'a': 1} (dict)",
         ),
-        ({"lease": 1}, "lease must be at least"),
+        ({"lease": 1}, "lease must be a number of seconds, at least 3 s"),
+        ({"lease": 100_000, "on_error": "skip"}, "at most 98,301 s"),  # was: an OS error at connect, then a skip
+        ({"on_busy": "wait", "wait_timeout": float("inf")}, "the longest is 2,147,483 s"),
+        ({"on_busy": "defer", "wait_timeout": 3e6}, "got 3000000.0; the longest is 2,147,483 s"),
+        ({"key": "a\ud800b"}, "lock key name must be UTF-8 text"),
+        ({"key": "k" * 2049}, "lock key name is 2049 bytes in UTF-8; a key name is at most 2048 bytes"),
+        ({"tenant": 1.5}, "tenant must be a str, an int or a UUID"),
         ({"postgres_conn_id": ""}, "postgres_conn_id must be a non-empty string"),
         ({"shared": "yes"}, "shared must be True or False"),
     ],

@@ -113,8 +113,8 @@ def test_composable_decorator_under_other_task_flavours(
 ) -> None:
     holder = AdvisoryLockHook(dsn=dsn, liveness=Liveness(lease=600))  # no heartbeat: a long lease
     held = [
-        holder.try_acquire("report/busy", application_name="other deployment"),
-        holder.try_acquire("export/b", application_name="other deployment"),
+        holder.acquire("report/busy", application_name="other deployment"),
+        holder.acquire("export/b", application_name="other deployment"),
     ]
     try:
         result = run_dag(COMPOSABLE_DAG, "composable")

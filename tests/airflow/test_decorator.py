@@ -69,7 +69,7 @@ def guarded():
     @task
     def hold_wait_key_briefly():
         hook = AdvisoryLockHook(CONN)
-        held = hook.try_acquire("wait-key", application_name="pglock-tests brief holder")
+        held = hook.acquire("wait-key", application_name="pglock-tests brief holder")
         assert held is not None
         threading.Timer(2.0, held.release).start()
 
@@ -130,11 +130,11 @@ def settlements(admin: Any) -> Any:
 def test_guarded_dag(airflow_db: Any, holder_hook: AdvisoryLockHook, settlements: Any, capfd: Any) -> None:
     hook = holder_hook
     held = [
-        hook.try_acquire("busy-key", application_name="other deployment"),
-        hook.try_acquire("busy-fail-key", application_name="other deployment"),
-        hook.try_acquire("wait-timeout-key", application_name="other deployment"),
-        hook.try_acquire(LockKey.for_task("guarded", "export_one", "2"), application_name="other deployment"),
-        hook.try_acquire("readers", shared=True, application_name="another reader"),
+        hook.acquire("busy-key", application_name="other deployment"),
+        hook.acquire("busy-fail-key", application_name="other deployment"),
+        hook.acquire("wait-timeout-key", application_name="other deployment"),
+        hook.acquire(LockKey.for_task("guarded", "export_one", "2"), application_name="other deployment"),
+        hook.acquire("readers", shared=True, application_name="another reader"),
     ]
     assert all(h is not None for h in held)
     try:

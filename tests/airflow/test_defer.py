@@ -36,7 +36,7 @@ DONE = "all_done"
 
 def hold_for(name, seconds):
     """Another session takes the key now; a threading.Timer releases it after `seconds`."""
-    held = AdvisoryLockHook(CONN).try_acquire(name, application_name="export holder")
+    held = AdvisoryLockHook(CONN).acquire(name, application_name="export holder")
     assert held is not None, name
     threading.Timer(seconds, held.release).start()
 
@@ -85,7 +85,7 @@ def test_defer_waits_in_the_trigger_and_runs_after_the_release(
     airflow_db: Any, hook: AdvisoryLockHook, capfd: Any, caplog: Any
 ) -> None:
     holder = AdvisoryLockHook(dsn=hook.dsn, liveness=Liveness(lease=600))
-    held = holder.try_acquire("defer/held", application_name="nightly holder")
+    held = holder.acquire("defer/held", application_name="nightly holder")
     assert held is not None
     try:
         result = run_dag(DEFER_DAG, "defer")
@@ -110,6 +110,72 @@ def test_defer_waits_in_the_trigger_and_runs_after_the_release(
     # At the deadline: the holder is named, then a skip (or the failure asked for).
     assert re.search(r"pglock outcome=skipped key 'defer/held'.*nightly holder", log), log[-5000:]
     assert "on_wait_timeout='fail'" in log
+
+
+FOREIGN_NOTIFY_DAG = """
+import os
+import threading
+import time
+
+import pendulum
+import psycopg
+from airflow.sdk import chain, dag, task
+
+from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+
+CONN = "pglock_test"
+HUB_READY = (
+    "SELECT 1 FROM pg_stat_activity WHERE application_name = 'airflow-pglock wakeups'"
+    " AND state = 'idle' AND query LIKE '%pg_locks%'"
+)
+
+
+def notify_then_release(held):
+    \"\"\"Once the waiting trigger's hub listens: a foreign NOTIFY that int() cannot read, then the release.\"\"\"
+    with psycopg.connect(os.environ["AIRFLOW_CONN_PGLOCK_TEST"], autocommit=True) as foreign:
+        limit = time.monotonic() + 60
+        while not foreign.execute(HUB_READY).fetchone() and time.monotonic() < limit:
+            time.sleep(0.05)
+        foreign.execute("SELECT pg_notify('pglock_released', '\u00b2/0/1')")
+    held.release()
+    print(f"HOLDER released at {time.time():.3f}", flush=True)
+
+
+@dag(dag_id="defer_foreign_notify", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False)
+def defer_foreign_notify():
+    @task
+    def hold():
+        held = AdvisoryLockHook(CONN).acquire("defer/foreign-notify", application_name="export holder")
+        assert held is not None
+        threading.Thread(target=notify_then_release, args=(held,)).start()
+
+    @task.advisory_lock(key="defer/foreign-notify", on_busy="defer", wait_timeout=120, postgres_conn_id=CONN,
+                        trigger_rule="all_done")
+    def after_holder():
+        print(f"WAITER ran at {time.time():.3f}", flush=True)
+
+    chain(hold(), after_holder())
+
+
+defer_foreign_notify_dag = defer_foreign_notify()
+"""
+
+
+def test_a_foreign_notify_does_not_keep_a_deferred_task_waiting_until_its_deadline(
+    airflow_db: Any, capfd: Any, caplog: Any
+) -> None:
+    """Anyone who may connect can NOTIFY the release channel: a payload int() cannot read stopped
+    the triggerer's wake-ups, and the task ran at its deadline (120 s) instead of at the release."""
+    result = run_dag(FOREIGN_NOTIFY_DAG, "defer_foreign_notify")
+    log = "".join(capfd.readouterr()) + caplog.text
+
+    assert result.states == {("hold", -1): "success", ("after_holder", -1): "success"}, log[-5000:]
+    assert re.search(r"pglock deferred: .*key 'defer/foreign-notify'", log), log[-5000:]
+    released = re.search(r"HOLDER released at ([0-9.]+)", log)
+    ran = re.search(r"WAITER ran at ([0-9.]+)", log)
+    assert released and ran, log[-5000:]
+    # Woken by the release, not at the deadline 120 s after the deferral (a generous bound: half of it).
+    assert float(released[1]) < float(ran[1]) < float(released[1]) + 60, log[-5000:]
 
 
 def test_defer_needs_a_bounded_wait_and_a_flavour_that_can_resume(airflow_db: Any) -> None:

@@ -63,7 +63,7 @@ def every_entry_point():
 
     @task
     def hook_in_a_task():
-        held = AdvisoryLockHook(CONN).try_acquire("every/hook", application_name="pglock-tests hook task")
+        held = AdvisoryLockHook(CONN).acquire("every/hook", application_name="pglock-tests hook task")
         assert held is not None
         held.release()
 
@@ -93,7 +93,7 @@ def test_a_dag_using_every_entry_point_parses_and_runs(airflow_db: Any, dsn: str
     assert bag.import_errors == {}
     assert bag.dag_ids == ["every_entry_point"]
 
-    held = AdvisoryLockHook(dsn=dsn, liveness=Liveness(lease=600)).try_acquire("every/busy", application_name="other")
+    held = AdvisoryLockHook(dsn=dsn, liveness=Liveness(lease=600)).acquire("every/busy", application_name="other")
     assert held is not None
     try:
         result = run_dag(EVERY_ENTRY_POINT_DAG, "every_entry_point")

@@ -27,7 +27,7 @@ def test_example_dags_import_without_errors() -> None:
 
 
 def test_settlement_and_exports_run(airflow_db: Any, admin: Any, tmp_path: Path) -> None:
-    from airflow_pglock.hooks import schema
+    from airflow_pglock.pg import schema
 
     os.environ["PGLOCK_EXPORT_DIR"] = str(tmp_path)
     admin.execute("DROP TABLE IF EXISTS settlements; DROP SCHEMA IF EXISTS pglock CASCADE")
@@ -105,7 +105,7 @@ def test_the_getting_started_dags_test_commands(airflow_db: Any, admin: Any, tmp
 def test_fenced_forecasts_refuses_a_stale_writer(airflow_db: Any, admin: Any) -> None:
     import psycopg
 
-    from airflow_pglock.hooks import schema
+    from airflow_pglock.pg import schema
 
     admin.execute("DROP TABLE IF EXISTS forecasts; DROP SCHEMA IF EXISTS pglock CASCADE")
     schema.migrate(admin)

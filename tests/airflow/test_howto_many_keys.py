@@ -22,7 +22,7 @@ def test_the_howto_dag_skips_tenants_another_job_holds(
     blocks = re.findall(r"```python\n(.*?)```", HOWTO.read_text(), re.DOTALL)
     [source] = [block for block in blocks if "@dag(" in block]
     source = source.replace('"postgres_locks"', repr(TEST_CONN_ID))  # the only change: the test's connection
-    other_job = holder_hook.try_acquire("tenant-export/globex", application_name="pglock-tests other job")
+    other_job = holder_hook.acquire("tenant-export/globex", application_name="pglock-tests other job")
     assert other_job is not None
     try:
         result = run_dag(source, "export_tenants")

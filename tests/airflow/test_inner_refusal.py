@@ -16,7 +16,8 @@ INNER_BUSY_DAG = """
 import pendulum
 from airflow.sdk import dag, task
 
-from airflow_pglock.guard import LockGuard, LockPolicy
+from airflow_pglock.guard import LockGuard
+from airflow_pglock.policy import LockPolicy
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 from airflow_pglock.keys import LockKey
 
@@ -28,7 +29,7 @@ def inner_busy():
     @task.advisory_lock(postgres_conn_id=CONN, key="outer-step", on_busy="skip", retries=0)
     def outer():
         print("step 1 done (irreversible)")
-        inner = LockGuard(AdvisoryLockHook(CONN), LockKey.from_name("inner-step"), LockPolicy(on_busy="fail"))
+        inner = LockGuard(AdvisoryLockHook(CONN).database, LockKey.from_name("inner-step"), LockPolicy(on_busy="fail"))
         inner.run(lambda lock: print("step 2 done"))
 
     outer()
@@ -39,7 +40,7 @@ inner_busy_dag = inner_busy()
 
 
 def test_busy_inner_guard_fails_the_outer_task(airflow_db: Any, admin: Any, holder_hook: AdvisoryLockHook) -> None:
-    blocker = holder_hook.try_acquire("inner-step")
+    blocker = holder_hook.acquire("inner-step")
     assert blocker is not None
     try:
         result = run_dag(INNER_BUSY_DAG, "inner_busy")

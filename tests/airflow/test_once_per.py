@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from airflow_pglock.hooks import schema
+from airflow_pglock.pg import schema
 from tests.helpers import advisory_locks, for_this_airflow, run_dag
 
 pytestmark = pytest.mark.airflow

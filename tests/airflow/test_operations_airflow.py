@@ -22,9 +22,9 @@ import psycopg
 import pytest
 
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
-from airflow_pglock.hooks.schema import migrate
-from airflow_pglock.identity import TaskIdentity, parse_application_name
+from airflow_pglock.identity import parse_application_name, run_digest
 from airflow_pglock.keys import LockKey
+from airflow_pglock.pg.schema import migrate
 from tests.helpers import run_dag
 from tests.ops_helpers import dsn_uri, hold, scratch_database
 
@@ -142,10 +142,11 @@ def test_locks_from_a_task_and_metrics(
     with scratch_database(pg_server) as ops_dsn:
         with psycopg.connect(ops_dsn, autocommit=True) as conn:
             migrate(conn)  # the registry names "ops-hold" for `locks`...
-        earlier = AdvisoryLockHook(dsn=ops_dsn).try_acquire("ops-hold")
+        earlier = AdvisoryLockHook(dsn=ops_dsn).acquire("ops-hold")
         assert earlier is not None and earlier.release()  # ...recorded when an earlier hold ended
         monkeypatch.setenv(f"AIRFLOW_CONN_{CONN_ID.upper()}", dsn_uri(ops_dsn))
         monkeypatch.setenv("PGLOCK_OPS_DSN", ops_dsn)
+        monkeypatch.setenv("AIRFLOW__PGLOCK__DEPLOYMENT", "ops eu")  # the holder names it
         monkeypatch.setenv("PGLOCK_OPS_OUT", str(tmp_path / "locks.json"))
         psql = hold(ops_dsn, LockKey.from_name("ops-busy").numbers)
         try:
@@ -166,19 +167,26 @@ def test_locks_from_a_task_and_metrics(
     [psql_entry] = [entry for entry in report["locks"] if entry["airflow"] is None]
     assert task_entry["key"]["name"] == "ops-hold"
     assert task_entry["state"] == "holding" and task_entry["key"]["name_source"] == "registry"
-    # The run id as the lock session's application_name carries it (shortened with "~" past 63 bytes).
-    shown = parse_application_name(TaskIdentity("ops_view", "holds_and_looks", result.run_id).application_name())
-    assert shown is not None and result.run_id.startswith(shown.run_id.removesuffix("~"))
+    # The run id as the lock session's application_name carries it (past 63 bytes: shortened,
+    # ending with "~" and the digest of the full run id).
+    shown = parse_application_name(task_entry["application_name"])
+    assert shown is not None
+    assert shown.run_id == result.run_id or shown.run_id.endswith("~" + run_digest(result.run_id)), shown
     assert task_entry["airflow"] == {
         "dag_id": "ops_view",
         "task_id": "holds_and_looks",
         "run_id": shown.run_id,
         "map_index": -1,
     }
-    assert task_entry["application_name"].startswith("pglock ops_view holds_and_looks ")
+    # The deployment ([pglock] deployment, here from AIRFLOW__PGLOCK__DEPLOYMENT) and the host it runs on.
+    assert task_entry["application_name"].startswith("pglock:ops_eu@")
+    assert task_entry["deployment"] == "ops_eu" and task_entry["host"]
+    assert task_entry["key"]["name_unknown_reason"] is None
     assert task_entry["since_basis"] == "lock session start" and task_entry["seconds"] >= 0
     # No guarded task ever took ops-busy, so nothing recorded its name: the numbers are shown.
     assert psql_entry["application_name"] == "psql" and psql_entry["key"]["name"] is None
+    assert psql_entry["deployment"] is None and psql_entry["host"] is None
+    assert "names are recorded when a hold ends" in psql_entry["key"]["name_unknown_reason"]
     assert psql_entry["key"]["numbers"] == list(LockKey.from_name("ops-busy").numbers)
 
     metrics = _metrics(statsd.lines)

@@ -88,11 +88,17 @@ def unreachable_conn() -> Any:
 
 
 def _terminate_when_seen(dsn: str, application_name_prefix: str, stop: threading.Event) -> None:
-    """Kill the lock session of the task as soon as it shows up (another 'failover')."""
+    """Kill the lock session of the task once it holds its lock (another 'failover').
+
+    Only a session holding an advisory lock: one terminated between its connect and its lock
+    statement fails the task as an error, not as a lost lock (the CI race of the 3.13 leg).
+    """
     with psycopg.connect(dsn, autocommit=True) as conn:
         while not stop.is_set():
             row = conn.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name LIKE %s",
+                "SELECT pg_terminate_backend(a.pid) FROM pg_stat_activity a"
+                " JOIN pg_locks l ON l.pid = a.pid AND l.locktype = 'advisory' AND l.granted"
+                " WHERE a.application_name LIKE %s",
                 [application_name_prefix + "%"],
             ).fetchone()
             if row is not None:
@@ -113,10 +119,10 @@ def test_guarded_operators(
     airflow_db: Any, dsn: str, guarded_rows: Any, unreachable_conn: Any, tmp_path: Path, capfd: Any
 ) -> None:
     holder = AdvisoryLockHook(dsn=dsn, liveness=Liveness(lease=600))  # no heartbeat: a long lease
-    held = holder.try_acquire("etl/busy", application_name="other deployment")
+    held = holder.acquire("etl/busy", application_name="other deployment")
     assert held is not None
     stop = threading.Event()
-    killer = threading.Thread(target=_terminate_when_seen, args=(dsn, "pglock operator_guard lost_bash ", stop))
+    killer = threading.Thread(target=_terminate_when_seen, args=(dsn, "pglock:% operator_guard lost_bash ", stop))
     killer.start()
     try:
         result = run_dag(GUARD_DAG, "operator_guard", conf={"out": str(tmp_path)})
@@ -245,7 +251,7 @@ guard_rules_dag = guard_rules()
 
 @pytest.fixture
 def ledger(admin: Any) -> Any:
-    from airflow_pglock.hooks import schema
+    from airflow_pglock.pg import schema
 
     admin.execute("DROP SCHEMA IF EXISTS pglock CASCADE")
     schema.migrate(admin)

@@ -21,8 +21,10 @@ from airflow_pglock.exceptions import LockConnectionError
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 from airflow_pglock.keys import LockKey
 from airflow_pglock.liveness import Liveness
+from airflow_pglock.pg import statements
+from airflow_pglock.pg.release import unlock
 from devtools.pgcluster import free_port
-from tests.helpers import TEST_CONN_ID, advisory_locks, failure_reasons_reach_the_test_log, run_dag
+from tests.helpers import TEST_CONN_ID, advisory_locks, failure_reasons_reach_the_test_log, held_lock, run_dag
 
 pytestmark = pytest.mark.airflow
 
@@ -47,7 +49,7 @@ def hold_until_waited_for(name, by="AdvisoryLockSensor"):
     start, and the sensor must find the key held. Bounded (120 s) so that a missing line
     fails the assertions below instead of hanging the run.
     """
-    held = AdvisoryLockHook(CONN).try_acquire(name, application_name="maintenance holder")
+    held = AdvisoryLockHook(CONN).acquire(name, application_name="maintenance holder")
     assert held is not None, name
     seen = threading.Event()
 
@@ -152,7 +154,7 @@ def test_sensor_modes_timeouts_and_errors(
 ) -> None:
     # A long lease: this holder sends no heartbeat, and the run may take longer than the default 30 s.
     holder = AdvisoryLockHook(dsn=hook.dsn, liveness=Liveness(lease=600))
-    held = holder.try_acquire("maint/held", application_name="nightly maintenance")
+    held = holder.acquire("maint/held", application_name="nightly maintenance")
     assert held is not None
     try:
         result = run_dag(SENSOR_DAG, "sensors")
@@ -247,7 +249,7 @@ def test_trigger_serializes_without_secrets_and_round_trips(dsn: str) -> None:
 def test_trigger_is_safe_to_run_twice_and_keeps_its_deadline(dsn: str, hook: AdvisoryLockHook, admin: Any) -> None:
     from airflow_pglock.triggers.advisory_lock import AdvisoryLockTrigger
 
-    held = hook.try_acquire("maint/twice", application_name="nightly maintenance")
+    held = hook.acquire("maint/twice", application_name="nightly maintenance")
     assert held is not None
     kwargs = AdvisoryLockTrigger.for_key(
         held.key, postgres_conn_id=TEST_CONN_ID, poll_interval=0.05, deadline=time.time() + 60
@@ -266,7 +268,7 @@ def test_trigger_is_safe_to_run_twice_and_keeps_its_deadline(dsn: str, hook: Adv
     assert advisory_locks(admin) == []  # the two waiting copies took nothing
 
     # A trigger rebuilt after its deadline (triggerer restart) does not wait again.
-    held = hook.try_acquire("maint/twice", application_name="nightly maintenance")
+    held = hook.acquire("maint/twice", application_name="nightly maintenance")
     assert held is not None
     try:
         late = AdvisoryLockTrigger.for_key(held.key, postgres_conn_id=TEST_CONN_ID, poll_interval=30, deadline=1.0)
@@ -313,11 +315,11 @@ def test_shared_sensor_waits_only_for_exclusive_holders(dsn: str, hook: Advisory
         )
         return str(_run_trigger(trigger).payload["status"])
 
-    with hook.lock_without_heartbeat(key, shared=True) as reader:
+    with held_lock(hook, key, shared=True) as reader:
         assert reader is not None
         assert (exclusive.poke({}), shared.poke({})) == (False, True)  # type: ignore[arg-type]
         assert (trigger_says(False), trigger_says(True)) == ("timeout", "free")
-    with hook.lock_without_heartbeat(key) as writer:
+    with held_lock(hook, key) as writer:
         assert writer is not None
         assert (exclusive.poke({}), shared.poke({})) == (False, False)  # type: ignore[arg-type]
         assert (trigger_says(False), trigger_says(True)) == ("timeout", "timeout")
@@ -363,9 +365,9 @@ def test_a_polling_sensor_never_makes_a_contender_skip(dsn: str, hook: AdvisoryL
         try:
             deadline = time.monotonic() + 4
             while time.monotonic() < deadline or min(len(v) for v in seen.values()) < 50:
-                if hook.try_lock(contender, key):
+                if statements.try_lock(contender, key):
                     time.sleep(0.0005)  # the "work": long enough for the pollers to see it held
-                    assert hook.unlock(contender, key)
+                    assert unlock(contender, key)
                 else:
                     missed += 1
                 rounds += 1
@@ -391,8 +393,8 @@ def test_the_race_test_detects_a_checker_that_takes_the_lock(dsn: str, hook: Adv
     def lock_taking_checker() -> None:
         with psycopg.connect(dsn, autocommit=True) as conn:
             while not stop.is_set():
-                if hook.try_lock(conn, key):
-                    hook.unlock(conn, key)
+                if statements.try_lock(conn, key):
+                    unlock(conn, key)
 
     checker = threading.Thread(target=lock_taking_checker)
     missed = 0
@@ -401,8 +403,8 @@ def test_the_race_test_detects_a_checker_that_takes_the_lock(dsn: str, hook: Adv
         try:
             deadline = time.monotonic() + 10
             while missed == 0 and time.monotonic() < deadline:
-                if hook.try_lock(contender, key):
-                    assert hook.unlock(contender, key)
+                if statements.try_lock(contender, key):
+                    assert unlock(contender, key)
                 else:
                     missed += 1
         finally:
@@ -422,7 +424,7 @@ def test_example_wait_for_maintenance(airflow_db: Any, dsn: str, admin: Any, cap
 
     source = (Path(__file__).resolve().parents[2] / "dags" / "example_wait_for_maintenance.py").read_text()
     holder = AdvisoryLockHook(dsn=dsn, liveness=Liveness(lease=600))
-    running_load = holder.try_acquire("warehouse-maintenance", shared=True, application_name="another load")
+    running_load = holder.acquire("warehouse-maintenance", shared=True, application_name="another load")
     assert running_load is not None
     try:
         load = run_dag(source, "warehouse_load", conf={"work_seconds": 0})

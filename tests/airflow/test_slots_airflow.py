@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 
-from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook, HeldLock
+from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 from airflow_pglock.keys import LockKey, slot_keys
+from airflow_pglock.pg.held import HeldLock
 from tests.airflow.test_operations_airflow import StatsdListener, _metrics, statsd  # noqa: F401  (a fixture)
 from tests.helpers import TEST_CONN_ID, advisory_locks, for_this_airflow, run_dag
 
@@ -67,10 +68,7 @@ def _hold(
 ) -> list[HeldLock]:
     """``count`` slots of ``pool`` held by other sessions (application_name ``other exporter <n>``)."""
     held = [
-        hook.acquire_lock(
-            pool, shared=False, scope="session", timeout=None, application_name=f"other exporter {n}", slots=slots
-        )
-        for n in range(first, first + count)
+        hook.acquire(pool, application_name=f"other exporter {n}", slots=slots) for n in range(first, first + count)
     ]
     assert all(lock is not None for lock in held)
     return [lock for lock in held if lock is not None]
@@ -200,9 +198,7 @@ def test_two_deployments_share_a_pool_at_most_n_run_and_the_other_skips_naming_h
     base = Path(tempfile.mkdtemp(prefix="pglock-two-deployments-slots-"))
     with ThreadPoolExecutor(2) as pool:
         envs = list(pool.map(_deployment, [base / "a", base / "b"], ["a", "b"], [dsn, dsn]))
-    outside = holder_hook.acquire_lock(
-        "warehouse-exports", shared=False, scope="session", timeout=None, application_name="cron exporter", slots=2
-    )
+    outside = holder_hook.acquire("warehouse-exports", application_name="cron exporter", slots=2)
     assert outside is not None and outside.key.name == "warehouse-exports"  # slot 1: a non-Airflow holder
     try:
         with ThreadPoolExecutor(2) as pool:
@@ -226,7 +222,7 @@ def test_two_deployments_share_a_pool_at_most_n_run_and_the_other_skips_naming_h
 
 def _release_once_waiting(hook: AdvisoryLockHook, held: HeldLock) -> None:
     deadline = time.monotonic() + 120
-    with hook.connect("pglock-tests watcher") as conn:
+    with hook.database.connect("pglock-tests watcher") as conn:
         while time.monotonic() < deadline:
             waiting = conn.execute(
                 "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'airflow-pglock wakeups'"

@@ -34,11 +34,12 @@ import psycopg
 import pytest
 
 from airflow_pglock.compat import HAS_UI_PAGE, UI_PAGE_SINCE
-from airflow_pglock.guard import LockGuard, LockPolicy
+from airflow_pglock.guard import LockGuard
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
-from airflow_pglock.hooks.schema import migrate
 from airflow_pglock.identity import TaskIdentity
 from airflow_pglock.keys import LockKey
+from airflow_pglock.pg.schema import migrate
+from airflow_pglock.policy import LockPolicy
 from devtools.browser import BrowserUnavailableError, find_chromium, headless_flags
 from devtools.pgcluster import free_port
 from tests.helpers import run_dag
@@ -111,7 +112,7 @@ def ui_db(pg_server: str) -> Iterator[str]:
         # Earlier runs: each release records its key's name (and a slot's pool size) in the registry.
         with _pool_held(dsn, 3):
             pass
-        earlier = AdvisoryLockHook(dsn=dsn).try_acquire(KEY)
+        earlier = AdvisoryLockHook(dsn=dsn).acquire(KEY)
         assert earlier is not None and earlier.release()
         yield dsn
 
@@ -199,7 +200,7 @@ def _pool_held(ui_db: str, count: int) -> Iterator[list[LockGuard]]:
         for n in range(count):
             app = TaskIdentity(f"exports_{n}", "export", "manual__2026-11-30T00:00:00+00:00", -1).application_name()
             guard = LockGuard(
-                AdvisoryLockHook(dsn=ui_db), LockKey.from_name(POOL), LockPolicy(slots=3), application_name=app
+                AdvisoryLockHook(dsn=ui_db).database, LockKey.from_name(POOL), LockPolicy(slots=3), application_name=app
             )
             guard.__enter__()
             guards.append(guard)
@@ -319,6 +320,7 @@ def test_page_shows_the_holding_task_in_a_real_browser(
     done, shot = tmp_path / "browser-done", tmp_path / "ui-locks.png"
     monkeypatch.setenv("PGLOCK_UI_DONE", str(done))
     monkeypatch.setenv(f"AIRFLOW_CONN_{CONN_ID.upper()}", dsn_uri(ui_db))
+    monkeypatch.setenv("AIRFLOW__PGLOCK__DEPLOYMENT", "ui-deployment")  # the task's lock session names it
     seen: dict[str, Any] = {}
     browser = threading.Thread(
         target=_watch_in_browser, args=(api_server, ui_db, done, shot, seen, chromium), daemon=True
@@ -338,6 +340,10 @@ def test_page_shows_the_holding_task_in_a_real_browser(
     assert KEY in seen["row"] and "holding" in seen["row"]
     assert any("reporting-job" in row and "waiting" in row for row in seen["rows"])
     assert any("billing-service" in row and "holding" in row for row in seen["rows"])
+    assert "ui-deployment @ " in seen["row"], seen["row"]  # the holder's deployment and host
+    # key 42 has no name: its row says why and what to do
+    [billing] = [row for row in seen["rows"] if "billing-service" in row]
+    assert "name unknown:" in billing and "names are recorded when a hold ends" in billing, billing
     # The page refreshed by itself: the task's row is gone, the queued job now holds the key.
     assert len(seen["rows_after"]) == 2
     assert any("reporting-job" in row and "holding" in row for row in seen["rows_after"])
@@ -349,11 +355,14 @@ def test_page_shows_the_holding_task_in_a_real_browser(
 
 def _login_and_open_page(driver: Any, server: ApiServer) -> Any:
     """Log in through the UI's form and open the page as its Browse menu does; inside its iframe."""
+    from selenium.common.exceptions import WebDriverException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
 
-    wait = WebDriverWait(driver, 60)
+    # The UI redirects to its login form after it loads: a look-up during that navigation is
+    # "aborted by navigation" (a WebDriverException), and is simply tried again.
+    wait = WebDriverWait(driver, 60, ignored_exceptions=(WebDriverException,))
     driver.get(f"{server.url}/")
     wait.until(ec.presence_of_element_located((By.NAME, "username"))).send_keys(USER)
     driver.find_element(By.NAME, "password").send_keys(PASSWORD)
@@ -372,7 +381,7 @@ def test_page_shows_a_pool_as_one_row_with_its_holders_in_a_real_browser(api_ser
         chromium = find_chromium()
     except BrowserUnavailableError as error:
         pytest.skip(f"no headless browser here: {error}")
-    plain = AdvisoryLockHook(dsn=ui_db).try_acquire("billing", application_name="billing-service")
+    plain = AdvisoryLockHook(dsn=ui_db).acquire("billing", application_name="billing-service")
     driver = None
     try:
         with _pool_held(ui_db, 2) as guards:

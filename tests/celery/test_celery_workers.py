@@ -18,6 +18,7 @@ docs/failure-modes.md ("Distributed deployment") quotes them.
 from __future__ import annotations
 
 import itertools
+import re
 import shutil
 import signal
 import time
@@ -256,7 +257,8 @@ def test_same_key_on_two_workers_one_runs_the_other_skips_and_names_the_holders_
     assert events == [(f"celery_skip_{holder}", "start"), (f"celery_skip_{holder}", "end")]
     log = celery.deployment.task_log(f"celery_skip_{other}", runs[other], "guarded", 1)
     assert f"client {workers[holder].address}" in log, log[-3000:]  # the holder's host
-    assert f"pglock celery_skip_{holder} guarded" in log, log[-3000:]  # and its DAG and task
+    # and its DAG and task, in the holder's application_name (pglock:<deployment>@<host> <dag> <task> <run>)
+    assert re.search(rf"application_name 'pglock:\S+ celery_skip_{holder} guarded ", log), log[-3000:]
     print("\nthe skipped task's log: " + next(line for line in log.splitlines() if "client " in line)[:400])
 
 
@@ -373,7 +375,7 @@ def test_retry_of_a_failed_guarded_task_runs_once_after_the_lock_is_free(celery:
         admin.execute("SELECT pg_terminate_backend(%s)", [pid])
     held = celery.wait(
         "the test takes the key",
-        lambda: hook.try_acquire(LockKey.from_name(key), application_name="celery-suite blocker"),
+        lambda: hook.acquire(LockKey.from_name(key), application_name="celery-suite blocker"),
         timeout=10,
         every=0.01,
     )

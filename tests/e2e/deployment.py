@@ -1,14 +1,17 @@
-"""One real Airflow 3 deployment for the end-to-end tests: its own AIRFLOW_HOME and metadata DB.
+"""One real Airflow deployment for the end-to-end tests: its own AIRFLOW_HOME and metadata DB.
 
-It runs the processes a production deployment runs with LocalExecutor: ``airflow
+Airflow 3: the processes a production deployment runs with LocalExecutor: ``airflow
 api-server`` (only its execution API: Airflow 3 task processes report to it instead of
 touching the metadata DB), ``airflow scheduler`` (with the executor inside) and ``airflow
-dag-processor``. What the deployment did is read back from its own metadata database.
+dag-processor``. Airflow 2 (``python`` is a 2.x venv's interpreter): ``airflow scheduler``
+alone, which parses the DAG files itself and runs LocalExecutor. What the deployment did is
+read back from its own metadata database.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import secrets
 import signal
@@ -46,6 +49,26 @@ class Deployment:
     extra_env: Mapping[str, str]
     jwt_secret: str = field(default_factory=lambda: secrets.token_hex(32))  # shared by this deployment only
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    #: The interpreter of the venv whose Airflow this deployment runs (default: the tests' own).
+    python: str = sys.executable
+
+    @functools.cached_property
+    def airflow_version(self) -> str:
+        probe = subprocess.run(
+            [self.python, "-c", "import airflow; print(airflow.__version__)"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if probe.returncode != 0:
+            raise AssertionError(
+                f"deployment {self.name}: {self.python} cannot import airflow:\n{probe.stderr[-2000:]}"
+            )
+        return probe.stdout.strip().splitlines()[-1]
+
+    @property
+    def airflow_2(self) -> bool:
+        return self.airflow_version.startswith("2.")
 
     @property
     def env(self) -> dict[str, str]:
@@ -65,6 +88,8 @@ class Deployment:
                 "AIRFLOW__LOGGING__COLORED_CONSOLE_LOG": "False",
                 "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "False",
                 "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
+                "AIRFLOW__SCHEDULER__DAG_DIR_LIST_INTERVAL": "5",  # Airflow 2's name for the refresh interval
+                "PATH": f"{Path(self.python).parent}{os.pathsep}{os.environ.get('PATH', '')}",
                 "PGLOCK_E2E_DEPLOYMENT": self.name,
             }
         )
@@ -73,7 +98,7 @@ class Deployment:
 
     def airflow(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "airflow", *args],
+            [self.python, "-m", "airflow", *args],
             env=self.env,
             capture_output=True,
             text=True,
@@ -82,12 +107,18 @@ class Deployment:
         )
 
     def start_api_server(self) -> None:
-        """Start the api-server first: task processes report to its execution API."""
+        """Start the api-server first: task processes report to its execution API (Airflow 3 only)."""
         self.home.mkdir(parents=True, exist_ok=True)
-        self._spawn("api-server")
+        if not self.airflow_2:
+            self._spawn("api-server")
 
     def start_scheduling(self) -> None:
-        """Once the api-server answers: the scheduler (LocalExecutor inside) and the dag-processor."""
+        """Once the api-server answers: the scheduler (LocalExecutor inside) and the dag-processor.
+
+        Airflow 2: the scheduler alone (it parses the DAG files itself)."""
+        if self.airflow_2:
+            self._spawn("scheduler")
+            return
         self.wait_for_api()
         self._spawn("scheduler")
         self._spawn("dag-processor")
@@ -119,7 +150,7 @@ class Deployment:
             args = (*args, "--port", str(self.api_port))
         with open(self.home / f"{role}.log", "ab") as log:  # the child keeps its own descriptor
             self.processes[role] = subprocess.Popen(
-                [sys.executable, "-m", "airflow", *args],
+                [self.python, "-m", "airflow", *args],
                 env=self.env,
                 stdout=log,
                 stderr=subprocess.STDOUT,

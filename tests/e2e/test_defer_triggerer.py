@@ -40,9 +40,10 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook, HeldLock
+from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 from airflow_pglock.keys import LockKey
 from airflow_pglock.liveness import Liveness
+from airflow_pglock.pg.held import HeldLock
 from devtools.pgcluster import Cluster, free_port
 from tests.conftest import AIRFLOW_HOME
 from tests.e2e import loop_check
@@ -149,7 +150,7 @@ def _failed_task_logs(d: Deployment, most: int = 3) -> str:
 
 
 def _hold(hook: AdvisoryLockHook, key: str) -> HeldLock:
-    held = hook.try_acquire(key, application_name="other deployment")
+    held = hook.acquire(key, application_name="other deployment")
     assert held is not None, key
     return held
 

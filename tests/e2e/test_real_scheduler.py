@@ -20,7 +20,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from airflow_pglock.hooks import schema
+from airflow_pglock.pg import schema
 from devtools.pgcluster import Cluster, free_port
 from tests.conftest import AIRFLOW_HOME
 from tests.e2e.deployment import Deployment

@@ -16,6 +16,22 @@ from devtools.pgcluster import Cluster
 from tests.helpers import advisory_locks, other_sessions
 
 FAULT_DATABASE = "pglock_faults"
+#: The fault tests that read an Airflow connection or run a DAG: they run on every Airflow line.
+#: The others exercise only the lock database and the lifetime layers, which import nothing of
+#: Airflow (the import-linter contract says so): with PGLOCK_LINE_INDEPENDENT_ONCE=1 (.ci/run's
+#: other whole-suite legs) they are left to the default line's run.
+TOUCH_AIRFLOW = ("test_dag_faults.py", "test_unsafe_setups.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import os
+
+    if os.environ.get("PGLOCK_LINE_INDEPENDENT_ONCE") != "1":
+        return
+    skip = pytest.mark.skip(reason="independent of the Airflow line: the default line's whole suite runs it")
+    for item in items:
+        if "/tests/faults/" in str(item.path) and item.path.name not in TOUCH_AIRFLOW:
+            item.add_marker(skip)
 
 
 @dataclass

@@ -14,10 +14,14 @@ import psycopg
 import pytest
 
 from airflow_pglock.exceptions import LockLostError, LockLostInterrupt
-from airflow_pglock.guard import LOST_SIGNAL, LockGuard, LockHandle, LockPolicy
+from airflow_pglock.guard import LockGuard
+from airflow_pglock.handle import LockHandle
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+from airflow_pglock.interruption import LOST_SIGNAL
 from airflow_pglock.keys import LockKey
 from airflow_pglock.liveness import Liveness
+from airflow_pglock.pg.probe import probe
+from airflow_pglock.policy import LockPolicy
 from tests.faults.conftest import FaultServer
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
@@ -25,7 +29,7 @@ pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
 def _guard(server: FaultServer, key: str, **policy: Any) -> LockGuard:
     hook = AdvisoryLockHook(dsn=server.dsn, liveness=Liveness(3))
-    return LockGuard(hook, LockKey.from_name(key), LockPolicy(**policy))
+    return LockGuard(hook.database, LockKey.from_name(key), LockPolicy(**policy))
 
 
 def _terminate_soon(server: FaultServer, pid: int, delay: float = 0.2) -> threading.Thread:
@@ -61,6 +65,31 @@ def test_work_is_interrupted_and_finally_runs_once(fault_server: FaultServer, fa
     assert seen == ["finally: lost=True", "finally completed"]
     assert isinstance(error.value.__cause__, LockLostInterrupt)  # the traceback shows where the work was
     assert "terminated" in error.value.cause
+
+
+def test_work_waiting_on_a_query_of_its_own_connection_is_interrupted(
+    fault_server: FaultServer, fault_admin: Any
+) -> None:
+    """The work waits on a long query on another connection (psycopg's C wait, the default with
+    psycopg[binary]): the loss interrupts it at once, not when the query returns. A resend of
+    the interruption every 50 ms kept interrupting psycopg's poll before its 0.1 s interval
+    ran out, so psycopg never returned to Python to run the handler (found by the campaign:
+    a holder cut off while writing to its store learned of the loss only when the write failed)."""
+    seen: list[float] = []
+
+    def work(lock: LockHandle) -> None:
+        with psycopg.connect(fault_server.dsn, autocommit=True, application_name="the work's own") as other:
+            _terminate_soon(fault_server, lock.backend_pid, delay=0.5)
+            started = time.monotonic()
+            try:
+                other.execute("SELECT pg_sleep(30)")
+            finally:
+                seen.append(time.monotonic() - started)
+                fault_admin.execute("SELECT pg_terminate_backend(%s)", [other.info.backend_pid])  # its sleep
+
+    with pytest.raises(LockLostError):
+        _guard(fault_server, "interrupt-a-query").run(work)
+    assert seen and seen[0] < 10, f"the query ran {seen} s before the loss interrupted it"
 
 
 def test_swallowed_interruption_still_fails(fault_server: FaultServer, fault_admin: Any) -> None:
@@ -175,19 +204,19 @@ def test_probe_gives_up_on_a_silent_server(fault_server: FaultServer, fault_admi
     is 'no answer' after the timeout, and the connection is closed."""
     hook = AdvisoryLockHook(dsn=fault_server.dsn, liveness=Liveness(3))
     key = LockKey.from_name("frozen-backend")
-    held = hook.try_acquire(key)
+    held = hook.acquire(key)
     assert held is not None
     try:
         os.kill(held.server.backend_pid, 19)  # SIGSTOP the server process of this session
         started = time.monotonic()
-        assert hook.probe(held.connection, key, False, timeout=0.5) == "no answer"
+        assert probe(held.connection, key, False, timeout=0.5) == "no answer"
         assert 0.4 < time.monotonic() - started < 3
         assert held.connection.closed
     finally:
         os.kill(held.server.backend_pid, 18)  # SIGCONT
         held.release()
     with pytest.raises(psycopg.OperationalError):
-        hook.probe(held.connection, key, False, timeout=0.5)
+        probe(held.connection, key, False, timeout=0.5)
 
 
 def test_transaction_mode_loss_fails_even_with_warn(fault_server: FaultServer, fault_admin: Any) -> None:

@@ -7,14 +7,17 @@ a slow work the heartbeat must watch. Every worker records in a side-effect tabl
 own connection, when it entered and left the protected section (database clock). After
 each round:
 
-* no two workers that were inside at the same time both report success;
+* no two workers that were inside at the same time both report success, and an overlap at
+  all only where the older of them reports lost or failed (tests/faults/race_helpers.py);
+* no worker whose session was terminated while it was inside reports success;
 * a completion is recorded only for a worker that reports success, at most one per
   ``once_per`` period, and a row written on the lock's connection at the end of a
   transaction-mode work is committed only for a worker that reports success;
 * nothing is left: no session, no advisory lock.
 
 The seed is printed; replay a failure with ``PGLOCK_RACE_SEED=<seed>`` (and
-``PGLOCK_RACE_ROUNDS=<n>``).
+``PGLOCK_RACE_ROUNDS=<n>``). Lock sessions, sub-keys and pools race in the sibling module
+test_lifetime_race_holds.py, with the same rules.
 """
 
 from __future__ import annotations
@@ -29,14 +32,26 @@ from typing import Any
 import psycopg
 import pytest
 
-from airflow_pglock.guard import LockGuard, LockHandle, LockPolicy
-from airflow_pglock.hooks import schema
+from airflow_pglock.guard import LockGuard
+from airflow_pglock.handle import LockHandle
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 from airflow_pglock.identity import TaskIdentity
 from airflow_pglock.keys import LockKey
 from airflow_pglock.liveness import Liveness
+from airflow_pglock.pg import schema
+from airflow_pglock.policy import LockPolicy
 from airflow_pglock.run_rules import RunRules
 from tests.faults.conftest import FaultServer, assert_nothing_left
+from tests.faults.race_helpers import (
+    QUIET,
+    Fault,
+    Span,
+    Termination,
+    backend_start,
+    lost_hold_violations,
+    overlap_violations,
+    race_seed,
+)
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
@@ -64,7 +79,8 @@ class Round:
     plans: list[Plan]
     outcomes: dict[int, str | None] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)
-    killers: list[threading.Thread] = field(default_factory=list)
+    killers: list[Fault] = field(default_factory=list)
+    terminations: list[Termination] = field(default_factory=list)
 
 
 def _plan_round(rng: random.Random, number: int, seed: int) -> Round:
@@ -95,20 +111,8 @@ def _work(server: FaultServer, plan: Plan, round_: Round, guard: LockGuard, side
         )
         try:
             if plan.fault == "terminate":
-                pid = lock.backend_pid
-
-                def terminate() -> None:
-                    time.sleep(plan.fault_delay)
-                    with server.admin() as admin:
-                        # only while it is still the lock's session (a pid is reused by later sessions)
-                        admin.execute(
-                            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE pid = %s"
-                            " AND application_name = %s",
-                            [pid, guard.application_name],
-                        )
-
-                killer = threading.Thread(target=terminate, daemon=True)
-                killer.start()
+                killer = Fault(server, plan.worker, "terminate", plan.fault_delay, round_.terminations, [])
+                killer.start(lock.backend_pid, backend_start(side, lock.backend_pid))
                 round_.killers.append(killer)
             conn = lock.connection
             if plan.fault == "unlock":
@@ -149,12 +153,12 @@ def _run_worker(server: FaultServer, round_: Round, plan: Plan) -> None:
     time.sleep(plan.start_delay)
     policy = LockPolicy(mode=plan.mode, on_busy=plan.on_busy, wait_timeout=2.0 if plan.on_busy == "wait" else None)  # type: ignore[arg-type]
     guard = LockGuard(
-        AdvisoryLockHook(dsn=server.dsn, liveness=Liveness(3)),
+        AdvisoryLockHook(dsn=server.dsn, liveness=Liveness(3)).database,
         round_.key,
         policy,
         rules=RunRules(period=round_.once_per),
         identity=TaskIdentity(dag_id="race", task_id="worker", run_id=f"w{plan.worker}", map_index=round_.number),
-        logger=_QUIET,
+        logger=QUIET,
         application_name=f"{round_.key.name} w{plan.worker}",
     )
     side = psycopg.connect(server.dsn, autocommit=True, application_name="race side effects")
@@ -167,18 +171,6 @@ def _run_worker(server: FaultServer, round_: Round, plan: Plan) -> None:
     round_.outcomes[plan.worker] = guard.outcome
 
 
-class _Quiet:
-    """The guards' log lines, kept out of the test output (hundreds of rounds)."""
-
-    def _line(self, *args: Any) -> None:
-        pass
-
-    info = warning = error = _line
-
-
-_QUIET = _Quiet()
-
-
 def _check_round(admin: Any, round_: Round, seed: int) -> None:
     where = (
         f"seed {seed}, round {round_.number}: plans {round_.plans}, outcomes {round_.outcomes}, errors {round_.errors}"
@@ -189,15 +181,13 @@ def _check_round(admin: Any, round_: Round, seed: int) -> None:
         "SELECT worker, phase, at FROM race_effects WHERE round = %s", [round_.number]
     ).fetchall():
         spans.setdefault(worker, [None, None])[0 if phase == "enter" else 1] = at
-    for a in spans:
-        for b in spans:
-            if a >= b:
-                continue
-            (enter_a, exit_a), (enter_b, exit_b) = spans[a], spans[b]
-            overlap = (exit_a is None or enter_b < exit_a) and (exit_b is None or enter_a < exit_b)
-            assert not (overlap and a in completed and b in completed), f"overlap reported as success: {where}"
     for worker in completed:
         assert worker in spans and None not in spans[worker], f"success without a full protected span: {where}"
+    sections = [Span(worker, "key", 1, enter, exit_) for worker, (enter, exit_) in spans.items() if enter is not None]
+    overlaps = overlap_violations(sections, completed)
+    assert not overlaps, f"overlap reported as success: {overlaps}; {where}"
+    lost = lost_hold_violations(sections, round_.terminations, completed)
+    assert not lost, f"a lost hold reported as success: {lost}; {where}"
     recorded = admin.execute("SELECT run_id FROM pglock.completions WHERE key_name = %s", [round_.key.name]).fetchall()
     for (run_id,) in recorded:
         assert int(run_id[1:]) in completed, f"completion recorded for a run that did not succeed: {where}"
@@ -223,7 +213,7 @@ def _check_round(admin: Any, round_: Round, seed: int) -> None:
 def test_random_faults_never_report_an_overlap_or_record_without_the_lock(
     fault_server: FaultServer, fault_admin: Any
 ) -> None:
-    seed = int(os.environ.get("PGLOCK_RACE_SEED") or random.SystemRandom().randrange(1 << 30))
+    seed = race_seed()
     print(f"\nPGLOCK_RACE_SEED={seed} PGLOCK_RACE_ROUNDS={ROUNDS}")
     rng = random.Random(seed)
     schema.migrate(fault_admin)
@@ -239,9 +229,11 @@ def test_random_faults_never_report_an_overlap_or_record_without_the_lock(
         threads = [threading.Thread(target=_run_worker, args=(fault_server, round_, plan)) for plan in round_.plans]
         for thread in threads:
             thread.start()
-        for thread in threads + round_.killers:
+        for thread in threads:
             thread.join(timeout=60)
             assert not thread.is_alive(), f"seed {seed}, round {number}: a worker hangs"
+        for killer in round_.killers:
+            assert killer.join(timeout=60), f"seed {seed}, round {number}: a fault hangs"
         _check_round(fault_admin, round_, seed)
         for plan in round_.plans:
             faults_seen[plan.fault] = faults_seen.get(plan.fault, 0) + 1

@@ -21,12 +21,16 @@ import psycopg
 import pytest
 
 from airflow_pglock.exceptions import AlreadyDoneError, LockConfigurationError, LockLostError, LockLostInterrupt
-from airflow_pglock.guard import LockGuard, LockHandle, LockPolicy
-from airflow_pglock.hooks import schema
+from airflow_pglock.guard import LockGuard
+from airflow_pglock.handle import LockHandle
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 from airflow_pglock.keys import LockKey
 from airflow_pglock.liveness import Liveness
 from airflow_pglock.options import LockOptions, LockSpec
+from airflow_pglock.pg import schema
+from airflow_pglock.pg import statements as lock_statements
+from airflow_pglock.pg.probe import results_before
+from airflow_pglock.policy import LockPolicy
 from airflow_pglock.run_rules import RunRules
 from tests.faults.conftest import FaultServer, assert_nothing_left
 
@@ -48,7 +52,7 @@ def _guard(
     dsn: str | None = None,
     **policy: Any,
 ) -> LockGuard:
-    return LockGuard(_hook(server, lease, dsn), LockKey.from_name(key), LockPolicy(**policy), rules=rules)
+    return LockGuard(_hook(server, lease, dsn).database, LockKey.from_name(key), LockPolicy(**policy), rules=rules)
 
 
 @pytest.fixture
@@ -82,7 +86,7 @@ def test_work_that_commits_and_begins_on_the_lock_connection_is_lost_not_complet
         lock.connection.execute("INSERT INTO effects VALUES ('before commit')")
         lock.connection.execute("COMMIT")
         lock.connection.execute("BEGIN")
-        other = _hook(fault_server).try_acquire(lock.key)
+        other = _hook(fault_server).acquire(lock.key)
         contender_got_it.append(other is not None)
         if other is not None:
             other.release()
@@ -124,7 +128,7 @@ def test_session_ended_between_the_completion_and_the_unlock_is_a_completion(
     so a session terminated just before the unlock has not lost anything. The run completes
     (the outcome line says the unlock failed), the completion stays recorded, and the ended
     session leaves no lock behind."""
-    from airflow_pglock.hooks.lock_session import HeldLock
+    from airflow_pglock.pg.held import HeldLock
 
     unlock = HeldLock.unlock_checked
     terminated: list[int] = []
@@ -189,7 +193,7 @@ def test_shared_guard_with_once_per_is_refused_before_any_io(fault_server: Fault
     hook = AdvisoryLockHook(dsn="postgresql://nobody@127.0.0.1:1/none")  # never contacted
     for rules in (RunRules(period=PERIOD), RunRules(min_interval=5), RunRules(fencing=True)):
         with pytest.raises(LockConfigurationError, match="shared"):
-            LockGuard(hook, LockKey.from_name("shared-rules"), LockPolicy(shared=True), rules=rules)
+            LockGuard(hook.database, LockKey.from_name("shared-rules"), LockPolicy(shared=True), rules=rules)
 
 
 # ------------------------------------------------ 3: isolation level of the lock transaction
@@ -331,13 +335,14 @@ def test_probe_reads_a_reply_that_arrived_while_its_thread_was_stalled(
         poller.register(pgconn.socket, select.POLLIN)
         assert poller.poll(5000)  # the reply is in the socket...
         deadline = time.monotonic() - 0.001  # ...but the reading thread comes back after its deadline
-        results = AdvisoryLockHook._results_before(pgconn, deadline)
+        results = results_before(pgconn, deadline)
         assert results is not None and results[-1].get_value(0, 0) == b"t"
 
 
 _GIL_STALLS = """
 import ctypes, sys
-from airflow_pglock.guard import LockGuard, LockPolicy
+from airflow_pglock.guard import LockGuard
+from airflow_pglock.policy import LockPolicy
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 from airflow_pglock.keys import LockKey
 from airflow_pglock.liveness import Liveness
@@ -349,7 +354,8 @@ def work(lock):
         libc.usleep(1_800_000)
     return lock.lost
 
-guard = LockGuard(AdvisoryLockHook(dsn=sys.argv[1], liveness=Liveness(6)), LockKey.from_name("gil-stall"), LockPolicy())
+database = AdvisoryLockHook(dsn=sys.argv[1], liveness=Liveness(6)).database
+guard = LockGuard(database, LockKey.from_name("gil-stall"), LockPolicy())
 print("lost:", guard.run(work), "outcome:", guard.outcome)
 """
 
@@ -432,7 +438,9 @@ class _InterruptedLogger:
 
 def test_interrupt_while_logging_the_acquisition_leaves_nothing(fault_server: FaultServer, fault_admin: Any) -> None:
     logger = _InterruptedLogger("pglock acquired")
-    guard = LockGuard(_hook(fault_server, lease=30), LockKey.from_name("enter-leak"), LockPolicy(), logger=logger)
+    guard = LockGuard(
+        _hook(fault_server, lease=30).database, LockKey.from_name("enter-leak"), LockPolicy(), logger=logger
+    )
     with pytest.raises(KeyboardInterrupt):
         guard.__enter__()
     assert guard.held is not None and guard.held.connection.closed
@@ -540,3 +548,124 @@ def test_an_interrupt_after_the_work_returned_is_absorbed(fault_server: FaultSer
     with pytest.raises(LockLostError, match="simulated"):
         guard.run(work)
     assert guard.outcome == "lost"
+
+
+# ------------------------------------------------ a batch statement that fails part-way (round two, row 7)
+
+
+def _held_by(admin: Any, pid: int) -> set[tuple[int, int, int]]:
+    """(classid, objid, objsubid) of every advisory lock ``pid`` holds."""
+    rows = admin.execute(
+        "SELECT classid::bigint, objid::bigint, objsubid FROM pg_locks WHERE locktype = 'advisory' AND pid = %s"
+        " AND granted",
+        [pid],
+    ).fetchall()
+    return {(row[0], row[1], row[2]) for row in rows}
+
+
+def _overflowing_batch(admin: Any) -> list[LockKey]:
+    """More keys than the server's shared lock table holds: a batch of them fails part-way with
+    "out of shared memory", after taking the keys that fitted (the table's nominal size is
+    max_locks_per_transaction x (max_connections + auxiliary processes); it grows a little
+    past that into spare shared memory)."""
+    row = admin.execute(
+        "SELECT current_setting('max_locks_per_transaction')::int * (current_setting('max_connections')::int"
+        " + current_setting('max_prepared_transactions')::int + 64)"
+    ).fetchone()
+    assert row is not None
+    return [LockKey.from_int(50_000_000 + n) for n in range(3 * row[0])]
+
+
+@pytest.mark.parametrize("holder", ["lock-session", "guarded-task"])
+def test_a_batch_that_fails_part_way_leaves_no_key_held_untracked(
+    fault_server: FaultServer, fault_admin: Any, holder: str
+) -> None:
+    """try_lock_many fails part-way (out of shared memory): the keys it took before the error
+    must not stay held without the set knowing. Untracked, one of them was granted again by
+    try_lock (PostgreSQL counts it twice) and stayed held after that block released it."""
+    keys = _overflowing_batch(fault_admin)
+    hook = _hook(fault_server, lease=30)
+
+    def check(keys_set: Any, pid: int, own: set[tuple[int, int, int]]) -> None:
+        with pytest.raises(psycopg.errors.OutOfMemory):
+            keys_set.try_lock_many(keys)
+        assert _held_by(fault_admin, pid) - own == {key.pg_locks for key in keys_set.held()}
+        with keys_set.try_lock(keys[0]) as sub:
+            assert sub is not None
+        assert keys[0].pg_locks not in _held_by(fault_admin, pid)  # released for good
+        assert own <= _held_by(fault_admin, pid)  # a guarded task's own key stays held
+
+    if holder == "lock-session":
+        with hook.lock_session() as session:
+            check(session, session.server.backend_pid, set())
+    else:
+        with LockGuard(hook.database, LockKey.from_name("batch-owner"), LockPolicy()) as lock:
+            check(lock, lock.backend_pid, {LockKey.from_name("batch-owner").pg_locks})
+
+
+def test_a_batch_cancelled_part_way_holds_none_of_its_keys(
+    fault_server: FaultServer, fault_admin: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """try_lock_many cancelled by statement_timeout (40,000 keys in one statement take far longer
+    than its 10 ms): the keys it took before the cancel stayed held but untracked, and try_lock
+    of one was granted again (PostgreSQL counts it twice) and stayed held after its block. A
+    failed batch must hold none of its keys."""
+    monkeypatch.setattr(lock_statements, "MANY_KEYS_PER_STATEMENT", 100_000)
+    keys = [LockKey.from_int(80_000_000 + n) for n in range(40_000)]
+    with _hook(fault_server, lease=30).lock_session() as session:
+        pid = session.server.backend_pid
+        session.connection.execute("SET statement_timeout = '10ms'")
+        with pytest.raises(psycopg.errors.QueryCanceled):
+            session.try_lock_many(keys)
+        session.connection.execute("RESET statement_timeout")
+        assert session.held() == []
+        assert _held_by(fault_admin, pid) == set()
+        with session.try_lock(keys[0]) as again:
+            assert again is not None
+        assert _held_by(fault_admin, pid) == set()
+
+
+def test_a_release_cancelled_part_way_leaves_no_key_held_and_forgotten(
+    fault_server: FaultServer, fault_admin: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """release() cancelled by statement_timeout (40,000 keys in one statement take far longer
+    than its 10 ms): the keys it forgot were still held, and one of them was granted again by
+    try_lock and stayed held after that block. The release must finish the job instead."""
+    monkeypatch.setattr(lock_statements, "MANY_KEYS_PER_STATEMENT", 100_000)
+    keys = [LockKey.from_int(70_000_000 + n) for n in range(40_000)]
+    with _hook(fault_server, lease=30).lock_session() as session:
+        pid = session.server.backend_pid
+        taken = session.try_lock_many(keys)
+        assert len(taken) == len(keys)
+        session.connection.execute("SET statement_timeout = '10ms'")
+        with pytest.raises(psycopg.errors.QueryCanceled):
+            session.release(*taken)
+        session.connection.execute("RESET statement_timeout")
+        assert session.held() == []
+        with session.try_lock(keys[0]) as again:
+            assert again is not None
+        assert _held_by(fault_admin, pid) == set()
+
+
+def test_a_release_refused_by_an_aborted_transaction_is_finished_later(
+    fault_server: FaultServer, fault_admin: Any
+) -> None:
+    """Transaction mode: the work's statement failed inside a savepoint, so the sub-key's release
+    is refused (InFailedSqlTransaction) and unlocks nothing. Forgotten, the key was granted
+    again after ROLLBACK TO SAVEPOINT and stayed held after that block: it must be released
+    at the next chance instead."""
+    key = LockKey.from_name("aborted-release")
+    with _guard(fault_server, "aborted-release-owner", mode="transaction") as lock:
+        assert lock.connection is not None
+        [sub] = lock.try_lock_many([key])
+        lock.connection.execute("SAVEPOINT work")
+        with pytest.raises(psycopg.errors.DivisionByZero):
+            lock.connection.execute("SELECT 1 / 0")
+        with pytest.raises(psycopg.errors.InFailedSqlTransaction):
+            lock.release(sub)
+        assert lock.held() == []
+        lock.connection.execute("ROLLBACK TO SAVEPOINT work")
+        with lock.try_lock(key) as again:
+            assert again is not None
+        assert key.pg_locks not in _held_by(fault_admin, lock.backend_pid)
+        assert LockKey.from_name("aborted-release-owner").pg_locks in _held_by(fault_admin, lock.backend_pid)

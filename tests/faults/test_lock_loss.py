@@ -36,7 +36,7 @@ def measured(name: str, seconds: float) -> None:
 
 
 def contender_can_take(dsn: str, key: str) -> bool:
-    held = AdvisoryLockHook(dsn=dsn).try_acquire(LockKey.from_name(key), application_name="pglock contender")
+    held = AdvisoryLockHook(dsn=dsn).acquire(LockKey.from_name(key), application_name="pglock contender")
     if held is None:
         return False
     assert held.release() is True
@@ -52,7 +52,7 @@ def test_sigkill_holder_next_contender_acquires_within_2s(fault_server: FaultSer
         hook = AdvisoryLockHook(dsn=fault_server.dsn)
         acquired_at = None
         while time.monotonic() - killed < 5:
-            held = hook.try_acquire(LockKey.from_name(key), application_name="pglock contender")
+            held = hook.acquire(LockKey.from_name(key), application_name="pglock contender")
             if held is not None:
                 acquired_at = time.monotonic()
                 assert held.release()

@@ -23,10 +23,12 @@ import psycopg
 import pytest
 
 from airflow_pglock.exceptions import LockBusyError
-from airflow_pglock.guard import LockGuard, LockHandle, LockPolicy
+from airflow_pglock.guard import LockGuard
+from airflow_pglock.handle import LockHandle
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 from airflow_pglock.keys import LockKey
 from airflow_pglock.liveness import Liveness
+from airflow_pglock.policy import LockPolicy
 from tests.faults.conftest import FaultServer
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
@@ -60,7 +62,7 @@ def _worker(dsn: str, seed: int, stop: Any) -> None:
 
             while not stop.value:
                 try:
-                    LockGuard(hook, key, LockPolicy()).run(work)
+                    LockGuard(hook.database, key, LockPolicy()).run(work)
                 except LockBusyError:
                     time.sleep(rng.uniform(0.001, 0.004))
     except BaseException as error:

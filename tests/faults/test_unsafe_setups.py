@@ -17,10 +17,11 @@ import psycopg
 import pytest
 
 from airflow_pglock.exceptions import LockBusyError, UnsafeSetupError
-from airflow_pglock.guard import LockGuard, LockPolicy
+from airflow_pglock.guard import LockGuard
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 from airflow_pglock.keys import LockKey
 from airflow_pglock.liveness import Liveness
+from airflow_pglock.policy import LockPolicy
 from devtools.holder import EXIT_LOST, Holder, HolderConfig
 from devtools.pgbouncer import PgBouncer, PgBouncerUnavailableError
 from devtools.standby import start_standby
@@ -59,7 +60,7 @@ def session_bouncer(fault_server: FaultServer, fault_admin: Any) -> Iterator[PgB
 
 def _guard(dsn: str, key: str, mode: str = "session") -> LockGuard:
     hook = AdvisoryLockHook(dsn=dsn, liveness=Liveness(3))
-    return LockGuard(hook, LockKey.from_name(key), LockPolicy(mode=mode))  # type: ignore[arg-type]
+    return LockGuard(hook.database, LockKey.from_name(key), LockPolicy(mode=mode))  # type: ignore[arg-type]
 
 
 def test_session_lock_through_transaction_pooling_is_refused(bouncer: PgBouncer, fault_admin: Any) -> None:
@@ -93,12 +94,14 @@ def test_session_pooling_declared_in_the_connection_extra_is_accepted(
     os.environ["AIRFLOW_CONN_PGLOCK_BOUNCER_UNDECLARED"] = json.dumps(conn_uri)
     os.environ["AIRFLOW_CONN_PGLOCK_BOUNCER_SESSION"] = json.dumps({**conn_uri, "extra": {"pool_mode": "session"}})
     try:
-        undeclared = LockGuard(AdvisoryLockHook("pglock_bouncer_undeclared"), LockKey.from_name("b"), LockPolicy())
+        undeclared = LockGuard(
+            AdvisoryLockHook("pglock_bouncer_undeclared").database, LockKey.from_name("b"), LockPolicy()
+        )
         with pytest.raises(UnsafeSetupError, match="connection pooler"), undeclared:
             raise AssertionError("must not run")
         declared = AdvisoryLockHook("pglock_bouncer_session", liveness=Liveness(3))
         key = LockKey.from_name("bouncer-session-declared")
-        with LockGuard(declared, key, LockPolicy()) as handle:
+        with LockGuard(declared.database, key, LockPolicy()) as handle:
             assert handle.backend_pid > 0
             with pytest.raises(LockBusyError), _guard(fault_server.dsn, "bouncer-session-declared"):
                 raise AssertionError("a direct contender must be refused while the pooled session holds the key")
@@ -116,7 +119,7 @@ def _bouncer_racer(bouncer_dsn: str, direct_dsn: str, worker: int, seconds: floa
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             try:
-                with LockGuard(hook, key, LockPolicy(mode="transaction")) as handle:
+                with LockGuard(hook.database, key, LockPolicy(mode="transaction")) as handle:
                     assert handle.connection is not None
                     row = log.execute(
                         "INSERT INTO bouncer_runs (worker, entered) VALUES (%s, clock_timestamp()) RETURNING id",

@@ -9,9 +9,10 @@ import psycopg
 import pytest
 
 from airflow_pglock.exceptions import LockBusyError
-from airflow_pglock.guard import LockGuard, LockPolicy
+from airflow_pglock.guard import LockGuard
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 from airflow_pglock.keys import LockKey
+from airflow_pglock.policy import LockPolicy
 
 PROCESSES = 8
 ROUNDS = 200
@@ -43,7 +44,7 @@ def _racer(dsn: str, worker: int, start: Any, tried: Any, errors: Any) -> None:
             for round_no in range(ROUNDS):
                 start.wait()
                 try:
-                    with LockGuard(hook, key, policy):
+                    with LockGuard(hook.database, key, policy):
                         _record(log, "rounds", round_no, worker, "enter")
                         tried.wait()  # every contender has tried while this one holds the key
                         _record(log, "rounds", round_no, worker, "exit")
@@ -51,7 +52,7 @@ def _racer(dsn: str, worker: int, start: Any, tried: Any, errors: Any) -> None:
                     tried.wait()
             for attempt in range(FREE_RUNNING_ATTEMPTS):
                 try:
-                    with LockGuard(hook, key, policy):
+                    with LockGuard(hook.database, key, policy):
                         _record(log, "free", attempt, worker, "enter")
                         log.execute("SELECT pg_sleep(0.001)")
                         _record(log, "free", attempt, worker, "exit")

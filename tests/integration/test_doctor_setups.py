@@ -73,3 +73,38 @@ def test_doctor_flags_pgbouncer_in_transaction_pooling(primary: Cluster, capsys:
         assert listed.code == 0 and listed.json()["locks"] == []
     finally:
         bouncer.stop()
+
+
+def _issue_a_token(dsn: str) -> None:
+    from airflow_pglock.guard import LockGuard
+    from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+    from airflow_pglock.keys import LockKey
+    from airflow_pglock.pg import schema
+    from airflow_pglock.policy import LockPolicy
+    from airflow_pglock.run_rules import RunRules
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        schema.migrate(conn)
+    guard = LockGuard(
+        AdvisoryLockHook(dsn=dsn).database, LockKey.from_name("fenced"), LockPolicy(), rules=RunRules(fencing=True)
+    )
+    assert guard.run(lambda handle: handle.fencing_token) is not None
+
+
+def test_doctor_warns_when_fencing_tokens_have_no_synchronous_standby(primary: Cluster, capsys: Any) -> None:
+    from devtools.campaign.servers import FailoverPair
+
+    dsn = primary.dsn_for("doctor_db")
+    before = _checks(run_cli("doctor", "--dsn", dsn, "--output", "json", capsys=capsys))
+    assert "fencing" not in before  # no token issued yet: nothing to say
+    _issue_a_token(dsn)
+    fencing = _checks(run_cli("doctor", "--dsn", dsn, "--output", "json", capsys=capsys))["fencing"]
+    assert fencing["status"] == "warning" and "replication is asynchronous" in fencing["summary"], fencing
+    assert "docs/safety.md" in fencing["fix"]
+    pair = FailoverPair().start()  # a primary with a synchronous standby
+    try:
+        _issue_a_token(pair.primary_dsn())
+        fencing = _checks(run_cli("doctor", "--dsn", pair.primary_dsn(), "--output", "json", capsys=capsys))["fencing"]
+        assert fencing["status"] == "ok" and "1 synchronous standby" in fencing["summary"], fencing
+    finally:
+        pair.destroy()

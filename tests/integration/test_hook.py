@@ -12,7 +12,7 @@ import pytest
 from airflow_pglock.exceptions import LockConfigurationError, LockConnectionError
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 from airflow_pglock.keys import NAME_TO_KEY_SQL, LockKey
-from tests.helpers import advisory_locks
+from tests.helpers import advisory_locks, held_lock
 
 NAMES = ["refresh-forecasts", "daily-settlement", "tenant-export/Zürich", "北京/导出", "emoji 🚀 key", "it's"]
 
@@ -26,7 +26,7 @@ def test_sql_expression_equals_python(admin: Any, name: str) -> None:
 
 @pytest.mark.parametrize("key", [LockKey.from_name("coords"), LockKey.from_int(-5), LockKey.from_pair(-1, 2)])
 def test_pg_locks_coordinates_match_the_server(hook: AdvisoryLockHook, admin: Any, key: LockKey) -> None:
-    with hook.lock_without_heartbeat(key) as held:
+    with held_lock(hook, key) as held:
         assert held is not None
         [(pid, classid, objid, objsubid, granted)] = advisory_locks(admin)
         assert (classid, objid, objsubid) == key.pg_locks
@@ -35,11 +35,11 @@ def test_pg_locks_coordinates_match_the_server(hook: AdvisoryLockHook, admin: An
 
 def test_two_sessions_classic(hook: AdvisoryLockHook, admin: Any) -> None:
     key = LockKey.from_name("classic")
-    first = hook.try_acquire(key, application_name="pglock test A")
+    first = hook.acquire(key, application_name="pglock test A")
     assert first is not None
-    assert hook.try_acquire(key) is None  # B is refused while A holds it
+    assert hook.acquire(key) is None  # B is refused while A holds it
     assert first.release() is True
-    second = hook.try_acquire(key)
+    second = hook.acquire(key)
     assert second is not None
     assert second.release() is True
     assert advisory_locks(admin) == []
@@ -47,29 +47,29 @@ def test_two_sessions_classic(hook: AdvisoryLockHook, admin: Any) -> None:
 
 def test_transaction_lock_released_by_commit(hook: AdvisoryLockHook, admin: Any) -> None:
     key = LockKey.from_pair(42, 1001)
-    with hook.lock_without_heartbeat(key, mode="transaction") as held:
+    with held_lock(hook, key, mode="transaction") as held:
         assert held is not None
-        assert hook.try_acquire(key) is None
-    again = hook.try_acquire(key)
+        assert hook.acquire(key) is None
+    again = hook.acquire(key)
     assert again is not None and again.release()
 
 
 def test_shared_and_exclusive(hook: AdvisoryLockHook, admin: Any) -> None:
     key = LockKey.from_name("readers-writer")
-    reader_a = hook.try_acquire(key, shared=True)
-    reader_b = hook.try_acquire(key, shared=True)
+    reader_a = hook.acquire(key, shared=True)
+    reader_b = hook.acquire(key, shared=True)
     assert reader_a is not None and reader_b is not None
-    assert hook.try_acquire(key) is None  # a writer waits for the readers
+    assert hook.acquire(key) is None  # a writer waits for the readers
     assert reader_a.release() and reader_b.release()
-    writer = hook.try_acquire(key)
+    writer = hook.acquire(key)
     assert writer is not None
-    assert hook.try_acquire(key, shared=True) is None  # readers wait for the writer
+    assert hook.acquire(key, shared=True) is None  # readers wait for the writer
     assert writer.release()
 
 
 def test_bounded_wait_times_out_and_leaves_nothing(hook: AdvisoryLockHook, admin: Any) -> None:
     key = LockKey.from_name("bounded-wait")
-    holder = hook.try_acquire(key)
+    holder = hook.acquire(key)
     assert holder is not None
     started = time.monotonic()
     assert hook.acquire(key, timeout=0.3) is None
@@ -81,7 +81,7 @@ def test_bounded_wait_times_out_and_leaves_nothing(hook: AdvisoryLockHook, admin
 
 def test_bounded_wait_succeeds_when_released_in_time(hook: AdvisoryLockHook, admin: Any) -> None:
     key = LockKey.from_name("wait-then-get")
-    holder = hook.try_acquire(key)
+    holder = hook.acquire(key)
     assert holder is not None
     timer = threading.Timer(0.3, holder.release)
     timer.start()
@@ -108,7 +108,7 @@ def test_a_bad_wait_timeout_is_refused_before_connecting(bad: object) -> None:
     down = AdvisoryLockHook(dsn=f"postgresql://postgres@127.0.0.1:{free_port()}/postgres", connect_timeout=2)
     with pytest.raises(LockConfigurationError, match=f"wait timeout must be a positive number of seconds, got {bad!r}"):
         down.acquire("k", timeout=bad)  # type: ignore[arg-type]
-    with pytest.raises(LockConfigurationError, match="wait timeout"), down.lock_without_heartbeat("k", timeout=bad):  # type: ignore[arg-type]
+    with pytest.raises(LockConfigurationError, match="wait timeout"), held_lock(down, "k", timeout=bad):  # type: ignore[arg-type]
         pass
 
 
@@ -116,7 +116,7 @@ def test_is_held_answers_false_once_the_lease_expired(dsn: str, admin: Any) -> N
     """An idle hook lock past its lease: the server ended the session; is_held() says so, no driver error."""
     from airflow_pglock.liveness import Liveness
 
-    held = AdvisoryLockHook(dsn=dsn, liveness=Liveness(lease=3)).try_acquire("expiring")
+    held = AdvisoryLockHook(dsn=dsn, liveness=Liveness(lease=3)).acquire("expiring")
     assert held is not None
     deadline = time.monotonic() + 30
     while held.server.backend_pid in [row[0] for row in advisory_locks(admin)]:  # the server's timer, not ours
@@ -128,7 +128,7 @@ def test_is_held_answers_false_once_the_lease_expired(dsn: str, admin: Any) -> N
 
 
 def test_is_held_answers_false_after_the_session_was_terminated(hook: AdvisoryLockHook, admin: Any) -> None:
-    held = hook.try_acquire("terminated")
+    held = hook.acquire("terminated")
     assert held is not None and held.is_held() is True
     admin.execute("SELECT pg_terminate_backend(%s)", [held.server.backend_pid])
     assert held.is_held() is False
@@ -136,7 +136,7 @@ def test_is_held_answers_false_after_the_session_was_terminated(hook: AdvisoryLo
 
 
 def test_release_is_idempotent_and_reports_whether_held(hook: AdvisoryLockHook, admin: Any) -> None:
-    held = hook.try_acquire("idempotent")
+    held = hook.acquire("idempotent")
     assert held is not None
     assert held.release() is True
     assert held.release() is False
@@ -145,33 +145,33 @@ def test_release_is_idempotent_and_reports_whether_held(hook: AdvisoryLockHook, 
 
 def test_release_after_the_connection_broke(hook: AdvisoryLockHook, admin: Any) -> None:
     key = LockKey.from_name("broken")
-    held = hook.try_acquire(key)
+    held = hook.acquire(key)
     assert held is not None
     admin.execute("SELECT pg_terminate_backend(%s)", [held.server.backend_pid])
     time.sleep(0.2)
     assert held.release() is False  # it was not held any more; no exception
-    other = hook.try_acquire(key)
+    other = hook.acquire(key)
     assert other is not None and other.release()
 
 
 def test_session_lock_context_releases_on_error(hook: AdvisoryLockHook, admin: Any) -> None:
     key = LockKey.from_name("ctx-error")
-    with pytest.raises(RuntimeError), hook.lock_without_heartbeat(key) as held:
+    with pytest.raises(RuntimeError), held_lock(hook, key) as held:
         assert held is not None
         raise RuntimeError("work failed")
     assert advisory_locks(admin) == []
-    with hook.lock_without_heartbeat(key) as busy_free:
+    with held_lock(hook, key) as busy_free:
         assert busy_free is not None
-        with hook.lock_without_heartbeat(key) as busy:
+        with held_lock(hook, key) as busy:
             assert busy is None
 
 
 def test_transaction_lock_commits_and_rolls_back(hook: AdvisoryLockHook, admin: Any) -> None:
     admin.execute("DROP TABLE IF EXISTS tx_work; CREATE TABLE tx_work (n int)")
-    with hook.lock_without_heartbeat("tx-work", mode="transaction") as held:
+    with held_lock(hook, "tx-work", mode="transaction") as held:
         assert held is not None
         held.connection.execute("INSERT INTO tx_work VALUES (1)")
-    with pytest.raises(ValueError), hook.lock_without_heartbeat("tx-work", mode="transaction") as held:
+    with pytest.raises(ValueError), held_lock(hook, "tx-work", mode="transaction") as held:
         assert held is not None
         held.connection.execute("INSERT INTO tx_work VALUES (2)")
         raise ValueError("boom")
@@ -183,7 +183,7 @@ def test_transaction_lock_commits_and_rolls_back(hook: AdvisoryLockHook, admin: 
 def test_transaction_lock_refuses_to_pretend_an_aborted_commit_worked(hook: AdvisoryLockHook, admin: Any) -> None:
     with (
         pytest.raises(psycopg.errors.InFailedSqlTransaction, match="nothing was committed"),
-        hook.lock_without_heartbeat("aborted", mode="transaction") as held,
+        held_lock(hook, "aborted", mode="transaction") as held,
     ):
         assert held is not None
         with pytest.raises(psycopg.errors.DivisionByZero):
@@ -192,7 +192,7 @@ def test_transaction_lock_refuses_to_pretend_an_aborted_commit_worked(hook: Advi
 
 def test_holders_names_pid_application_and_client(hook: AdvisoryLockHook, admin: Any) -> None:
     key = LockKey.from_name("who-holds")
-    held = hook.try_acquire(key, application_name="pglock dag task run")
+    held = hook.acquire(key, application_name="pglock dag task run")
     assert held is not None
     before = advisory_locks(admin)
     [holder] = hook.holders(key)
@@ -208,7 +208,7 @@ def test_holders_names_pid_application_and_client(hook: AdvisoryLockHook, admin:
 
 
 def test_lock_connection_settings(hook: AdvisoryLockHook, admin: Any) -> None:
-    held = hook.try_acquire("settings", application_name="pglock settings")
+    held = hook.acquire("settings", application_name="pglock settings")
     assert held is not None
     conn = held.connection
     assert conn.autocommit
@@ -219,8 +219,8 @@ def test_lock_connection_settings(hook: AdvisoryLockHook, admin: Any) -> None:
 
 
 def test_each_lock_has_its_own_connection(hook: AdvisoryLockHook, admin: Any) -> None:
-    first = hook.try_acquire("one")
-    second = hook.try_acquire("two")
+    first = hook.acquire("one")
+    second = hook.acquire("two")
     assert first is not None and second is not None
     assert first.server.backend_pid != second.server.backend_pid
     first.release()
@@ -232,7 +232,7 @@ def test_unreachable_server_is_an_error_with_the_cause(admin: Any) -> None:
 
     hook = AdvisoryLockHook(dsn=f"postgresql://postgres@127.0.0.1:{free_port()}/postgres", connect_timeout=2)
     with pytest.raises(LockConnectionError, match=r"cannot connect.*refused"):
-        hook.try_acquire("nowhere")
+        hook.acquire("nowhere")
 
 
 def test_unknown_role_is_an_error(dsn: str, admin: Any) -> None:
@@ -240,13 +240,13 @@ def test_unknown_role_is_an_error(dsn: str, admin: Any) -> None:
     info["user"] = "no_such_role"
     hook = AdvisoryLockHook(dsn=psycopg.conninfo.make_conninfo(**info))
     with pytest.raises(LockConnectionError, match="no_such_role"):
-        hook.try_acquire("nobody")
+        hook.acquire("nobody")
 
 
 def test_dns_failure_is_an_error(admin: Any) -> None:
     hook = AdvisoryLockHook(dsn="postgresql://postgres@no-such-host.invalid:5432/postgres", connect_timeout=2)
     with pytest.raises(LockConnectionError, match=r"no-such-host\.invalid"):
-        hook.try_acquire("dns")
+        hook.acquire("dns")
 
 
 def test_password_never_in_errors(dsn: str, admin: Any) -> None:
@@ -254,18 +254,19 @@ def test_password_never_in_errors(dsn: str, admin: Any) -> None:
 
     hook = AdvisoryLockHook(dsn=f"postgresql://postgres:s3cret-pw@127.0.0.1:{free_port()}/postgres", connect_timeout=2)
     with pytest.raises(LockConnectionError) as error:
-        hook.try_acquire("secret")
+        hook.acquire("secret")
     assert "s3cret-pw" not in str(error.value)
 
 
 def test_a_second_guard_in_the_same_process_is_busy(hook: AdvisoryLockHook, admin: Any) -> None:
     """Invariant 1: a reused (pooled) session would answer true again; a dedicated one says busy."""
     from airflow_pglock.exceptions import LockBusyError
-    from airflow_pglock.guard import LockGuard, LockPolicy
+    from airflow_pglock.guard import LockGuard
+    from airflow_pglock.policy import LockPolicy
 
     key = LockKey.from_name("no-session-reuse")
-    with LockGuard(hook, key, LockPolicy()) as outer:
-        with pytest.raises(LockBusyError) as busy, LockGuard(hook, key, LockPolicy()):
+    with LockGuard(hook.database, key, LockPolicy()) as outer:
+        with pytest.raises(LockBusyError) as busy, LockGuard(hook.database, key, LockPolicy()):
             pass
         assert f"pid {outer.backend_pid}" in str(busy.value)
     assert advisory_locks(admin) == []
@@ -274,16 +275,16 @@ def test_a_second_guard_in_the_same_process_is_busy(hook: AdvisoryLockHook, admi
 def test_a_malformed_dsn_never_echoes_its_password(admin: Any) -> None:
     """Invariant 8: libpq repeats a malformed connection string in its error; we redact it."""
     with pytest.raises(LockConfigurationError) as error:
-        AdvisoryLockHook(dsn="postgresql://pguser:s3cret-pw@[host/db").try_acquire("never")
+        AdvisoryLockHook(dsn="postgresql://pguser:s3cret-pw@[host/db").acquire("never")
     assert "s3cret-pw" not in str(error.value) and "pguser:***@" in str(error.value)
     with pytest.raises((LockConfigurationError, LockConnectionError)) as other:
-        AdvisoryLockHook(dsn="host=x password='s3cret-pw port=5432").try_acquire("never")
+        AdvisoryLockHook(dsn="host=x password='s3cret-pw port=5432").acquire("never")
     assert "s3cret-pw" not in str(other.value)
 
 
 def test_the_lease_keepalives_win_over_connection_extras(dsn: str, admin: Any) -> None:
     loose = AdvisoryLockHook(dsn=f"{dsn} keepalives_idle=7200 tcp_user_timeout=0")
-    held = loose.try_acquire("keepalive-bound")
+    held = loose.acquire("keepalive-bound")
     assert held is not None
     options = {opt.keyword.decode(): (opt.val or b"").decode() for opt in held.connection.pgconn.info}
     assert options["keepalives_idle"] == "10" and options["tcp_user_timeout"] == "30000"
@@ -292,10 +293,10 @@ def test_the_lease_keepalives_win_over_connection_extras(dsn: str, admin: Any) -
 
 def test_a_short_role_statement_timeout_does_not_turn_busy_into_an_error(dsn: str, admin: Any) -> None:
     strict = AdvisoryLockHook(dsn=f"{dsn} options='-c statement_timeout=100'")
-    holder = strict.try_acquire("statement-timeout")
+    holder = strict.acquire("statement-timeout")
     assert holder is not None
     assert strict.acquire("statement-timeout", timeout=0.5) is None  # busy after the wait, not QueryCanceled
-    with strict.lock_without_heartbeat("statement-timeout-2", mode="transaction", timeout=0.5) as held:
+    with held_lock(strict, "statement-timeout-2", mode="transaction", timeout=0.5) as held:
         assert held is not None
         # the role's statement_timeout is back after the wait
         assert held.connection.execute("SHOW statement_timeout").fetchone()[0] == "100ms"
@@ -305,17 +306,18 @@ def test_a_short_role_statement_timeout_does_not_turn_busy_into_an_error(dsn: st
 def test_work_that_ends_the_lock_transaction_is_a_lost_lock(hook: AdvisoryLockHook, admin: Any) -> None:
     """Invariant 7: a COMMIT by the work ends a transaction lock; the guard must not report success."""
     from airflow_pglock.exceptions import LockLostError
-    from airflow_pglock.guard import LockGuard, LockPolicy
+    from airflow_pglock.guard import LockGuard
+    from airflow_pglock.policy import LockPolicy
 
     with (
         pytest.raises(LockLostError, match="ended the lock's transaction"),
-        LockGuard(hook, LockKey.from_name("self-commit"), LockPolicy(mode="transaction")) as lock,
+        LockGuard(hook.database, LockKey.from_name("self-commit"), LockPolicy(mode="transaction")) as lock,
     ):
         assert lock.connection is not None
         lock.connection.execute("COMMIT")
     with (
         pytest.raises(psycopg.errors.NoActiveSqlTransaction),
-        hook.lock_without_heartbeat("self-commit", mode="transaction") as held,
+        held_lock(hook, "self-commit", mode="transaction") as held,
     ):
         assert held is not None
         held.connection.execute("ROLLBACK")
@@ -326,13 +328,14 @@ def test_work_that_commits_and_begins_anew_commits_nothing_after(hook: AdvisoryL
     """COMMIT then BEGIN on the lock's connection: the release's check (sent with its COMMIT, in
     one round trip) finds the key not held in the lock's transaction and commits nothing more."""
     from airflow_pglock.exceptions import LockLostError
-    from airflow_pglock.guard import LockGuard, LockPolicy
+    from airflow_pglock.guard import LockGuard
+    from airflow_pglock.policy import LockPolicy
 
     admin.execute("DROP TABLE IF EXISTS commit_begin; CREATE TABLE commit_begin (note text)")
     try:
         with (
             pytest.raises(LockLostError, match="ended the lock's transaction"),
-            LockGuard(hook, LockKey.from_name("commit-begin-anew"), LockPolicy(mode="transaction")) as lock,
+            LockGuard(hook.database, LockKey.from_name("commit-begin-anew"), LockPolicy(mode="transaction")) as lock,
         ):
             assert lock.connection is not None
             lock.connection.execute("INSERT INTO commit_begin VALUES ('under the lock')")
@@ -341,7 +344,7 @@ def test_work_that_commits_and_begins_anew_commits_nothing_after(hook: AdvisoryL
             lock.connection.execute("INSERT INTO commit_begin VALUES ('after the lock ended')")
         with (
             pytest.raises(psycopg.errors.NoActiveSqlTransaction, match="not committed"),
-            hook.lock_without_heartbeat("commit-begin-anew", mode="transaction") as held,
+            held_lock(hook, "commit-begin-anew", mode="transaction") as held,
         ):
             assert held is not None
             held.connection.execute("COMMIT")

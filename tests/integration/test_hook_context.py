@@ -1,5 +1,5 @@
-"""The hook's context managers: ``lock`` (heartbeat, loss is an error) and the explicitly named
-``lock_without_heartbeat``; the old ``session_lock`` / ``transaction_lock`` are deprecated aliases."""
+"""The hook's ways to hold a lock: ``lock`` (heartbeat, loss is an error), ``lock_session`` (see
+test_lock_session.py) and the manual ``acquire`` (no heartbeat: its release says what it found)."""
 
 from __future__ import annotations
 
@@ -62,30 +62,40 @@ def test_lock_in_transaction_mode_commits_the_work(hook: AdvisoryLockHook, admin
     admin.execute("DROP TABLE ctx_work")
 
 
-def test_lock_without_heartbeat_raises_when_the_lock_was_lost(hook: AdvisoryLockHook, admin: Any) -> None:
-    """The trap of the old ``session_lock``: a release that finds the lock gone was ignored."""
-    with pytest.raises(LockLostError, match="no longer held"), hook.lock_without_heartbeat("ctx-unsafe") as held:
-        assert held is not None
-        _terminate(admin, held.server.backend_pid)
+def test_acquire_release_says_when_the_lock_was_lost(hook: AdvisoryLockHook, admin: Any) -> None:
+    """The manual form has no heartbeat: its release is where a lost lock shows (False)."""
+    held = hook.acquire("ctx-unsafe")
+    assert held is not None and held.scope == "session"
+    _terminate(admin, held.server.backend_pid)
+    assert held.release() is False
     assert advisory_locks(admin) == []
 
 
-def test_lock_without_heartbeat_keeps_the_error_of_the_block(hook: AdvisoryLockHook, admin: Any) -> None:
-    with pytest.raises(RuntimeError, match="work failed"), hook.lock_without_heartbeat("ctx-unsafe") as held:
-        assert held is not None
-        _terminate(admin, held.server.backend_pid)
-        raise RuntimeError("work failed")
-
-
-def test_session_and_transaction_lock_are_deprecated_aliases(hook: AdvisoryLockHook, admin: Any) -> None:
-    with pytest.warns(DeprecationWarning, match=r"hook\.lock\(key, \.\.\.\)"), hook.session_lock("old") as held:
-        assert held is not None and held.scope == "session"
-    with (
-        pytest.warns(DeprecationWarning, match='mode="transaction"'),
-        hook.transaction_lock("old", shared=True) as held,
-    ):
-        assert held is not None and held.scope == "transaction" and held.shared
-    with pytest.raises(LockLostError), hook.session_lock("old-lost") as held:
-        assert held is not None
-        _terminate(admin, held.server.backend_pid)
+def test_acquire_in_transaction_mode_commits_or_rolls_back(hook: AdvisoryLockHook, admin: Any) -> None:
+    admin.execute("DROP TABLE IF EXISTS ctx_manual; CREATE TABLE ctx_manual (n int)")
+    held = hook.acquire("ctx-manual", mode="transaction", shared=True)
+    assert held is not None and held.scope == "transaction" and held.shared
+    held.connection.execute("INSERT INTO ctx_manual VALUES (1)")
+    held.commit()  # ends the lock with its transaction
+    held.close()
+    rolled_back = hook.acquire("ctx-manual", mode="transaction")
+    assert rolled_back is not None
+    rolled_back.connection.execute("INSERT INTO ctx_manual VALUES (2)")
+    rolled_back.release()  # a transaction lock's release is a rollback
+    assert admin.execute("SELECT array_agg(n) FROM ctx_manual").fetchone()[0] == [1]
     assert advisory_locks(admin) == []
+    admin.execute("DROP TABLE ctx_manual")
+
+
+def test_the_hook_offers_three_ways_to_hold_a_lock() -> None:
+    """lock() (heartbeat), lock_session() (many keys, the same heartbeat) and acquire() (manual)."""
+    takes_a_lock = {"lock", "lock_session", "acquire"}
+    public = {
+        name
+        for name in vars(AdvisoryLockHook)
+        if not name.startswith("_") and callable(getattr(AdvisoryLockHook, name))
+    }
+    assert (
+        public & {"try_acquire", "acquire_lock", "lock_without_heartbeat", "session_lock", "transaction_lock"} == set()
+    )
+    assert takes_a_lock <= public

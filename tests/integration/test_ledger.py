@@ -8,11 +8,12 @@ from typing import Any
 import psycopg
 import pytest
 
-from airflow_pglock.exceptions import LockConfigurationError
-from airflow_pglock.hooks import ledger, schema
+from airflow_pglock.exceptions import LockConfigurationError, LockLostError
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 from airflow_pglock.identity import TaskIdentity
 from airflow_pglock.keys import LockKey
+from airflow_pglock.pg import ledger, schema
+from tests.helpers import held_lock
 
 
 @pytest.fixture
@@ -24,13 +25,13 @@ def installed(admin: Any) -> Any:
 
 def test_missing_tables_name_the_command(hook: AdvisoryLockHook, admin: Any) -> None:
     admin.execute("DROP SCHEMA IF EXISTS pglock CASCADE")
-    with hook.lock_without_heartbeat("no-tables") as held:
+    with held_lock(hook, "no-tables") as held:
         assert held is not None
         with pytest.raises(LockConfigurationError, match="airflow-pglock init-db"):
             ledger.completion_for_period(held.connection, held.key, "2026-11-30")
         with pytest.raises(LockConfigurationError, match="airflow-pglock init-db"):
-            ledger.issue_fencing_token(held.connection, held.key, "me")
-    with hook.lock_without_heartbeat("no-tables", mode="transaction") as held:
+            ledger.issue_fencing_token(held.connection, held.key, "me", shared=held.shared, xact_id=held.xact_id)
+    with held_lock(hook, "no-tables", mode="transaction") as held:
         assert held is not None
         with pytest.raises(LockConfigurationError, match="init-db"):
             ledger.last_completion(held.connection, held.key)
@@ -41,21 +42,28 @@ def test_missing_tables_name_the_command(hook: AdvisoryLockHook, admin: Any) -> 
 def test_tokens_only_grow_per_key_and_across_keys(hook: AdvisoryLockHook, installed: Any) -> None:
     tokens = []
     for name in ["fenced", "fenced", "other", "fenced"]:
-        with hook.lock_without_heartbeat(name) as held:
+        with held_lock(hook, name) as held:
             assert held is not None
-            tokens.append(ledger.issue_fencing_token(held.connection, held.key, "test"))
+            tokens.append(
+                ledger.issue_fencing_token(held.connection, held.key, "test", shared=held.shared, xact_id=held.xact_id)
+            )
     assert tokens == sorted(tokens) and len(set(tokens)) == 4
     assert installed.execute("SELECT pglock.current_fencing_token('fenced')").fetchone()[0] == tokens[3]
 
 
 def test_rolled_back_token_is_never_reissued(hook: AdvisoryLockHook, installed: Any) -> None:
-    with pytest.raises(RuntimeError), hook.lock_without_heartbeat("tx-fenced", mode="transaction") as held:
+    with pytest.raises(RuntimeError), held_lock(hook, "tx-fenced", mode="transaction") as held:
         assert held is not None
-        rolled_back = ledger.issue_fencing_token(held.connection, held.key, "first")
+        rolled_back = ledger.issue_fencing_token(
+            held.connection, held.key, "first", shared=held.shared, xact_id=held.xact_id
+        )
         raise RuntimeError("work failed")
-    with hook.lock_without_heartbeat("tx-fenced", mode="transaction") as held:
+    with held_lock(hook, "tx-fenced", mode="transaction") as held:
         assert held is not None
-        assert ledger.issue_fencing_token(held.connection, held.key, "second") > rolled_back
+        assert (
+            ledger.issue_fencing_token(held.connection, held.key, "second", shared=held.shared, xact_id=held.xact_id)
+            > rolled_back
+        )
 
 
 def test_stale_token_write_is_rejected_by_the_sql_helpers(hook: AdvisoryLockHook, installed: Any) -> None:
@@ -65,12 +73,16 @@ def test_stale_token_write_is_rejected_by_the_sql_helpers(hook: AdvisoryLockHook
         " EXECUTE FUNCTION pglock.reject_stale_fencing_token('refresh-forecasts')"
     )
     key = LockKey.from_name("refresh-forecasts")
-    with hook.lock_without_heartbeat(key) as held:
+    with held_lock(hook, key) as held:
         assert held is not None
-        old = ledger.issue_fencing_token(held.connection, key, "old holder")
-    with hook.lock_without_heartbeat(key) as held:
+        old = ledger.issue_fencing_token(
+            held.connection, held.key, "old holder", shared=held.shared, xact_id=held.xact_id
+        )
+    with held_lock(hook, key) as held:
         assert held is not None
-        new = ledger.issue_fencing_token(held.connection, key, "new holder")
+        new = ledger.issue_fencing_token(
+            held.connection, held.key, "new holder", shared=held.shared, xact_id=held.xact_id
+        )
     installed.execute("INSERT INTO forecasts VALUES (1, 20.5, %s)", [new])
     with pytest.raises(psycopg.errors.CheckViolation, match=f"stale fencing token {old}"):
         installed.execute("INSERT INTO forecasts VALUES (1, 19.0, %s)", [old])
@@ -85,9 +97,11 @@ def test_stale_token_write_is_rejected_by_the_sql_helpers(hook: AdvisoryLockHook
 
 def test_a_key_that_never_had_a_token_is_refused(hook: AdvisoryLockHook, installed: Any) -> None:
     """A token is valid only for a key that was issued one: a typo in the key name must not pass."""
-    with hook.lock_without_heartbeat("refresh-forecasts") as held:
+    with held_lock(hook, "refresh-forecasts") as held:
         assert held is not None
-        token = ledger.issue_fencing_token(held.connection, held.key, "holder")
+        token = ledger.issue_fencing_token(
+            held.connection, held.key, "holder", shared=held.shared, xact_id=held.xact_id
+        )
     typo = "no fencing token was ever issued for lock key 'refresh-forecsts'"
     with pytest.raises(psycopg.errors.CheckViolation, match=typo):
         installed.execute("SELECT pglock.assert_fencing_token('refresh-forecsts', %s)", [token])
@@ -113,7 +127,7 @@ def test_a_key_that_never_had_a_token_is_refused(hook: AdvisoryLockHook, install
 def test_completions_on_the_database_clock(hook: AdvisoryLockHook, installed: Any) -> None:
     key = LockKey.from_name("settle")
     identity = TaskIdentity("settlement", "settle", "scheduled__2026-11-30T02:00:00+00:00")
-    with hook.lock_without_heartbeat(key) as held:
+    with held_lock(hook, key) as held:
         assert held is not None
         assert ledger.completion_for_period(held.connection, key, "2026-11-30") is None
         ledger.record_completion(held.connection, key, "2026-11-30", identity, 7)
@@ -122,7 +136,7 @@ def test_completions_on_the_database_clock(hook: AdvisoryLockHook, installed: An
         assert 0 <= done.age_seconds < 60
         assert "by settlement/settle run scheduled__2026-11-30T02:00:00+00:00" in done.describe()
     installed.execute("UPDATE pglock.completions SET completed_at = now() - interval '2 hours'")
-    with hook.lock_without_heartbeat(key) as held:
+    with held_lock(hook, key) as held:
         assert held is not None
         latest = ledger.last_completion(held.connection, key)
         assert latest is not None and 7190 < latest.age_seconds < 7300
@@ -156,3 +170,77 @@ def test_concurrent_init_db_is_safe(dsn: str, admin: Any) -> None:
 @pytest.mark.parametrize("name", ["refresh-forecasts", "北京/导出", "it's", "emoji 🚀"])
 def test_sql_name_key_function_follows_the_keys_rule(installed: Any, name: str) -> None:
     assert installed.execute("SELECT pglock.name_key(%s)", [name]).fetchone()[0] == LockKey.from_name(name).numbers[0]
+
+
+def test_a_token_is_issued_only_while_the_lock_is_held(hook: AdvisoryLockHook, installed: Any) -> None:
+    """The statement that records a token checks the lock itself: a session that no longer holds
+    the key gets no token (None), and the key's newest token stays what it was."""
+    with pytest.raises(LockLostError), held_lock(hook, "fenced-check") as held:
+        assert held is not None
+        first = ledger.issue_fencing_token(
+            held.connection, held.key, "holder", shared=held.shared, xact_id=held.xact_id
+        )
+        assert first is not None
+        held.connection.execute("SELECT pg_advisory_unlock_all()")  # session mode: the key is gone
+        assert (
+            ledger.issue_fencing_token(held.connection, held.key, "holder", shared=held.shared, xact_id=held.xact_id)
+            is None
+        )
+    assert installed.execute("SELECT pglock.current_fencing_token('fenced-check')").fetchone()[0] == first
+    with held_lock(hook, "fenced-check") as held:
+        assert held is not None
+        later = ledger.issue_fencing_token(
+            held.connection, held.key, "next holder", shared=held.shared, xact_id=held.xact_id
+        )
+        assert later is not None and later > first
+
+
+def test_a_transaction_lock_token_issued_aside_checks_the_lock_transaction(
+    hook: AdvisoryLockHook, installed: Any
+) -> None:
+    """Transaction mode issues the token on a side connection: the statement checks that the
+    lock's session still holds the key in the transaction that took it."""
+    with (
+        pytest.raises(psycopg.errors.NoActiveSqlTransaction),  # the lock ended with its transaction
+        held_lock(hook, "fenced-aside", mode="transaction") as held,
+    ):
+        assert held is not None
+        with hook.database.side_connection() as side:
+            token = ledger.issue_fencing_token(
+                side, held.key, "holder", holder_pid=held.server.backend_pid, shared=held.shared, xact_id=held.xact_id
+            )
+            assert token is not None
+            # the same key again, but in a new transaction: not the lock that was taken
+            held.connection.execute("COMMIT")
+            held.connection.execute("BEGIN")
+            held.connection.execute("SELECT pg_advisory_xact_lock(%s::bigint)", held.key.numbers)
+            assert (
+                ledger.issue_fencing_token(
+                    side,
+                    held.key,
+                    "holder",
+                    holder_pid=held.server.backend_pid,
+                    shared=held.shared,
+                    xact_id=held.xact_id,
+                )
+                is None
+            )
+        held.connection.execute("ROLLBACK")
+    assert installed.execute("SELECT pglock.current_fencing_token('fenced-aside')").fetchone()[0] == token
+
+
+def test_a_recorded_token_never_goes_down(hook: AdvisoryLockHook, installed: Any) -> None:
+    """Should the sequence ever lag behind the newest recorded token (set back by hand), the
+    record refuses the smaller number instead of reopening the door to older tokens."""
+    with held_lock(hook, "fenced-down") as held:
+        assert held is not None
+        newest = ledger.issue_fencing_token(
+            held.connection, held.key, "holder", shared=held.shared, xact_id=held.xact_id
+        )
+        assert newest is not None
+        installed.execute("SELECT setval('pglock.fencing_token_seq', 1, false)")
+        assert (
+            ledger.issue_fencing_token(held.connection, held.key, "holder", shared=held.shared, xact_id=held.xact_id)
+            is None
+        )
+    assert installed.execute("SELECT pglock.current_fencing_token('fenced-down')").fetchone()[0] == newest

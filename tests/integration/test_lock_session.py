@@ -6,13 +6,15 @@ import threading
 import time
 from typing import Any
 
+import psycopg
 import pytest
 
 from airflow_pglock.exceptions import InvalidLockKeyError, LockConfigurationError, LockLostError
-from airflow_pglock.guard import LockGuard, LockPolicy
+from airflow_pglock.guard import LockGuard
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 from airflow_pglock.keys import LockKey
 from airflow_pglock.liveness import Liveness
+from airflow_pglock.policy import LockPolicy
 from tests.helpers import advisory_locks, other_sessions
 
 
@@ -191,10 +193,10 @@ def test_threads_sharing_a_session_never_hold_one_key_together(hook: AdvisoryLoc
 
 
 def test_a_guarded_task_handle_locks_sub_keys_on_its_own_connection(hook: AdvisoryLockHook, admin: Any) -> None:
-    other = hook.try_acquire("tenant-export/2")
+    other = hook.acquire("tenant-export/2")
     assert other is not None
     try:
-        with LockGuard(hook, LockKey.from_name("export-all"), LockPolicy()) as lock:
+        with LockGuard(hook.database, LockKey.from_name("export-all"), LockPolicy()) as lock:
             assert lock.try_lock_many(["export-all"]) == []  # the task's own key: busy, never released here
             taken = lock.try_lock_many([f"tenant-export/{n}" for n in range(5)])
             assert [sub.key.name for sub in taken] == [
@@ -210,9 +212,136 @@ def test_a_guarded_task_handle_locks_sub_keys_on_its_own_connection(hook: Adviso
         assert _pids(admin) == [other.server.backend_pid]
     finally:
         other.release()
-    with LockGuard(hook, LockKey.from_name("tx-all"), LockPolicy(mode="transaction")) as lock:
+    with LockGuard(hook.database, LockKey.from_name("tx-all"), LockPolicy(mode="transaction")) as lock:
         with lock.try_lock("tenant-tx/1") as sub:
             assert sub is not None
         with pytest.raises(LockConfigurationError, match="transaction"), lock.lock("tenant-tx/1", timeout=1):
             pass
+    assert advisory_locks(admin) == []
+
+
+# ------------------------------------ a lost session is never a success (issue: lock lifetime, round two)
+
+
+def _other_process_takes(admin: Any, key: str) -> bool:
+    """Whether a session of its own (as another process would) takes ``key``; it lets it go again."""
+    number = LockKey.from_name(key).int64
+    with psycopg.connect(admin.info.dsn, autocommit=True) as other:
+        row = other.execute("SELECT pg_try_advisory_lock(%s)", [number]).fetchone()
+        taken = bool(row and row[0])
+        if taken:  # now: a closed session's backend exits (and frees it) only a moment later
+            other.execute("SELECT pg_advisory_unlock(%s)", [number])
+        return taken
+
+
+@pytest.mark.parametrize("form", ["block-ends", "explicit-release"])
+def test_a_batch_whose_session_was_terminated_fails_at_its_end(hook: AdvisoryLockHook, admin: Any, form: str) -> None:
+    """The how-to's pattern: keys from try_lock_many, the session is terminated, another process
+    takes one of them. Nothing more is asked of the session: its block must still fail (the
+    default lease's heartbeat probes only every 10 s, so the end is what finds it)."""
+    with pytest.raises(LockLostError, match="lock session was lost"), hook.lock_session() as session:
+        subs = session.try_lock_many(["tenant-1", "tenant-2"])
+        assert len(subs) == 2
+        _terminate(admin, session.server.backend_pid)
+        assert _other_process_takes(admin, "tenant-1")  # two holders, if the batch went on
+        if form == "explicit-release":
+            session.release(*subs)
+    assert advisory_locks(admin) == []
+
+
+def test_the_socket_watch_notices_a_terminated_session_long_before_a_probe(dsn: str, admin: Any) -> None:
+    """A 600 s lease: the next probe would come 200 s after the session opened. The server says
+    on the socket that it ended the session; the session knows it within moments."""
+    hook = AdvisoryLockHook(dsn=dsn, liveness=Liveness(lease=600))
+    with pytest.raises(LockLostError, match="terminated"), hook.lock_session() as session:
+        [sub] = session.try_lock_many(["watched"])
+        _terminate(admin, session.server.backend_pid)
+        deadline = time.monotonic() + 60  # generous; a probe would take 200 s
+        while session.lost is None:
+            assert time.monotonic() < deadline, "the loss was not noticed before the next probe"
+            time.sleep(0.05)
+        assert sub.lost is not None and session.held() == []
+        with pytest.raises(LockLostError), session.try_lock("after"):
+            pass
+    assert advisory_locks(admin) == []
+
+
+def test_keys_unlocked_behind_the_sessions_back_fail_the_block(hook: AdvisoryLockHook, admin: Any) -> None:
+    """The session lives, but the final release finds its keys gone (something ran
+    pg_advisory_unlock_all() on its connection) and another process took one: no success."""
+    with pytest.raises(LockLostError, match="found at release"), hook.lock_session() as session:
+        session.try_lock_many(["behind-1", "behind-2"])
+        session.connection.execute("SELECT pg_advisory_unlock_all()")
+        assert _other_process_takes(admin, "behind-1")
+    assert advisory_locks(admin) == []
+
+
+def test_a_key_unlocked_behind_its_with_block_fails_that_block(hook: AdvisoryLockHook, admin: Any) -> None:
+    """``with session.try_lock(k)``: the session lives, but the key was unlocked on its connection
+    during the block (another process took it): the block ends with LockLostError, not silently."""
+    with hook.lock_session() as session:
+        with pytest.raises(LockLostError, match="no longer held"), session.try_lock("behind-block") as sub:
+            assert sub is not None
+            session.connection.execute("SELECT pg_advisory_unlock_all()")
+            assert _other_process_takes(admin, "behind-block")
+        with session.try_lock("released-inside") as sub:  # released by the block itself: no error
+            assert sub is not None and sub.release()
+    assert advisory_locks(admin) == []
+
+
+def test_a_guarded_task_whose_session_ends_under_its_sub_keys_fails(dsn: str, admin: Any) -> None:
+    """The guard's handle keeps behaving: sub-keys on the task's connection, the session
+    terminated, the run fails as lost and nothing is left."""
+    hook = AdvisoryLockHook(dsn=dsn, liveness=Liveness(lease=3))
+    guard = LockGuard(hook.database, LockKey.from_name("guarded-batch"), LockPolicy())
+
+    def work(lock: Any) -> None:
+        assert len(lock.try_lock_many(["guarded-1", "guarded-2"])) == 2
+        with psycopg.connect(admin.info.dsn, autocommit=True) as killer:  # the interrupt may land in it
+            killer.execute("SELECT pg_terminate_backend(%s)", [lock.backend_pid])
+        time.sleep(60)  # interrupted by the heartbeat
+
+    with pytest.raises(LockLostError, match="guarded-batch"):
+        guard.run(work)
+    assert guard.outcome == "lost"
+    deadline = time.monotonic() + 10
+    while advisory_locks(admin):
+        assert time.monotonic() < deadline, advisory_locks(admin)
+        time.sleep(0.05)
+
+
+def test_key_forms_stay_distinct_or_deduplicated_as_postgresql_counts_them(hook: AdvisoryLockHook, admin: Any) -> None:
+    """int64 5 and the pair (0, 5) are different locks; a name and its own int64 are one; a
+    pool's slot ``P#slot2`` is not ``P``."""
+    name_as_int = LockKey.from_int(LockKey.from_name("P").int64)
+    with hook.lock_session() as session:
+        taken = session.try_lock_many([5, (0, 5), "P", "P#slot2", name_as_int])
+        assert [sub.key for sub in taken] == [
+            LockKey.from_int(5),
+            LockKey.from_pair(0, 5),
+            LockKey.from_name("P"),
+            LockKey.from_name("P#slot2"),
+        ]
+        assert _count(admin, session.server.backend_pid) == 4
+        with session.try_lock(name_as_int.int64) as again:
+            assert again is None  # held already, as "P"
+        with session.try_lock("P", shared=True) as shared:
+            assert shared is None
+        assert session.release(name_as_int) is True  # the same lock as "P"
+        assert session.held() == [LockKey.from_int(5), LockKey.from_pair(0, 5), LockKey.from_name("P#slot2")]
+        assert _count(admin, session.server.backend_pid) == 3
+    assert advisory_locks(admin) == []
+
+
+def test_a_wait_longer_than_the_lease_is_not_a_loss(dsn: str, admin: Any) -> None:
+    """A 3 s lease and a 6 s wait: the heartbeat cannot probe the busy connection, asks from a
+    side connection whether the session lives, and keeps it (the server sees it active)."""
+    hook = AdvisoryLockHook(dsn=dsn, liveness=Liveness(lease=3))
+    key = LockKey.from_name("waited-long")
+    admin.execute("SELECT pg_advisory_lock(%s)", [key.int64])
+    threading.Timer(6, lambda: admin.execute("SELECT pg_advisory_unlock(%s)", [key.int64])).start()
+    with hook.lock_session() as session:
+        with session.lock(key, timeout=60) as got:
+            assert got is not None and session.lost is None
+        assert session.lost is None
     assert advisory_locks(admin) == []

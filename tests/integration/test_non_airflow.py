@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
-from tests.helpers import advisory_locks
+from tests.helpers import advisory_locks, held_lock
 
 ROOT = Path(__file__).resolve().parents[2]
 HOWTO = ROOT / "docs" / "howto-non-airflow-service.md"
@@ -54,7 +54,7 @@ def test_the_howto_locks_without_importing_airflow(dsn: str, admin: Any, tmp_pat
     assert "airflow imported: False" in free.stdout
     assert not (tmp_path / "airflow").exists()
     # The same key as the provider's: a lock held through the hook makes the service back off.
-    with AdvisoryLockHook(dsn=dsn).lock_without_heartbeat("billing/close-month") as held:
+    with held_lock(AdvisoryLockHook(dsn=dsn), "billing/close-month") as held:
         assert held is not None
         busy = _run(script, env)
     assert busy.returncode == 1 and "someone else is closing the month" in busy.stderr

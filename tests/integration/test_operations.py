@@ -16,21 +16,15 @@ import psycopg
 import pytest
 
 from airflow_pglock.exceptions import PgLockError
-from airflow_pglock.guard import LockGuard, LockPolicy
+from airflow_pglock.guard import LockGuard
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
-from airflow_pglock.hooks.schema import (
-    LATEST_VERSION,
-    MIGRATIONS,
-    Migration,
-    grant_usage,
-    migrate,
-    registered_names,
-    schema_status,
-)
-from airflow_pglock.identity import TaskIdentity
+from airflow_pglock.identity import TaskIdentity, parse_application_name, run_digest
 from airflow_pglock.keys import NAME_TO_KEY_SQL, LockKey, int64_from_name
-from airflow_pglock.lock_report import collect_lock_report
-from tests.helpers import advisory_locks
+from airflow_pglock.lock_report import UNKNOWN_NAME_REASONS, collect_lock_report
+from airflow_pglock.pg.key_names import registered_names
+from airflow_pglock.pg.schema import LATEST_VERSION, MIGRATIONS, Migration, grant_usage, migrate, schema_status
+from airflow_pglock.policy import LockPolicy
+from tests.helpers import advisory_locks, held_lock
 from tests.ops_helpers import hold, run_cli, scratch_database, with_user
 
 ENTRY_KEYS = {
@@ -40,6 +34,8 @@ ENTRY_KEYS = {
     "mode",
     "pid",
     "application_name",
+    "deployment",
+    "host",
     "airflow",
     "user",
     "client_addr",
@@ -52,7 +48,7 @@ ENTRY_KEYS = {
     "waiters",
     "blocked_by",
 }
-KEY_KEYS = {"name", "names", "name_source", "collision", "kind", "numbers", "pg_locks"}
+KEY_KEYS = {"name", "names", "name_source", "collision", "kind", "numbers", "pg_locks", "name_unknown_reason"}
 REPORT_KEYS = {"database", "server", "server_time", "all_databases", "registry", "filters", "locks", "pools"}
 
 
@@ -71,7 +67,7 @@ def ops_db(ops_dsn: str) -> Iterator[str]:
 
 
 def _guard(dsn: str, key: LockKey, logger: logging.Logger, app: str = "pglock d t manual__x") -> LockGuard:
-    return LockGuard(AdvisoryLockHook(dsn=dsn), key, LockPolicy(), application_name=app, logger=logger)
+    return LockGuard(AdvisoryLockHook(dsn=dsn).database, key, LockPolicy(), application_name=app, logger=logger)
 
 
 # ------------------------------------------------------------------ init-db
@@ -180,7 +176,7 @@ def test_registry_records_names_and_reports_a_collision(ops_db: str, capsys: Any
 
 def test_registry_in_transaction_mode_keeps_the_work_transaction(ops_db: str) -> None:
     hook = AdvisoryLockHook(dsn=ops_db)
-    guard = LockGuard(hook, LockKey.from_name("tx-name"), LockPolicy(mode="transaction"))
+    guard = LockGuard(hook.database, LockKey.from_name("tx-name"), LockPolicy(mode="transaction"))
     with guard as handle:
         assert handle.connection is not None
         handle.connection.execute("CREATE TABLE work_done (id int)")
@@ -196,7 +192,7 @@ def test_a_pool_in_transaction_mode_keeps_the_work_transaction(ops_dsn: str, ver
     with psycopg.connect(ops_dsn, autocommit=True) as conn:
         migrate(conn, MIGRATIONS[:version])
     guard = LockGuard(
-        AdvisoryLockHook(dsn=ops_dsn), LockKey.from_name("tx-pool"), LockPolicy(mode="transaction", slots=2)
+        AdvisoryLockHook(dsn=ops_dsn).database, LockKey.from_name("tx-pool"), LockPolicy(mode="transaction", slots=2)
     )
     with guard as handle:
         assert handle.connection is not None
@@ -239,7 +235,7 @@ def test_a_registry_write_that_fails_at_release_is_reported_and_the_release_goes
         admin.execute(f"CREATE TABLE work_done (id int); GRANT INSERT ON work_done TO {ops_db_role}")
         policy = LockPolicy(mode="transaction") if mode == "transaction" else LockPolicy()
         hook = AdvisoryLockHook(dsn=with_user(ops_dsn, ops_db_role))
-        guard = LockGuard(hook, LockKey.from_name("revoked"), policy, logger=logger)
+        guard = LockGuard(hook.database, LockKey.from_name("revoked"), policy, logger=logger)
         with caplog.at_level(logging.WARNING, logger=logger.name), guard as handle:
             if handle.connection is not None:
                 handle.connection.execute("INSERT INTO work_done VALUES (1)")
@@ -258,7 +254,7 @@ def test_a_name_with_quotes_percent_and_semicolons_is_recorded_as_given(ops_db: 
     end it, quote out of it or be read as a placeholder."""
     name = f"50% off; it's {{x}} $1 %s -- {mode}"
     policy = LockPolicy(mode="transaction") if mode == "transaction" else LockPolicy()
-    with LockGuard(AdvisoryLockHook(dsn=ops_db), LockKey.from_name(name), policy) as handle:
+    with LockGuard(AdvisoryLockHook(dsn=ops_db).database, LockKey.from_name(name), policy) as handle:
         assert handle.backend_pid > 0
     with psycopg.connect(ops_db, autocommit=True) as conn:
         assert [r.name for r in registered_names(conn) or []] == [name]
@@ -266,7 +262,7 @@ def test_a_name_with_quotes_percent_and_semicolons_is_recorded_as_given(ops_db: 
 
 
 def _slot(dsn: str, pool: LockKey, logger: logging.Logger) -> LockGuard:
-    return LockGuard(AdvisoryLockHook(dsn=dsn), pool, LockPolicy(slots=2), logger=logger)
+    return LockGuard(AdvisoryLockHook(dsn=dsn).database, pool, LockPolicy(slots=2), logger=logger)
 
 
 def test_pool_sizes_are_recorded_from_version_4_once_the_role_may(
@@ -301,7 +297,7 @@ def test_pool_sizes_are_recorded_from_version_4_once_the_role_may(
     plain = LockKey.from_name("plain")
     with (
         caplog.at_level(logging.WARNING, logger=logger.name),
-        LockGuard(AdvisoryLockHook(dsn=role_dsn), plain, LockPolicy(), logger=logger),
+        LockGuard(AdvisoryLockHook(dsn=role_dsn).database, plain, LockPolicy(), logger=logger),
     ):
         pass
     assert "WARNING" not in caplog.text  # a plain key never needs UPDATE (slots)
@@ -380,7 +376,9 @@ def test_locks_lists_plain_sessions_waiters_and_filters(ops_dsn: str, capsys: An
             "kind": "int64",
             "numbers": [42],
             "pg_locks": {"classid": 0, "objid": 42, "objsubid": 1},
+            "name_unknown_reason": UNKNOWN_NAME_REASONS["not installed"],
         }
+        assert held["deployment"] is None and held["host"] is None  # not an airflow-pglock session
         assert held["client_addr"] == "127.0.0.1" and held["since"] is not None and held["seconds"] >= 0
         assert held["since_basis"].startswith("session start")
         waiting = by_state[(42, "waiting")]
@@ -396,6 +394,11 @@ def test_locks_lists_plain_sessions_waiters_and_filters(ops_dsn: str, capsys: An
         assert sorted(e["state"] for e in only_42["locks"]) == ["holding", "waiting"]
         table = run_cli("locks", "--dsn", ops_dsn, capsys=capsys)
         assert "3 advisory lock session(s)" in table.out and f"behind {holder.info.backend_pid}" in table.out
+        # A key without a name says why in its row, and the footnote says what to do.
+        rows = [line for line in table.out.splitlines() if line.startswith("?*  ")]
+        assert len(rows) == 3, table.out
+        footnote = "?* = name unknown: run 'airflow-pglock init-db' once; names are recorded when a hold ends"
+        assert footnote in table.out.splitlines(), table.out
     finally:
         holder.close()
         blocked.join(10)
@@ -404,24 +407,31 @@ def test_locks_lists_plain_sessions_waiters_and_filters(ops_dsn: str, capsys: An
 
 
 def test_locks_names_a_task_default_key_from_its_application_name(ops_dsn: str, capsys: Any) -> None:
-    identity = TaskIdentity("nightly_settlement", "settle", "scheduled__2026-01-01T02:00:00+00:00")
+    identity = TaskIdentity(
+        "nightly_settlement", "settle", "scheduled__2026-01-01T02:00:00+00:00", deployment="eu", host="w1"
+    )
     key = LockKey.for_task(identity.dag_id, identity.task_id)
-    held = AdvisoryLockHook(dsn=ops_dsn).try_acquire(key, application_name=identity.application_name())
+    held = AdvisoryLockHook(dsn=ops_dsn).acquire(key, application_name=identity.application_name())
     assert held is not None
     other = hold(ops_dsn, LockKey.from_name("something-else").numbers, application_name="pglock other_dag t run1")
     try:
         data = run_cli("locks", "--dsn", ops_dsn, "--dag", "nightly_settlement", "--output", "json", capsys=capsys)
         [entry] = data.json()["locks"]
+        run_shown = parse_application_name(identity.application_name()).run_id  # type: ignore[union-attr]
         assert entry["key"]["name"] == "nightly_settlement/settle" and entry["key"]["name_source"] == "application_name"
         assert entry["airflow"] == {
             "dag_id": "nightly_settlement",
             "task_id": "settle",
-            "run_id": "scheduled__2026-01-01T02:00:00+00:00",
+            "run_id": run_shown,
             "map_index": -1,
         }
+        # shortened past 63 bytes: the run id's start, then its digest, so it stays unique
+        assert run_shown == f"scheduled__20260101T020~{run_digest(identity.run_id)}"
         assert entry["pid"] == held.server.backend_pid and entry["since_basis"] == "lock session start"
+        assert (entry["deployment"], entry["host"]) == ("eu", "w1")
         by_name = run_cli("locks", "--dsn", ops_dsn, "--key", "nightly_settlement/settle", capsys=capsys)
-        assert "nightly_settlement / settle / scheduled__2026-01-01T02:00:00+00:00" in by_name.out
+        assert f"nightly_settlement / settle / {run_shown}" in by_name.out
+        assert "DEPLOYMENT @ HOST" in by_name.out and " eu @ w1 " in by_name.out
         assert "other_dag" not in by_name.out
     finally:
         held.release()
@@ -435,9 +445,9 @@ def test_hook_locks_name_the_provider_and_the_process(ops_db: str, capsys: Any) 
     import socket
 
     password_dsn = ops_db + " password=s3cret-pw"  # trust auth ignores it; it must not show anywhere
-    first = AdvisoryLockHook(dsn=password_dsn).try_acquire("billing/close-month")
+    first = AdvisoryLockHook(dsn=password_dsn).acquire("billing/close-month")
     assert first is not None and first.release()  # the first hold's release records the name
-    held = AdvisoryLockHook(dsn=password_dsn).try_acquire("billing/close-month")
+    held = AdvisoryLockHook(dsn=password_dsn).acquire("billing/close-month")
     assert held is not None
     try:
         result = run_cli("locks", "--dsn", ops_db, "--key", "billing/close-month", "--output", "json", capsys=capsys)
@@ -445,7 +455,7 @@ def test_hook_locks_name_the_provider_and_the_process(ops_db: str, capsys: Any) 
         assert entry["pid"] == held.server.backend_pid
         assert entry["key"]["name"] == "billing/close-month" and entry["key"]["name_source"] == "registry"
         application_name = entry["application_name"]
-        assert application_name.startswith("pglock-hook ") and f"pid {os.getpid()}" in application_name
+        assert application_name.startswith("pglock-hook:") and f"pid {os.getpid()}" in application_name
         assert socket.gethostname()[:8] in application_name and "s3cret" not in application_name
         assert entry["since_basis"] == "lock session start"  # one session per lock: its start is the lock's
         table = run_cli("locks", "--dsn", ops_db, "--key", "billing/close-month", capsys=capsys)
@@ -454,9 +464,7 @@ def test_hook_locks_name_the_provider_and_the_process(ops_db: str, capsys: Any) 
     finally:
         held.release()
     for which in ("first", "second"):  # the name is recorded as the first hold ends
-        with AdvisoryLockHook(dsn=ops_db).lock_without_heartbeat(
-            "explicit", application_name="billing close-month"
-        ) as named:
+        with held_lock(AdvisoryLockHook(dsn=ops_db), "explicit", application_name="billing close-month") as named:
             assert named is not None
             [entry] = run_cli("locks", "--dsn", ops_db, "--key", "explicit", "--output", "json", capsys=capsys).json()[
                 "locks"
@@ -545,14 +553,18 @@ def test_doctor_on_a_healthy_primary(ops_db: str, capsys: Any) -> None:
         "schema",
         "registry",
     ]
-    assert {name: c["status"] for name, c in checks.items()} == dict.fromkeys(checks, "ok")
+    # The tests connect as a superuser: it works, and doctor points to the least-privilege set-up.
+    assert {name: c["status"] for name, c in checks.items()} == {**dict.fromkeys(checks, "ok"), "privileges": "note"}
+    assert "is a superuser" in checks["privileges"]["summary"]
+    assert "docs/howto-least-privilege.md" in checks["privileges"]["fix"]
     assert "idle_session_timeout=30000ms" in checks["liveness"]["summary"]
     assert "max_locks_per_transaction" in checks["capacity"]["summary"]
     assert "connection slots in use" in checks["connections"]["summary"]
     lease = run_cli("doctor", "--dsn", ops_db, "--lease", "12", "--output", "json", capsys=capsys).json()
     assert "idle_session_timeout=12000ms" in {c["name"]: c for c in lease["checks"]}["liveness"]["summary"]
     table = run_cli("doctor", "--dsn", ops_db, capsys=capsys)
-    assert table.code == 0 and "[OK     ] recovery" in table.out and table.out.rstrip().endswith("result: ok")
+    assert table.code == 0 and "[OK     ] recovery" in table.out and table.out.rstrip().endswith("result: note")
+    assert "[NOTE   ] privileges" in table.out and "fix: connect tasks as a least-privilege role" in table.out
 
 
 def test_doctor_flags_a_role_without_privileges(ops_db: str, ops_db_role: str, capsys: Any) -> None:
@@ -597,7 +609,7 @@ def test_doctor_strict_passes_the_least_privilege_role_of_the_how_to(ops_dsn: st
         conn.execute(statements.replace("'...'", "'lp-secret'"))  # type: ignore[arg-type]  # the how-to's SQL
     role_dsn = with_user(ops_dsn, role)
     try:
-        with AdvisoryLockHook(dsn=role_dsn).lock_without_heartbeat("least-privilege") as held:  # "that is enough"
+        with held_lock(AdvisoryLockHook(dsn=role_dsn), "least-privilege") as held:  # "that is enough"
             assert held is not None
         ready = run_cli("doctor", "--dsn", role_dsn, "--strict", "--output", "json", capsys=capsys)
         assert ready.code == 0, ready.out

@@ -19,9 +19,10 @@ import pytest
 from airflow_pglock.exceptions import LockBusyError
 from airflow_pglock.guard import LockGuard
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
-from airflow_pglock.hooks.schema import migrate, registered_names
 from airflow_pglock.keys import LockKey
 from airflow_pglock.liveness import Liveness
+from airflow_pglock.pg.key_names import registered_names
+from airflow_pglock.pg.schema import migrate
 from airflow_pglock.policy import LockPolicy
 from devtools.relay import Relay
 from tests.ops_helpers import scratch_database
@@ -61,7 +62,9 @@ def test_a_guarded_execution_makes_the_floors_flights(relay: tuple[Relay, str], 
     counter, dsn = relay
 
     def guarded() -> None:
-        with LockGuard(AdvisoryLockHook(dsn=dsn), key, LockPolicy(), logger=logging.getLogger("test")) as handle:
+        with LockGuard(
+            AdvisoryLockHook(dsn=dsn).database, key, LockPolicy(), logger=logging.getLogger("test")
+        ) as handle:
             assert handle.backend_pid > 0
 
     assert _count(counter, guarded) == FLOOR
@@ -72,19 +75,15 @@ def test_hook_forms_make_the_floors_flights(relay: tuple[Relay, str]) -> None:
     counter, dsn = relay
     hook = AdvisoryLockHook(dsn=dsn)
 
-    def lock_without_heartbeat() -> None:
-        with hook.lock_without_heartbeat(LockKey.from_name("round-trips-hook")) as held:
-            assert held is not None
-
-    def try_acquire() -> None:
-        held = hook.try_acquire("round-trips-hook")
+    def acquire() -> None:
+        held = hook.acquire("round-trips-hook")
         assert held is not None and held.release()
 
     def hook_lock() -> None:
         with hook.lock("round-trips-hook") as handle:
             assert handle is not None
 
-    for form in (lock_without_heartbeat, try_acquire, hook_lock):
+    for form in (acquire, hook_lock):
         assert _count(counter, form) == FLOOR, form.__name__
 
 
@@ -96,7 +95,7 @@ def test_busy_is_the_floors_try_and_one_holders_query(relay: tuple[Relay, str], 
         holder.execute("SELECT pg_advisory_lock(%s)", key.numbers)
 
         def busy() -> None:
-            with pytest.raises(LockBusyError), LockGuard(AdvisoryLockHook(dsn=relayed), key, LockPolicy()):
+            with pytest.raises(LockBusyError), LockGuard(AdvisoryLockHook(dsn=relayed).database, key, LockPolicy()):
                 raise AssertionError("must not run")
 
         assert _count(counter, busy) == (FLOOR - 1) + 4  # the lock connection without its unlock; the holders
@@ -118,7 +117,7 @@ def test_with_the_registry_installed_the_write_travels_with_the_release(
         policy = LockPolicy(mode="transaction") if mode == "transaction" else LockPolicy()
 
         def guarded() -> None:
-            with LockGuard(AdvisoryLockHook(dsn=relayed), key, policy, logger=logging.getLogger("test")):
+            with LockGuard(AdvisoryLockHook(dsn=relayed).database, key, policy, logger=logging.getLogger("test")):
                 pass
 
         assert _count(counter, guarded) == FLOOR
@@ -129,7 +128,7 @@ def test_with_the_registry_installed_the_write_travels_with_the_release(
 def test_liveness_settings_travel_in_the_start_up_packet_next_to_the_connections_own(dsn: str) -> None:
     """No statement sets them, and the connection's own ``options`` extra still applies."""
     hook = AdvisoryLockHook(dsn=f"{dsn} options='-c search_path=pglock_test_path'", liveness=Liveness(7))
-    conn, info = hook.open_lock_session("round-trips", "session", inspect=False)
+    conn, info, _ = hook.database.open_lock_session("round-trips", "session", inspect=False)
     try:
         assert not info.behind_pooler
         shown = conn.execute(
@@ -148,7 +147,9 @@ def test_a_transaction_lock_opens_its_transaction_in_its_first_statement(relay: 
     key = LockKey.from_name("round-trips-transaction")
 
     def guarded() -> None:
-        guard = LockGuard(AdvisoryLockHook(dsn=dsn), key, LockPolicy(mode="transaction"), logger=logging.getLogger("t"))
+        guard = LockGuard(
+            AdvisoryLockHook(dsn=dsn).database, key, LockPolicy(mode="transaction"), logger=logging.getLogger("t")
+        )
         with guard as handle:
             assert handle.connection is not None
             isolation = handle.connection.execute("SHOW transaction_isolation").fetchone()

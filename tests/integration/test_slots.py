@@ -14,10 +14,12 @@ import psycopg
 import pytest
 
 from airflow_pglock.exceptions import InvalidLockKeyError, LockBusyError, LockConfigurationError
-from airflow_pglock.guard import LockGuard, LockPolicy
-from airflow_pglock.hooks import lock_session
+from airflow_pglock.guard import LockGuard
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 from airflow_pglock.keys import NAME_TO_KEY_SQL, LockKey, slot_keys
+from airflow_pglock.pg import statements
+from airflow_pglock.pg.release import unlock
+from airflow_pglock.policy import LockPolicy
 
 POOL = LockKey.from_name("race-pool")
 SLOTS = 3
@@ -58,11 +60,11 @@ def _racer(dsn: str, worker: int, seed: int, start: Any, tried: Any, errors: Any
                     "UPDATE slot_holds SET exited = clock_timestamp() WHERE phase = %s AND round = %s AND worker = %s",
                     [phase, round_no, worker],
                 )
-                assert lock_session.unlock(conn, pool[slot]), f"worker {worker} lost slot {slot + 1}"
+                assert unlock(conn, pool[slot]), f"worker {worker} lost slot {slot + 1}"
 
             for round_no in range(ROUNDS):
                 start.wait()
-                slot = lock_session.try_slot(conn, pool)
+                slot = statements.try_slot(conn, pool)
                 if slot is not None:
                     hold("rounds", round_no, slot)
                 tried.wait()  # every contender has tried while the holders hold
@@ -72,7 +74,7 @@ def _racer(dsn: str, worker: int, seed: int, start: Any, tried: Any, errors: Any
             attempt = 0
             while time.monotonic() < deadline:
                 attempt += 1
-                slot = lock_session.try_slot(conn, pool)
+                slot = statements.try_slot(conn, pool)
                 if slot is not None:
                     hold("free", attempt, slot)
                     time.sleep(rng.uniform(0, 0.004))
@@ -155,13 +157,13 @@ def test_a_full_pool_is_busy_naming_every_holder_and_a_freed_slot_is_taken(
     pool = LockKey.from_name(f"exports-{mode}")
     keys = slot_keys(pool, 3)
     policy = LockPolicy(mode=mode, slots=3)  # type: ignore[arg-type]
-    guards = [LockGuard(hook, pool, policy, application_name=f"exporter-{n}") for n in range(3)]
+    guards = [LockGuard(hook.database, pool, policy, application_name=f"exporter-{n}") for n in range(3)]
     handles = [guard.__enter__() for guard in guards]
     try:
         assert sorted(handle.key.name or "" for handle in handles) == sorted(key.name or "" for key in keys)
         assert len(_holding_pids(admin, keys)) == 3
         with pytest.raises(LockBusyError) as busy:
-            LockGuard(hook, pool, policy, application_name="fourth").__enter__()
+            LockGuard(hook.database, pool, policy, application_name="fourth").__enter__()
         message = str(busy.value)
         assert "all 3 slots of the pool" in message
         for handle in handles:
@@ -169,7 +171,7 @@ def test_a_full_pool_is_busy_naming_every_holder_and_a_freed_slot_is_taken(
         assert {holder.pid for holder in busy.value.holders} == {handle.backend_pid for handle in handles}
         freed = handles[1].key
         guards[1].__exit__(None, None, None)
-        fourth = LockGuard(hook, pool, policy, application_name="fourth")
+        fourth = LockGuard(hook.database, pool, policy, application_name="fourth")
         with fourth as handle:
             assert handle.key == freed  # the first free slot, the one just released
     finally:
@@ -180,24 +182,26 @@ def test_a_full_pool_is_busy_naming_every_holder_and_a_freed_slot_is_taken(
 
 def test_wait_takes_a_slot_freed_during_the_wait(hook: AdvisoryLockHook, dsn: str) -> None:
     pool = LockKey.from_name("exports-wait")
-    holders = [hook.acquire_lock(pool, shared=False, scope="session", timeout=None, application_name=None, slots=2)]
-    holders.append(hook.acquire_lock(pool, shared=False, scope="session", timeout=None, application_name=None, slots=2))
+    holders = [hook.acquire(pool, slots=2)]
+    holders.append(hook.acquire(pool, slots=2))
     assert all(held is not None for held in holders)
     assert {held.key for held in holders if held} == set(slot_keys(pool, 2))
     started = time.monotonic()
-    skipping = LockGuard(hook, pool, LockPolicy(on_busy="wait", wait_timeout=0.5, slots=2))
+    skipping = LockGuard(hook.database, pool, LockPolicy(on_busy="wait", wait_timeout=0.5, slots=2))
     with pytest.raises(LockBusyError, match=r"after waiting 0\.5 s"):
         skipping.__enter__()
     assert time.monotonic() - started >= 0.5
     assert skipping.outcome == "skipped"
-    failing = LockGuard(hook, pool, LockPolicy(on_busy="wait", wait_timeout=0.2, slots=2, on_wait_timeout="fail"))
+    failing = LockGuard(
+        hook.database, pool, LockPolicy(on_busy="wait", wait_timeout=0.2, slots=2, on_wait_timeout="fail")
+    )
     with pytest.raises(LockBusyError, match=r"after waiting 0\.2 s"):
         failing.__enter__()
     assert failing.outcome == "failed"  # the task fails: so does its outcome line
     timer = threading.Timer(0.5, holders[0].release)  # type: ignore[union-attr]
     timer.start()
     try:
-        with LockGuard(hook, pool, LockPolicy(on_busy="wait", wait_timeout=30, slots=2)) as handle:
+        with LockGuard(hook.database, pool, LockPolicy(on_busy="wait", wait_timeout=30, slots=2)) as handle:
             assert handle.key == holders[0].key  # type: ignore[union-attr]
     finally:
         timer.join()
@@ -206,17 +210,18 @@ def test_wait_takes_a_slot_freed_during_the_wait(hook: AdvisoryLockHook, dsn: st
 
 
 def test_slots_1_is_the_plain_lock_on_the_same_key(hook: AdvisoryLockHook) -> None:
+    """Slot 1 of a pool is the pool's plain key; while a plain holder holds it, a pool of its name
+    is refused before any slot is taken (it used to get slot 2 beside the plain holder)."""
     key = LockKey.from_name("plain-or-pool")
-    with LockGuard(hook, key, LockPolicy()) as handle:
+    assert slot_keys(key, 2)[0] == key and slot_keys(key, 1) == [key]
+    with LockGuard(hook.database, key, LockPolicy()) as handle:
         assert handle.key == key
-        with pytest.raises(LockBusyError, match="all 2 slots") as busy:
-            held = hook.acquire_lock(key, shared=False, scope="session", timeout=None, application_name=None, slots=2)
-            assert held is not None and held.key.name == "plain-or-pool#slot2"  # slot 1 is the plain lock
-            try:
-                LockGuard(hook, key, LockPolicy(slots=2)).__enter__()
-            finally:
-                held.release()
-        assert busy.value.key == key
+        with pytest.raises(LockConfigurationError, match="refused a pool of slots=2 on key 'plain-or-pool'"):
+            hook.acquire(key, slots=2)
+        with pytest.raises(LockConfigurationError, match="plain key of that name"):
+            LockGuard(hook.database, key, LockPolicy(slots=2)).__enter__()
+    with LockGuard(hook.database, key, LockPolicy(slots=2)) as handle:  # alone, the pool takes slot 1: the plain key
+        assert handle.key == key
 
 
 @pytest.mark.parametrize(
@@ -236,7 +241,7 @@ def test_bad_slot_options_are_refused_before_any_io(options: dict[str, Any], mes
 def test_a_numeric_pool_is_refused_before_any_io() -> None:
     hook = AdvisoryLockHook(dsn="host=/nonexistent-socket-dir dbname=nothing")  # any I/O would fail differently
     with pytest.raises(InvalidLockKeyError, match="slots=2 needs a key name"):
-        hook.acquire_lock(7, shared=False, scope="session", timeout=None, application_name=None, slots=2)
+        hook.acquire(7, slots=2)
 
 
 def test_key_slots_prints_the_slot_keys_and_sql_that_takes_them(admin: Any) -> None:
@@ -281,13 +286,8 @@ def test_locks_shows_a_pool_as_one_row_with_its_holders(dsn: str, holder_hook: A
 
     from airflow_pglock.cli.main import main
 
-    held = [
-        holder_hook.acquire_lock(
-            "report-pool", shared=False, scope="session", timeout=None, application_name=f"exporter {n}", slots=3
-        )
-        for n in range(2)
-    ]
-    other = holder_hook.try_acquire("not-in-the-pool")
+    held = [holder_hook.acquire("report-pool", application_name=f"exporter {n}", slots=3) for n in range(2)]
+    other = holder_hook.acquire("not-in-the-pool")
     try:
         out = io.StringIO()
         assert main(["locks", "--dsn", dsn, "--pool", "report-pool", "--slots", "3", "--output", "json"], out) == 0
@@ -310,7 +310,7 @@ def test_locks_shows_a_pool_as_one_row_with_its_holders(dsn: str, holder_hook: A
 @pytest.fixture
 def registry_dsn(pg_server: str) -> Any:
     """A database of its own with init-db done (the key-name registry records each pool's size)."""
-    from airflow_pglock.hooks.schema import migrate
+    from airflow_pglock.pg.schema import migrate
     from tests.ops_helpers import scratch_database
 
     with scratch_database(pg_server, prefix="pglock_pools") as scratch:
@@ -323,7 +323,9 @@ def _guarded_slot(dsn: str, pool: str, slots: int, dag: str) -> LockGuard:
     from airflow_pglock.identity import TaskIdentity
 
     app = TaskIdentity(dag, "export", "manual__2026-11-30T00:00:00+00:00", -1).application_name()
-    guard = LockGuard(AdvisoryLockHook(dsn=dsn), LockKey.from_name(pool), LockPolicy(slots=slots), application_name=app)
+    guard = LockGuard(
+        AdvisoryLockHook(dsn=dsn).database, LockKey.from_name(pool), LockPolicy(slots=slots), application_name=app
+    )
     guard.__enter__()
     return guard
 
@@ -353,9 +355,11 @@ def test_locks_groups_every_registered_pool_into_one_row_without_being_told_n(re
     # A service outside Airflow takes slot 3 with plain SQL: no registry row of its own.
     cron = psycopg.connect(registry_dsn, autocommit=True, application_name="cron exporter")
     cron.execute("SELECT pg_advisory_lock(%s)", slot_keys(LockKey.from_name("report-pool"), 3)[2].numbers)
-    earlier = AdvisoryLockHook(dsn=registry_dsn).try_acquire("not-in-the-pool")
+    cron4 = psycopg.connect(registry_dsn, autocommit=True, application_name="cron exporter 4")
+    admin = psycopg.connect(registry_dsn, autocommit=True)
+    earlier = AdvisoryLockHook(dsn=registry_dsn).acquire("not-in-the-pool")
     assert earlier is not None and earlier.release()  # records its name
-    other = AdvisoryLockHook(dsn=registry_dsn).try_acquire("not-in-the-pool")
+    other = AdvisoryLockHook(dsn=registry_dsn).acquire("not-in-the-pool")
     try:
         data = _locks(registry_dsn, "--output", "json")
         [pool] = data["pools"]
@@ -385,13 +389,17 @@ def test_locks_groups_every_registered_pool_into_one_row_without_being_told_n(re
         assert [e["key"]["name"] for e in by_dag["locks"]] == ["report-pool#slot2"]
         assert _locks(registry_dsn, "--key", "not-in-the-pool", "--output", "json")["pools"] == []
 
-        # A deployment that says slots=4: it takes slot 4, and the disagreement is shown once a
-        # hold that says 4 has ended (the size is recorded with the release).
-        apac = _guarded_slot(registry_dsn, "report-pool", 4, "exports_apac")
-        [pool] = _locks(registry_dsn, "--output", "json")["pools"]
-        assert pool["slots"] == 3 and pool["held"] == 3  # slot 4 is not known to be the pool's yet
-        apac.__exit__(None, None, None)
-        guards.append(_guarded_slot(registry_dsn, "report-pool", 4, "exports_apac"))
+        # A deployment that says slots=4 while the pool of 3 is held is refused before any slot.
+        with pytest.raises(LockConfigurationError, match="refused a pool of slots=4 on key 'report-pool'"):
+            _guarded_slot(registry_dsn, "report-pool", 4, "exports_apac")
+        # The registry may still say 4 for a slot (recorded by a hold of another time), here held by
+        # a service outside Airflow: `locks` shows the disagreement.
+        slot4 = slot_keys(LockKey.from_name("report-pool"), 4)[3]
+        admin.execute(
+            "INSERT INTO pglock.key_names (objsubid, classid, objid, name, slots) VALUES (%s, %s, %s, %s, 4)",
+            [slot4.pg_locks[2], slot4.pg_locks[0], slot4.pg_locks[1], slot4.name],
+        )
+        cron4.execute("SELECT pg_advisory_lock(%s)", slot4.numbers)
         [pool] = _locks(registry_dsn, "--output", "json")["pools"]
         assert pool["slots"] == 4 and pool["slots_recorded"] == [3, 4] and pool["held"] == 4
         assert pool["summary"].startswith("4 of 4 held (deployments recorded different sizes: 3, 4;")
@@ -399,6 +407,9 @@ def test_locks_groups_every_registered_pool_into_one_row_without_being_told_n(re
         for guard in guards:
             guard.__exit__(None, None, None)
         cron.close()
+        cron4.close()
+        admin.execute("DELETE FROM pglock.key_names WHERE name = 'report-pool#slot4'")
+        admin.close()
         if other is not None:
             other.release()
     # The pool grown to 5: slot 1's row (recorded with 3) now says 5, and so does the row.
@@ -412,10 +423,7 @@ def test_locks_groups_every_registered_pool_into_one_row_without_being_told_n(re
 
 
 def test_without_the_registry_pool_slots_stay_separate_rows(dsn: str, hook: AdvisoryLockHook) -> None:
-    held = [
-        hook.acquire_lock("plain-pool", shared=False, scope="session", timeout=None, application_name=None, slots=2)
-        for _ in range(2)
-    ]
+    held = [hook.acquire("plain-pool", slots=2) for _ in range(2)]
     try:
         data = _locks(dsn, "--output", "json")
         assert data["registry"] == "not installed" and data["pools"] == []
@@ -440,13 +448,13 @@ def test_a_lost_slot_interrupts_the_work_and_names_the_slot(dsn: str, admin: Any
 
     hook = AdvisoryLockHook(dsn=dsn, liveness=Liveness(lease=3))
     pool = LockKey.from_name("lost-pool")
-    other = hook.acquire_lock(pool, shared=False, scope="session", timeout=None, application_name=None, slots=2)
+    other = hook.acquire(pool, slots=2)
     assert other is not None
     started = time.monotonic()
     try:
         with (
             pytest.raises(LockLostError, match="lost-pool#slot2"),
-            LockGuard(hook, pool, LockPolicy(slots=2)) as handle,
+            LockGuard(hook.database, pool, LockPolicy(slots=2)) as handle,
         ):
             assert handle.key.name == "lost-pool#slot2"
             threading.Thread(target=_terminate_aside, args=(dsn, handle.backend_pid), daemon=True).start()
@@ -455,3 +463,199 @@ def test_a_lost_slot_interrupts_the_work_and_names_the_slot(dsn: str, admin: Any
             raise AssertionError("the lost slot did not interrupt the block")
     finally:
         other.release()
+
+
+# ------------------------------------------- pool sizes checked at run time (issue round two, row 6)
+
+
+def _enter(hook: AdvisoryLockHook, key: str, mode: str = "session", slots: int = 1, app: str = "t") -> LockGuard:
+    guard = LockGuard(hook.database, LockKey.from_name(key), LockPolicy(mode=mode, slots=slots), application_name=app)  # type: ignore[arg-type]
+    guard.__enter__()
+    return guard
+
+
+def _advisory_pids(admin: Any, expected: set[int] | None = None) -> set[int]:
+    """The pids holding an advisory lock; with ``expected``, polled until they are those (a closed
+    session's backend exits asynchronously) or 10 s passed."""
+    deadline = time.monotonic() + 10
+    while True:
+        rows = admin.execute(
+            "SELECT DISTINCT pid FROM pg_locks WHERE locktype = 'advisory' AND granted"
+            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+        ).fetchall()
+        pids = {row[0] for row in rows}
+        if expected is None or pids == expected or time.monotonic() > deadline:
+            return pids
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("mode", ["session", "transaction"])
+def test_a_pool_of_another_size_is_refused_before_any_slot_is_taken(
+    hook: AdvisoryLockHook, admin: Any, mode: str
+) -> None:
+    """slots=3 holders, then slots=5 under the same name: the 5 is refused (a configuration error
+    naming the pool, both sizes and the holder), not given a fourth slot."""
+    holders = [_enter(hook, "sized-exports", mode, 3, app=f"exports-3-{n}") for n in range(2)]
+    try:
+        pids_before = _advisory_pids(admin)
+        for other in (5, 2):
+            with pytest.raises(LockConfigurationError) as refused:
+                _enter(hook, "sized-exports", mode, other, app=f"exports-{other}")
+            message = str(refused.value)
+            assert f"refused a pool of slots={other} on key 'sized-exports'" in message
+            assert "in use right now as a pool of slots=3" in message
+            assert "application_name 'exports-3-" in message and "pid " in message
+            assert _advisory_pids(admin, pids_before) == pids_before  # the refused session took nothing, is gone
+        third = _enter(hook, "sized-exports", mode, 3, app="exports-3-2")  # the same size still gets its slot
+        holders.append(third)
+        with pytest.raises(LockBusyError, match="all 3 slots"):  # and a full pool is busy, as before
+            _enter(hook, "sized-exports", mode, 3)
+    finally:
+        for guard in holders:
+            guard.__exit__(None, None, None)
+    with _enter_context(hook, "sized-exports", mode, 5) as handle:  # nobody holds the 3 any more: 5 is fine now
+        assert handle.key.name == "sized-exports"
+
+
+def _enter_context(hook: AdvisoryLockHook, key: str, mode: str, slots: int) -> LockGuard:
+    return LockGuard(hook.database, LockKey.from_name(key), LockPolicy(mode=mode, slots=slots))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mode", ["session", "transaction"])
+def test_a_plain_key_and_a_pool_of_its_name_refuse_each_other(hook: AdvisoryLockHook, admin: Any, mode: str) -> None:
+    """The e7 scenario: a plain ``exports``, then slots=3 and slots=5 pools of that name used to
+    make four sessions hold an ``exports`` key at once. Now only the first user of the name holds."""
+    plain = _enter(hook, "mixed-exports", mode, app="plain exporter")
+    try:
+        for slots in (3, 5):
+            with pytest.raises(
+                LockConfigurationError, match=rf"refused a pool of slots={slots} .*plain key of that name"
+            ):
+                _enter(hook, "mixed-exports", mode, slots)
+        with pytest.raises(LockBusyError):  # another plain holder of the name: busy, as ever
+            _enter(hook, "mixed-exports", mode)
+        with _enter_context(hook, "mixed-exports#slot2", mode, 1) as handle:  # P and P#slot2 stay distinct
+            assert handle.key.name == "mixed-exports#slot2"
+        assert plain.held is not None
+        pid = plain.held.server.backend_pid
+        assert _advisory_pids(admin, {pid}) == {pid}
+    finally:
+        plain.__exit__(None, None, None)
+    # The other way round: pool holders first; a plain key of the name is refused, not "busy",
+    # whether slot 1 (the plain key itself) is held or free.
+    first, second = _enter(hook, "mixed-exports", mode, 3, app="pool-1"), _enter(hook, "mixed-exports", mode, 3)
+    try:
+        expected = r"refused a plain key .*in use right now as a pool"
+        with pytest.raises(LockConfigurationError, match=expected) as refused:
+            _enter(hook, "mixed-exports", mode)
+        assert "application_name 'pool-1'" in str(refused.value)
+        first.__exit__(None, None, None)  # slot 1 is free now, slot 2 still held
+        with pytest.raises(LockConfigurationError, match="refused a plain key"):
+            _enter(hook, "mixed-exports", mode)
+        waiting = LockGuard(
+            hook.database, LockKey.from_name("mixed-exports"), LockPolicy(on_busy="wait", wait_timeout=5)
+        )
+        with pytest.raises(LockConfigurationError, match="refused a plain key"):
+            waiting.__enter__()
+    finally:
+        second.__exit__(None, None, None)
+    with _enter_context(hook, "mixed-exports", mode, 1) as handle:  # no pool any more: the plain key is free
+        assert handle.key.name == "mixed-exports"
+
+
+def test_a_foreign_program_holding_a_marker_key_is_a_refusal_and_pairs_do_not_interfere(
+    hook: AdvisoryLockHook, admin: Any
+) -> None:
+    """The markers are int64 keys whose high half is a hash of the pool's name: another program's
+    int64 key that happens to be one is named in the refusal; its (int32, int32) pairs, a key
+    space of their own, never meet a marker."""
+    from airflow_pglock.keys import pool_presence_marker, pool_size_marker
+
+    pool = LockKey.from_name("marker-exports")
+    marker = pool_size_marker(pool, 3)
+    classid, objid, objsubid = marker.pg_locks
+    assert (objid, objsubid) == (3, 1) and pool_presence_marker(pool).pg_locks == (classid, 0, 1)
+    first, second = classid - 2**32 if classid > 2**31 - 1 else classid, 3
+    with psycopg.connect(admin.info.dsn, autocommit=True, application_name="other program") as other:
+        other.execute(
+            "SELECT pg_advisory_lock(%s::integer, %s::integer)", [first, second]
+        )  # the same numbers, as a pair
+        with _enter_context(hook, "marker-exports", "session", 3) as handle:
+            assert handle.key == pool
+        other.execute("SELECT pg_advisory_unlock_all()")
+        other.execute("SELECT pg_advisory_lock(%s::bigint)", [marker.int64])
+        with pytest.raises(LockConfigurationError, match="another program whose own int64 key") as refused:
+            _enter(hook, "marker-exports", "session", 3)
+        assert "application_name 'other program'" in str(refused.value)
+
+
+def _pool_racer(dsn: str, name: str, slots: int, rounds: int, start: Any, done: Any, out: Any) -> None:
+    hook = AdvisoryLockHook(dsn=dsn)
+    for round_no in range(rounds):
+        start.wait(timeout=120)
+        held = None
+        try:
+            held = hook.acquire(name, slots=slots)
+            out.put((round_no, slots, "held" if held is not None else "busy"))
+        except LockConfigurationError:
+            out.put((round_no, slots, "refused"))
+        except Exception as error:  # reported by the test, which then fails
+            out.put((round_no, slots, f"error {type(error).__name__}: {error}"))
+        done.wait(timeout=120)  # every racer has tried while the holders hold
+        if held is not None:
+            held.release()
+
+
+@pytest.mark.slow
+def test_racing_pools_of_two_sizes_and_a_plain_key_never_both_pass(dsn: str, admin: Any) -> None:
+    """Holders of one name with sizes 2, 3 and 1 (a plain key) start at the same instant, round
+    after round: in no round do two different sizes both hold (both may be refused)."""
+    rounds = 60
+    sizes = [1, 2, 2, 3, 3]
+    context = multiprocessing.get_context("spawn")
+    start, done, out = context.Barrier(len(sizes)), context.Barrier(len(sizes)), context.Queue()
+    racers = [
+        context.Process(target=_pool_racer, args=(dsn, "raced-sizes", slots, rounds, start, done, out))
+        for slots in sizes
+    ]
+    for racer in racers:
+        racer.start()
+    results = [out.get(timeout=300) for _ in range(rounds * len(sizes))]
+    for racer in racers:
+        racer.join(60)
+        assert racer.exitcode == 0
+    assert [what for _, _, what in results if what.startswith("error")] == []
+    by_round: dict[int, set[int]] = {}
+    for round_no, slots, what in results:
+        if what == "held":
+            by_round.setdefault(round_no, set()).add(slots)
+    assert all(len(held_sizes) == 1 for held_sizes in by_round.values()), by_round
+    held_counts: dict[tuple[int, int], int] = {}
+    for round_no, slots, what in results:
+        if what == "held":
+            held_counts[(round_no, slots)] = held_counts.get((round_no, slots), 0) + 1
+    assert all(count <= slots for (_, slots), count in held_counts.items()), held_counts
+    assert any(what == "refused" for _, _, what in results)
+
+
+@pytest.mark.slow
+def test_racing_plain_holders_of_one_name_are_busy_never_refused(dsn: str, admin: Any) -> None:
+    """Plain holders of a name check the pool's presence marker with a momentary exclusive try,
+    which fails while another plain holder makes the same try: that is never a refusal."""
+    rounds = 80
+    racers_count = 5
+    context = multiprocessing.get_context("spawn")
+    start, done, out = context.Barrier(racers_count), context.Barrier(racers_count), context.Queue()
+    racers = [
+        context.Process(target=_pool_racer, args=(dsn, "raced-plain", 1, rounds, start, done, out))
+        for _ in range(racers_count)
+    ]
+    for racer in racers:
+        racer.start()
+    results = [out.get(timeout=300) for _ in range(rounds * racers_count)]
+    for racer in racers:
+        racer.join(60)
+        assert racer.exitcode == 0
+    assert [what for _, _, what in results if what not in ("held", "busy")] == []
+    held = [round_no for round_no, _, what in results if what == "held"]
+    assert sorted(held) == list(range(rounds))  # one holder a round

@@ -8,9 +8,12 @@ import asyncio
 import time
 from typing import Any
 
-from airflow_pglock.hooks import wakeups
+import pytest
+
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 from airflow_pglock.keys import LockKey
+from airflow_pglock.pg import statements, wakeups
+from airflow_pglock.pg.release import unlock
 from airflow_pglock.triggers.advisory_lock import FREE, AdvisoryLockTrigger
 from tests.helpers import TEST_CONN_ID
 
@@ -23,7 +26,7 @@ def test_the_unlock_statement_announces_the_release(dsn: str, holder_hook: Advis
     key = LockKey.from_name("wakeups/announced")
     with psycopg.connect(dsn, autocommit=True) as listener:
         listener.execute(f"LISTEN {wakeups.RELEASED_CHANNEL}")
-        held = holder_hook.try_acquire(key, application_name="announcer")
+        held = holder_hook.acquire(key, application_name="announcer")
         assert held is not None
         assert held.release() is True  # the unlock still says whether the key was held
         notes = list(listener.notifies(timeout=5, stop_after=1))
@@ -34,8 +37,10 @@ def test_two_hundred_waiting_triggers_share_one_connection(
     airflow_db: Any, holder_hook: AdvisoryLockHook, admin: Any
 ) -> None:
     keys = [LockKey.from_name(f"wakeups/{n}") for n in range(WAITERS)]
-    holder = holder_hook.connect("provider holder")  # one session holds the 200 keys, released by the hook's unlock
-    assert all(holder_hook.try_lock(holder, key) for key in keys)
+    holder = holder_hook.database.connect(
+        "provider holder"
+    )  # one session holds the 200 keys, released by the hook's unlock
+    assert all(statements.try_lock(holder, key) for key in keys)
     foreign_key = LockKey.from_name("wakeups/foreign")
     admin.execute("SELECT pg_advisory_lock(%s)", [foreign_key.int64])  # a holder that announces nothing
 
@@ -54,7 +59,7 @@ def test_two_hundred_waiting_triggers_share_one_connection(
             ).fetchone()
         )
         released = time.monotonic()
-        await asyncio.to_thread(lambda: [holder_hook.unlock(holder, key) for key in keys])
+        await asyncio.to_thread(lambda: [unlock(holder, key) for key in keys])
         await asyncio.to_thread(lambda: admin.execute("SELECT pg_advisory_unlock(%s)", [foreign_key.int64]))
         statuses = await asyncio.gather(*tasks)
         return statuses, row[0] if row else None, time.monotonic() - released
@@ -72,3 +77,269 @@ async def _first_event(trigger: AdvisoryLockTrigger) -> str:
     async for event in trigger.run():
         return str(event.payload["status"])
     raise AssertionError("the trigger ended without an event")
+
+
+# ------------------------------------------------------------------ foreign input, hub faults
+# Anyone who may connect can NOTIFY the channel. Each scenario waits with a long deadline
+# and poll interval (LONG), so only a wake-up or the hub's own re-check can fire the
+# trigger before them; FIRE_WITHIN bounds the wait for its event, well before LONG.
+
+LONG = 120.0
+FIRE_WITHIN = 60.0
+HUB = "airflow-pglock wakeups"
+
+
+def _trigger(key: LockKey, conn_id: str = TEST_CONN_ID, deadline: float | None = LONG) -> AdvisoryLockTrigger:
+    return AdvisoryLockTrigger.for_key(
+        key, postgres_conn_id=conn_id, poll_interval=LONG, deadline=None if deadline is None else time.time() + deadline
+    )
+
+
+def _hub_ready(conn: Any) -> int:
+    """The pid of the hub's connection once it is listening and has read pg_locks (idle after that read)."""
+    limit = time.monotonic() + FIRE_WITHIN
+    while time.monotonic() < limit:
+        row = conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE application_name = %s AND state = 'idle'"
+            " AND query LIKE %s AND datname = current_database()",
+            [HUB, "%pg_locks%"],
+        ).fetchone()
+        if row:
+            return int(row[0])
+        time.sleep(0.02)
+    raise AssertionError("the wake-up hub never listened and read pg_locks")
+
+
+def _notify(conn: Any, *payloads: str) -> None:
+    """A foreign client's NOTIFYs (one transaction: identical payloads in it are sent once)."""
+    conn.execute("SELECT pg_notify(%s, p) FROM unnest(%s::text[]) AS p", [wakeups.RELEASED_CHANNEL, list(payloads)])
+
+
+async def _fires_after(trigger: AdvisoryLockTrigger, conn: Any, *steps: Any) -> dict[str, Any]:
+    """Start the trigger, run ``steps`` (in a thread, in order) once its hub is ready, return its first event."""
+    fired = asyncio.create_task(_first_payload(trigger))
+    await asyncio.to_thread(_hub_ready, conn)
+    for step in steps:
+        await asyncio.to_thread(step)
+    return await asyncio.wait_for(fired, FIRE_WITHIN)
+
+
+async def _first_payload(trigger: AdvisoryLockTrigger) -> dict[str, Any]:
+    async for event in trigger.run():
+        return dict(event.payload)
+    raise AssertionError("the trigger ended without an event")
+
+
+BAD_PAYLOADS = ["²/0/1", "0/0/²", "/".join(["9" * 5000, "0", "1"]), "9" * 4301 + "/0/1"]
+
+
+@pytest.mark.parametrize("bad", BAD_PAYLOADS, ids=lambda text: f"{text[:6]!a}_len{len(text)}")
+def test_a_foreign_payload_int_cannot_read_does_not_stop_the_wakeups(
+    airflow_db: Any, holder_hook: AdvisoryLockHook, admin: Any, bad: str
+) -> None:
+    key = LockKey.from_name("wakeups/bad-payload")
+    held = holder_hook.acquire(key, application_name="announcer")
+    assert held is not None
+    event = asyncio.run(_fires_after(_trigger(key), admin, lambda: _notify(admin, bad), held.release))
+    assert event["status"] == FREE, event
+
+
+def test_a_flood_of_foreign_payloads_does_not_stop_the_wakeups(
+    airflow_db: Any, holder_hook: AdvisoryLockHook, admin: Any
+) -> None:
+    from tests.unit.test_wakeup_payload import FOREIGN
+
+    sendable = [text for text in FOREIGN if "\x00" not in text and not any(0xD800 <= ord(c) <= 0xDFFF for c in text)]
+    key = LockKey.from_name("wakeups/flood")
+    held = holder_hook.acquire(key, application_name="announcer")
+    assert held is not None
+    other = LockKey.from_name("wakeups/flood-not-waited-for")  # well-formed, for a key nobody waits on
+
+    def flood() -> None:
+        for _ in range(50):
+            _notify(admin, *sendable, wakeups.payload(other))
+
+    event = asyncio.run(_fires_after(_trigger(key, deadline=None), admin, flood, held.release))
+    assert event["status"] == FREE, event
+
+
+def test_a_payload_not_in_the_databases_encoding_does_not_stop_the_wakeups(
+    airflow_db: Any, pg_server: str, admin: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a SQL_ASCII lock database the server passes any byte on: psycopg cannot decode it."""
+    import psycopg
+    from psycopg import sql
+
+    from airflow_pglock.liveness import Liveness
+
+    name = "pglock_tests_sql_ascii"
+    info = psycopg.conninfo.conninfo_to_dict(pg_server)
+    with psycopg.connect(pg_server, autocommit=True) as server:
+        server.execute(sql.SQL("DROP DATABASE IF EXISTS {}").format(sql.Identifier(name)))
+        server.execute(
+            sql.SQL("CREATE DATABASE {} ENCODING 'SQL_ASCII' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0").format(
+                sql.Identifier(name)
+            )
+        )
+    ascii_dsn = psycopg.conninfo.make_conninfo(**{**info, "dbname": name})
+    uri = f"postgresql://{info.get('user', 'postgres')}@{info.get('host', '127.0.0.1')}:{info.get('port', 5432)}/{name}"
+    monkeypatch.setenv("AIRFLOW_CONN_PGLOCK_TEST_ASCII", uri)
+    key = LockKey.from_name("wakeups/undecodable")
+    try:
+        with psycopg.connect(ascii_dsn, autocommit=True) as foreign:
+            held = AdvisoryLockHook(dsn=ascii_dsn, liveness=Liveness(lease=600)).acquire(key)
+            assert held is not None
+            undecodable = "SELECT pg_notify(%s, convert_from('\\xff2f302f31'::bytea, 'SQL_ASCII'))"
+            event = asyncio.run(
+                _fires_after(
+                    _trigger(key, "pglock_test_ascii"),
+                    foreign,
+                    lambda: foreign.execute(undecodable, [wakeups.RELEASED_CHANNEL]),
+                    held.release,
+                )
+            )
+    finally:
+        with psycopg.connect(pg_server, autocommit=True) as server:
+            server.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+    assert event["status"] == FREE, event
+
+
+def test_an_unforeseen_error_in_the_hub_restarts_it_and_every_key_is_checked_again(
+    airflow_db: Any, holder_hook: AdvisoryLockHook, admin: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug (here: the release's own announcement breaks the hub) loses that wake-up, not the wait."""
+    reads = []
+    real = wakeups.coordinates
+
+    def breaks_once(text: str) -> Any:
+        reads.append(text)
+        if len(reads) == 1:
+            raise RuntimeError("a bug in the hub")
+        return real(text)
+
+    monkeypatch.setattr(wakeups, "coordinates", breaks_once)
+    key = LockKey.from_name("wakeups/hub-bug")
+    held = holder_hook.acquire(key, application_name="announcer")
+    assert held is not None
+    event = asyncio.run(_fires_after(_trigger(key, deadline=None), admin, held.release))
+    assert event["status"] == FREE, event
+    assert reads[:1] == [wakeups.payload(key)]
+
+
+def test_a_hub_that_keeps_failing_makes_its_waiters_report_the_error(
+    airflow_db: Any, admin: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the hub checked the key, it fails at every read: the trigger reports it, not waits forever."""
+    real = wakeups.aheld
+    calls = []
+
+    async def fails_after_the_first(conn: Any, keys: Any) -> Any:
+        calls.append(keys)
+        if len(calls) == 1:
+            return await real(conn, keys)
+        raise RuntimeError("a bug in the hub's read")
+
+    monkeypatch.setattr(wakeups, "aheld", fails_after_the_first)
+    key = LockKey.from_name("wakeups/hub-keeps-failing")
+    admin.execute("SELECT pg_advisory_lock(%s)", [key.int64])
+    try:
+        event = asyncio.run(
+            _fires_after(_trigger(key, deadline=None), admin, lambda: _notify(admin, wakeups.payload(key)))
+        )
+    finally:
+        admin.execute("SELECT pg_advisory_unlock(%s)", [key.int64])
+    assert event["status"] == "error" and event["error_type"] == "RuntimeError", event
+    assert "a bug in the hub's read" in event["message"]
+
+
+# ------------------------------------------------------------------ cases that held up (regressions)
+
+
+def test_the_hub_reconnects_after_its_connection_is_terminated_and_checks_every_key(
+    airflow_db: Any, holder_hook: AdvisoryLockHook, admin: Any
+) -> None:
+    """The key is released while the hub is away (its announcement is lost): the reconnect's check sees it."""
+    key = LockKey.from_name("wakeups/hub-drop")
+    held = holder_hook.acquire(key, application_name="announcer")
+    assert held is not None
+    pids: list[int] = []  # the hub's connection
+
+    def terminate_the_hub() -> None:
+        pids.append(_hub_ready(admin))
+        admin.execute("SELECT pg_terminate_backend(%s)", [pids[0]])
+
+    def release_while_it_is_away() -> None:
+        limit = time.monotonic() + FIRE_WITHIN
+        while admin.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", [pids[0]]).fetchone():
+            assert time.monotonic() < limit
+            time.sleep(0.01)
+        held.release()
+
+    event = asyncio.run(_fires_after(_trigger(key), admin, terminate_the_hub, release_while_it_is_away))
+    assert event["status"] == FREE, event
+
+
+def test_the_hub_listens_before_every_check(
+    airflow_db: Any, holder_hook: AdvisoryLockHook, admin: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A release between a check and a LISTEN would be lost: every read runs on a listening connection."""
+    real = wakeups.aheld
+    listening: list[list[str]] = []
+
+    async def spy(conn: Any, keys: Any) -> Any:
+        cursor = await conn.execute("SELECT pg_listening_channels()")
+        listening.append([row[0] for row in await cursor.fetchall()])
+        return await real(conn, keys)
+
+    monkeypatch.setattr(wakeups, "aheld", spy)
+    key = LockKey.from_name("wakeups/listen-first")
+    held = holder_hook.acquire(key, application_name="announcer")
+    assert held is not None
+    event = asyncio.run(_fires_after(_trigger(key), admin, held.release))
+    assert event["status"] == FREE, event
+    assert len(listening) >= 2 and all(channels == [wakeups.RELEASED_CHANNEL] for channels in listening), listening
+
+
+def test_a_well_formed_foreign_payload_only_makes_the_hub_read_again(
+    airflow_db: Any, admin: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A foreign NOTIFY naming a held key is a re-read, never a wake-up by itself."""
+    real = wakeups.aheld
+    reads: list[Any] = []
+
+    async def counting(conn: Any, keys: Any) -> Any:
+        held = await real(conn, keys)
+        reads.append(held)
+        return held
+
+    monkeypatch.setattr(wakeups, "aheld", counting)
+    key = LockKey.from_name("wakeups/foreign-announcement")
+    admin.execute("SELECT pg_advisory_lock(%s)", [key.int64])  # a holder that announces nothing
+
+    def announce_while_held() -> None:
+        _notify(admin, wakeups.payload(key))
+        limit = time.monotonic() + FIRE_WITHIN
+        while len(reads) < 2:  # the first check, then the re-read the announcement asked for
+            assert time.monotonic() < limit
+            time.sleep(0.01)
+
+    def release_and_announce() -> None:
+        admin.execute("SELECT pg_advisory_unlock(%s)", [key.int64])
+        _notify(admin, wakeups.payload(key))
+
+    async def scenario() -> tuple[bool, dict[str, Any]]:
+        fired = asyncio.create_task(_first_payload(_trigger(key)))
+        await asyncio.to_thread(_hub_ready, admin)
+        await asyncio.to_thread(announce_while_held)
+        await asyncio.sleep(0.5)  # the trigger would have run by now if the re-read had woken it
+        early = fired.done()
+        await asyncio.to_thread(release_and_announce)
+        return early, await asyncio.wait_for(fired, FIRE_WITHIN)
+
+    try:
+        early, event = asyncio.run(scenario())
+    finally:
+        admin.execute("SELECT pg_advisory_unlock_all()")
+    assert not early
+    assert reads[1] == {key.pg_locks: True}  # the re-read saw it held
+    assert event["status"] == FREE, event

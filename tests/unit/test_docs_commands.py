@@ -12,6 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 DAG_ID = re.compile(r"""dag_id\s*=\s*["']([\w.-]+)["']""")
+DAG_FUNCTION = re.compile(r"^@dag\(.*\)\ndef (\w+)\(", re.MULTILINE)
 
 
 def _lines(pattern: str) -> list[tuple[str, str]]:
@@ -47,8 +48,12 @@ def test_readme_and_getting_started_give_the_same_install_commands() -> None:
 
 
 def test_every_airflow_dags_test_names_an_example_dag() -> None:
+    """... in dags/, or a DAG the page itself defines (getting-started's first DAG, an `@dag` function)."""
     dag_ids = {match for path in (ROOT / "dags").glob("*.py") for match in DAG_ID.findall(path.read_text())}
     assert {"warehouse_maintenance", "warehouse_load", "forecast_refresh"} <= dag_ids
+    on_pages = {match for page in PAGES for match in DAG_FUNCTION.findall(page.read_text())}
+    assert "first_lock" in on_pages
+    dag_ids |= on_pages
     commands = _lines(r"airflow dags test \S+")
     assert commands
     named = [(page, re.search(r"airflow dags test (\S+)", line)[1]) for page, line in commands]  # type: ignore[index]

@@ -85,7 +85,7 @@ def _reference_objects() -> list[tuple[str, Any]]:
 
 #: Constructor arguments of classes that only the provider builds (users receive them): their
 #: attributes are documented (``:ivar``), these arguments are not part of the public API.
-BUILT_INTERNALLY = {"airflow_pglock.guard.LockHandle": {"held", "lost_reason"}}
+BUILT_INTERNALLY = {"airflow_pglock.handle.LockHandle": {"held", "lost_reason"}}
 
 
 def _undocumented(obj: Any) -> list[str]:

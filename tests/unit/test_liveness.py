@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 
+from airflow_pglock import server_rules
 from airflow_pglock.liveness import Liveness
 
 
@@ -49,7 +50,7 @@ def test_session_locks_need_idle_session_timeout() -> None:
     import datetime as dt
 
     from airflow_pglock.exceptions import UnsafeSetupError
-    from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook, ServerInfo
+    from airflow_pglock.server_rules import ServerInfo
 
     pg13 = ServerInfo(
         backend_pid=1,
@@ -62,8 +63,7 @@ def test_session_locks_need_idle_session_timeout() -> None:
         in_recovery=False,
         started_at=dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc),
     )
-    hook = AdvisoryLockHook(dsn="postgresql://localhost/db")
     with pytest.raises(UnsafeSetupError, match="idle_session_timeout") as error:
-        hook.check_server(pg13, "session")
+        server_rules.check_server(pg13, "session", None)
     assert "mode='transaction'" in str(error.value) and "130010" in str(error.value)
-    hook.check_server(pg13, "transaction")  # bounded by idle_in_transaction_session_timeout
+    server_rules.check_server(pg13, "transaction", None)  # bounded by idle_in_transaction_session_timeout

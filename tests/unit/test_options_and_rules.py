@@ -10,8 +10,8 @@ import inspect
 import pytest
 
 from airflow_pglock.exceptions import UnsafeSetupError
-from airflow_pglock.hooks.server import RULES, ServerInfo, check_server, violations
 from airflow_pglock.options import TEMPLATED, FunctionLockOptions, LockOptions, LockSpec, declared
+from airflow_pglock.server_rules import RULES, ServerInfo, check_server, violations
 
 PRIMARY = ServerInfo(
     backend_pid=7,
@@ -42,7 +42,7 @@ def test_every_adapter_takes_the_declared_options() -> None:
         name: option.default for name, option in declared(FunctionLockOptions).items()
     }
     assert TEMPLATED == ("key", "tenant", "once_per")
-    assert {f"lock_{name}" for name in TEMPLATED} <= set(_AdvisoryLockDecoratedOperator.template_fields)
+    assert set(TEMPLATED) <= set(_AdvisoryLockDecoratedOperator.template_fields)  # named as the options
 
 
 def test_defaults_apply_and_unknown_options_are_refused() -> None:
@@ -101,7 +101,7 @@ def test_rules_pass_a_primary_and_what_is_safe() -> None:
 def test_the_handshake_tells_postgresql_from_look_alikes(
     server_version: str, crdb_version: str | None, postgresql: bool
 ) -> None:
-    from airflow_pglock.hooks.server import HANDSHAKE_RULES, from_handshake
+    from airflow_pglock.server_rules import HANDSHAKE_RULES, from_handshake
 
     info = from_handshake(
         reported_pid=7,

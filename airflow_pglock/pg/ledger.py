@@ -1,7 +1,7 @@
 """Completions and fencing tokens: what a lock alone cannot remember.
 
 Hook-level module (SQL lives here). Tables come from migration 2 of
-:mod:`airflow_pglock.hooks.schema` (``airflow-pglock init-db``):
+:mod:`airflow_pglock.pg.schema` (``airflow-pglock init-db``):
 
 * ``pglock.completions``: one row per (key, period) that completed, with when (the
   database clock) and by which DAG run: ``once_per`` skips a period that is already done,
@@ -15,9 +15,9 @@ Hook-level module (SQL lives here). Tables come from migration 2 of
 Every function runs while an *exclusive* lock on the key is held (shared locks are refused
 with these rules), so checks and records are serialized by the lock itself. A completion is
 recorded only by a statement that checks, in itself, that the lock is still held (and, in
-transaction mode, that its transaction is still the one that took it). In transaction mode a
-fencing token is issued on a side connection: it is visible to every session at once, not
-only when the lock's transaction commits.
+transaction mode, that its transaction is still the one that took it); so is a fencing
+token. In transaction mode a fencing token is issued on a side connection: it is visible to
+every session at once, not only when the lock's transaction commits.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from typing import Any
 import psycopg
 
 from airflow_pglock.exceptions import LockConfigurationError
-from airflow_pglock.hooks.lock_session import HELD_CONDITION, IN_LOCK_TRANSACTION, held_params
 from airflow_pglock.identity import TaskIdentity
 from airflow_pglock.keys import LockKey
+from airflow_pglock.pg.sql import held_condition, held_params
 
 #: ``period`` of the rolling record kept for ``min_interval`` when no ``once_per`` is set.
 ROLLING_PERIOD = ""
@@ -195,16 +195,7 @@ _COMPLETION_COLUMNS = (
 
 
 def _completion(row: Any) -> Completion:
-    return Completion(
-        period=row[0],
-        completed_at=row[1],
-        age_seconds=row[2],
-        dag_id=row[3],
-        task_id=row[4],
-        run_id=row[5],
-        map_index=row[6],
-        fencing_token=row[7],
-    )
+    return Completion(*row)  # _COMPLETION_COLUMNS are the record's fields, in order
 
 
 def _run(conn: psycopg.Connection[Any], feature: str, statement: str, params: dict[str, Any]) -> Any:
@@ -264,9 +255,9 @@ def record_completion(
 
     :returns: False (nothing recorded) when the lock was not held any more.
     """
-    condition = HELD_CONDITION.format("pg_backend_pid()", "%(classid)s", "%(objid)s", "%(objsubid)s", "%(lock_mode)s")
-    if xact_id is not None:
-        condition += IN_LOCK_TRANSACTION.format("%(xact_id)s")
+    condition = held_condition(
+        None, ("%(classid)s", "%(objid)s", "%(objsubid)s", "%(lock_mode)s"), None if xact_id is None else "%(xact_id)s"
+    )
     lock_mode = held_params(key, shared)[3]
     cursor = _run(
         conn,
@@ -295,19 +286,89 @@ def record_completion(
     return bool(cursor.rowcount == 1)
 
 
-def issue_fencing_token(conn: psycopg.Connection[Any], key: LockKey, issued_to: str | None) -> int:
-    """Issue the next fencing token for ``key`` (larger than every token issued before)."""
+def issue_fencing_token(
+    conn: psycopg.Connection[Any],
+    key: LockKey,
+    issued_to: str | None,
+    *,
+    holder_pid: int | None = None,
+    shared: bool = False,
+    xact_id: int | None = None,
+) -> int | None:
+    """Issue the next fencing token for ``key`` (larger than every token issued before), if the
+    lock is still held; None, recording nothing, when it is not.
+
+    ``conn`` is the lock's own connection (``holder_pid`` None) or a side connection next to
+    the lock session ``holder_pid`` (transaction mode: the token is committed at once, so every
+    session refuses the previous holder's token from now on).
+    The number is drawn first; the statement that records it then checks, in itself, that
+    the lock's session holds the key (in the transaction that took it). A recorded token
+    was therefore drawn while the lock was held without a break, before any later holder
+    could draw its own; a holder that lost the key before its token (a stall past the
+    lease) records none, and the next holder's token stays the newest. A number drawn but
+    not recorded is never used.
+    """
+    condition = held_condition(
+        "%(holder_pid)s" if holder_pid is not None else None,
+        ("%(classid)s", "%(objid)s", "%(objsubid)s", "%(lock_mode)s"),
+        "%(xact_id)s" if xact_id is not None else None,
+    )
+    # Drawn by a statement of its own, before the check: in one statement PostgreSQL may test a
+    # condition that reads no table row before it evaluates the row (a later holder could draw
+    # in between). Passed on as a value, not currval(): behind a transaction pooler the next
+    # statement may run on another server session.
+    drawn = _run(conn, "fencing", "SELECT nextval('pglock.fencing_token_seq')", {}).fetchone()
+    assert drawn is not None
     cursor = _run(
         conn,
         "fencing",
         "INSERT INTO pglock.fencing_tokens (objsubid, classid, objid, key_name, token, issued_at, issued_to)"
-        " VALUES (%(objsubid)s, %(classid)s, %(objid)s, %(name)s, nextval('pglock.fencing_token_seq'),"
-        " clock_timestamp(), %(issued_to)s)"
+        " SELECT %(objsubid)s, %(classid)s, %(objid)s, %(name)s, %(token)s, clock_timestamp(), %(issued_to)s"
+        f" WHERE {condition}"
         " ON CONFLICT (objsubid, classid, objid) DO UPDATE SET token = excluded.token,"
         " key_name = excluded.key_name, issued_at = excluded.issued_at, issued_to = excluded.issued_to"
+        " WHERE fencing_tokens.token < excluded.token"
         " RETURNING token",
-        {**_coordinates(key), "name": key.name, "issued_to": issued_to},
+        {
+            **_coordinates(key),
+            "lock_mode": held_params(key, shared)[3],
+            "holder_pid": holder_pid,
+            "xact_id": xact_id,
+            "name": key.name,
+            "token": drawn[0],
+            "issued_to": issued_to,
+        },
     )
     row = cursor.fetchone()
-    assert row is not None
-    return int(row[0])
+    return int(row[0]) if row else None
+
+
+@dataclass(frozen=True)
+class FencingReplication:
+    """Whether fencing tokens are in use, and what would keep them after a failover.
+
+    :param synchronous_standby_names: the server's setting ('' when replication is asynchronous).
+    :param synchronous_standbys: standbys connected as ``sync`` or ``quorum`` now (0 also when this
+        role may not read ``pg_stat_replication``'s states).
+    """
+
+    synchronous_standby_names: str
+    synchronous_standbys: int
+
+
+def fencing_replication(conn: psycopg.Connection[Any]) -> FencingReplication | None:
+    """What replication protects the fencing tokens; None when no token was ever issued (or the
+    ledger is not installed, or this role may not read it)."""
+    try:
+        row = conn.execute("SELECT to_regclass('pglock.fencing_tokens') IS NOT NULL").fetchone()
+        if not row or not row[0]:
+            return None
+        row = conn.execute(
+            "SELECT EXISTS (SELECT 1 FROM pglock.fencing_tokens), current_setting('synchronous_standby_names'),"
+            " (SELECT count(*) FROM pg_catalog.pg_stat_replication WHERE sync_state IN ('sync', 'quorum'))"
+        ).fetchone()
+    except psycopg.errors.InsufficientPrivilege:  # a role without USAGE on the schema: not its business
+        return None
+    if not row or not row[0]:
+        return None
+    return FencingReplication(synchronous_standby_names=row[1] or "", synchronous_standbys=int(row[2]))

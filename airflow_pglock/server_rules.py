@@ -2,7 +2,7 @@
 
 Each rule is one pure function of :class:`ServerInfo` (what the connection found), the
 lock scope and the declared ``pool_mode``; it returns a :class:`Violation` (what is wrong
-and how to fix it) or None. The hook raises the first violation as
+and how to fix it) or None. The lock database raises the first violation as
 :class:`~airflow_pglock.exceptions.UnsafeSetupError` before it takes a lock;
 ``airflow-pglock doctor`` lists the same violations as checks. One source per message.
 """
@@ -31,7 +31,7 @@ class ServerInfo:
     ``server_version`` parameter, the database and address it connected to, the pid of the
     key data) and the rest from its first statement, the lock statement itself
     (``pg_backend_pid()``, ``pg_is_in_recovery()``, ``pg_postmaster_start_time()``; see
-    ``lock_session.take``). ``doctor`` reads all of it with :meth:`LockDatabase.inspect_server`.
+    ``pg.take.first_try``). ``doctor`` reads all of it with ``pg.server.inspect_server``.
 
     :param backend_pid: ``pg_backend_pid()`` of the lock session.
     :param reported_pid: the backend pid the wire protocol reported; a pooler fakes it.
@@ -202,7 +202,7 @@ def session_lock_behind_pooler(info: ServerInfo, scope: Scope, pool_mode: str | 
     )
 
 
-#: Every rule, in the order the hook checks them.
+#: Every rule, in the order a lock connection checks them.
 RULES: tuple[Rule, ...] = (not_postgresql, too_old, no_idle_session_timeout, hot_standby, session_lock_behind_pooler)
 #: The rules the handshake alone can judge (checked before any statement runs).
 HANDSHAKE_RULES: tuple[Rule, ...] = (not_postgresql, too_old, no_idle_session_timeout)

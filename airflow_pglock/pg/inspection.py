@@ -1,7 +1,7 @@
 """Read-only views of the lock database for operators: server facts, and the doctor's probe.
 
 Hook-level module (the SQL of ``airflow-pglock doctor`` and ``key``; who holds what is
-``hooks/holders.py``). Every function takes an open connection and only reads settings
+``pg/holders.py``). Every function takes an open connection and only reads settings
 and catalogs: nothing here takes, waits for or releases a lock, except
 :func:`probe_advisory_lock`, which tries a transaction-level lock on a key of its own and
 rolls back.
@@ -16,19 +16,28 @@ from typing import Any
 
 import psycopg
 
-from airflow_pglock.hooks.holders import LockSnapshot, advisory_locks
-from airflow_pglock.keys import LockKey
-
-__all__ = ["PROBE_KEY", "LockSnapshot", "ServerFacts", "advisory_locks", "probe_advisory_lock", "server_facts"]
+from airflow_pglock.keys import NAME_TO_KEY_SQL, LockKey
+from airflow_pglock.pg.sql import advisory_here
 
 #: The key ``doctor`` tries (and releases at once) to prove the role can take advisory locks.
 PROBE_KEY = LockKey.from_name("airflow-pglock/doctor-probe")
 
 
+def key_statements(key: LockKey) -> dict[str, str]:
+    """Standalone SQL for ``key``, for other applications (what ``airflow-pglock key`` prints):
+    its arguments, a try, an unlock, and who holds it."""
+    classid, objid, objsubid = key.pg_locks
+    return {
+        "key": key.sql,
+        "try_lock": f"SELECT pg_try_advisory_lock({key.sql})",
+        "unlock": f"SELECT pg_advisory_unlock({key.sql})",
+        "holders": f"SELECT pid, granted, mode FROM pg_catalog.pg_locks WHERE {advisory_here()}"
+        f" AND classid = {classid} AND objid = {objid} AND objsubid = {objsubid}",
+    }
+
+
 def compute_name_key(conn: psycopg.Connection[Any], name: str) -> int:
     """The int64 PostgreSQL computes for ``name`` with the documented SQL expression."""
-    from airflow_pglock.keys import NAME_TO_KEY_SQL
-
     row = conn.execute(f"SELECT {NAME_TO_KEY_SQL}", [name]).fetchone()  # type: ignore[arg-type]  # static SQL
     assert row is not None
     return int(row[0])

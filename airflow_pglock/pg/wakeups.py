@@ -15,14 +15,14 @@ from typing import Any
 
 import psycopg
 
+from airflow_pglock.holder import EXCLUSIVE_MODE
 from airflow_pglock.keys import LockKey
+from airflow_pglock.pg.sql import advisory_here
 
 #: The channel a released key is announced on.
 RELEASED_CHANNEL = "pglock_released"
 
 Coordinates = tuple[int, int, int]
-
-EXCLUSIVE_MODE = "ExclusiveLock"
 
 
 def payload(key: LockKey) -> str:
@@ -30,12 +30,31 @@ def payload(key: LockKey) -> str:
     return "/".join(str(number) for number in key.pg_locks)
 
 
+#: The largest ``classid`` / ``objid`` (unsigned 32-bit oids); an advisory key's ``objsubid``.
+MAX_OID = 2**32 - 1
+ADVISORY_OBJSUBIDS = (1, 2)
+#: The longest announcement :func:`payload` writes: ``4294967295/4294967295/2``.
+LONGEST_PAYLOAD = 2 * len(str(MAX_OID)) + 3
+
+
 def coordinates(text: str) -> Coordinates | None:
-    """The coordinates in an announcement (None for a payload that is not one)."""
-    parts = text.split("/")
-    if len(parts) != 3 or not all(part.isdigit() for part in parts):
+    """The coordinates in an announcement; None for any other payload. Never raises.
+
+    Anyone who may connect can NOTIFY the channel, so only what :func:`payload` writes is
+    read: three ASCII decimal numbers without signs, spaces or leading zeros, an oid each
+    and an advisory key's ``objsubid`` (1 or 2) last.
+    """
+    if len(text) > LONGEST_PAYLOAD or not text.isascii():
         return None
-    return int(parts[0]), int(parts[1]), int(parts[2])
+    parts = text.split("/")
+    if len(parts) != 3 or not all(part.isdigit() for part in parts):  # ASCII: isdigit() is 0-9 only
+        return None
+    classid, objid, objsubid = (int(part) for part in parts)
+    if classid > MAX_OID or objid > MAX_OID or objsubid not in ADVISORY_OBJSUBIDS:
+        return None
+    if f"{classid}/{objid}/{objsubid}" != text:  # leading zeros: not how a guard writes it
+        return None
+    return classid, objid, objsubid
 
 
 async def alisten(conn: psycopg.AsyncConnection[Any]) -> None:
@@ -57,9 +76,7 @@ async def aheld(conn: psycopg.AsyncConnection[Any], keys: Collection[Coordinates
         " FROM pg_catalog.pg_locks l"
         " JOIN unnest(%s::bigint[], %s::bigint[], %s::int[]) AS k(classid, objid, objsubid)"
         " ON l.classid::bigint = k.classid AND l.objid::bigint = k.objid AND l.objsubid::int = k.objsubid"
-        " WHERE l.locktype = 'advisory' AND l.granted"
-        " AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())"
-        " GROUP BY 1, 2, 3",
+        " WHERE l.granted AND " + advisory_here("l.") + " GROUP BY 1, 2, 3",
         [EXCLUSIVE_MODE, classids, objids, objsubids],
     )
     return {(row[0], row[1], row[2]): bool(row[3]) for row in await cursor.fetchall()}

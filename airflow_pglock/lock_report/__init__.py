@@ -1,0 +1,159 @@
+"""Every advisory lock in the database, named and explained: what ``locks`` and the UI page show.
+
+The lock database says who holds what (``pg/holders.py``: one query, one ``LockHolder``
+record) and the registry's names (``pg/schema.py``); this package turns them into entries
+a person can act on (what invariant 6 of docs/architecture.md asks of whatever a person
+sees): the key by its human name and numbers (``entries.py``), the holder by DAG / task /
+run (from its ``application_name``), pid, client and since when, how many wait behind it,
+and each pool of slots as one row (``pools.py``). It writes no SQL:
+:func:`collect_lock_report` only calls the lock database's functions.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from airflow_pglock.keys import LockKey, slot_keys
+from airflow_pglock.lock_report.entries import LockEntry, build_entries, filter_entries, parse_key_filter
+from airflow_pglock.lock_report.pools import PoolUsage, group_pools, pool_entries
+
+if TYPE_CHECKING:
+    from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+
+#: application_name of the sessions ``locks`` / the UI open to read (they hold no lock).
+INSPECT_APPLICATION_NAME = "pglock-cli locks"
+
+REGISTRY_INSTALLED = "installed"
+REGISTRY_MISSING = "not installed"
+REGISTRY_NO_ACCESS = "no access"
+
+#: Why a key has no name, by the registry's state (shown next to every ``?``).
+UNKNOWN_NAME_REASONS = {
+    REGISTRY_MISSING: "name unknown: run 'airflow-pglock init-db' once; names are recorded when a hold ends",
+    REGISTRY_NO_ACCESS: "name unknown: this role may not read pglock.key_names "
+    "(airflow-pglock init-db --grant ROLE, as the schema's owner)",
+    REGISTRY_INSTALLED: "name unknown: not recorded yet (names are recorded when a hold ends, "
+    "a hold of airflow-pglock's since init-db) or taken by another application by its numbers",
+}
+
+
+@dataclass(frozen=True)
+class LockReport:
+    """A snapshot of every (matching) advisory lock.
+
+    :param registry: ``"installed"``, ``"not installed"`` or ``"no access"`` (the role
+        may not read ``pglock.key_names``).
+    """
+
+    database: str
+    server: str
+    taken_at: dt.datetime
+    all_databases: bool
+    registry: str
+    filters: Mapping[str, str | None]
+    entries: tuple[LockEntry, ...] = field(default_factory=tuple)
+    pool: PoolUsage | None = None
+    pools: tuple[PoolUsage, ...] = ()
+
+    @functools.cached_property
+    def _pooled(self) -> frozenset[int]:
+        return frozenset(id(member) for pool in self.pools for member in pool.entries)
+
+    @property
+    def unknown_name_reason(self) -> str:
+        """Why a key of this report has no name (what to do about it), by the registry's state."""
+        return UNKNOWN_NAME_REASONS.get(self.registry, UNKNOWN_NAME_REASONS[REGISTRY_MISSING])
+
+    def pooled(self, entry: LockEntry) -> bool:
+        """Whether ``entry`` holds or awaits a slot of one of :attr:`pools` (shown in its pool's row)."""
+        return id(entry) in self._pooled
+
+    def _entry_json(self, entry: LockEntry) -> dict[str, Any]:
+        data = entry.to_json()
+        data["key"]["name_unknown_reason"] = None if entry.names else self.unknown_name_reason
+        return data
+
+    def to_json(self) -> dict[str, Any]:
+        pool = {} if self.pool is None else {"pool": self.pool.to_json()}  # only when a pool was asked for
+        return {
+            **pool,
+            "database": self.database,
+            "server": self.server,
+            "server_time": self.taken_at.isoformat(),
+            "all_databases": self.all_databases,
+            "registry": self.registry,
+            "filters": dict(self.filters),
+            "locks": [self._entry_json(entry) for entry in self.entries],
+            "pools": [usage.to_json() for usage in self.pools],
+        }
+
+
+def collect_lock_report(
+    hook: AdvisoryLockHook,
+    *,
+    dag: str | None = None,
+    key: str | None = None,
+    all_databases: bool = False,
+    pool: str | None = None,
+    slots: int = 1,
+) -> LockReport:
+    """Open one short connection, read every advisory lock and the registry's names, close.
+
+    Without ``pool``, the slots of every pool the registry knows (a guarded execution that
+    took a slot recorded the pool's size) are grouped into ``report.pools``.
+
+    :param hook: where the lock database is.
+    :param dag: keep only keys that a task of this DAG holds or awaits.
+    :param key: keep only this key (a name, an int64 or ``A,B``; a pool's name keeps all its slots).
+    :param all_databases: also list other databases' advisory locks.
+    :param pool: keep only the slots of this pool (a key name), summed up in ``report.pool``.
+    :param slots: how many slots ``pool`` has.
+    """
+    import psycopg
+
+    from airflow_pglock.pg.holders import advisory_locks
+    from airflow_pglock.pg.key_names import registered_names
+
+    if key is not None:
+        parse_key_filter(key)  # a bad key is a usage error before any connection
+    pool_keys = None if pool is None else slot_keys(LockKey.from_name(pool), slots)
+    with hook.database.connect(INSPECT_APPLICATION_NAME) as conn:
+        snapshot = advisory_locks(conn, all_databases=all_databases)
+        coordinates = sorted({row.coordinates for row in snapshot.rows if row.database == snapshot.database})
+        registry = REGISTRY_INSTALLED
+        try:
+            registered = registered_names(conn, coordinates)
+        except psycopg.errors.InsufficientPrivilege:
+            registered, registry = None, REGISTRY_NO_ACCESS
+        if registered is None and registry == REGISTRY_INSTALLED:
+            registry = REGISTRY_MISSING
+        server = hook.database.describe_target()
+    everything = build_entries(snapshot, registered)
+    usage = None
+    if pool is not None and pool_keys is not None:
+        entries = pool_entries(filter_entries(everything, dag=dag, key=key), pool_keys, snapshot.database)
+        usage = PoolUsage(pool, slots, entries)
+        pools: tuple[PoolUsage, ...] = (usage,)
+    else:
+        everything, pools = group_pools(everything, registered, snapshot.database)
+        entries = filter_entries(everything, dag=dag, key=key)
+        kept = {id(entry) for entry in entries}
+        pools = tuple(p for p in pools if p.name == key or any(id(member) in kept for member in p.entries))
+        if key is not None and any(p.name == key for p in pools):  # --key POOL: every slot of it
+            kept |= {id(member) for p in pools if p.name == key for member in p.entries}
+            entries = tuple(e for e in everything if id(e) in kept)
+    return LockReport(
+        database=snapshot.database,
+        server=server,
+        taken_at=snapshot.taken_at,
+        all_databases=all_databases,
+        registry=registry,
+        filters={"dag": dag, "key": key},
+        entries=entries,
+        pool=usage,
+        pools=pools,
+    )

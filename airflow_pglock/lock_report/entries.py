@@ -1,0 +1,242 @@
+"""The entries of a lock report: each advisory lock held or awaited, its key named and its
+holder explained (DAG / task / run from the ``application_name``, pid, client, since when).
+
+A key's name comes from, in order: the key-name registry (``airflow-pglock init-db``),
+or the default key of the DAG / task named by a holder's or waiter's application_name
+(``<dag_id>/<task_id>`` hashes to the key). Otherwise it is unknown (None).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from airflow_pglock.identity import holder_where, is_provider_session, parse_application_name
+from airflow_pglock.keys import MAX_SLOTS, LockKey
+
+if TYPE_CHECKING:
+    from airflow_pglock.holder import LockHolder, LockSnapshot
+    from airflow_pglock.pg.key_names import RegisteredName
+
+
+def parse_key_filter(text: str) -> list[LockKey]:
+    """The keys a ``--key`` value may mean: the name, and also the int64 or ``A,B`` pair it spells."""
+    candidates = [LockKey.from_name(text)]
+    stripped = text.strip()
+    try:
+        if "," in stripped:
+            first, second = (int(part) for part in stripped.split(","))
+            candidates.append(LockKey.from_pair(first, second))
+        else:
+            candidates.append(LockKey.from_int(int(stripped)))
+    except ValueError:  # not numbers (or out of range): a name only
+        pass
+    return candidates
+
+
+@dataclass(frozen=True)
+class AirflowHolder:
+    """The Airflow task instance a lock session's application_name names (``~`` = shortened).
+
+    :param deployment: its deployment (the host when unnamed); None: an older provider version.
+    :param host: the host it runs on; None: an older provider version.
+    """
+
+    dag_id: str
+    task_id: str
+    run_id: str
+    map_index: int
+    deployment: str | None = None
+    host: str | None = None
+
+
+@dataclass(frozen=True)
+class LockEntry:
+    """One session holding or waiting for one key, named and explained, ready to show.
+
+    :param key: the key, from the holder's ``pg_locks`` coordinates.
+    :param names: every name recorded or derived for the key (two or more: a collision).
+    :param name_source: ``registry``, ``application_name`` or None (name unknown).
+    :param holder: the session, as the holders query read it.
+    :param airflow: the task instance its application_name names, if any.
+    :param since: holders: when the lock session started (airflow-pglock opens one per
+        lock) or, for other sessions, when the session started (the lock may be younger);
+        waiters: when the wait started (PostgreSQL 14+).
+    :param since_basis: which of those ``since`` is.
+    :param seconds: how long, on the server clock, up to the snapshot.
+    """
+
+    key: LockKey
+    names: tuple[str, ...]
+    name_source: str | None
+    holder: LockHolder
+    airflow: AirflowHolder | None
+    since: dt.datetime | None
+    since_basis: str | None
+    seconds: float | None
+
+    @property
+    def name(self) -> str | None:
+        return self.names[0] if self.names else None
+
+    @property
+    def collision(self) -> bool:
+        return len(self.names) > 1
+
+    @property
+    def deployment(self) -> str | None:
+        """The holder's deployment, as its application_name names it (the host when unnamed)."""
+        return holder_where(self.holder.application_name)[0]
+
+    @property
+    def host(self) -> str | None:
+        """The holder's host, as its application_name names it; None for other applications."""
+        return holder_where(self.holder.application_name)[1]
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict; its keys are a stable interface (documented in docs/operations.md)."""
+        holder = self.holder
+        return {
+            "database": holder.database,
+            "key": {
+                "name": self.name,
+                "names": list(self.names),
+                "name_source": self.name_source,
+                "collision": self.collision,
+                "kind": "pair" if self.key.is_pair else "int64",
+                "numbers": list(self.key.numbers),
+                "pg_locks": dict(zip(("classid", "objid", "objsubid"), self.key.pg_locks, strict=True)),
+            },
+            "state": "holding" if holder.granted else "waiting",
+            "mode": "shared" if holder.shared else "exclusive",
+            "pid": holder.pid,
+            "application_name": holder.application_name,
+            "deployment": self.deployment,
+            "host": self.host,
+            "airflow": None
+            if self.airflow is None
+            else {
+                "dag_id": self.airflow.dag_id,
+                "task_id": self.airflow.task_id,
+                "run_id": self.airflow.run_id,
+                "map_index": self.airflow.map_index,
+            },
+            "user": holder.user,
+            "client_addr": holder.client_addr,
+            "client_port": holder.client_port,
+            "backend_type": holder.backend_type,
+            "session_state": holder.state,
+            "since": self.since.isoformat() if self.since else None,
+            "since_basis": self.since_basis,
+            "seconds": None if self.seconds is None else round(self.seconds, 3),
+            "waiters": holder.waiters if holder.granted else 0,
+            "blocked_by": list(holder.blocked_by),
+        }
+
+
+def _airflow_holder(application_name: str | None) -> AirflowHolder | None:
+    parsed = parse_application_name(application_name)
+    if parsed is None:
+        return None
+    return AirflowHolder(parsed.dag_id, parsed.task_id, parsed.run_id, parsed.map_index, parsed.deployment, parsed.host)
+
+
+def _derived_name(key: LockKey, rows: Sequence[LockHolder]) -> str | None:
+    for row in rows:
+        holder = _airflow_holder(row.application_name)
+        if holder is None:
+            continue
+        candidate = LockKey.for_task(holder.dag_id, holder.task_id)
+        if candidate.pg_locks == key.pg_locks:
+            return candidate.name
+    return None
+
+
+def _since(row: LockHolder, holder: AirflowHolder | None) -> tuple[dt.datetime | None, str | None]:
+    if not row.granted:
+        return row.waiting_since, "wait start" if row.waiting_since else None
+    if row.since is None:
+        return None, None
+    if holder is not None or is_provider_session(row.application_name):  # one session per lock
+        return row.since, "lock session start"
+    return row.since, "session start (the lock may be younger)"
+
+
+def _pool_markers(rows: Sequence[LockHolder]) -> set[int]:
+    """The rows (by ``id``) that are a pool holder's two markers (``keys.pool_size_marker``): not
+    locks of their own, left out of the report. A session holds them in shared mode as a pair, one
+    classid with objid 0 (presence) and objid 2..MAX_SLOTS (size), which is what is looked for."""
+    shared: dict[tuple[str, int | None, int], dict[int, LockHolder]] = {}
+    for row in rows:
+        if row.granted and row.shared and row.objsubid == 1 and (row.objid == 0 or 2 <= row.objid <= MAX_SLOTS):
+            shared.setdefault((row.database, row.pid, row.classid), {})[row.objid] = row
+    found: set[int] = set()
+    for by_objid in shared.values():
+        sizes = [objid for objid in by_objid if objid != 0]
+        if 0 in by_objid and len(sizes) == 1:
+            found |= {id(by_objid[0]), id(by_objid[sizes[0]])}
+    return found
+
+
+def build_entries(snapshot: LockSnapshot, registered: Sequence[RegisteredName] | None) -> tuple[LockEntry, ...]:
+    """Name and explain every row of ``snapshot``.
+
+    :param registered: the registry's names for the snapshot's keys (None: no registry).
+    """
+    by_key: dict[tuple[str, tuple[int, int, int]], list[LockHolder]] = {}
+    markers = _pool_markers(snapshot.rows)
+    for row in snapshot.rows:
+        if id(row) not in markers:
+            by_key.setdefault((row.database, row.coordinates), []).append(row)
+    names_by_coordinates: dict[tuple[int, int, int], list[str]] = {}
+    for registered_name in registered or ():
+        coordinates = (registered_name.classid, registered_name.objid, registered_name.objsubid)
+        names_by_coordinates.setdefault(coordinates, []).append(registered_name.name)
+
+    entries: list[LockEntry] = []
+    for (database, coordinates), rows in by_key.items():
+        key = LockKey.from_pg_locks(*coordinates)
+        # The registry lives in one database: its names only describe that database's keys.
+        names = list(names_by_coordinates.get(coordinates, [])) if database == snapshot.database else []
+        source: str | None = "registry" if names else None
+        if not names:
+            derived = _derived_name(key, rows)
+            if derived is not None:
+                names, source = [derived], "application_name"
+        for row in rows:
+            holder = _airflow_holder(row.application_name)
+            since, basis = _since(row, holder)
+            entries.append(
+                LockEntry(
+                    key=key,
+                    names=tuple(names),
+                    name_source=source,
+                    holder=row,
+                    airflow=holder,
+                    since=since,
+                    since_basis=basis,
+                    seconds=None if since is None else max(0.0, (snapshot.taken_at - since).total_seconds()),
+                )
+            )
+    return tuple(entries)
+
+
+def filter_entries(
+    entries: Sequence[LockEntry], *, dag: str | None = None, key: str | None = None
+) -> tuple[LockEntry, ...]:
+    """Entries of keys that a session of DAG ``dag`` holds or awaits, and/or of key ``key``.
+
+    A key matches ``key`` when one of its names equals it, or when its numbers are what
+    the text means as a name, an int64 or an ``A,B`` pair. All sessions of a matching key
+    are kept (holders and waiters), so the answer shows who blocks whom.
+    """
+    selected = list(entries)
+    if key is not None:
+        wanted = {candidate.pg_locks for candidate in parse_key_filter(key)}
+        selected = [e for e in selected if e.key.pg_locks in wanted or key in e.names]
+    if dag is not None:
+        keys_of_dag = {(e.holder.database, e.key.pg_locks) for e in selected if e.airflow and e.airflow.dag_id == dag}
+        selected = [e for e in selected if (e.holder.database, e.key.pg_locks) in keys_of_dag]
+    return tuple(selected)

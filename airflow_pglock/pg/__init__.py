@@ -1,0 +1,1 @@
+"""The lock database layer: psycopg and every SQL statement of the provider; no Airflow."""

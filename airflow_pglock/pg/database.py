@@ -1,0 +1,277 @@
+"""The lock database: where it is, and how a dedicated lock connection to it is opened.
+
+Every lock gets its own dedicated psycopg 3 connection, opened for it and closed after it
+(never a pooled one: ``pg_try_advisory_lock`` returns true again on a session that
+already holds the key, so a reused session would let two tasks "both" hold it). Each
+lock connection differs from a plain one in three ways, each needed for a correct lock:
+autocommit (an aborted transaction can never block the unlock), an ``application_name``
+naming the holder, and liveness settings that bound how long a dead holder keeps the lock.
+
+:class:`LockDatabase` knows no Airflow: it is given a function that says where the
+database is (``resolve``; the hook reads an Airflow connection there).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NoReturn
+
+import psycopg
+
+from airflow_pglock import server_rules
+from airflow_pglock.exceptions import LockConfigurationError, LockConnectionError, PgLockError
+from airflow_pglock.holder import LockHolder
+from airflow_pglock.identity import hook_application_name
+from airflow_pglock.keys import LockKey
+from airflow_pglock.liveness import Liveness
+from airflow_pglock.pg import settings as connection_settings
+from airflow_pglock.pg.held import HeldLock
+from airflow_pglock.pg.holders import read_holders
+from airflow_pglock.pg.server import inspect_server, not_postgresql, server_from_handshake
+from airflow_pglock.pg.settings import ConnectionSettings, redact
+from airflow_pglock.pg.sql import NOT_POSTGRES_ERRORS, liveness_statement
+from airflow_pglock.pg.statements import check_wait_timeout
+from airflow_pglock.pg.take import take
+from airflow_pglock.server_rules import Scope, ServerInfo
+
+DEFAULT_CONNECT_TIMEOUT = 10
+#: application_name of the short sessions that only read who holds a key.
+INSPECT_APPLICATION_NAME = "pglock inspect"
+
+
+class LockDatabase:
+    """Where the lock database is, and how a dedicated lock connection to it is opened.
+
+    :param resolve: says where the database is (called for each lock connection, so that a
+        rotated password or an IAM token is fresh each time).
+    :param liveness: lease-derived liveness settings (default: a 30 s lease).
+    :param connect_timeout: seconds to wait for a connection (the connection's own
+        ``connect_timeout`` wins).
+    :param application_name: the name of a lock session whose caller gives none.
+    :param label: how outcome lines name the connection (an Airflow conn id, or ``dsn``).
+    """
+
+    def __init__(
+        self,
+        resolve: Callable[[], ConnectionSettings],
+        *,
+        liveness: Liveness | None = None,
+        connect_timeout: int = DEFAULT_CONNECT_TIMEOUT,
+        application_name: Callable[[], str] = hook_application_name,
+        label: str = "dsn",
+    ) -> None:
+        if isinstance(connect_timeout, bool) or not isinstance(connect_timeout, int) or connect_timeout < 1:
+            raise LockConfigurationError(
+                f"connect_timeout must be a whole number of seconds >= 1, got {connect_timeout!r}"
+            )
+        self._resolve = resolve
+        self.liveness = liveness or Liveness()
+        self.connect_timeout = connect_timeout
+        self.label = label
+        self._application_name = application_name
+        self._default_application_name: str | None = None
+        self._last_settings: ConnectionSettings | None = None
+
+    @classmethod
+    def from_dsn(cls, dsn: str, **options: Any) -> LockDatabase:
+        """The lock database a libpq connection string or URI names (checked when first used)."""
+        return cls(lambda: connection_settings.from_dsn(dsn), **options)
+
+    # ----------------------------------------------------------------- connections
+
+    def resolve_settings(self) -> ConnectionSettings:
+        """Where the lock database is (resolved anew for each lock connection)."""
+        return self._resolve()
+
+    def default_application_name(self) -> str:
+        """A lock session's name when its caller gives none."""
+        if self._default_application_name is None:
+            self._default_application_name = self._application_name()
+        return self._default_application_name
+
+    def describe_target(self) -> str:
+        """``'db' on host:port as user (conn id 'x')``; never the password."""
+        return self.resolve_settings().describe()
+
+    @staticmethod
+    def _raise_connect_error(error: psycopg.Error, where: str) -> NoReturn:
+        if isinstance(error, psycopg.ProgrammingError):
+            raise LockConfigurationError(
+                f"invalid connection settings for the lock database {where}: {redact(str(error))}"
+            ) from None
+        raise LockConnectionError(
+            f"cannot connect to the lock database {where}: {redact(str(error))}".strip()
+        ) from error
+
+    def connect(
+        self,
+        application_name: str | None = None,
+        settings: ConnectionSettings | None = None,
+        *,
+        server_settings: Mapping[str, str] | None = None,
+    ) -> psycopg.Connection[Any]:
+        """Open a new dedicated autocommit connection for one lock.
+
+        :param application_name: names the holder in ``pg_stat_activity``.
+        :param settings: where to connect (default: :meth:`resolve_settings`).
+        :param server_settings: server settings to send in the start-up packet.
+        """
+        settings = settings or self.resolve_settings()
+        self._last_settings = settings  # for side_connection(), see there
+        kwargs = settings.session_params(
+            application_name or self.default_application_name(),
+            self.liveness,
+            self.connect_timeout,
+            server_settings=server_settings,
+        )
+        where = connection_settings.describe_params(kwargs, settings.source)
+        try:
+            return psycopg.Connection.connect(autocommit=True, **kwargs)
+        except psycopg.Error as error:
+            self._raise_connect_error(error, where)
+
+    async def aconnect(
+        self, settings: ConnectionSettings, application_name: str | None = None
+    ) -> psycopg.AsyncConnection[Any]:
+        """Async :meth:`connect` (for triggers): same settings, same errors.
+
+        :param settings: where to connect, resolved by the caller off the event loop
+            (reading an Airflow connection, or an IAM token, is blocking I/O).
+        :param application_name: names the session in ``pg_stat_activity``.
+        """
+        kwargs = settings.session_params(
+            application_name or self.default_application_name(), self.liveness, self.connect_timeout
+        )
+        where = connection_settings.describe_params(kwargs, settings.source)
+        try:
+            return await psycopg.AsyncConnection.connect(autocommit=True, **kwargs)
+        except psycopg.Error as error:
+            self._raise_connect_error(error, where)
+
+    def side_connection(
+        self, application_name: str = INSPECT_APPLICATION_NAME, connect_timeout: int = 2
+    ) -> psycopg.Connection[Any]:
+        """A short autocommit connection next to a lock's.
+
+        Reuses the settings of the last :meth:`connect`: it is called from the heartbeat
+        thread, which must not ask Airflow for the connection again (the task's channel to
+        Airflow is not thread-safe).
+        """
+        settings = self._last_settings or self.resolve_settings()
+        kwargs = {
+            **settings.session_params(application_name, self.liveness, self.connect_timeout),
+            "connect_timeout": connect_timeout,
+        }
+        return psycopg.Connection.connect(autocommit=True, **kwargs)
+
+    def server_started_at(self) -> dt.datetime | None:
+        """``pg_postmaster_start_time()`` on a :meth:`side_connection`; None if unreachable."""
+        try:
+            with self.side_connection() as conn:
+                row = conn.execute("SELECT pg_postmaster_start_time()").fetchone()
+                return row[0] if row else None
+        except (psycopg.Error, PgLockError):
+            return None
+
+    # ----------------------------------------------------------------- the server
+
+    def apply_liveness(self, conn: psycopg.Connection[Any], *, local: bool, server_version_num: int) -> None:
+        """Set the server-side liveness settings; ``local`` = for the current transaction only.
+
+        :param server_version_num: settings this server version lacks are left out.
+        """
+        conn.execute(liveness_statement(self.liveness, local=local, server_version_num=server_version_num))
+
+    # ----------------------------------------------------------------- lock sessions
+
+    def open_lock_session(
+        self, application_name: str | None, scope: Scope, *, inspect: bool = True
+    ) -> tuple[psycopg.Connection[Any], ServerInfo, ConnectionSettings]:
+        """Connect, check the server and set liveness; on any error nothing is left open.
+
+        A session lock's liveness settings go in the start-up packet (no statement of their
+        own) unless the connection declares a pooler (``pool_mode``): a pooler refuses them or,
+        configured to ignore them, drops them silently. Refused anyway (PgBouncer, or a server
+        older than a setting), the connection is opened again without them and they are set by
+        a statement, after the server was inspected, as through a declared pooler.
+
+        :param inspect: False: check only what the handshake tells (version, not PostgreSQL) and
+            leave the rest to the first lock statement (:func:`~airflow_pglock.pg.take.take`),
+            which answers the same questions; the returned facts are the handshake's then.
+        """
+        settings = self.resolve_settings()
+        startup = None
+        if scope == "session" and settings.pool_mode is None:
+            startup = self.liveness.server_settings(transaction=False)
+        try:
+            conn = self.connect(application_name, settings, server_settings=startup)
+        except LockConnectionError as error:
+            if startup is None or not connection_settings.refused_startup_options(error):
+                raise
+            startup = None
+            conn = self.connect(application_name, settings)
+            # Most likely a pooler: ask before a session setting could reach a pooled server session.
+            inspect = True
+        try:
+            info = server_from_handshake(conn)
+            server_rules.check_server(info, scope, settings.pool_mode, server_rules.HANDSHAKE_RULES)
+            if inspect:
+                info = inspect_server(conn)
+                server_rules.check_server(info, scope, settings.pool_mode)
+                if info.behind_pooler:
+                    conn.prepare_threshold = None  # see take.take
+            if scope == "session" and startup is None:
+                self.apply_liveness(conn, local=False, server_version_num=info.version_num)
+            return conn, info, settings
+        except BaseException:
+            conn.close()
+            raise
+
+    def acquire_lock(
+        self,
+        pool: Sequence[LockKey],
+        *,
+        shared: bool,
+        scope: Scope,
+        timeout: float | None,
+        application_name: str | None,
+    ) -> HeldLock | None:
+        """Open a dedicated connection and take the lock on it; None (and no connection) if busy.
+
+        :param pool: the key, or the slots of a pool (:func:`~airflow_pglock.keys.slot_keys`,
+            slot 1 first); the lock held is then any one free slot.
+        :param scope: ``"session"`` (autocommit; held until released) or ``"transaction"``
+            (a transaction is opened and stays open; the lock ends with it).
+        :param timeout: None to try once, or seconds to wait (enforced by the server).
+        :param application_name: names the holder in ``pg_stat_activity``.
+        """
+        if timeout is not None:
+            check_wait_timeout(timeout)  # before any I/O: a bad setting is not a connection problem
+        conn, info, settings = self.open_lock_session(application_name, scope, inspect=False)
+        try:
+            held = take(
+                conn,
+                info,
+                pool,
+                shared=shared,
+                scope=scope,
+                timeout=timeout,
+                liveness=self.liveness,
+                pool_mode=settings.pool_mode,
+            )
+        except NOT_POSTGRES_ERRORS as error:
+            refusal = not_postgresql(conn, error)
+            conn.close()
+            raise refusal from None
+        except BaseException:
+            conn.close()
+            raise
+        if held is None:
+            conn.close()
+        return held
+
+    def holders(self, pool: Sequence[LockKey]) -> list[LockHolder]:
+        """Who holds or waits for the keys (a key, or a pool's slots), without touching them."""
+        with self.connect(INSPECT_APPLICATION_NAME) as conn:
+            return read_holders(conn, *pool)

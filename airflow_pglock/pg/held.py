@@ -1,0 +1,183 @@
+"""One lock held on its own dedicated connection: :class:`HeldLock`.
+
+It owns its check, its release and, in transaction scope, its commit; the statements are
+those of :mod:`~airflow_pglock.pg.statements`, :mod:`~airflow_pglock.pg.release` and
+:mod:`~airflow_pglock.pg.probe`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+
+from airflow_pglock.keys import LockKey
+from airflow_pglock.pg.probe import ProbeResult, probe
+from airflow_pglock.pg.release import WriteAtRelease, commit_if_held, unlock
+from airflow_pglock.pg.statements import commit, held_seen_from_aside, is_held
+from airflow_pglock.server_rules import Scope, ServerInfo
+
+log = logging.getLogger("airflow_pglock")
+
+
+@dataclass
+class HeldLock:
+    """A lock held on its own dedicated connection. Release it (or let a context manager).
+
+    :param key: the key held.
+    :param shared: whether the lock is shared (readers) rather than exclusive.
+    :param scope: ``"session"`` or ``"transaction"``.
+    :param connection: the dedicated connection; in transaction scope, do your database
+        work on it: it runs inside the transaction that holds the lock.
+    :param server: what the connection found at the other end.
+    :param acquired_at: when the lock was taken (UTC).
+    :param acquired_monotonic: ``time.monotonic()`` at acquisition, for durations.
+    :param released: True once :meth:`release` ran.
+    :param xact_id: transaction scope: the id (``txid_current()``) of the transaction that
+        holds the lock; every later check verifies the session is still in it.
+    :param registry: the key-name registry's state when the lock was taken (for a key
+        with a name: ``key_names.REGISTRY_ABSENT`` or ``REGISTRY_PRESENT``), else None.
+    :param at_release: a write to send with the release (the unlock, or the commit), once.
+    :param markers: session scope, a pool's slot: the pool's markers held in shared mode
+        (:func:`~airflow_pglock.pg.pools.pool_markers`), given back by the unlock.
+    :param slot: a pool's slot: its number (1 to the pool's size); None for a plain key.
+    """
+
+    key: LockKey
+    shared: bool
+    scope: Scope
+    connection: psycopg.Connection[Any]
+    server: ServerInfo
+    acquired_at: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.timezone.utc))
+    acquired_monotonic: float = field(default_factory=time.monotonic)
+    released: bool = False
+    xact_id: int | None = None
+    registry: str | None = None
+    at_release: WriteAtRelease | None = None
+    markers: tuple[LockKey, ...] = ()
+    slot: int | None = None
+
+    def is_held(self) -> bool:
+        """Ask the server whether this session still holds the key (a round trip).
+
+        False once the session has ended (the lease ran out while the connection sat idle,
+        the session was terminated, the connection broke): the server released the lock
+        with it. The reason is logged as a warning; the error never reaches the caller.
+        """
+        if self.connection.closed:
+            return False
+        try:
+            return is_held(self.connection, self.key, self.shared, self.xact_id)
+        except psycopg.OperationalError as error:  # AdminShutdown, IdleSessionTimeout, a broken connection...
+            log.warning(
+                "pglock %s is no longer held: its session ended (%s: %s)",
+                self.key.describe(),
+                type(error).__name__,
+                str(error).strip(),
+            )
+            self.connection.close()
+            return False
+
+    def release(self) -> bool:
+        """Release the lock and close its connection. Idempotent.
+
+        Returns whether the lock was really held until now (False when it had been lost,
+        e.g. the session was terminated, or when it was released already). A transaction
+        lock is released by the end of its transaction: here that is a rollback.
+        """
+        if self.released:
+            return False
+        self.released = True
+        was_held = False
+        try:
+            if self.scope == "session" and not self.connection.closed:
+                was_held = unlock(
+                    self.connection,
+                    self.key,
+                    shared=self.shared,
+                    at_release=self._take_at_release(),
+                    markers=self.markers,
+                )
+            elif self.scope == "transaction" and not self.connection.closed:
+                was_held = is_held(self.connection, self.key, self.shared, self.xact_id)
+        except psycopg.Error:
+            was_held = False  # the connection broke: the server has dropped the lock with it
+        finally:
+            self.connection.close()
+        return was_held
+
+    @property
+    def held_seconds(self) -> float:
+        return time.monotonic() - self.acquired_monotonic
+
+    @property
+    def transaction_open(self) -> bool:
+        """Transaction scope: False once the lock's transaction was ended on its connection."""
+        return self.connection.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
+
+    def commit_if_held(self, record: Callable[[], bool]) -> bool:
+        """Transaction scope: commit the lock's transaction if the session is still in it and
+        holds the key; ``record()`` runs first, inside it (e.g. the completion record; it
+        returns False when it found the lock not held).
+
+        Returns False, committing nothing, when the lock was not held any more (the work
+        ended the transaction, or took the key again in another one). Raises the driver's
+        error when the session ended or the transaction was aborted (nothing committed).
+        """
+        status = self.connection.info.transaction_status
+        if status == psycopg.pq.TransactionStatus.IDLE:
+            return False
+        if status != psycopg.pq.TransactionStatus.INTRANS:  # aborted: COMMIT says so (and commits nothing)
+            commit(self.connection)
+            return True
+        if not record():
+            return False
+        return commit_if_held(self.connection, self.key, self.shared, self.xact_id, self._take_at_release())
+
+    def commit(self) -> None:
+        """Transaction scope: commit the lock's transaction (which releases the lock).
+
+        Raises ``NoActiveSqlTransaction`` when the work ended the lock's transaction (whatever
+        ran afterwards ran without the lock) and ``InFailedSqlTransaction`` when an error had
+        aborted it: nothing is committed then.
+        """
+        in_transaction = self.connection.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+        if not in_transaction:
+            commit(self.connection)
+        elif not commit_if_held(self.connection, self.key, self.shared, self.xact_id, self._take_at_release()):
+            raise psycopg.errors.NoActiveSqlTransaction(
+                "the lock's transaction was ended on its connection (a COMMIT or ROLLBACK by the work): the lock "
+                "ended with it, and whatever ran afterwards ran without the lock; not committed"
+            )
+
+    def probe(self, timeout: float, before_giving_up: Callable[[], None] | None = None) -> ProbeResult:
+        """The heartbeat's bounded check of this lock (see :func:`~airflow_pglock.pg.probe.probe`)."""
+        return probe(
+            self.connection, self.key, self.shared, timeout, xact_id=self.xact_id, before_giving_up=before_giving_up
+        )
+
+    def seen_from_aside(self, side: psycopg.Connection[Any]) -> bool:
+        """Whether the session still holds the key, asked on another session ``side`` (while the
+        work keeps the lock's own connection busy)."""
+        return held_seen_from_aside(side, self.server.backend_pid, self.key, self.shared, self.xact_id)
+
+    def unlock_checked(self) -> bool:
+        """Session scope: unlock (the connection stays open); whether the key was still held."""
+        return unlock(
+            self.connection, self.key, shared=self.shared, at_release=self._take_at_release(), markers=self.markers
+        )
+
+    def _take_at_release(self) -> WriteAtRelease | None:
+        at_release, self.at_release = self.at_release, None  # sent once, with the first release statement
+        return at_release
+
+    def close(self) -> None:
+        """Close the connection: the session ends, an open transaction rolls back, the lock goes
+        with them. Idempotent; no check (see :meth:`release` for that)."""
+        self.released = True
+        self.connection.close()

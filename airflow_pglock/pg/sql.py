@@ -1,0 +1,126 @@
+"""The SQL fragments more than one statement uses, each written once.
+
+The statements themselves live next to their callers in this package; what they share
+is here: which ``pg_locks`` rows are this database's advisory locks, the condition "a
+session holds a key" (in its transaction, for a transaction lock), the lock function of
+a scope and mode, and a call of it composed for a key.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from airflow_pglock.holder import EXCLUSIVE_MODE, SHARED_MODE
+from airflow_pglock.keys import LockKey
+from airflow_pglock.liveness import Liveness
+from airflow_pglock.server_rules import Scope
+
+
+def advisory_here(alias: str = "") -> str:
+    """The ``pg_locks`` rows of advisory locks in the connected database (an advisory key's
+    numbers are per database: the same numbers in two databases are two locks).
+
+    :param alias: the ``pg_locks`` alias of the statement, with its dot (``"l."``), if any.
+    """
+    return (
+        f"{alias}locktype = 'advisory'"
+        f" AND {alias}database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())"
+    )
+
+
+# Whether a session ({0}) holds a key in this database: pg_locks, filtered to that pid.
+HELD_CONDITION = (
+    "EXISTS (SELECT 1 FROM pg_catalog.pg_locks WHERE " + advisory_here() + " AND pid = {0}"
+    " AND classid = {1}::oid AND objid = {2}::oid AND objsubid = {3}::int2 AND mode = {4} AND granted)"
+)
+# ...and, for a transaction lock, that the session is still in the transaction that took it
+# (a COMMIT then BEGIN on the lock's connection ends the lock; the key may even be taken
+# again in the new transaction, which is not the lock the guard holds).
+IN_TRANSACTION = "txid_current_if_assigned() IS NOT DISTINCT FROM {0}::bigint"
+# The same seen from another session: the holder's current top-level transaction id (32 bits).
+SIDE_IN_TRANSACTION = (
+    "(SELECT backend_xid::text::bigint FROM pg_catalog.pg_stat_activity WHERE pid = {0}) = mod({1}::bigint, 4294967296)"
+)
+
+
+def held_condition(pid: str | None, placeholders: tuple[str, str, str, str], xact: str | None) -> str:
+    """The condition "session ``pid`` holds the key [in transaction ``xact``]", with the given
+    placeholders for the key's ``pg_locks`` coordinates and mode; ``pid`` None: the session that
+    runs the statement, else another session (its transaction as ``pg_stat_activity`` shows it)."""
+    if pid is None:
+        condition = HELD_CONDITION.format("pg_backend_pid()", *placeholders)
+        return condition + (" AND " + IN_TRANSACTION.format(xact) if xact is not None else "")
+    condition = HELD_CONDITION.format(pid, *placeholders)
+    return condition + (" AND " + SIDE_IN_TRANSACTION.format(pid, xact) if xact is not None else "")
+
+
+def held_params(key: LockKey, shared: bool) -> list[Any]:
+    """The parameters of :func:`held_condition`'s four key placeholders."""
+    classid, objid, objsubid = key.pg_locks
+    return [classid, objid, objsubid, SHARED_MODE if shared else EXCLUSIVE_MODE]
+
+
+# The errors a server that only looks like PostgreSQL (PgBouncer's admin console, other
+# wire-compatible systems) answers to a statement naming PostgreSQL's functions.
+NOT_POSTGRES_ERRORS: tuple[type[psycopg.Error], ...] = (
+    psycopg.errors.UndefinedFunction,
+    psycopg.errors.ProtocolViolation,
+    psycopg.errors.FeatureNotSupported,
+    psycopg.errors.SyntaxError,
+)
+
+
+def lock_function(base: str, *, shared: bool = False, scope: Scope = "session") -> str:
+    """The advisory lock function: ``base`` is ``try`` (``pg_try_advisory_lock``), ``wait``
+    (``pg_advisory_lock``) or ``unlock``; its transaction-level and shared forms as asked."""
+    xact = "_xact" if scope == "transaction" else ""
+    name = {"try": f"pg_try_advisory{xact}_lock", "wait": f"pg_advisory{xact}_lock", "unlock": "pg_advisory_unlock"}
+    return name[base] + ("_shared" if shared else "")
+
+
+def _compose(function: str, pair: bool) -> sql.Composed:
+    casts = [sql.SQL("%s::integer")] * 2 if pair else [sql.SQL("%s::bigint")]
+    return sql.SQL("SELECT {}({})").format(sql.Identifier(function), sql.SQL(", ").join(casts))
+
+
+# Composed once: a lock session takes and releases keys in a tight loop.
+_CALLS = {
+    (lock_function(base, shared=shared, scope=scope), pair): _compose(
+        lock_function(base, shared=shared, scope=scope), pair
+    )
+    for base in ("try", "wait", "unlock")
+    for scope in ("session", "transaction")
+    for shared in (False, True)
+    for pair in (False, True)
+}
+
+
+def call(function: str, key: LockKey) -> sql.Composed:
+    """``SELECT function(<key>)``, positional parameters: the key's numbers."""
+    return _CALLS[(function, key.is_pair)]
+
+
+def named_call(function: str, key: LockKey) -> tuple[sql.Composed, dict[str, Any]]:
+    """``function(<key>)`` with named parameters ``k1`` (and ``k2`` for a pair)."""
+    if key.is_pair:
+        composed = sql.SQL("{}(%(k1)s::integer, %(k2)s::integer)").format(sql.Identifier(function))
+        return composed, {"k1": key.numbers[0], "k2": key.numbers[-1]}
+    return sql.SQL("{}(%(k1)s::bigint)").format(sql.Identifier(function)), {"k1": key.int64}
+
+
+def liveness_statement(liveness: Liveness, *, local: bool, server_version_num: int) -> sql.Composed:
+    """``SELECT set_config(...), ...`` for the lease's server settings, values inlined (no
+    parameters, so that it can travel with other statements in one simple query).
+
+    :param local: for the current transaction only (a transaction lock), else for the session.
+    :param server_version_num: settings this server version lacks are left out.
+    """
+    settings = liveness.server_settings(transaction=local, server_version_num=server_version_num)
+    selects = sql.SQL(", ").join(
+        sql.SQL("set_config({}, {}, {})").format(sql.Literal(name), sql.Literal(value), sql.Literal(local))
+        for name, value in settings.items()
+    )
+    return sql.SQL("SELECT {}").format(selects)

@@ -1,0 +1,263 @@
+"""The lock statements of one lock session, each a function of its connection.
+
+Take (``try_lock``, ``wait_lock``, a pool's ``try_slot`` / ``wait_slot``, batches of
+``try_lock_many``), check (``is_held``, seen from another session), give back
+(``unlock_many``, ``unlock_held_among``) and ``commit``. A session's first statement is
+:mod:`~airflow_pglock.pg.take`'s; the release that announces itself is
+:mod:`~airflow_pglock.pg.release`'s; the heartbeat's bounded check is
+:mod:`~airflow_pglock.pg.probe`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from airflow_pglock.exceptions import LockConfigurationError
+from airflow_pglock.holder import EXCLUSIVE_MODE, SHARED_MODE
+from airflow_pglock.keys import LockKey
+from airflow_pglock.pg.sql import call, held_condition, held_params, lock_function
+from airflow_pglock.policy import lock_timeout_ms, longest_wait_text, wait_timeout_problem
+from airflow_pglock.server_rules import Scope
+
+
+def check_wait_timeout(timeout: object) -> None:
+    """Refuse a wait timeout that is not a positive number of seconds up to
+    :data:`~airflow_pglock.policy.MAX_WAIT_TIMEOUT_SECONDS` (LockConfigurationError)."""
+    if wait_timeout_problem(timeout) is not None:
+        raise LockConfigurationError(
+            f"wait timeout must be a positive number of seconds, got {timeout!r}; {longest_wait_text()}"
+        )
+
+
+def try_lock(conn: psycopg.Connection[Any], key: LockKey, *, shared: bool = False, scope: Scope = "session") -> bool:
+    """One ``pg_try_advisory[_xact]_lock[_shared]`` on ``conn``; True if taken."""
+    row = conn.execute(call(lock_function("try", shared=shared, scope=scope), key), key.numbers).fetchone()
+    return bool(row and row[0])
+
+
+def wait_lock(
+    conn: psycopg.Connection[Any],
+    key: LockKey,
+    timeout: float,
+    *,
+    shared: bool = False,
+    scope: Scope = "session",
+) -> bool:
+    """Wait at most ``timeout`` seconds for the key, enforced by the server (``lock_timeout``).
+
+    Returns False when the wait timed out and the session does not hold the key (a timeout that
+    fired as the key was granted is a success: see ``tests/faults/test_wait_timeout_race.py``).
+    """
+    check_wait_timeout(timeout)
+    statement = call(lock_function("wait", shared=shared, scope=scope), key)
+    timeout_ms = f"{lock_timeout_ms(timeout)}ms"
+    # lock_timeout bounds the wait; statement_timeout is lifted so that a shorter one set
+    # for the role cannot turn "still busy" into an error. Both are SET LOCAL: in session
+    # scope they end with the short transaction (the session lock outlives its commit); in
+    # transaction scope they are put back afterwards.
+    previous = None
+    if scope == "transaction":
+        previous = conn.execute(
+            "SELECT current_setting('lock_timeout'), current_setting('statement_timeout')"
+        ).fetchone()
+    try:
+        with conn.transaction(savepoint_name="pglock_wait" if scope == "transaction" else None):
+            conn.execute(
+                "SELECT set_config('lock_timeout', %s, true), set_config('statement_timeout', '0', true)",
+                [timeout_ms],
+            )
+            conn.execute(statement, key.numbers)
+        if previous is not None:
+            conn.execute(
+                "SELECT set_config('lock_timeout', %s, true), set_config('statement_timeout', %s, true)",
+                list(previous),
+            )
+    except psycopg.errors.LockNotAvailable:
+        # The timeout can fire as the lock is granted: PostgreSQL then keeps the lock it granted
+        # and still raises (LockErrorCleanup -> GrantAwaitedLock), and a session lock outlives the
+        # aborted statement. So the answer is what pg_locks says now, not the error.
+        return is_held(conn, key, shared)
+    return True
+
+
+def first_free(function: str) -> sql.Composed:
+    # Slot 1 is tried in the anchor; slot n + 1 only in the row the recursion makes from a
+    # refused slot n (the WHERE filters the working table's one row before the target list
+    # is computed). After a success the recursion has no row left to try from, so at most
+    # one try returns true: one slot per statement, whatever the plan.
+    return sql.SQL(
+        "WITH RECURSIVE attempt(n, taken) AS ("
+        " SELECT 1, {f}((%(slots)s::bigint[])[1])"
+        " UNION ALL"
+        " SELECT n + 1, {f}((%(slots)s::bigint[])[n + 1]) FROM attempt"
+        " WHERE NOT taken AND n < cardinality(%(slots)s::bigint[])"
+        ") SELECT n FROM attempt WHERE taken"
+    ).format(f=sql.Identifier(function))
+
+
+def try_slot(conn: psycopg.Connection[Any], slots: list[LockKey], *, scope: Scope = "session") -> int | None:
+    """Take the first free of ``slots`` (int64 keys, exclusive) in one statement, trying them in order.
+
+    Returns the index of the slot taken, or None when every slot is held. Never takes more
+    than one (see :func:`first_free`; ``tests/integration/test_slots.py`` races it).
+    """
+    function = lock_function("try", scope=scope)
+    row = conn.execute(first_free(function), {"slots": [key.int64 for key in slots]}).fetchone()
+    return None if row is None else int(row[0]) - 1
+
+
+#: Seconds between two tries of a full pool with ``on_busy="wait"`` (no server-side wait for "any of N").
+SLOT_POLL_SECONDS = 0.2
+
+
+def wait_slot(
+    conn: psycopg.Connection[Any], slots: list[LockKey], timeout: float, *, scope: Scope = "session"
+) -> int | None:
+    """Try the pool every :data:`SLOT_POLL_SECONDS` until a slot is taken or ``timeout`` s passed."""
+    check_wait_timeout(timeout)
+    deadline = time.monotonic() + timeout
+    while True:
+        slot = try_slot(conn, slots, scope=scope)
+        remaining = deadline - time.monotonic()
+        if slot is not None or remaining <= 0:
+            return slot
+        time.sleep(min(SLOT_POLL_SECONDS, remaining))
+
+
+#: Keys per statement of :func:`try_lock_many` / :func:`unlock_many` (a few round trips for many thousands).
+MANY_KEYS_PER_STATEMENT = 5000
+
+
+def _each_key(function: str) -> sql.Composed:
+    """``function`` applied to every key of three parallel arrays (int64s; or the two halves
+    of a pair), in the order given: one statement, one round trip."""
+    call = sql.SQL(
+        "SELECT CASE WHEN k.whole IS NOT NULL THEN {f}(k.whole) ELSE {f}(k.first, k.second) END"
+        " FROM unnest(%s::bigint[], %s::integer[], %s::integer[]) WITH ORDINALITY AS k(whole, first, second, n)"
+        " ORDER BY k.n"
+    )
+    return call.format(f=sql.Identifier(function))
+
+
+def _for_each_key(conn: psycopg.Connection[Any], function: str, keys: list[LockKey]) -> list[bool]:
+    answers: list[bool] = []
+    for start in range(0, len(keys), MANY_KEYS_PER_STATEMENT):
+        chunk = keys[start : start + MANY_KEYS_PER_STATEMENT]
+        wholes = [key.int64 for key in chunk]
+        pairs = [key.numbers if key.is_pair else (None, None) for key in chunk]
+        firsts = [pair[0] for pair in pairs]
+        seconds = [pair[-1] for pair in pairs]
+        rows = conn.execute(_each_key(function), [wholes, firsts, seconds]).fetchall()
+        answers += [bool(row[0]) for row in rows]
+    return answers
+
+
+def try_lock_many(conn: psycopg.Connection[Any], keys: list[LockKey], *, shared: bool = False) -> list[bool]:
+    """``pg_try_advisory_lock[_shared]`` for each key, in one round trip per
+    :data:`MANY_KEYS_PER_STATEMENT` keys; whether each was taken, in order."""
+    return _for_each_key(conn, lock_function("try", shared=shared), keys)
+
+
+def unlock_many(conn: psycopg.Connection[Any], keys: list[LockKey], *, shared: bool = False) -> list[bool]:
+    """``pg_advisory_unlock[_shared]`` for each key (as :func:`try_lock_many`); whether each was held.
+
+    Not announced to waiting triggers: they see these keys free at their next poll.
+    """
+    return _for_each_key(conn, lock_function("unlock", shared=shared), keys)
+
+
+# This very session's advisory locks in one mode. No catalog is read: a session's own locks
+# are all in its database, and a shared catalog's lock would need room in the lock table,
+# which a batch that ran out of shared memory has just filled.
+_OWN_LOCKS = (
+    "SELECT classid::bigint, objid::bigint, objsubid::integer FROM pg_locks"
+    " WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted AND mode = %s"
+)
+
+
+def unlock_held_among(conn: psycopg.Connection[Any], keys: list[LockKey], *, shared: bool = False) -> int:
+    """Release those of ``keys`` this session holds (as ``pg_locks`` says); how many.
+
+    For keys a failed statement may have left either way (a batch cancelled part-way, an
+    unlock refused); only those held are unlocked (an unlock of a key not held warns, once
+    per key). The session's locks are read once and matched here: a join in SQL would
+    compare every key with every lock. It runs with ``statement_timeout`` lifted (and put
+    back afterwards), so that the timeout that cancelled that statement cannot cancel these.
+    """
+    mode = SHARED_MODE if shared else EXCLUSIVE_MODE
+    with _statement_timeout_lifted(conn):
+        own = {(row[0], row[1], row[2]) for row in conn.execute(_OWN_LOCKS, [mode]).fetchall()}
+        held = [key for key in keys if key.pg_locks in own]
+        if held:
+            unlock_many(conn, held, shared=shared)
+    return len(held)
+
+
+@contextlib.contextmanager
+def _statement_timeout_lifted(conn: psycopg.Connection[Any]) -> Iterator[None]:
+    # A plain SET, put back afterwards, not SET LOCAL in a transaction: other threads use this
+    # connection between these statements (a heartbeat's probe), and an error of theirs
+    # would abort the transaction. The fenced subquery reads the old value before the change.
+    row = conn.execute(
+        "SELECT previous, set_config('statement_timeout', '0', false)"
+        " FROM (SELECT current_setting('statement_timeout') AS previous OFFSET 0) AS setting"
+    ).fetchone()
+    try:
+        yield
+    finally:
+        usable = not conn.closed and conn.info.transaction_status != psycopg.pq.TransactionStatus.INERROR
+        if row is not None and usable:  # in a failed transaction, its rollback puts the value back
+            conn.execute("SELECT set_config('statement_timeout', %s, false)", [row[0]])
+
+
+def session_alive_seen_from_aside(conn: psycopg.Connection[Any], pid: int) -> bool:
+    """Whether the session ``pid`` still exists, asked on another session ``conn`` (for a lock
+    session whose own connection is busy: its keys can end only with it, or by its unlock)."""
+    row = conn.execute("SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = %s)", [pid]).fetchone()
+    return bool(row and row[0])
+
+
+def commit(conn: psycopg.Connection[Any]) -> None:
+    """COMMIT the lock's transaction; fail loudly if it was already ended or PostgreSQL rolled back."""
+    if conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+        raise psycopg.errors.NoActiveSqlTransaction(
+            "the lock's transaction was already ended on its connection (a COMMIT or ROLLBACK by the work): "
+            "the lock ended with it, and whatever ran afterwards ran without the lock"
+        )
+    status = conn.execute("COMMIT").statusmessage
+    if status != "COMMIT":
+        raise psycopg.errors.InFailedSqlTransaction(
+            f"the lock transaction was aborted by an earlier error, so PostgreSQL answered COMMIT with {status}: "
+            "nothing was committed"
+        )
+
+
+def is_held(conn: psycopg.Connection[Any], key: LockKey, shared: bool = False, xact_id: int | None = None) -> bool:
+    """Whether this very session holds the key now (reads ``pg_locks``, takes nothing).
+
+    :param xact_id: for a transaction lock, the transaction that took it: also check
+        that the session is still in that transaction.
+    """
+    params = held_params(key, shared) + ([] if xact_id is None else [xact_id])
+    statement = "SELECT " + held_condition(None, ("%s", "%s", "%s", "%s"), None if xact_id is None else "%s")
+    row = conn.execute(statement, params).fetchone()  # type: ignore[arg-type]  # static SQL from this module
+    return bool(row and row[0])
+
+
+def held_seen_from_aside(
+    conn: psycopg.Connection[Any], pid: int, key: LockKey, shared: bool, xact_id: int | None
+) -> bool:
+    """Whether the session ``pid`` still holds ``key`` (in its transaction ``xact_id``), asked on
+    another session ``conn``: for when the lock's own connection is busy with the work."""
+    statement = "SELECT " + held_condition("%s", ("%s", "%s", "%s", "%s"), None if xact_id is None else "%s")
+    params: list[Any] = [pid, *held_params(key, shared)]
+    if xact_id is not None:
+        params += [pid, xact_id]
+    row = conn.execute(statement, params).fetchone()  # type: ignore[arg-type]  # static SQL from this module
+    return bool(row and row[0])

@@ -1,0 +1,278 @@
+"""The campaign's holders: processes that take hot keys through every public way to hold a lock.
+
+Each worker process loops until the stop file appears: it picks a kind's keys, holds them
+through the provider's public API, and while it believes it holds them ("works") writes to
+the fencing register every :data:`STEP` seconds (with its fencing token where the kind has
+one), then reports the outcome. Everything goes to its history file
+(:mod:`devtools.campaign.history`). A worker may run in a network namespace (another
+"host"); the nemesis freezes, kills and cuts workers off.
+
+The kinds (every public way to hold a lock, see docs/safety.md):
+
+* ``guard-session`` / ``guard-transaction``: what ``@task.advisory_lock(fencing=True)`` runs
+  (``LockGuard.run``), in session and transaction mode;
+* ``guard-wait``: the same with ``on_busy="wait"``;
+* ``hook-lock``: ``hook.lock(key)`` (no fencing);
+* ``lock-session``: ``hook.lock_session()`` with ``try_lock_many`` batches, a waiting
+  ``lock(key, timeout=...)`` and an early ``release``;
+* ``guard-sub-keys``: a guard's own key plus sub-keys through its ``lock`` handle;
+* ``pool``: a pool of slots (``slots=2``).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from devtools.campaign.history import HistoryWriter
+
+#: Seconds between two register writes of a holder (and the unit of its work).
+STEP = 0.25
+KINDS = ("guard-session", "guard-transaction", "guard-wait", "hook-lock", "lock-session", "guard-sub-keys", "pool")
+FENCED_KINDS = frozenset({"guard-session", "guard-transaction", "guard-wait"})
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What one worker process does.
+
+    :param index: the worker's number (its history file, its application_name).
+    :param kind: one of :data:`KINDS`.
+    :param lock_dsn: the lock database's multi-host DSN, as seen from the worker's host.
+    :param register_dsn: the fencing register's DSN, as seen from the worker's host.
+    :param lease: the lease of its locks, in seconds.
+    :param history: its history file.
+    :param stop_file: the worker stops once this file exists (after its current run).
+    :param seed: its random choices' seed (with the spawn number).
+    :param hot_keys: the contended key names.
+    :param pool: the pool's name; :param pool_slots: its size.
+    :param netns: the network namespace to enter first (another host), or None.
+    """
+
+    index: int
+    kind: str
+    lock_dsn: str
+    register_dsn: str
+    lease: float
+    history: Path
+    stop_file: Path
+    seed: int
+    hot_keys: tuple[str, ...]
+    pool: str
+    pool_slots: int
+    netns: str | None = None
+
+
+class StaleTokenRefusedError(Exception):
+    """The register refused this holder's write: a newer token was accepted for the key."""
+
+
+class _Lost(Exception):  # noqa: N818 - a control-flow signal inside a lock session
+    """A lock session was found lost between two steps."""
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig, spawn: int) -> None:
+        from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+        from airflow_pglock.liveness import Liveness
+
+        self.config = config
+        self.rng = random.Random(config.seed * 1000 + spawn)
+        self.history = HistoryWriter(config.history, worker=config.index, pid=os.getpid(), kind=config.kind)
+        self.hook = AdvisoryLockHook(dsn=config.lock_dsn, liveness=Liveness(config.lease), connect_timeout=2)
+        self.name = f"campaign w{config.index}"
+        self._register: Any = None
+        self.runs = 0
+
+    # ----------------------------------------------------------------- the register
+
+    def _write(self, run: str, key: str, token: int | None) -> None:
+        import psycopg
+
+        from devtools.campaign.servers import FENCED_WRITE, UNFENCED_WRITE
+
+        if self._register is None or self._register.closed:
+            self._register = psycopg.connect(self.config.register_dsn, autocommit=True)
+        statement = FENCED_WRITE if token is not None else UNFENCED_WRITE
+        try:
+            row = self._register.execute(statement, {"key": key, "run": run, "token": token}).fetchone()
+        except psycopg.Error:
+            self._register.close()
+            raise
+        accepted, at = bool(row[0]), float(row[1])
+        self.history.emit("write", run=run, key=key, token=token, accepted=accepted, at=at)
+        if not accepted:
+            raise StaleTokenRefusedError(f"the register refused token {token} for {key!r}")
+
+    def _work(self, run: str, held: dict[str, int | None], lost: Any = None) -> None:
+        """Write every held key every step, for a random while; ``lost()`` says a session is gone.
+
+        Ends with a ``done`` event (also when it raises): from then on the holder no longer
+        uses the keys (what follows is the release). A loss it learns of is a ``lost`` event.
+        """
+        from airflow_pglock.exceptions import LockLostInterrupt
+
+        try:
+            for _ in range(self.rng.randint(2, 10)):
+                if lost is not None and lost():
+                    self.history.emit("lost", run=run)
+                    raise _Lost(str(lost()))
+                for key, token in list(held.items()):
+                    self._write(run, key, token)
+                time.sleep(STEP)
+        except LockLostInterrupt:
+            self.history.emit("lost", run=run)
+            raise
+        finally:
+            self.history.emit("done", run=run)
+
+    # ----------------------------------------------------------------- the kinds
+
+    def _guard(self, run: str, key: str, *, mode: str = "session", wait: bool = False, slots: int = 1) -> None:
+        from airflow_pglock.guard import LockGuard
+        from airflow_pglock.keys import LockKey
+        from airflow_pglock.policy import LockPolicy
+        from airflow_pglock.run_rules import RunRules
+
+        policy = LockPolicy(
+            mode=mode,  # type: ignore[arg-type]
+            on_busy="wait" if wait else "skip",
+            wait_timeout=1.5 if wait else None,
+            slots=slots,
+        )
+        rules = RunRules(fencing=slots == 1)
+
+        def work(handle: Any) -> None:
+            name = handle.key.name or str(handle.key.numbers)
+            at = handle.acquired_at.timestamp()
+            self.history.emit(
+                "acquired", run=run, key=name, token=handle.fencing_token, backend=handle.backend_pid, at=at
+            )
+            self._work(run, {name: handle.fencing_token})
+
+        guard = LockGuard(self.hook.database, LockKey.from_name(key), policy, application_name=self.name, rules=rules)
+        try:
+            guard.run(work)
+        except BaseException as error:
+            if getattr(guard, "refusal", None) is error:
+                raise _Busy from error
+            raise
+
+    def _hook_lock(self, run: str, key: str) -> None:
+        with self.hook.lock(key, application_name=self.name) as handle:
+            if handle is None:
+                raise _Busy
+            at = handle.acquired_at.timestamp()
+            self.history.emit("acquired", run=run, key=key, token=None, backend=handle.backend_pid, at=at)
+            self._work(run, {key: None})
+
+    def _lock_session(self, run: str, keys: list[str]) -> None:
+        with self.hook.lock_session(application_name=self.name) as session:
+            backend = session.server.backend_pid
+            try:
+                subs = session.try_lock_many(keys[:-1])
+                held: dict[str, int | None] = {}
+                for sub in subs:
+                    held[str(sub.key.name)] = None
+                    at = sub.acquired_at.timestamp()
+                    self.history.emit("acquired", run=run, key=sub.key.name, token=None, backend=backend, at=at)
+                with session.lock(keys[-1], timeout=0.5) as waited:
+                    if waited is not None:
+                        held[keys[-1]] = None
+                        at = waited.acquired_at.timestamp()
+                        self.history.emit("acquired", run=run, key=keys[-1], token=None, backend=backend, at=at)
+                    if not held:
+                        raise _Busy
+                    self._work(run, held, lost=lambda: session.lost)
+                    if subs and self.rng.random() < 0.5:  # give one back early
+                        held.pop(str(subs[0].key.name), None)
+                        self.history.emit("released", run=run, key=subs[0].key.name)  # no longer used from here
+                        session.release(subs[0])
+                        self._work(run, held, lost=lambda: session.lost)
+            finally:
+                self.history.emit("done", run=run)  # also when a statement failed before the work
+
+    def _guard_sub_keys(self, run: str, keys: list[str]) -> None:
+        from airflow_pglock.guard import LockGuard
+        from airflow_pglock.keys import LockKey
+        from airflow_pglock.policy import LockPolicy
+
+        def work(handle: Any) -> None:
+            subs = handle.try_lock_many(keys)
+            if not subs:
+                return
+            held: dict[str, int | None] = {}
+            for sub in subs:
+                held[str(sub.key.name)] = None
+                at = sub.acquired_at.timestamp()
+                self.history.emit("acquired", run=run, key=sub.key.name, token=None, backend=handle.backend_pid, at=at)
+            self._work(run, held)
+
+        own = LockKey.from_name(f"campaign/owner/{self.config.index}")
+        LockGuard(self.hook.database, own, LockPolicy(), application_name=self.name).run(work)
+
+    # ----------------------------------------------------------------- the loop
+
+    def one_run(self) -> None:
+        from airflow_pglock.exceptions import LockLostError
+
+        self.runs += 1
+        run = f"w{self.config.index}-{os.getpid()}-{self.runs}"
+        kind, hot = self.config.kind, list(self.config.hot_keys)
+        self.history.emit("attempt", run=run)
+        outcome, detail = "completed", ""
+        try:
+            if kind in ("guard-session", "guard-transaction", "guard-wait"):
+                mode = "transaction" if kind == "guard-transaction" else "session"
+                self._guard(run, self.rng.choice(hot), mode=mode, wait=kind == "guard-wait")
+            elif kind == "hook-lock":
+                self._hook_lock(run, self.rng.choice(hot))
+            elif kind == "lock-session":
+                self._lock_session(run, self.rng.sample(hot, k=min(len(hot), self.rng.randint(2, 3))))
+            elif kind == "guard-sub-keys":
+                self._guard_sub_keys(run, self.rng.sample(hot, k=self.rng.randint(1, 2)))
+            elif kind == "pool":
+                self._guard(run, self.config.pool, slots=self.config.pool_slots)
+        except _Busy:
+            outcome = "skipped"
+        except (LockLostError, _Lost) as error:
+            outcome, detail = "lost", str(error)[:300]
+        except Exception as error:
+            outcome, detail = "failed", f"{type(error).__name__}: {str(error)[:300]}"
+        self.history.emit("outcome", run=run, outcome=outcome, detail=detail)
+
+    def loop(self) -> None:
+        self.history.emit("spawn")
+        while not self.config.stop_file.exists():
+            self.one_run()
+            time.sleep(self.rng.uniform(0.0, 0.3))
+        if self._register is not None:
+            self._register.close()
+        self.history.emit("stopped")
+        self.history.close()
+
+
+class _Busy(Exception):  # noqa: N818 - the key (or the pool) was busy: a skip
+    pass
+
+
+def worker_main(config: WorkerConfig, spawn: int) -> None:
+    """The body of a forked worker process."""
+    import logging
+
+    # The history says what happened; the log lines (outcome lines included) go to the worker's own log.
+    log = open(config.history.with_suffix(".log"), "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - the process's
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    logging.basicConfig(stream=log, level=logging.INFO, force=True)
+    if config.netns:
+        from devtools.netns import NetNamespace
+
+        namespace = NetNamespace.__new__(NetNamespace)
+        namespace.name = config.netns
+        namespace.enter()
+    Worker(config, spawn).loop()

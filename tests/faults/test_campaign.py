@@ -1,0 +1,50 @@
+"""The short randomized fault campaign, a fixed seed: every way to hold a lock, every fault kind.
+
+``python3 devtools/dev.py campaign`` runs it at any length (docs/safety.md has the long run's
+figures); this is the short one the whole suite runs on every change: about a minute and a
+half of faults, each kind at least once, two failovers among them (a stopped primary and a
+frozen one). A failing run keeps its history and prints its seed, for
+``dev.py campaign --seed S`` (the same choices of faults, targets and keys; not the same
+timing) or a look at ``history/*.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from devtools.campaign.nemesis import FAULT_KINDS
+from devtools.campaign.run import run_campaign
+from devtools.campaign.workers import KINDS
+from devtools.netns import NetNamespace
+
+pytestmark = [pytest.mark.slow, pytest.mark.faults, pytest.mark.timeout(900)]
+
+SEED = 20261202
+SECONDS = 80.0
+
+
+def test_a_short_campaign_keeps_every_promise() -> None:
+    from airflow_pglock.compat import AIRFLOW_V_3_PLUS
+
+    if not AIRFLOW_V_3_PLUS:  # nothing in it depends on the Airflow line: the default (3.3) leg runs it
+        pytest.skip("the campaign runs in the Airflow 3 whole suite (it does not depend on the Airflow line)")
+    reason = NetNamespace.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"the campaign's other hosts are network namespaces: {reason}")
+    out = Path(tempfile.mkdtemp(prefix=f"pglock-campaign-ci-{SEED}-"))
+    report = run_campaign(SECONDS, SEED, out, lease=3.0)
+    figures = report.figures
+    summary = json.dumps({k: figures[k] for k in ("runs", "writes", "refused_writes", "faults", "outcomes")})
+    assert report.passed, f"seed {SEED}, history kept in {out}: {summary}\n" + "\n".join(report.violations[:30])
+    assert all(figures["faults"][kind] >= 1 for kind in FAULT_KINDS), figures["faults"]
+    assert figures["failovers"] >= 2
+    # every way to hold a lock took part and completed runs; the fenced ones were refused a stale write or lost
+    assert set(figures["outcomes"]) == set(KINDS), figures["outcomes"]
+    assert all(outcomes.get("completed", 0) >= 1 for outcomes in figures["outcomes"].values()), figures["outcomes"]
+    assert figures["stale_writes_accepted"] == 0 and figures["lost_holds_reported_as_success"] == 0
+    shutil.rmtree(out, ignore_errors=True)

@@ -1,0 +1,78 @@
+"""Transaction mode through the public ``hook.lock(key, mode="transaction")``: what the work may do
+on the lock's own connection, and what ends the lock.
+
+The lock is the transaction's: whatever ends that transaction ends the lock, and the block must
+then fail as lost (nothing after it committed); what stays inside it completes. Held-up cases of
+the second lifetime review (its e4 sketch), kept as regression tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+import pytest
+
+from airflow_pglock.exceptions import LockLostError
+from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+from airflow_pglock.keys import LockKey
+from tests.helpers import advisory_locks
+
+KEY = "txn-work"
+
+#: The work's statements on the lock's connection, and how the block must end.
+CASES: dict[str, tuple[list[str] | str, str]] = {
+    "commit-then-begin": (["COMMIT", "BEGIN"], "lost"),
+    "commit-and-chain": (["COMMIT AND CHAIN"], "lost"),
+    "rollback-and-chain": (["ROLLBACK AND CHAIN"], "lost"),
+    # A new transaction that takes the key again holds a lock, but not the guard's.
+    "commit-begin-and-take-the-key-again": (["COMMIT", "BEGIN", "SELECT pg_advisory_xact_lock({key})"], "lost"),
+    "psycopg-commit": ("commit", "lost"),
+    "savepoint-and-rollback-to": (["SAVEPOINT a", "INSERT INTO txn_work VALUES ('dropped')", "ROLLBACK TO a"], "done"),
+    "set-local": (["SET LOCAL statement_timeout = '10s'"], "done"),
+    "psycopg-transaction-block": ("transaction block", "done"),
+    # Session locks only: the transaction's lock stays.
+    "unlock-all-session-locks": (["SELECT pg_advisory_unlock_all()"], "done"),
+}
+
+
+def _run_work(conn: psycopg.Connection[Any], steps: list[str] | str) -> None:
+    if steps == "commit":
+        conn.execute("INSERT INTO txn_work VALUES ('before')")
+        conn.commit()
+    elif steps == "transaction block":
+        with conn.transaction():
+            conn.execute("INSERT INTO txn_work VALUES ('inside')")
+    else:
+        for statement in steps:
+            conn.execute(statement.format(key=LockKey.from_name(KEY).int64))  # type: ignore[arg-type]
+    # The lock connection is autocommit outside the lock's transaction: after a psycopg commit()
+    # a statement would commit on its own, so 'after' is written only inside a transaction.
+    if conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS:
+        conn.execute("INSERT INTO txn_work VALUES ('after')")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_what_ends_the_locks_transaction_is_a_loss_and_what_stays_inside_it_completes(
+    case: str, hook: AdvisoryLockHook, admin: Any
+) -> None:
+    steps, expected = CASES[case]
+    admin.execute("DROP TABLE IF EXISTS txn_work; CREATE TABLE txn_work (v text)")
+    try:
+        if expected == "lost":
+            with pytest.raises(LockLostError), hook.lock(KEY, mode="transaction") as handle:
+                assert handle is not None and handle.connection is not None
+                _run_work(handle.connection, steps)
+        else:
+            with hook.lock(KEY, mode="transaction") as handle:
+                assert handle is not None and handle.connection is not None
+                _run_work(handle.connection, steps)
+        committed = [row[0] for row in admin.execute("SELECT v FROM txn_work ORDER BY v").fetchall()]
+        # Never committed after a loss: what ran once the lock's transaction had ended.
+        assert ("after" in committed) == (expected == "done"), committed
+        if case == "psycopg-commit":
+            assert committed == ["before"]  # the work's own commit, while it still held the lock
+        assert "dropped" not in committed
+        assert advisory_locks(admin) == []
+    finally:
+        admin.execute("DROP TABLE IF EXISTS txn_work")

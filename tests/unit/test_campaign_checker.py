@@ -1,0 +1,121 @@
+"""The campaign's checker catches each kind of violation (synthetic histories, no servers).
+
+A checker that cannot fail proves nothing: each rule gets a history that breaks it, next to
+one that keeps it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from devtools.campaign.checker import JITTER, check, overlap_bound
+
+LEASE = 3.0
+
+
+def _run(run: str, pid: int, key: str, start: float, end: float, outcome: str | None, **extra: Any) -> list[dict]:
+    """One run of one hold: attempt, acquired at ``start``, done (or lost) at ``end``, outcome."""
+    token = extra.get("token")
+    events = [
+        {"t": start - 0.01, "event": "attempt", "run": run, "worker": pid, "pid": pid, "kind": "guard-session"},
+        {"t": start, "event": "acquired", "run": run, "key": key, "token": token, "backend": extra.get("backend", pid)},
+    ]
+    if extra.get("lost"):
+        events.append({"t": end, "event": "lost", "run": run, "pid": pid})
+    events.append({"t": end, "event": "done", "run": run, "pid": pid})
+    if outcome is not None:
+        events.append({"t": end + 0.01, "event": "outcome", "run": run, "outcome": outcome, "pid": pid})
+    return events
+
+
+def _fault(kind: str, start: float, end: float, pids: list[int]) -> dict[str, Any]:
+    return {"t": start, "event": "fault", "kind": kind, "start": start, "end": end, "target": "x", "pids": pids}
+
+
+def test_a_clean_history_passes() -> None:
+    events = [*_run("a", 1, "k", 10, 11, "completed"), *_run("b", 2, "k", 11.05, 12, "completed")]
+    report = check(events, [], lease=LEASE)
+    assert report.passed, report.violations
+    assert report.figures["runs"] == 2 and report.figures["lost_holds_reported_as_success"] == 0
+
+
+def test_an_overlap_with_a_completed_older_holder_is_a_lost_hold_reported_as_success() -> None:
+    events = [*_run("a", 1, "k", 10, 12, "completed"), *_run("b", 2, "k", 11, 13, "completed")]
+    report = check(events, [], lease=LEASE)
+    assert any("completed older holder" in v for v in report.violations)
+    assert report.figures["lost_holds_reported_as_success"] == 1
+
+
+def test_an_overlap_no_fault_explains_is_a_violation_even_when_the_older_run_failed() -> None:
+    events = [*_run("a", 1, "k", 10, 10.5, "lost", lost=True), *_run("b", 2, "k", 10.2, 11, "completed")]
+    report = check(events, [], lease=LEASE)
+    assert any("unexplained overlap" in v for v in report.violations)
+
+
+def test_an_overlap_within_its_faults_bound_passes_and_one_beyond_fails() -> None:
+    freeze = _fault("sigstop-long", 10.0, 16.0, [1])  # a 6 s freeze: the frozen holder believes meanwhile
+    inside = [*_run("a", 1, "k", 9, 16.5, "lost", lost=True), *_run("b", 2, "k", 13, 17, "completed"), freeze]
+    assert check(inside, [], lease=LEASE).passed
+    assert overlap_bound("sigstop-long", 6.0, LEASE) == 6.0 + JITTER
+    beyond = [*_run("a", 1, "k", 9, 22, "lost", lost=True), *_run("b", 2, "k", 13, 23, "completed"), freeze]
+    assert any("longer than its bound" in v for v in check(beyond, [], lease=LEASE).violations)
+
+
+def test_a_terminated_backend_explains_only_its_own_holder() -> None:
+    kill = _fault("terminate", 10.0, 10.0, [500])
+    own = [*_run("a", 1, "k", 9, 10.3, "lost", lost=True, backend=500), *_run("b", 2, "k", 10.1, 11, "completed")]
+    assert check([*own, kill], [], lease=LEASE).passed
+    other = [*_run("a", 1, "k", 9, 10.3, "lost", lost=True, backend=501), *_run("b", 2, "k", 10.1, 11, "completed")]
+    assert any("unexplained" in v for v in check([*other, kill], [], lease=LEASE).violations)
+
+
+def test_a_killed_holder_ends_at_its_kill() -> None:
+    events = [
+        *_run("a", 1, "k", 9, 20, None),
+        _fault("sigkill", 10.0, 10.0, [1]),
+        *_run("b", 2, "k", 10.2, 11, "completed"),
+    ]
+    events = [e for e in events if not (e["event"] == "done" and e["run"] == "a")]  # it died before its work ended
+    assert check(events, [], lease=LEASE).passed
+
+
+def test_the_register_accepting_a_stale_token_is_a_violation() -> None:
+    writes = [(1, "k", "b", 8, True, 11.0), (2, "k", "a", 7, True, 12.0), (3, "k", "a", 7, False, 12.1)]
+    report = check([], writes, lease=LEASE)
+    assert report.figures["stale_writes_accepted"] == 1
+    assert any("stale write accepted" in v for v in report.violations)
+    assert check([], [writes[0], writes[2]], lease=LEASE).passed  # a refused stale write is the register working
+
+
+def test_a_completed_run_with_a_refused_write_is_a_lost_hold_reported_as_success() -> None:
+    events = _run("a", 1, "k", 10, 11, "completed", token=7)
+    events.append({"t": 10.5, "event": "write", "run": "a", "key": "k", "token": 7, "accepted": False, "pid": 1})
+    report = check(events, [], lease=LEASE)
+    assert any("refused write in a completed run" in v for v in report.violations)
+
+
+def test_a_fencing_token_that_goes_backwards_is_a_violation() -> None:
+    backwards = [*_run("a", 1, "k", 10, 11, "completed", token=9), *_run("b", 2, "k", 11.5, 12, "completed", token=8)]
+    assert any("token went backwards" in v for v in check(backwards, [], lease=LEASE).violations)
+    forwards = [*_run("a", 1, "k", 10, 11, "completed", token=8), *_run("b", 2, "k", 11.5, 12, "completed", token=9)]
+    assert check(forwards, [], lease=LEASE).passed
+
+
+def test_leftovers_are_violations() -> None:
+    report = check([], [], lease=LEASE, leftovers=["advisory lock (1, 2, 3, 1)"])
+    assert report.violations == ["left behind: advisory lock (1, 2, 3, 1)"]
+
+
+def test_figures_count_detection_and_freeing_by_fault_kind() -> None:
+    events = [
+        *_run("a", 1, "k", 9, 10.4, "lost", lost=True, backend=500),
+        _fault("terminate", 10.0, 10.0, [500]),
+        *_run("b", 2, "k", 10.5, 11, "completed"),
+    ]
+    figures = check(events, [], lease=LEASE).figures
+    assert (
+        figures["detect_seconds"]["terminate"]["n"] == 1
+        and abs(figures["detect_seconds"]["terminate"]["max"] - 0.4) < 1e-6
+    )
+    assert abs(figures["freed_seconds"]["terminate"]["p50"] - 0.5) < 1e-6
+    assert figures["faults"]["terminate"] == 1
