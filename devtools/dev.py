@@ -31,6 +31,7 @@ Standard library only: it runs before anything is installed.
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import hashlib
 import json
@@ -86,6 +87,8 @@ UV_PIN = "uv==0.13.9"
 #: (as on these machines): every Airflow process would compile Airflow again (measured: 3.0 s
 #: to import the scheduler's modules instead of 1.3 s; a fresh venv with it: 11.6 s, lint included).
 UV_OPTIONS = ("--compile-bytecode",)
+#: The slowest tests at the end of every run: where CI's time goes.
+DURATIONS = ("--durations=25",)
 #: The blue/green pairs (tests/e2e/test_blue_green.py): (old line, old Python), (new line, new
 #: Python); None = the Python running this script. Upgrades of the Airflow line, then of Python.
 BLUE_GREEN_PAIRS: tuple[tuple[tuple[str, str | None], tuple[str, str | None]], ...] = (
@@ -169,14 +172,20 @@ def ensure_environment() -> Path:
         )
     interpreter = find_interpreter()
     stamp_file = VENV / ".pglock-installed"
-    if stamp_file.exists() and stamp_file.read_text() == _stamp(interpreter) and _python().exists():
+    # .ci/run's streams (and blue-green, which reuses their venvs) may ask for one venv at once:
+    # the second waits for the first to finish it, then finds it stamped.
+    with open(VENV.parent / f"{VENV.name}.lock", "w") as building:
+        fcntl.flock(building, fcntl.LOCK_EX)
+        if stamp_file.exists() and stamp_file.read_text() == _stamp(interpreter) and _python().exists():
+            return _python()
+        if not _python().exists():
+            _create_venv(interpreter, VENV)
+        print(
+            f"[dev] installing airflow-provider-pglock[{EXTRAS}] with {CONSTRAINTS.name} (first run only)", flush=True
+        )
+        _install(_python(), "-c", str(CONSTRAINTS), "-e", f"{ROOT}[{EXTRAS}]")
+        stamp_file.write_text(_stamp(interpreter))
         return _python()
-    if not _python().exists():
-        _create_venv(interpreter, VENV)
-    print(f"[dev] installing airflow-provider-pglock[{EXTRAS}] with {CONSTRAINTS.name} (first run only)", flush=True)
-    _install(_python(), "-c", str(CONSTRAINTS), "-e", f"{ROOT}[{EXTRAS}]")
-    stamp_file.write_text(_stamp(interpreter))
-    return _python()
 
 
 def regenerate_constraints() -> int:
@@ -348,9 +357,13 @@ def main(argv: list[str]) -> int:
         layers = subprocess.call([str(Path(python).parent / "lint-imports")], cwd=ROOT)  # [tool.importlinter]
         return ruff or layout or mypy or layers
     if command == "matrix":
-        return subprocess.call([python, "-m", "pytest", "-m", "matrix", *rest], cwd=ROOT, env=pytest_env(command, rest))
+        return subprocess.call(
+            [python, "-m", "pytest", "-m", "matrix", *DURATIONS, *rest], cwd=ROOT, env=pytest_env(command, rest)
+        )
     # -m "": the whole suite, the slow tests too (a bare `pytest` leaves them out; a -m in rest wins)
-    return subprocess.call([python, "-m", "pytest", "-m", "", *rest], cwd=ROOT, env=pytest_env(command, rest))
+    return subprocess.call(
+        [python, "-m", "pytest", "-m", "", *DURATIONS, *rest], cwd=ROOT, env=pytest_env(command, rest)
+    )
 
 
 def pytest_env(command: str, rest: list[str], environ: dict[str, str] | None = None) -> dict[str, str]:
