@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from devtools.campaign.plot import WINDOW_SECONDS
+
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "safety.md"
 PICTURE = ROOT / "docs" / "img" / "campaign-timeline.png"
@@ -71,6 +73,12 @@ def render(report: dict[str, Any], command: str, picture: bool) -> str:
             "![the run's timeline: each hot key's holders over time, faults as shaded spans, refused stale "
             "writes as crosses](img/campaign-timeline.png)",
         ]
+        if report["seconds"] > WINDOW_SECONDS:
+            lines += [
+                "",
+                f"The picture shows {WINDOW_SECONDS:.0f} s of the run, from 20 s before its first frozen "
+                "failover (`failover-frozen`); its seconds count from there.",
+            ]
     lines.append("")
     return "\n".join(lines)
 
