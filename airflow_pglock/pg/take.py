@@ -21,7 +21,15 @@ from airflow_pglock.keys import MAX_SLOTS, LockKey, is_named_key
 from airflow_pglock.liveness import Liveness
 from airflow_pglock.pg.held import HeldLock
 from airflow_pglock.pg.key_names import REGISTRY_STATE
-from airflow_pglock.pg.pools import PLAIN_CHECK, POOL_CHECK, pool_conflict_error, pool_in_use, pool_markers, pool_params
+from airflow_pglock.pg.pools import (
+    MARKER_BUSY,
+    PLAIN_CHECK,
+    POOL_CHECK,
+    pool_conflict_error,
+    pool_in_use,
+    pool_markers,
+    pool_params,
+)
 from airflow_pglock.pg.release import unlock
 from airflow_pglock.pg.sql import liveness_statement, lock_function, named_call
 from airflow_pglock.pg.statements import first_free, wait_lock, wait_slot
@@ -133,8 +141,12 @@ def first_try(
         if refusal is not None:
             found = (str(refusal[0]), int(refusal[1]), int(refusal[2]))
     elif checks_pool and taken is not None:
-        found = ("pool", 0, 0) if taken == -1 else None
-        taken = None if taken == -1 else bool(taken)
+        if taken in MARKER_BUSY:  # a pool of the name, or another plain user's momentary marker try
+            taken = MARKER_BUSY[taken]
+            if pool_in_use(conn, pool[0]):
+                found, taken = ("pool", 0, 0), None
+        else:
+            taken = bool(taken)
     return FirstTry(
         taken=taken,
         server=server,
