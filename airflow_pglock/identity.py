@@ -68,7 +68,8 @@ _SHORTENING_STAGES = (
 )
 # A run id of Airflow's own form, <type>__<ISO timestamp>: shortened, its timestamp is
 # written in ISO basic form (20261201T191446), which says the same in fewer bytes.
-_ISO_RUN_ID = re.compile(r"^(\w+__)(\d{4})-(\d{2})-(\d{2})T(\d{2}):(\d{2}):(\d{2})")
+# Compiled at first use (re caches it), not when a DAG file is parsed.
+_ISO_RUN_ID = r"^(\w+__)(\d{4})-(\d{2})-(\d{2})T(\d{2}):(\d{2}):(\d{2})"
 
 
 def _ascii(text: str) -> str:
@@ -107,7 +108,7 @@ def _shorten(part: int, text: str, room: int, run_id: str) -> str:
     if len(text) <= room:
         return text
     if part == _RUN:  # stays unique: the digest of the full run id
-        iso = _ISO_RUN_ID.match(text)
+        iso = re.match(_ISO_RUN_ID, text)
         if iso is not None:
             text = iso.group(1) + "".join(iso.groups()[1:4]) + "T" + "".join(iso.groups()[4:])
         return text[: max(1, room - 1 - RUN_DIGEST_CHARS)] + TRUNCATION_MARK + run_digest(run_id)

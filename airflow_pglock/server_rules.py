@@ -89,7 +89,7 @@ Rule = Callable[[ServerInfo, Scope, "str | None"], "Violation | None"]
 
 #: PostgreSQL's ``server_version`` parameter: ``16.2``, ``17beta1``, ``15.20 (Debian 15.20-0+deb12u1)``.
 #: Not PgBouncer's admin console (``1.18.0/bouncer``), not YugabyteDB (``11.2-YB-2.18.0.0-b0``).
-_SERVER_VERSION = re.compile(r"\d+(\.\d+)*(devel|(alpha|beta|rc)\d+)?( .*)?")
+_SERVER_VERSION = r"\d+(\.\d+)*(devel|(alpha|beta|rc)\d+)?( .*)?"  # compiled at first use (re caches it)
 _FORKS = ("Redshift", "CockroachDB", "YugabyteDB")
 
 
@@ -130,7 +130,7 @@ def from_handshake(
 def _looks_like_postgresql(version: str) -> bool:
     if version.startswith("PostgreSQL"):  # version()
         return not any(fork in version for fork in _FORKS)
-    return _SERVER_VERSION.fullmatch(version) is not None  # the handshake's server_version
+    return re.fullmatch(_SERVER_VERSION, version) is not None  # the handshake's server_version
 
 
 def not_postgresql(info: ServerInfo, scope: Scope, pool_mode: str | None) -> Violation | None:
