@@ -177,7 +177,7 @@ class LockGuard:
             raise
 
     def _acquire(self) -> HeldLock:
-        timeout = self.policy.wait_timeout if self.policy.on_busy == "wait" else None
+        timeout = self.policy.first_wait()
         pool = slot_keys(self.key, self.policy.slots)  # the key, or a pool's slots: computed once
         held = self.database.acquire_lock(
             pool,

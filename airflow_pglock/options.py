@@ -25,7 +25,7 @@ from airflow_pglock.exceptions import InvalidLockKeyError, LockConfigurationErro
 from airflow_pglock.hooks import DEFAULT_CONN_ID
 from airflow_pglock.keys import LockKey, name_bytes, slot_keys, tenant_text
 from airflow_pglock.liveness import DEFAULT_LEASE_SECONDS, Liveness
-from airflow_pglock.policy import LockPolicy, OnBusy, OnError, OnLost
+from airflow_pglock.policy import DEFAULT_DEFER_AFTER_SECONDS, LockPolicy, OnBusy, OnError, OnLost, check_defer_after
 from airflow_pglock.run_rules import RunRules, check_not_shared, seconds
 from airflow_pglock.server_rules import Scope
 
@@ -75,6 +75,10 @@ class LockOptions(TypedDict, total=False):
     required with those two (a wait is always bounded), refused with ``"skip"`` and ``"fail"``."""
     on_wait_timeout: Annotated[Literal["skip", "fail"], Option("skip")]
     """``"skip"`` (default) or ``"fail"`` when the key is still busy after ``wait_timeout``."""
+    defer_after: Annotated[Seconds, Option(DEFAULT_DEFER_AFTER_SECONDS)]
+    """With ``on_busy="defer"``: seconds (or timedelta) a busy try first waits on the worker (server-side,
+    as ``"wait"``) before deferring (default 2; 0: defer at once). A key freed within it is taken at once;
+    a longer wait frees the worker slot. Part of ``wait_timeout``; refused with other ``on_busy``."""
     on_lost: Annotated[OnLost, Option("fail")]
     """``"fail"`` (default) or ``"warn"`` when the lock is lost mid-run."""
     on_error: Annotated[OnError, Option("fail")]
@@ -166,6 +170,10 @@ class LockSpec:
             wait_timeout = wait_timeout.total_seconds()
         if isinstance(lease, dt.timedelta):
             lease = lease.total_seconds()
+        defer_after = given["defer_after"]
+        if isinstance(defer_after, dt.timedelta):
+            defer_after = defer_after.total_seconds()
+        check_defer_after(defer_after)
         policy = LockPolicy(
             mode=given["mode"],
             shared=given["shared"],
@@ -175,7 +183,13 @@ class LockSpec:
             on_error=given["on_error"],
             slots=given["slots"],
             on_wait_timeout=given["on_wait_timeout"],
+            defer_after=float(defer_after) if given["on_busy"] == "defer" else 0.0,
         )
+        if "defer_after" in options and policy.on_busy != "defer":
+            raise LockConfigurationError(
+                f"defer_after={options['defer_after']!r} only applies with on_busy='defer' (the wait on the worker "
+                f"before deferring); on_busy is {policy.on_busy!r}"
+            )
         try:
             Liveness(lease)
         except ValueError as error:

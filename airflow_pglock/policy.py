@@ -28,6 +28,10 @@ MODE_CHOICES: tuple[str, ...] = ("session", "transaction")
 MAX_LOCK_TIMEOUT_MS = 2**31 - 1
 #: The longest wait_timeout, in whole seconds (2,147,483 s, about 24.8 days; also for ``"defer"``).
 MAX_WAIT_TIMEOUT_SECONDS = MAX_LOCK_TIMEOUT_MS // 1000
+#: ``on_busy="defer"``: seconds a busy try first waits on the worker (server-side) before deferring.
+#: About what a deferral costs (a resume takes ~2 s: the triggerer's and the scheduler's loops), so a
+#: key freed within it is taken at once, and a longer wait costs at most twice the best choice.
+DEFAULT_DEFER_AFTER_SECONDS = 2.0
 
 
 def wait_timeout_problem(timeout: Any) -> str | None:
@@ -51,6 +55,15 @@ def longest_wait_text() -> str:
 def lock_timeout_ms(timeout: float) -> int:
     """``lock_timeout`` in milliseconds for a checked wait timeout (at least 1: 0 would mean no limit)."""
     return max(1, round(timeout * 1000))
+
+
+def check_defer_after(defer_after: Any) -> None:
+    """Refuse a ``defer_after`` that is not 0 or a positive number of seconds up to the longest wait."""
+    if isinstance(defer_after, bool) or (defer_after != 0 and wait_timeout_problem(defer_after) is not None):
+        raise LockConfigurationError(
+            f"defer_after must be 0 (defer at once) or a positive number of seconds to wait on the worker "
+            f"before deferring, got {defer_after!r}; {longest_wait_text()}"
+        )
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -86,6 +99,8 @@ class LockPolicy:
         ``wait_timeout`` (for ``"defer"`` the Airflow adapter applies it at the deadline).
     :param slots: the key names a pool of this many slots; a run holds any one free slot
         (1: a plain lock on the key). Exclusive only (``shared`` is refused with more than one).
+    :param defer_after: ``"defer"``: seconds a busy try first waits on the worker (server-side,
+        as ``"wait"``) before the adapter defers; 0: defer at once. Ignored by other ``on_busy``.
     """
 
     mode: Scope = "session"
@@ -96,6 +111,7 @@ class LockPolicy:
     on_error: OnError = "fail"
     slots: int = 1
     on_wait_timeout: OnWaitTimeout = "skip"
+    defer_after: float = 0.0
 
     def __post_init__(self) -> None:
         check_slots(self.slots, self.shared)
@@ -117,6 +133,15 @@ class LockPolicy:
             raise LockConfigurationError(
                 f"wait_timeout={self.wait_timeout!r} only applies with on_busy='wait' or on_busy='defer'"
             )
+        check_defer_after(self.defer_after)
+
+    def first_wait(self) -> float | None:
+        """Seconds the try waits for a busy key on the worker (server-side); None: try once."""
+        if self.on_busy == "wait":
+            return self.wait_timeout
+        if self.on_busy == "defer" and self.defer_after > 0:
+            return self.defer_after
+        return None
 
     def busy_outcome(self) -> str:
         """The outcome line of a refusal because the key is busy: what the task will be."""

@@ -124,10 +124,13 @@ def run_guarded(
     policy = spec.policy
     if policy.on_busy == "defer":
         deadline = time.time() + float(policy.wait_timeout or 0) if deadline is None else float(deadline)
-        if time.time() >= deadline:  # the last try: busy now ends the wait
+        remaining = deadline - time.time()
+        if remaining <= 0:  # the last try: busy now ends the wait
             policy = dataclasses.replace(
-                policy, on_busy="fail" if spec.on_wait_timeout == "fail" else "skip", wait_timeout=None
+                policy, on_busy="fail" if spec.on_wait_timeout == "fail" else "skip", wait_timeout=None, defer_after=0
             )
+        elif policy.defer_after >= remaining:  # the rest of the whole wait fits in the wait on the worker
+            policy = dataclasses.replace(policy, on_busy="wait", wait_timeout=remaining, defer_after=0)
 
     def work_with_token(handle: LockHandle) -> T:
         if handle.fencing_token is not None:

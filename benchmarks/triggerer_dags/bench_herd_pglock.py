@@ -18,7 +18,7 @@ WAITERS = int(os.environ.get("PGLOCK_BENCH_HERD", "200"))
 
 @dag(dag_id="bench_herd_pglock", schedule=None, start_date=pendulum.datetime(2026, 1, 1, tz="UTC"), catchup=False)
 def bench_herd_pglock() -> None:
-    @task.advisory_lock(key="bench/herd", tenant_arg="index", on_busy="defer", wait_timeout=1800)
+    @task.advisory_lock(key="bench/herd", tenant_arg="index", on_busy="defer", wait_timeout=1800, defer_after=0)
     def wait(index: int) -> None:
         with psycopg.connect(LOCK_DSN, autocommit=True) as conn:
             conn.execute("INSERT INTO bench_started (dag_id, map_index) VALUES ('bench_herd_pglock', %s)", [index])

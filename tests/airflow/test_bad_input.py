@@ -198,6 +198,11 @@ def test_bad_native_keys_fail_naming_the_value(airflow_db: Any, admin: Any, capf
         ({"lease": 100_000, "on_error": "skip"}, "at most 98,301 s"),  # was: an OS error at connect, then a skip
         ({"on_busy": "wait", "wait_timeout": float("inf")}, "the longest is 2,147,483 s"),
         ({"on_busy": "defer", "wait_timeout": 3e6}, "got 3000000.0; the longest is 2,147,483 s"),
+        ({"on_busy": "defer", "wait_timeout": 60, "defer_after": -1}, "defer_after must be 0 (defer at once)"),
+        ({"on_busy": "defer", "wait_timeout": 60, "defer_after": "2"}, "before deferring, got '2'"),
+        ({"on_busy": "defer", "wait_timeout": 60, "defer_after": True}, "got True"),
+        ({"on_busy": "wait", "wait_timeout": 60, "defer_after": 5}, "defer_after=5 only applies with on_busy='defer'"),
+        ({"defer_after": 0}, "before deferring); on_busy is 'skip'"),
         ({"key": "a\ud800b"}, "lock key name must be UTF-8 text"),
         ({"key": "k" * 2049}, "lock key name is 2049 bytes in UTF-8; a key name is at most 2048 bytes"),
         ({"tenant": 1.5}, "tenant must be a str, an int or a UUID"),

@@ -47,7 +47,7 @@ def defer():
     def hold_task_key():
         hold_for("defer/task", 1.5)
 
-    @task.advisory_lock(key="defer/task", on_busy="defer", wait_timeout=120, postgres_conn_id=CONN,
+    @task.advisory_lock(key="defer/task", on_busy="defer", wait_timeout=120, defer_after=0, postgres_conn_id=CONN,
                         trigger_rule=DONE)
     def after_holder():
         return "ran"
@@ -56,7 +56,18 @@ def defer():
     def hold_operator_key():
         hold_for("defer/operator", 1.5)
 
-    @task.advisory_lock(key="defer/held", on_busy="defer", wait_timeout=2, postgres_conn_id=CONN,
+    @task(trigger_rule=DONE)
+    def hold_brief_key():
+        hold_for("defer/brief", 3)
+
+    # Freed within defer_after: taken on the worker, never deferred.
+    @task.advisory_lock(key="defer/brief", on_busy="defer", wait_timeout=120, defer_after=60, postgres_conn_id=CONN,
+                        trigger_rule=DONE)
+    def taken_on_the_worker():
+        return "ran"
+
+    # Waits 1 s on the worker, then defers; the deadline skips.
+    @task.advisory_lock(key="defer/held", on_busy="defer", wait_timeout=3, defer_after=1, postgres_conn_id=CONN,
                         trigger_rule=DONE)
     def deadline_skips():
         return "never"
@@ -71,7 +82,9 @@ def defer():
         after_holder(),
         hold_operator_key(),
         guarded(BashOperator(task_id="operator_after_holder", bash_command="echo ran", trigger_rule=DONE),
-                key="defer/operator", on_busy="defer", wait_timeout=120, postgres_conn_id=CONN),
+                key="defer/operator", on_busy="defer", wait_timeout=120, defer_after=0, postgres_conn_id=CONN),
+        hold_brief_key(),
+        taken_on_the_worker(),
         deadline_skips(),
         deadline_fails(),
     )
@@ -98,6 +111,8 @@ def test_defer_waits_in_the_trigger_and_runs_after_the_release(
         ("after_holder", -1): "success",
         ("hold_operator_key", -1): "success",
         ("operator_after_holder", -1): "success",
+        ("hold_brief_key", -1): "success",
+        ("taken_on_the_worker", -1): "success",
         ("deadline_skips", -1): "skipped",
         ("deadline_fails", -1): "failed",
     }, log[-5000:]
@@ -107,6 +122,10 @@ def test_defer_waits_in_the_trigger_and_runs_after_the_release(
     assert re.search(r"pglock outcome=completed key 'defer/task'", log[deferred.end() :]), log[-5000:]
     assert re.search(r"pglock deferred: .*key 'defer/operator'", log)
     assert re.search(r"pglock outcome=completed key 'defer/operator'", log)
+    # defer_after: a key freed within it is taken on the worker; one still busy after it defers.
+    assert not re.search(r"pglock deferred: .*key 'defer/brief'", log), log[-5000:]
+    assert re.search(r"pglock outcome=completed key 'defer/brief'", log), log[-5000:]
+    assert re.search(r"pglock deferred: .*key 'defer/held'.*after waiting 1 s; waiting in the triggerer", log), log
     # At the deadline: the holder is named, then a skip (or the failure asked for).
     assert re.search(r"pglock outcome=skipped key 'defer/held'.*nightly holder", log), log[-5000:]
     assert "on_wait_timeout='fail'" in log
