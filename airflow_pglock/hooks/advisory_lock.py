@@ -71,6 +71,7 @@ class AdvisoryLockHook(BaseHook):
             raise LockConfigurationError(f"postgres_conn_id must be a non-empty string, got {postgres_conn_id!r}")
         self.postgres_conn_id = postgres_conn_id
         self.dsn = dsn
+        self._settings: ConnectionSettings | None = None
         #: The lock database this hook's locks are taken in (the layer below: no Airflow).
         self.database = LockDatabase(
             self.resolve_settings,
@@ -88,12 +89,19 @@ class AdvisoryLockHook(BaseHook):
     def resolve_settings(self) -> ConnectionSettings:
         """Where the lock database is (the DSN, or the Airflow connection as PostgresHook reads it).
 
-        Resolved anew for each lock connection, as ``PostgresHook.get_conn`` does: an IAM
-        token or a rotated password is fresh each time.
+        Resolved once per hook, as ``DbApiHook.connection`` is: a changed connection (a rotated
+        password) is read by a new hook (a guarded task makes one per run). A connection with an
+        IAM token (extra ``iam``) is resolved anew for each lock connection: the token expires.
         """
+        if self._settings is not None:
+            return self._settings
         if self.dsn is not None:
-            return from_dsn(self.dsn)
-        return connection.from_airflow(self.postgres_conn_id, self.get_connection)
+            settings = from_dsn(self.dsn)
+        else:
+            settings = connection.from_airflow(self.postgres_conn_id, self.get_connection)
+        if settings.reusable:
+            self._settings = settings
+        return settings
 
     def get_conn(self) -> psycopg.Connection[Any]:
         """A new dedicated autocommit connection to the lock database (Airflow's hook API); close it."""

@@ -58,4 +58,6 @@ def from_airflow(conn_id: str, get_connection: Callable[[str], Any]) -> Connecti
         params={k: v for k, v in captured.items() if v is not None and k not in _NON_LIBPQ_EXTRAS},
         source=f"conn id {conn_id!r}",
         pool_mode=airflow_conn.extra_dejson.get("pool_mode"),
+        # PostgresHook fetches an IAM token when the extra is truthy (a string "false" too): it expires.
+        reusable=not airflow_conn.extra_dejson.get("iam", False),
     )

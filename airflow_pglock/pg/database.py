@@ -81,7 +81,7 @@ class LockDatabase:
     # ----------------------------------------------------------------- connections
 
     def resolve_settings(self) -> ConnectionSettings:
-        """Where the lock database is (resolved anew for each lock connection)."""
+        """Where the lock database is (as the resolver given says: the hook's resolves once per hook)."""
         return self._resolve()
 
     def default_application_name(self) -> str:

@@ -43,11 +43,13 @@ class ConnectionSettings:
     :param source: ``DSN`` or ``conn id 'x'``, for messages.
     :param pool_mode: the connection extra ``pool_mode`` (``"session"`` declares a pooler in
         session pooling, where session locks are safe); None when not declared.
+    :param reusable: False when the parameters expire (an IAM token): resolve them for each connection.
     """
 
     params: Mapping[str, Any]
     source: str
     pool_mode: str | None = None
+    reusable: bool = True
 
     def describe(self) -> str:
         """``'db' on host:port as user (conn id 'x')``; never the password."""

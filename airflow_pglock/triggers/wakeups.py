@@ -151,8 +151,10 @@ class WakeupHub:
                 await asyncio.sleep(RECONNECT_DELAY)
 
     async def _connect_and_watch(self) -> None:
-        hook = AdvisoryLockHook(self.postgres_conn_id, connect_timeout=self.connect_timeout)
         while self.waiters:
+            # A hook per connection: a hook resolves its Airflow connection once, and a reconnect
+            # must read it anew (a rotated password).
+            hook = AdvisoryLockHook(self.postgres_conn_id, connect_timeout=self.connect_timeout)
             try:
                 conn = await hook.aconnect(WAKEUP_APPLICATION_NAME)
             except (PgLockError, psycopg.Error, OSError) as error:

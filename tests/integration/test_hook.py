@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from typing import Any
@@ -355,3 +356,46 @@ def test_work_that_commits_and_begins_anew_commits_nothing_after(hook: AdvisoryL
         assert advisory_locks(admin) == []
     finally:
         admin.execute("DROP TABLE commit_begin")
+
+
+def test_a_hook_reads_its_airflow_connection_once(dsn: str, admin: Any) -> None:
+    """Reading an Airflow connection sets the secrets backends up again (about 1 ms): once per hook."""
+    from tests.helpers import TEST_CONN_ID
+
+    hook = AdvisoryLockHook(TEST_CONN_ID)
+    reads: list[str] = []
+    read = hook.get_connection
+
+    def counted(conn_id: str) -> Any:
+        reads.append(conn_id)
+        return read(conn_id)
+
+    hook.get_connection = counted  # type: ignore[method-assign]
+    for _ in range(3):
+        with hook.lock("read-once") as handle:
+            assert handle is not None
+    held = hook.acquire("read-once")  # a fourth lock, the manual form
+    assert held is not None
+    held.release()
+    assert reads == [TEST_CONN_ID]
+    assert advisory_locks(admin) == []
+
+
+def test_expiring_settings_are_resolved_for_each_lock(dsn: str, admin: Any, monkeypatch: Any) -> None:
+    """An IAM token expires: a connection with the ``iam`` extra is read anew for each lock connection."""
+    from airflow_pglock.hooks import connection
+    from airflow_pglock.pg.settings import from_dsn
+
+    reads: list[str] = []
+
+    def iam_like(conn_id: str, get_connection: Any) -> Any:
+        reads.append(conn_id)
+        return dataclasses.replace(from_dsn(dsn), reusable=False)
+
+    monkeypatch.setattr(connection, "from_airflow", iam_like)
+    hook = AdvisoryLockHook("iam_conn")
+    for _ in range(2):
+        with hook.lock("read-each-time") as handle:
+            assert handle is not None
+    assert reads == ["iam_conn", "iam_conn"]
+    assert advisory_locks(admin) == []
