@@ -4,9 +4,13 @@
     .venv/bin/python -m benchmarks.many_keys --quick --out /tmp/many.md
 
 Per key, each variant takes and releases one key on a connection that is already open
-(how a long-lived process uses each), timed round-robin (:func:`benchmarks.stats.interleaved`):
+(how a long-lived process uses each), timed round-robin (:func:`benchmarks.stats.interleaved`).
+Every call takes a key of its own name (``bench/many-keys/<n>``, as tenants are), and the raw
+side hashes each name to its key as the provider does:
 
 * ``raw psycopg``: ``pg_try_advisory_lock`` + ``pg_advisory_unlock`` on an open connection.
+* ``raw psycopg, release announced``: the same, the unlock with the ``pg_notify`` the
+  provider's release sends (so that a deferred waiter wakes at once): the server's share of it.
 * ``lock session``: ``with session.try_lock(key)`` on ``hook.lock_session()`` (tracking,
   thread safety, loss check; its heartbeat running).
 * ``pals, pool warm`` and ``python-redis-lock, warm client`` (``expire`` + ``auto_renewal``),
@@ -19,6 +23,7 @@ a relay (:mod:`devtools.relay`). Only this section of docs/benchmarks.md is repl
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from collections.abc import Callable
@@ -32,6 +37,7 @@ if str(ROOT) not in sys.path:
 import psycopg  # noqa: E402
 
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook  # noqa: E402
+from airflow_pglock.keys import LockKey  # noqa: E402
 from benchmarks.overhead import quiet_task_logger  # noqa: E402
 from benchmarks.servers import servers  # noqa: E402
 from benchmarks.stats import Summary, interleaved, paired_ratios, progress, table, write_section  # noqa: E402
@@ -39,25 +45,33 @@ from devtools.relay import Relay  # noqa: E402
 
 HEADING = "## Many keys, one session"
 KEY = "bench/many-keys"
-PER_KEY_TARGET = 1.5
+PER_KEY_TARGET = 1.2
 ROUND_TRIP_TARGET = 3
 
 
 def per_key(dsn: str, redis_client: Any | None, rounds: int) -> dict[str, list[float]]:
     raw = psycopg.connect(dsn, autocommit=True)
-    number = 4242
+    names = (f"{KEY}/{n}" for n in itertools.count())
     variants: dict[str, Callable[[], object]] = {}
 
     def raw_psycopg() -> None:
+        number = LockKey.from_name(next(names)).int64
         assert raw.execute("SELECT pg_try_advisory_lock(%s::bigint)", [number]).fetchone() == (True,)
         raw.execute("SELECT pg_advisory_unlock(%s::bigint)", [number])
 
+    def raw_announced() -> None:
+        name = next(names)
+        number = LockKey.from_name(name).int64
+        assert raw.execute("SELECT pg_try_advisory_lock(%s::bigint)", [number]).fetchone() == (True,)
+        raw.execute("SELECT pg_advisory_unlock(%s::bigint), pg_notify('pglock_released', %s)", [number, name])
+
     variants["raw psycopg, open connection"] = raw_psycopg
+    variants["raw psycopg, release announced"] = raw_announced
     hook = AdvisoryLockHook(dsn=dsn)
     with hook.lock_session(application_name="pglock-bench session") as session:
 
         def lock_session() -> None:
-            with session.try_lock(KEY) as sub:
+            with session.try_lock(next(names)) as sub:
                 assert sub is not None
 
         variants["lock session: try_lock + release"] = lock_session
@@ -70,7 +84,7 @@ def per_key(dsn: str, redis_client: Any | None, rounds: int) -> dict[str, list[f
             )
 
             def pals_warm() -> None:
-                lock = locker.lock(KEY)
+                lock = locker.lock(next(names))
                 assert lock.acquire()
                 lock.release()
 
@@ -82,7 +96,7 @@ def per_key(dsn: str, redis_client: Any | None, rounds: int) -> dict[str, list[f
             import redis_lock
 
             def redis_warm() -> None:
-                lock = redis_lock.Lock(redis_client, KEY, expire=30, auto_renewal=True)
+                lock = redis_lock.Lock(redis_client, next(names), expire=30, auto_renewal=True)
                 assert lock.acquire(blocking=False)
                 lock.release()
 
@@ -127,6 +141,7 @@ def section(
         )
     session_ratio = ratios["lock session: try_lock + release"].median
     session_ms = Summary.of(samples["lock session: try_lock + release"]).median
+    announced = ratios["raw psycopg, release announced"].median
     faster = [
         name
         for name in ("pals, pool warm", "python-redis-lock, warm client")
@@ -151,6 +166,11 @@ def section(
             "",
             f"Target: a lock session at most {PER_KEY_TARGET}x raw psycopg ({verdict_key}: {session_ratio:.2f}x) and "
             f"faster than pals and python-redis-lock (faster than: {', '.join(faster) or 'neither'}).",
+            "",
+            f"The release's announcement (`pg_notify`, which wakes a deferred waiter at once instead of at its next "
+            f"poll) costs the server alone {announced:.2f}x raw psycopg; the lock session is {session_ratio / announced:.2f}x "
+            "raw psycopg with that announcement. A lock session within the target needs releases that are not "
+            "announced (as a batch's are not), and its client work (tracking, thread safety) below the rest.",
             "",
             f"`try_lock_many` for {count:,} keys on a lock session, through a relay that counts the client's flights:",
             "",

@@ -9,6 +9,7 @@ rides in the same simple query, bounded so that it never holds the release up.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from psycopg import sql
 from airflow_pglock.keys import LockKey
 from airflow_pglock.pg import wakeups
 from airflow_pglock.pg.probe import results_before
-from airflow_pglock.pg.sql import IN_TRANSACTION, call, held_condition, held_params, lock_function
+from airflow_pglock.pg.sql import IN_TRANSACTION, call_text, held_condition, held_params, lock_function
 
 log = logging.getLogger("airflow_pglock")
 
@@ -148,6 +149,14 @@ def _back_to_savepoint(conn: psycopg.Connection[Any]) -> bool:
     return True
 
 
+@functools.cache
+def _announced_unlock(function: str, pair: bool) -> str:
+    # Text, built once per form: a lock session releases keys in a tight loop.
+    if not wakeups.RELEASED_CHANNEL.isidentifier():
+        raise ValueError(f"the release channel must be a plain name, got {wakeups.RELEASED_CHANNEL!r}")
+    return f"{call_text(function, pair)}, pg_notify('{wakeups.RELEASED_CHANNEL}', %s)"
+
+
 def unlock(
     conn: psycopg.Connection[Any],
     key: LockKey,
@@ -167,12 +176,10 @@ def unlock(
         as without it. The write waits for no lock longer than its bound
         (:data:`AT_RELEASE_LOCK_TIMEOUT`); one that fails is rolled back alone.
     """
-    statement = sql.SQL("{}, pg_notify({}, %s)").format(
-        call(lock_function("unlock", shared=shared), key), sql.Literal(wakeups.RELEASED_CHANNEL)
-    )
+    statement = _announced_unlock(lock_function("unlock", shared=shared), key.is_pair)
     params = [*key.numbers, wakeups.payload(key)]
     for marker in markers:  # a pool's slot: its markers go with it
-        statement += sql.SQL(", pg_advisory_unlock_shared(%s::bigint)")
+        statement += ", pg_advisory_unlock_shared(%s::bigint)"
         params.append(marker.int64)
     if at_release is not None and conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
         # A transaction the caller left open on the lock's connection: the write's BEGIN/COMMIT would

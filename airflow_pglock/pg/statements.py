@@ -21,7 +21,7 @@ from psycopg import sql
 from airflow_pglock.exceptions import LockConfigurationError
 from airflow_pglock.holder import EXCLUSIVE_MODE, SHARED_MODE
 from airflow_pglock.keys import LockKey
-from airflow_pglock.pg.sql import call, held_condition, held_params, lock_function
+from airflow_pglock.pg.sql import call, call_text, held_condition, held_params, lock_function
 from airflow_pglock.policy import lock_timeout_ms, longest_wait_text, wait_timeout_problem
 from airflow_pglock.server_rules import Scope
 
@@ -37,7 +37,7 @@ def check_wait_timeout(timeout: object) -> None:
 
 def try_lock(conn: psycopg.Connection[Any], key: LockKey, *, shared: bool = False, scope: Scope = "session") -> bool:
     """One ``pg_try_advisory[_xact]_lock[_shared]`` on ``conn``; True if taken."""
-    row = conn.execute(call(lock_function("try", shared=shared, scope=scope), key), key.numbers).fetchone()
+    row = conn.execute(call_text(lock_function("try", shared=shared, scope=scope), key.is_pair), key.numbers).fetchone()
     return bool(row and row[0])
 
 
