@@ -168,8 +168,8 @@ def section(
             f"faster than pals and python-redis-lock (faster than: {', '.join(faster) or 'neither'}).",
             "",
             f"The release's announcement (`pg_notify`, which wakes a deferred waiter at once instead of at its next "
-            f"poll) costs the server alone {announced:.2f}x raw psycopg; the lock session is {session_ratio / announced:.2f}x "
-            "raw psycopg with that announcement. A lock session within the target needs releases that are not "
+            f"poll) costs the server alone {announced:.2f}x raw psycopg; the lock session is "
+            f"{session_ratio / announced:.2f}x raw psycopg with that announcement. A lock session within the target needs releases that are not "
             "announced (as a batch's are not), and its client work (tracking, thread safety) below the rest.",
             "",
             f"`try_lock_many` for {count:,} keys on a lock session, through a relay that counts the client's flights:",
