@@ -167,10 +167,10 @@ def section(
             f"Target: a lock session at most {PER_KEY_TARGET}x raw psycopg ({verdict_key}: {session_ratio:.2f}x) and "
             f"faster than pals and python-redis-lock (faster than: {', '.join(faster) or 'neither'}).",
             "",
-            f"The release's announcement (`pg_notify`, which wakes a deferred waiter at once instead of at its next "
-            f"poll) costs the server alone {announced:.2f}x raw psycopg; the lock session is "
-            f"{session_ratio / announced:.2f}x raw psycopg with that announcement. A lock session within the target needs releases that are not "
-            "announced (as a batch's are not), and its client work (tracking, thread safety) below the rest.",
+            f"The release's announcement (`pg_notify`, which wakes a deferred waiter at once instead of at its "
+            f"next poll) costs the server {announced:.2f}x raw psycopg; the lock session is "
+            f"{session_ratio / announced:.2f}x that: the rest is its client work (tracking, thread safety, the "
+            "loss check).",
             "",
             f"`try_lock_many` for {count:,} keys on a lock session, through a relay that counts the client's flights:",
             "",
