@@ -58,6 +58,7 @@ def test_quick_run_writes_every_section_and_the_invariants_hold(tmp_path: Path) 
         assert re.search(rf"\| SIGKILL \| {holder} \| [\d.]+ s \(p25", text), holder
     # `locks` listed every held lock.
     assert "10 locks -> 10, 100 locks -> 100" in text
+    assert "### The first lock statement, part by part" in text  # what each part of it costs
 
 
 @pytest.mark.slow
