@@ -89,6 +89,14 @@ UV_PIN = "uv==0.13.9"
 UV_OPTIONS = ("--compile-bytecode",)
 #: The slowest tests at the end of every run: where CI's time goes.
 DURATIONS = ("--durations=25",)
+#: A whole `test` run is these two parts at once, each its own pytest process with its own
+#: throwaway PostgreSQL cluster (or database, with PGLOCK_TEST_DSN), Airflow home and ports: the
+#: first mostly waits on the Airflow processes it starts, the second on PostgreSQL. Every
+#: directory of tests/ is in exactly one part (checked before the run).
+SUITE_PARTS: tuple[tuple[str, ...], ...] = (
+    ("tests/airflow", "tests/celery", "tests/e2e"),
+    ("tests/faults", "tests/integration", "tests/packaging", "tests/unit"),
+)
 #: The blue/green pairs (tests/e2e/test_blue_green.py): (old line, old Python), (new line, new
 #: Python); None = the Python running this script. Upgrades of the Airflow line, then of Python.
 BLUE_GREEN_PAIRS: tuple[tuple[tuple[str, str | None], tuple[str, str | None]], ...] = (
@@ -361,9 +369,55 @@ def main(argv: list[str]) -> int:
             [python, "-m", "pytest", "-m", "matrix", *DURATIONS, *rest], cwd=ROOT, env=pytest_env(command, rest)
         )
     # -m "": the whole suite, the slow tests too (a bare `pytest` leaves them out; a -m in rest wins)
+    if not rest:
+        return run_suite_in_parts(python)
     return subprocess.call(
         [python, "-m", "pytest", "-m", "", *DURATIONS, *rest], cwd=ROOT, env=pytest_env(command, rest)
     )
+
+
+def suite_parts_problem() -> str | None:
+    """Why SUITE_PARTS would not run the whole suite exactly once (None when it would)."""
+    directories = sorted({f"tests/{path.parent.name}" for path in (ROOT / "tests").glob("*/test_*.py")})
+    listed = [directory for part in SUITE_PARTS for directory in part]
+    missing = sorted(set(directories) - set(listed))
+    twice = sorted({directory for directory in listed if listed.count(directory) > 1})
+    if missing or twice:
+        return f"SUITE_PARTS leaves out {missing} and lists twice {twice}"
+    return None
+
+
+def run_suite_in_parts(python: str) -> int:
+    """The whole suite as SUITE_PARTS, at once; part 1's output live, the others' when they end."""
+    problem = suite_parts_problem()
+    if problem is not None:
+        sys.exit(f"[dev] {problem}: every directory of tests/ belongs to exactly one part")
+    started = time.monotonic()
+    print(f"[dev] the whole suite in {len(SUITE_PARTS)} parts at once:", flush=True)
+    for number, part in enumerate(SUITE_PARTS, 1):
+        shown = "shown live" if number == 1 else "printed when it ends"
+        print(f"[dev]   part {number}: {' '.join(part)} ({shown})", flush=True)
+    processes = []
+    with tempfile.TemporaryDirectory(prefix="pglock-suite-") as logs:
+        for number, part in enumerate(SUITE_PARTS, 1):
+            env = pytest_env("test", [])
+            env["PGLOCK_SUITE_PART"] = f"{number}/{len(SUITE_PARTS)}"
+            env["PGLOCK_SUITE_STARTED"] = str(time.time())
+            env["PGLOCK_TEST_DATABASE"] = f"pglock_tests_{number}"  # apart on a shared PGLOCK_TEST_DSN server
+            argv = [python, "-m", "pytest", "-m", "", *DURATIONS, *part]
+            output = None if number == 1 else open(Path(logs) / f"part{number}.log", "w")  # noqa: SIM115
+            processes.append((number, subprocess.Popen(argv, cwd=ROOT, env=env, stdout=output, stderr=output), output))
+        codes = {}
+        for number, process, output in processes:
+            codes[number] = process.wait()
+            if output is not None:
+                output.close()
+                print(f"\n[dev] part {number} ({' '.join(SUITE_PARTS[number - 1])}):", flush=True)
+                print((Path(logs) / f"part{number}.log").read_text(), flush=True)
+    for number, code in codes.items():
+        print(f"[dev] part {number}: {'passed' if code == 0 else f'FAILED (exit {code})'}", flush=True)
+    print(f"[dev] the whole suite took {time.monotonic() - started:.0f} s", flush=True)
+    return 0 if all(code == 0 for code in codes.values()) else 1
 
 
 def pytest_env(command: str, rest: list[str], environ: dict[str, str] | None = None) -> dict[str, str]:

@@ -36,7 +36,7 @@ os.environ.update(
 from devtools.pgcluster import Cluster  # noqa: E402
 from tests.helpers import TEST_CONN_ID, wait_until_no_sessions  # noqa: E402
 
-TEST_DATABASE = "pglock_tests"
+TEST_DATABASE = os.environ.get("PGLOCK_TEST_DATABASE", "pglock_tests")  # dev.py gives each part of the suite its own
 pytest_plugins = ["tests.matrix"]  # records which public feature passed on this Airflow / Python
 
 

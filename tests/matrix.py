@@ -14,6 +14,7 @@ otherwise), the session writes ``airflow-<line>-py<X.Y>.json`` there;
 from __future__ import annotations
 
 import datetime as dt
+import fcntl
 import json
 import os
 import platform
@@ -77,13 +78,18 @@ def pytest_runtest_makereport(item: pytest.Item, call: Any) -> Generator[None, A
                 _since[feature] = tuple(marker.kwargs["since"])  # type: ignore[assignment]
 
 
-def _summary(feature: str, airflow: tuple[int, int]) -> dict[str, str]:
-    results = _outcomes[feature]
+def _summary(
+    feature: str,
+    airflow: tuple[int, int],
+    outcomes: dict[str, list[tuple[str, str]]],
+    since_of: dict[str, tuple[int, int]],
+) -> dict[str, str]:
+    results = outcomes[feature]
     entry = {"label": FEATURES[feature]}
     if any(result == "failed" for result, _ in results):
         return {**entry, "outcome": "failed"}
     if any(result == "passed" for result, _ in results):
-        since = _since.get(feature)
+        since = since_of.get(feature)
         if since is not None and airflow < since:
             return {**entry, "outcome": "absent", "detail": f"absent (needs Airflow {since[0]}.{since[1]})"}
         return {**entry, "outcome": "passed"}
@@ -92,20 +98,64 @@ def _summary(feature: str, airflow: tuple[int, int]) -> dict[str, str]:
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     directory = os.environ.get("PGLOCK_MATRIX_RESULTS")
-    if not directory or not _outcomes:
+    if not directory:
         return
     airflow_version = version("apache-airflow")
     airflow = tuple(int(part) for part in airflow_version.split(".")[:2])
     python = platform.python_version()
+    path = Path(directory) / f"airflow-{airflow[0]}.{airflow[1]}-py{'.'.join(python.split('.')[:2])}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = os.environ.get("PGLOCK_SUITE_PART")  # "k/n": this session is part k of n of one run (dev.py)
+    if part is None:
+        if _outcomes:
+            _write(path, airflow_version, python, _outcomes, _since, _totals, time.monotonic() - _started)
+        return
+    number, count = (int(n) for n in part.split("/"))
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the last part to end merges them all
+        raw = {"outcomes": _outcomes, "since": _since, "totals": _totals}
+        path.with_suffix(f".part{number}").write_text(json.dumps(raw))
+        parts = [path.with_suffix(f".part{n}") for n in range(1, count + 1)]
+        if not all(p.exists() for p in parts):
+            return
+        outcomes: dict[str, list[tuple[str, str]]] = {}
+        since: dict[str, tuple[int, int]] = {}
+        totals = dict.fromkeys(_totals, 0)
+        for p in parts:
+            data = json.loads(p.read_text())
+            for feature, results in data["outcomes"].items():
+                outcomes.setdefault(feature, []).extend((str(r[0]), str(r[1])) for r in results)
+            since.update({feature: (int(v[0]), int(v[1])) for feature, v in data["since"].items()})
+            for name, value in data["totals"].items():
+                totals[name] += int(value)
+            p.unlink()
+        started = float(os.environ.get("PGLOCK_SUITE_STARTED", time.time()))
+        if outcomes:
+            _write(path, airflow_version, python, outcomes, since, totals, time.time() - started)
+    path.with_suffix(".lock").unlink(missing_ok=True)
+
+
+def _write(
+    path: Path,
+    airflow_version: str,
+    python: str,
+    outcomes: dict[str, list[tuple[str, str]]],
+    since: dict[str, tuple[int, int]],
+    totals: dict[str, int],
+    seconds: float,
+) -> None:
+    airflow = tuple(int(part) for part in airflow_version.split(".")[:2])
     record = {
         "airflow": airflow_version,
         "python": python,
         "suite": os.environ.get("PGLOCK_MATRIX_SUITE", "pytest -m matrix"),
         "recorded": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "duration_s": round(time.monotonic() - _started),
-        **_totals,
-        "features": {feature: _summary(feature, airflow) for feature in FEATURES if feature in _outcomes},  # type: ignore[arg-type]
+        "duration_s": round(seconds),
+        **totals,
+        "features": {
+            feature: _summary(feature, airflow, outcomes, since)  # type: ignore[arg-type]
+            for feature in FEATURES
+            if feature in outcomes
+        },
     }
-    path = Path(directory) / f"airflow-{airflow[0]}.{airflow[1]}-py{'.'.join(python.split('.')[:2])}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2) + "\n")

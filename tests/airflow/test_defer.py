@@ -145,7 +145,7 @@ from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 CONN = "pglock_test"
 HUB_READY = (
     "SELECT 1 FROM pg_stat_activity WHERE application_name = 'airflow-pglock wakeups'"
-    " AND state = 'idle' AND query LIKE '%pg_locks%'"
+    " AND state = 'idle' AND query LIKE '%pg_locks%' AND datname = current_database()"
 )
 
 

@@ -226,6 +226,7 @@ def _release_once_waiting(hook: AdvisoryLockHook, held: HeldLock) -> None:
         while time.monotonic() < deadline:
             waiting = conn.execute(
                 "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'airflow-pglock wakeups'"
+                " AND datname = current_database()"
             ).fetchone()
             if waiting and waiting[0]:
                 break

@@ -185,6 +185,7 @@ def test_deferred_tasks_wait_in_the_triggerer_and_resume_after_the_release(
         with psycopg.connect(locks.dsn, autocommit=True) as conn:
             watchers = conn.execute(
                 "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'airflow-pglock wakeups'"
+                " AND datname = current_database()"
             ).fetchone()
         assert watchers == (1,), watchers  # every waiting trigger of the process shares one connection
 
@@ -288,6 +289,7 @@ def test_many_deferred_tasks_share_one_connection_and_never_block_the_triggerer(
         with psycopg.connect(locks.dsn, autocommit=True) as conn:
             watchers = conn.execute(
                 "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'airflow-pglock wakeups'"
+                " AND datname = current_database()"
             ).fetchone()
         assert watchers is not None and 1 <= watchers[0] <= 2, watchers
         # Airflow 3's scheduler fails a resumed task if the executor's report of the process

@@ -56,6 +56,7 @@ def test_two_hundred_waiting_triggers_share_one_connection(
         row = await asyncio.to_thread(
             lambda: admin.execute(
                 "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'airflow-pglock wakeups'"
+                " AND datname = current_database()"
             ).fetchone()
         )
         released = time.monotonic()

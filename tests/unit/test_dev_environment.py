@@ -17,19 +17,50 @@ from devtools import dev
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _pytest_env_of(monkeypatch: pytest.MonkeyPatch, *argv: str) -> dict[str, str]:
-    started: list[dict[str, str]] = []
+class _Started:
+    """Stands for a pytest process dev.py would start (nothing is run)."""
+
+    def __init__(self, args: list[str], **kwargs: Any) -> None:
+        assert args[1:3] == ["-m", "pytest"], args
+        self.args, self.env = args, kwargs["env"]
+
+    def wait(self) -> int:
+        return 0
+
+
+def _pytest_runs_of(monkeypatch: pytest.MonkeyPatch, *argv: str) -> list[_Started]:
+    started: list[_Started] = []
 
     def call(args: list[str], **kwargs: Any) -> int:
-        assert args[1:3] == ["-m", "pytest"], args
-        started.append(kwargs["env"])
+        started.append(_Started(args, **kwargs))
         return 0
+
+    def popen(args: list[str], **kwargs: Any) -> _Started:
+        started.append(_Started(args, **kwargs))
+        return started[-1]
 
     monkeypatch.setattr(dev, "ensure_environment", lambda: Path("/venv/bin/python"))
     monkeypatch.setattr(dev.subprocess, "call", call)
+    monkeypatch.setattr(dev.subprocess, "Popen", popen)
     assert dev.main(list(argv)) == 0
-    (env,) = started
-    return env
+    return started
+
+
+def _pytest_env_of(monkeypatch: pytest.MonkeyPatch, *argv: str) -> dict[str, str]:
+    """The environment of the pytest run(s) dev.py starts (the same for every part of a whole run)."""
+    runs = _pytest_runs_of(monkeypatch, *argv)
+    recorded = {(run.env.get("PGLOCK_MATRIX_RESULTS"), run.env.get("PGLOCK_MATRIX_SUITE")) for run in runs}
+    assert len(recorded) == 1, recorded
+    return runs[0].env
+
+
+def test_the_whole_suite_runs_every_test_directory_once_in_parts(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert dev.suite_parts_problem() is None
+    runs = _pytest_runs_of(monkeypatch, "test")
+    assert [run.env["PGLOCK_SUITE_PART"] for run in runs] == ["1/2", "2/2"]
+    assert len({run.env["PGLOCK_TEST_DATABASE"] for run in runs}) == 2  # apart on a shared server
+    paths = [arg for run in runs for arg in run.args if arg.startswith("tests/")]
+    assert sorted(paths) == sorted({f"tests/{p.parent.name}" for p in (ROOT / "tests").glob("*/test_*.py")})
 
 
 @pytest.mark.parametrize("argv", [("test",), ("matrix",)])
@@ -67,3 +98,35 @@ def test_ci_asks_for_the_record() -> None:
     ci = (ROOT / ".ci" / "run").read_text()
     assert 'export PGLOCK_MATRIX_RESULTS="$PWD/matrix-results"' in ci
     assert "python3 devtools/dev.py test\n" in ci  # the README's command, unchanged
+
+
+def test_the_parts_of_a_whole_run_record_one_file(tmp_path: Path) -> None:
+    """Each part writes what it saw; the last to end merges them into the one record of the run."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PGLOCK_MATRIX_RESULTS": str(tmp_path), "PGLOCK_MATRIX_SUITE": "full suite"}
+    for number, path in enumerate(["tests/unit/test_stable_keys.py", "tests/unit/test_keys.py"], 1):
+        part = {**env, "PGLOCK_SUITE_PART": f"{number}/2"}
+        ran = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path],
+            cwd=ROOT,
+            env=part,
+            capture_output=True,
+        )
+        assert ran.returncode == 0, ran.stdout[-2000:]
+        if number == 1:
+            assert not list(tmp_path.glob("*.json"))  # nothing recorded before the last part ends
+    [record] = [json.loads(p.read_text()) for p in tmp_path.glob("*.json")]
+    alone = [
+        subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path], cwd=ROOT, capture_output=True
+        ).stdout.decode()
+        for path in ["tests/unit/test_stable_keys.py", "tests/unit/test_keys.py"]
+    ]
+    passed = sum(int(text.split(" passed")[0].split()[-1]) for text in alone)
+    assert record["passed"] == passed and record["failed"] == 0
+    assert record["features"]["stable-keys"]["outcome"] == "passed"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [p.name for p in tmp_path.glob("*.json")]  # no part left
