@@ -263,7 +263,13 @@ class LockGuard:
             record = lambda: record_success(self.rules, held, self.identity, self.fencing_token)  # noqa: E731
             if lost is None and self._handle is not None and not held.connection.closed:
                 self._handle.release_all()  # free now; the closed session would free them only when its backend ends
-            if lost is None:
+                if held.scope == "transaction" and self._handle.holds_sub_keys():
+                    # Sub-keys are session locks: ending the transaction (COMMIT or ROLLBACK) would hand
+                    # the server session, with them, to a pooler's next client. Closing inside the
+                    # transaction makes the pooler drop that session (and the server roll it back).
+                    self._abandon()
+                    commit_error = PgLockError(loss.SUB_KEYS_NOT_RELEASED)
+            if lost is None and commit_error is None:
                 ending = Ending(held, exc_type is None, record, self._describe_error, self.rules.records_completion)
                 lost, commit_error, note = finish(ending)
         except BaseException as interrupted:  # an asynchronous exception during the clean-up

@@ -143,9 +143,19 @@ class LockSet:
         statement fails raises the driver's error; its keys are released all the same (at
         once, or at the set's next operation), never left held and forgotten. On a lost
         session it raises :class:`~airflow_pglock.exceptions.LockLostError`, as every other call."""
-        wanted = [item.key if isinstance(item, SubLock) else LockKey.coerce(item) for item in locks]
         with self._mutex:
-            subs = list({key.numbers: self._held[key.numbers] for key in wanted if key.numbers in self._held}.values())
+            # A SubLock releases its own hold only: once released, the same key taken again is
+            # another SubLock's (a stale one must not free it); a key releases whoever holds it here.
+            found: dict[tuple[int, ...], SubLock] = {}
+            for item in locks:
+                if isinstance(item, SubLock):
+                    if self._held.get(item.key.numbers) is item:
+                        found[item.key.numbers] = item
+                else:
+                    numbers = LockKey.coerce(item).numbers
+                    if numbers in self._held:
+                        found[numbers] = self._held[numbers]
+            subs = list(found.values())
             if not subs:
                 return False
             reason = self.lost
@@ -164,18 +174,24 @@ class LockSet:
             finally:
                 for sub in subs:
                     self._held.pop(sub.key.numbers, None)
-            return len(subs) == len(wanted) and not gone
+            return len(subs) == len(locks) and not gone
 
     def release_all(self) -> bool:
-        """Release every key this set holds, best effort (before its session closes: closing
-        frees them too, but only once the server has ended the backend). Whether all were held."""
+        """Release every key this set holds, and those a failed statement may have left, best
+        effort (before its session closes: closing frees them too, but only once the server has
+        ended the backend). Whether all were held."""
         held = self.held()
-        if not held:
-            return True
         try:
-            return self.release(*held)
+            with self._mutex:
+                self._settle()
+            return self.release(*held) if held else True
         except (PgLockError, psycopg.Error):  # the session is gone, or the release will be settled
             return False
+
+    def holds_any(self) -> bool:
+        """Whether the session may still hold keys of this set (held, or left by a failed statement)."""
+        with self._mutex:
+            return bool(self._held or self._unsettled) and self.lost is None
 
     def _hold(self, taken: list[SubLock]) -> Iterator[SubLock | None]:
         sub = taken[0] if taken else None
@@ -186,8 +202,8 @@ class LockSet:
                 with contextlib.suppress(LockLostError):  # the block's own error is the one to see
                     self.release(sub)
             raise
-        if sub is None or sub.key.numbers not in self._held:
-            return  # busy, or released (or lost) inside the block
+        if sub is None or self._held.get(sub.key.numbers) is not sub:
+            return  # busy, or released (or lost) inside the block: the key may be another SubLock's now
         if not self.release(sub) and self.lost is None:
             # The session lives but no longer held the key (an unlock on its connection): the block
             # ran at least partly without it.
@@ -353,8 +369,8 @@ class LockSession(LockSet):
         The release checks each key: when the session turns out lost there (ended, or a key
         no longer held), :attr:`lost` says why, as it does for a loss the heartbeat found.
         """
-        self._heartbeat.stop()
         try:
+            self._heartbeat.stop()  # inside: an interrupt during its join must still close the connection
             with self._mutex:
                 self._release_at_end()
         finally:

@@ -8,7 +8,6 @@ a scope and mode, and a call of it composed for a key.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import psycopg
@@ -99,7 +98,11 @@ _CALLS = {
 }
 
 
-_FUNCTIONS = frozenset(function for function, _ in _CALLS)
+# The same as text: the function names are this module's own (lock_function), quoted as Identifier quotes them.
+_CALL_TEXTS = {
+    (function, pair): f'SELECT "{function}"(' + ("%s::integer, %s::integer" if pair else "%s::bigint") + ")"
+    for function, pair in _CALLS
+}
 
 
 def call(function: str, key: LockKey) -> sql.Composed:
@@ -107,17 +110,10 @@ def call(function: str, key: LockKey) -> sql.Composed:
     return _CALLS[(function, key.is_pair)]
 
 
-@functools.cache
 def call_text(function: str, pair: bool) -> str:
     """:func:`call` as plain text, for the statements of a tight loop: psycopg caches the
-    conversion of a text query, and would render a composed one anew at each execution.
-
-    :param function: one of the advisory lock functions (:func:`lock_function`), a fixed name.
-    """
-    if function not in _FUNCTIONS:
-        raise ValueError(f"not an advisory lock function: {function!r}")
-    arguments = "%s::integer, %s::integer" if pair else "%s::bigint"
-    return f'SELECT "{function}"({arguments})'
+    conversion of a text query, and would render a composed one anew at each execution."""
+    return _CALL_TEXTS[(function, pair)]
 
 
 def named_call(function: str, key: LockKey) -> tuple[sql.Composed, dict[str, Any]]:

@@ -16,7 +16,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from airflow_pglock.exceptions import LockBusyError, UnsafeSetupError
+from airflow_pglock.exceptions import LockBusyError, PgLockError, UnsafeSetupError
 from airflow_pglock.guard import LockGuard
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 from airflow_pglock.keys import LockKey
@@ -202,3 +202,29 @@ def test_frozen_holder_through_pgbouncer_loses_its_lock_within_the_lease(
         outcome = holder.wait_for("outcome", 10)
         assert outcome["outcome"] == "lost", outcome
         assert holder.join(10) == EXIT_LOST
+
+
+def test_transaction_mode_sub_keys_never_stay_on_a_pooled_server_session(
+    bouncer: PgBouncer, fault_server: FaultServer, fault_admin: Any
+) -> None:
+    """In transaction mode the sub-keys are session locks on the server session PgBouncer lent for
+    the transaction: ending the transaction with them held hands them, with the session, to the
+    next client. A transaction the work's own SQL error aborted cannot unlock them (every statement
+    but its end is refused there): the guard must close the connection inside it instead."""
+    hook = AdvisoryLockHook(dsn=bouncer.dsn_for(FAULT_DATABASE), liveness=Liveness(3))
+    sub_key = LockKey.from_name("bouncer-sub-key")
+    guard = LockGuard(hook.database, LockKey.from_name("bouncer-tx"), LockPolicy(mode="transaction"))
+    with pytest.raises(PgLockError, match="sub-keys"), guard as handle:
+        assert handle.connection is not None
+        held = handle.try_lock(sub_key)
+        assert held.__enter__() is not None  # held past the work's end (its block never exits)
+        with pytest.raises(psycopg.errors.DivisionByZero):
+            handle.connection.execute("SELECT 1 / 0")  # the work catches its own SQL error
+    assert guard.outcome == "failed"
+    deadline = time.monotonic() + 10
+    while fault_admin.execute(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = %s::bigint::oid",
+        [sub_key.pg_locks[1]],
+    ).fetchone() != (0,):
+        assert time.monotonic() < deadline, "the sub-key stayed held by a pooled server session"
+        time.sleep(0.1)

@@ -192,6 +192,56 @@ def test_threads_sharing_a_session_never_hold_one_key_together(hook: AdvisoryLoc
         assert session.held() == [] and _count(admin, session.server.backend_pid) == 0
 
 
+def test_a_stale_sub_lock_never_frees_the_key_taken_again(hook: AdvisoryLockHook, admin: Any) -> None:
+    """A SubLock released once is spent: the same key taken again is another SubLock's hold, and the
+    first one's release (again) must not free it (it did: a foreign session then took the key)."""
+    key = LockKey.from_name("tenant/stale")
+    with hook.lock_session() as session:
+        [first] = session.try_lock_many([key])
+        assert first.release() is True
+        [second] = session.try_lock_many([key])
+        assert first.release() is False  # spent
+        assert session.release(first) is False
+        assert session.held() == [key]
+        assert admin.execute("SELECT pg_try_advisory_lock(%s)", [key.int64]).fetchone() == (False,)
+        assert second.release() is True
+    assert advisory_locks(admin) == []
+
+
+def test_a_block_that_released_its_key_early_leaves_the_next_holder_alone(hook: AdvisoryLockHook, admin: Any) -> None:
+    """Thread A releases its key inside its block; thread B takes the key; A's block ends: B keeps it,
+    and no other session can take it until B's block ends."""
+    key = LockKey.from_name("tenant/early")
+    a_released, b_holds, a_done = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, Any] = {}
+
+    def a(session: Any) -> None:
+        with session.try_lock(key) as sub:
+            assert sub is not None
+            sub.release()
+            a_released.set()
+            assert b_holds.wait(30)
+        a_done.set()
+
+    def b(session: Any) -> None:
+        assert a_released.wait(30)
+        with session.try_lock(key) as sub:
+            seen["taken"] = sub is not None
+            b_holds.set()
+            assert a_done.wait(30)
+            seen["foreign"] = admin.execute("SELECT pg_try_advisory_lock(%s)", [key.int64]).fetchone()
+            seen["held"] = session.held()
+
+    with hook.lock_session() as session:
+        threads = [threading.Thread(target=f, args=(session,)) for f in (a, b)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    assert seen == {"taken": True, "foreign": (False,), "held": [key]}
+    assert advisory_locks(admin) == []
+
+
 def test_a_guarded_task_handle_locks_sub_keys_on_its_own_connection(hook: AdvisoryLockHook, admin: Any) -> None:
     other = hook.acquire("tenant-export/2")
     assert other is not None
