@@ -54,6 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from airflow_pglock.triggers.advisory_lock import RESUME_HOLD_SECONDS  # noqa: E402
 from benchmarks.stats import percentile  # noqa: E402
 from devtools.pgcluster import Cluster, free_port  # noqa: E402
 from tests.e2e.deployment import Deployment  # noqa: E402
@@ -71,6 +72,7 @@ class Sample:
     scheduled: float | None
     queued: float | None
     started: float | None
+    state: str | None = None
 
     def parts(self) -> dict[str, float | None]:
         def gap(a: float | None, b: float | None) -> float | None:
@@ -135,7 +137,11 @@ def _read_from(path: Path, offset: int) -> str:
         return handle.read().decode(errors="replace")
 
 
-def measure_resumes(d: Deployment, locks_dsn: str, count: int) -> list[Sample]:
+def measure_resumes(
+    d: Deployment, locks_dsn: str, count: int, between: Callable[[int], None] | None = None
+) -> list[Sample]:
+    """``count`` provider releases, one at a time; ``between(i)`` runs after the i-th resumed (the
+    Airflow baseline's sample, so that both are measured in the same run, alternating)."""
     from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
     from airflow_pglock.liveness import Liveness
 
@@ -153,15 +159,19 @@ def measure_resumes(d: Deployment, locks_dsn: str, count: int) -> list[Sample]:
         60 + 10 * count,
         d,
     )
-    time.sleep(3)
+    # Past the trigger's hold (RESUME_HOLD_SECONDS after it started): the samples time the hand-over itself.
+    time.sleep(RESUME_HOLD_SECONDS + 1)
     released: list[float] = []
     for index, lock in enumerate(held):
         released.append(time.time())
         lock.release()
-        done = functools.partial(lambda i: _states(d, "bench_resume", "resume").get(i) == "success", index)
+        done = functools.partial(lambda i: _states(d, "bench_resume", "resume").get(i) in ("success", "failed"), index)
         _wait(f"task {index} resumed", done, 120, d)
         print(f"resume {index}: done {time.time() - released[-1]:.1f} s after the release", flush=True)
         time.sleep(1 + random.random())  # a random phase against the triggerer's and the scheduler's loops
+        if between is not None:
+            between(index)
+            time.sleep(1 + random.random())
     rows = d.query(
         "SELECT map_index, extract(epoch from scheduled_dttm), extract(epoch from queued_dttm)"
         " FROM task_instance WHERE dag_id = 'bench_resume'"
@@ -173,10 +183,81 @@ def measure_resumes(d: Deployment, locks_dsn: str, count: int) -> list[Sample]:
                 "SELECT map_index, extract(epoch from at)::float8 FROM bench_started WHERE dag_id = 'bench_resume'"
             ).fetchall()
         )
+    states = _states(d, "bench_resume", "resume")
     return [
-        Sample(released[i], _fired_at(d, "bench_resume", i), times[i][0], times[i][1], started.get(i))
+        Sample(released[i], _fired_at(d, "bench_resume", i), times[i][0], times[i][1], started.get(i), states.get(i))
         for i in range(count)
     ]
+
+
+@dataclass
+class AirflowSample:
+    """One resume of Airflow's own deferrable sensor: its moment, the trigger's event, the
+    sensor's resumed method and the downstream function, each when it started."""
+
+    target: float
+    event: float | None
+    resumed: float | None
+    downstream: float | None
+    state: str | None
+
+    def parts(self) -> dict[str, float | None]:
+        def gap(a: float | None, b: float | None) -> float | None:
+            return None if a is None or b is None else b - a
+
+        return {
+            "moment -> trigger event": gap(self.target, self.event),
+            "moment -> the sensor's resumed method starts": gap(self.target, self.resumed),
+            "moment -> its downstream function starts": gap(self.target, self.downstream),
+        }
+
+
+#: Seconds between triggering a bench_resume_airflow run and its moment: long enough for the
+#: sensor to be scheduled, started and deferred first (a sample whose sensor did not defer is left out).
+AIRFLOW_LEAD = 10.0
+
+
+def _fired_in(d: Deployment, dag_id: str, run_id: str, task_id: str) -> float | None:
+    """When the triggerer logged "Trigger fired event" for this task of this run."""
+    for path in (d.home / "logs" / f"dag_id={dag_id}" / f"run_id={run_id}" / f"task_id={task_id}").rglob("*.log"):
+        for line in path.read_text(errors="replace").splitlines():
+            if "Trigger fired event" in line:
+                with contextlib.suppress(ValueError):
+                    stamp = json.loads(line).get("timestamp")
+                    if stamp:
+                        return dt.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    return None
+
+
+def measure_airflow_resume(d: Deployment, locks_dsn: str, index: int) -> AirflowSample:
+    """One run of bench_resume_airflow: its sensor defers until a moment AIRFLOW_LEAD s ahead."""
+    target = time.time() + AIRFLOW_LEAD
+    run_id = f"bench_airflow_{index}_{int(target)}"
+    moment = dt.datetime.fromtimestamp(target, dt.timezone.utc).isoformat()
+    conf = json.dumps({"target": moment, "index": index})
+    triggered = d.airflow("dags", "trigger", "bench_resume_airflow", "--run-id", run_id, "--conf", conf, timeout=120)
+    assert triggered.returncode == 0, triggered.stderr[-2000:]
+
+    def run_state() -> str | None:
+        rows = d.query("SELECT state FROM dag_run WHERE dag_id = 'bench_resume_airflow' AND run_id = %s", [run_id])
+        return rows[0][0] if rows else None
+
+    _wait(f"airflow sample {index}", lambda: run_state() in ("success", "failed"), 120 + AIRFLOW_LEAD, d)
+    with psycopg.connect(locks_dsn, autocommit=True) as conn:
+        started = dict(
+            conn.execute(
+                "SELECT dag_id, extract(epoch from at)::float8 FROM bench_started"
+                " WHERE dag_id IN ('bench_resume_airflow', 'bench_resume_airflow_downstream') AND map_index = %s",
+                [index],
+            ).fetchall()
+        )
+    return AirflowSample(
+        target,
+        _fired_in(d, "bench_resume_airflow", run_id, "wait"),
+        started.get("bench_resume_airflow"),
+        started.get("bench_resume_airflow_downstream"),
+        run_state(),
+    )
 
 
 def _probe_records(text: str) -> list[dict[str, Any]]:
@@ -273,6 +354,46 @@ def deployment(tuned: bool, resumes: int, herd: int, probe: Path | None) -> Iter
                 shutil.rmtree(home, ignore_errors=True)
 
 
+def _p95(values: list[float]) -> float:
+    return percentile(values, 95) if values else float("nan")
+
+
+def comparison(ours: list[Sample], theirs: list[AirflowSample]) -> str:
+    """Ours next to Airflow's own deferrable sensor, measured alternately in the same deployment and run."""
+    valid = [t for t in theirs if t.event is not None]  # the sensor deferred before its moment
+    our_start = [v for s in ours if (v := s.parts()["release -> function starts"]) is not None]
+    their_resumed = [v for t in valid if (v := t.parts()["moment -> the sensor's resumed method starts"]) is not None]
+    rows = ["| part | p50 | p95 | max | n |", "|---|---|---|---|---|"]
+    for name in (
+        "moment -> trigger event",
+        "moment -> the sensor's resumed method starts",
+        "moment -> its downstream function starts",
+    ):
+        values = [v for t in valid if (v := t.parts()[name]) is not None]
+        rows.append(
+            f"| Airflow's `DateTimeSensorAsync`: {name} | {percentile(values, 50):.2f} s | {_p95(values):.2f} s"
+            f" | {max(values, default=float('nan')):.2f} s | {len(values)} |"
+        )
+    failed_ours = sum(1 for s in ours if s.state == "failed")
+    failed_theirs = sum(1 for t in theirs if t.state == "failed")
+    gap = _p95(our_start) - _p95(their_resumed)
+    verdict = "met" if gap <= 0.1 else "missed"
+    return "\n".join(
+        [
+            *rows,
+            "",
+            f"p95 from the release (ours) or the moment (Airflow's) to the resumed task's own code: airflow-pglock "
+            f"{_p95(our_start):.2f} s, Airflow's own deferrable sensor {_p95(their_resumed):.2f} s "
+            f"({gap:+.2f} s). Target: ours at most Airflow's + 0.1 s: **{verdict}**. "
+            f"{len(theirs) - len(valid)} Airflow sample(s) left out (the sensor did not defer before its moment).",
+            "",
+            f"Resumed attempts failed (the executor's stale report of the deferring process, apache/airflow#72716, "
+            f"or anything else): airflow-pglock {failed_ours} of {len(ours)}, Airflow's sensor {failed_theirs} of "
+            f"{len(theirs)} (LocalExecutor).",
+        ]
+    )
+
+
 def resume_table(samples: list[Sample]) -> str:
     rows = ["| part | p50 | p95 | max | n |", "|---|---|---|---|---|"]
     names = list(samples[0].parts()) if samples else []
@@ -360,6 +481,9 @@ def main() -> None:
     parser.add_argument("--write", type=Path, help="also write the tables into this file (docs/benchmarks.md)")
     parser.add_argument("--tuned", action="store_true")
     parser.add_argument("--resumes", type=int, default=10)
+    parser.add_argument(
+        "--airflow-baseline", action="store_true", help="alternate each resume with one of DateTimeSensorAsync's"
+    )
     parser.add_argument("--herd", type=int, default=0)
     parser.add_argument("--herd-airflow", action="store_true", help="also the DateTimeSensorAsync baseline")
     parser.add_argument("--probe", action="store_true", help="run the triggerer under devtools/loopprobe")
@@ -373,10 +497,24 @@ def main() -> None:
     raw: list[str] = []
     with deployment(args.tuned, args.resumes, args.herd, probe) as (d, locks_dsn):
         if args.resumes:
-            samples = measure_resumes(d, locks_dsn, args.resumes)
+            theirs: list[AirflowSample] = []
+
+            def airflow_sample(index: int) -> None:
+                theirs.append(measure_airflow_resume(d, locks_dsn, index))
+
+            between = airflow_sample if args.airflow_baseline else None
+            samples = measure_resumes(d, locks_dsn, args.resumes, between)
             settings = ", ".join(f"{k}={v}" for k, v in TUNED.items()) if args.tuned else "Airflow's defaults"
             out += ["", f"Resume after a provider release ({settings}):", "", resume_table(samples)]
             raw.append(json.dumps([s.__dict__ for s in samples]))
+            if theirs:
+                out += [
+                    "",
+                    "Airflow's own deferrable sensor, alternating with the samples above:",
+                    "",
+                    comparison(samples, theirs),
+                ]
+                raw.append(json.dumps([t.__dict__ for t in theirs]))
         herds = []
         if args.herd:
             herds.append(measure_herd(d, locks_dsn, args.herd, "pglock", probe or Path("/nonexistent"), 0))

@@ -83,6 +83,7 @@ def _trigger(key: str, poll_interval: float, deadline_in: float) -> Any:
         postgres_conn_id=CONN_ID,
         poll_interval=poll_interval,
         deadline=time.time() + deadline_in,
+        resume_hold=0,  # the trigger's own wake-up (a real deferral holds it: RESUME_HOLD_SECONDS)
     )
 
 

@@ -32,6 +32,12 @@ FREE, TIMEOUT, ERROR = "free", "timeout", "error"
 DEFAULT_POLL_INTERVAL = 5.0
 #: Seconds to wait for a connection (the hook's ``DEFAULT_CONNECT_TIMEOUT``; not imported, see above).
 CONNECT_TIMEOUT = 10
+#: A key found free sooner than this after the trigger started is reported this long after its start:
+#: Airflow 3's scheduler fails a resumed attempt when it takes the executor's report of the process
+#: that deferred only after that attempt started (apache/airflow#72716), and a release announced a
+#: moment after the deferral would resume the task within that window. The trigger starts after the
+#: deferral, on the triggerer's own clock.
+RESUME_HOLD_SECONDS = 5.0
 
 
 class AdvisoryLockTrigger(BaseTrigger):
@@ -51,6 +57,8 @@ class AdvisoryLockTrigger(BaseTrigger):
     :param shared: wait only for exclusive holders to go (the key is free for a shared lock).
     :param connect_timeout: seconds to wait for each connection.
     :param slots: more than one: the key names a pool; fire once any of its slots is free.
+    :param resume_hold: seconds after the trigger started before a ``free`` event may fire
+        (:data:`RESUME_HOLD_SECONDS`; 0: at once). Not past the deadline.
     """
 
     def __init__(
@@ -64,6 +72,7 @@ class AdvisoryLockTrigger(BaseTrigger):
         shared: bool = False,
         connect_timeout: int = CONNECT_TIMEOUT,
         slots: int = 1,
+        resume_hold: float = RESUME_HOLD_SECONDS,
     ) -> None:
         super().__init__()
         numbers = list(key_numbers)
@@ -84,6 +93,9 @@ class AdvisoryLockTrigger(BaseTrigger):
         self.connect_timeout = connect_timeout
         self.slots = slots
         self.slot_keys = slot_keys(self.key, slots)
+        if isinstance(resume_hold, bool) or not isinstance(resume_hold, int | float) or not 0 <= resume_hold <= 3600:
+            raise LockConfigurationError(f"resume_hold must be from 0 to 3600 seconds, got {resume_hold!r}")
+        self.resume_hold = float(resume_hold)
 
     @classmethod
     def for_key(
@@ -95,6 +107,7 @@ class AdvisoryLockTrigger(BaseTrigger):
         deadline: float | None,
         shared: bool = False,
         slots: int = 1,
+        resume_hold: float = RESUME_HOLD_SECONDS,
     ) -> AdvisoryLockTrigger:
         """The trigger that waits for ``key``.
 
@@ -112,27 +125,33 @@ class AdvisoryLockTrigger(BaseTrigger):
             deadline=deadline,
             shared=shared,
             slots=slots,
+            resume_hold=resume_hold,
         )
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        """Class path and kwargs: the key, the connection *id* (never its secrets), the deadline."""
-        return (
-            f"{type(self).__module__}.{type(self).__qualname__}",
-            {
-                "key_name": self.key.name,
-                "key_numbers": list(self.key.numbers),
-                "postgres_conn_id": self.postgres_conn_id,
-                "poll_interval": self.poll_interval,
-                "deadline": self.deadline,
-                "shared": self.shared,
-                "connect_timeout": self.connect_timeout,
-                "slots": self.slots,
-            },
-        )
+        """Class path and kwargs: the key, the connection *id* (never its secrets), the deadline.
+
+        ``resume_hold`` only when not the default: a triggerer still on an older provider
+        version then runs the trigger a newer worker deferred with.
+        """
+        kwargs: dict[str, Any] = {
+            "key_name": self.key.name,
+            "key_numbers": list(self.key.numbers),
+            "postgres_conn_id": self.postgres_conn_id,
+            "poll_interval": self.poll_interval,
+            "deadline": self.deadline,
+            "shared": self.shared,
+            "connect_timeout": self.connect_timeout,
+            "slots": self.slots,
+        }
+        if self.resume_hold != RESUME_HOLD_SECONDS:
+            kwargs["resume_hold"] = self.resume_hold
+        return f"{type(self).__module__}.{type(self).__qualname__}", kwargs
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         """Wait until the key is free (woken by its release, or seen at a poll), the deadline or an error."""
         # psycopg and the hook are imported in a worker thread: an import on the loop blocks every trigger.
+        started = time.monotonic()
         wakeups = await asyncio.to_thread(importlib.import_module, "airflow_pglock.triggers.wakeups")
         key = self.key.describe() if self.slots == 1 else f"a slot of the pool {self.key.describe()}"
         hub = wakeups.hub_for(self.postgres_conn_id, self.connect_timeout)
@@ -154,6 +173,19 @@ class AdvisoryLockTrigger(BaseTrigger):
                 )
                 free = await _any_free(waiters, remaining)
             if free:
+                held_back = started + self.resume_hold - time.monotonic()
+                if self.deadline is not None:
+                    held_back = min(held_back, self.deadline - time.time())
+                if held_back > 0:
+                    await _log(
+                        self.log.info,
+                        "pglock: %s is free; the wake-up waits %.1f s more, until the deferral is %g s old "
+                        "(apache/airflow#72716: a task resumed sooner may be failed by a late executor report)",
+                        key,
+                        held_back,
+                        self.resume_hold,
+                    )
+                    await asyncio.sleep(held_back)
                 yield TriggerEvent({"status": FREE, "message": f"{key} is free", "deadline": self.deadline})
                 return
             who = await self._holders_text()

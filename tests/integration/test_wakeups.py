@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from airflow_pglock.exceptions import LockConfigurationError
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 from airflow_pglock.keys import LockKey
 from airflow_pglock.pg import statements, wakeups
@@ -47,7 +48,9 @@ def test_two_hundred_waiting_triggers_share_one_connection(
     async def wait_all() -> tuple[list[str], int | None, float]:
         deadline = time.time() + 120
         triggers = [
-            AdvisoryLockTrigger.for_key(key, postgres_conn_id=TEST_CONN_ID, poll_interval=1, deadline=deadline)
+            AdvisoryLockTrigger.for_key(
+                key, postgres_conn_id=TEST_CONN_ID, poll_interval=1, deadline=deadline, resume_hold=0
+            )
             for key in [*keys, foreign_key]
         ]
         tasks = [asyncio.create_task(_first_event(t)) for t in triggers]
@@ -91,8 +94,12 @@ HUB = "airflow-pglock wakeups"
 
 
 def _trigger(key: LockKey, conn_id: str = TEST_CONN_ID, deadline: float | None = LONG) -> AdvisoryLockTrigger:
-    return AdvisoryLockTrigger.for_key(
-        key, postgres_conn_id=conn_id, poll_interval=LONG, deadline=None if deadline is None else time.time() + deadline
+    return AdvisoryLockTrigger.for_key(  # resume_hold=0: these tests time the trigger's own wake-up
+        key,
+        postgres_conn_id=conn_id,
+        poll_interval=LONG,
+        deadline=None if deadline is None else time.time() + deadline,
+        resume_hold=0,
     )
 
 
@@ -344,3 +351,46 @@ def test_a_well_formed_foreign_payload_only_makes_the_hub_read_again(
     assert not early
     assert reads[1] == {key.pg_locks: True}  # the re-read saw it held
     assert event["status"] == FREE, event
+
+
+def test_a_release_right_after_the_deferral_wakes_the_task_only_once_the_hold_has_passed(
+    airflow_db: Any, holder_hook: AdvisoryLockHook, admin: Any, caplog: Any, capfd: Any
+) -> None:
+    """apache/airflow#72716: a task resumed a moment after it deferred may be failed by the executor's
+    late report of the deferring process. A key freed sooner than RESUME_HOLD_SECONDS after the trigger
+    started (it starts after the deferral) fires that long after the start, never before. A hold of 10 s
+    here (RESUME_HOLD_SECONDS by default): the release lands inside it even on a slow machine."""
+    hold = 10.0
+    key = LockKey.from_name("wakeups/held-back")
+    held = holder_hook.acquire(key, application_name="announcer")
+    assert held is not None
+    trigger = AdvisoryLockTrigger.for_key(
+        key, postgres_conn_id=TEST_CONN_ID, poll_interval=LONG, deadline=None, resume_hold=hold
+    )
+
+    async def run() -> tuple[dict[str, Any], float]:
+        started = time.monotonic()
+        event = await _fires_after(trigger, admin, held.release)
+        return event, time.monotonic() - started
+
+    with caplog.at_level("INFO"):
+        event, after = asyncio.run(run())
+    assert event["status"] == FREE, event
+    assert after >= hold  # a lower bound: slowness cannot break it
+    log = "".join(capfd.readouterr()) + caplog.text
+    assert "the wake-up waits" in log and "72716" in log
+
+
+def test_the_resume_hold_travels_with_the_trigger_only_when_it_is_not_the_default() -> None:
+    from airflow_pglock.triggers.advisory_lock import RESUME_HOLD_SECONDS
+
+    key = LockKey.from_name("wakeups/serialized")
+    default = AdvisoryLockTrigger.for_key(key, postgres_conn_id=TEST_CONN_ID, poll_interval=5, deadline=None)
+    assert "resume_hold" not in default.serialize()[1]  # a triggerer on an older version runs it
+    assert default.resume_hold == RESUME_HOLD_SECONDS
+    none = AdvisoryLockTrigger.for_key(
+        key, postgres_conn_id=TEST_CONN_ID, poll_interval=5, deadline=None, resume_hold=0
+    )
+    assert AdvisoryLockTrigger(**none.serialize()[1]).resume_hold == 0
+    with pytest.raises(LockConfigurationError, match="resume_hold must be from 0 to 3600 seconds, got -1"):
+        AdvisoryLockTrigger.for_key(key, postgres_conn_id=TEST_CONN_ID, poll_interval=5, deadline=None, resume_hold=-1)
