@@ -27,6 +27,7 @@ import itertools
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +127,38 @@ def batch(host: str, port: int, database: str, count: int, repeats: int) -> list
                 assert session.release(*taken)
                 results.append((took, took_flights, time.perf_counter() - started, flights.flights))
     return results
+
+
+def session_ratio(samples: dict[str, list[float]]) -> float:
+    """The lock session's per-key time over raw psycopg's (median of the per-round ratios)."""
+    return paired_ratios(samples, "raw psycopg, open connection")["lock session: try_lock + release"].median
+
+
+def headline_row(samples: dict[str, list[float]]) -> list[str]:
+    ratio = session_ratio(samples)
+    return [
+        "Lock session per key (try + release, a name of its own each time) / raw psycopg",
+        f"<= {PER_KEY_TARGET}x",
+        f"{ratio:.2f}x",
+        "met" if ratio <= PER_KEY_TARGET else "**missed**",
+    ]
+
+
+def run_many_keys(dsn: str, port: int, redis_client: Any | None, rounds: int, count: int, repeats: int) -> ManyKeys:
+    progress(f"many keys: per key, {rounds} rounds")
+    samples = per_key(dsn, redis_client, rounds)
+    progress(f"many keys: try_lock_many({count}) x {repeats}")
+    return ManyKeys(samples, batch("127.0.0.1", port, "pglock_bench", count, repeats), count)
+
+
+@dataclass
+class ManyKeys:
+    samples: dict[str, list[float]]
+    batches: list[tuple[float, int, float, int]]
+    count: int
+
+    def render(self, command: str) -> str:
+        return section(self.samples, self.batches, self.count, command)
 
 
 def section(

@@ -5,9 +5,11 @@
 
 Starts its own PostgreSQL cluster, Redis server and (as root) network namespace, and
 stops them at the end. ``--sections`` picks a subset: overhead, imports, contention,
-recovery, scale, e2e, capacity, round_trips, wakeups. What the run does not measure stays in
-the document it rewrites: the sections of ``benchmarks.many_keys`` and ``benchmarks.slots``,
-the real-deployment part of section 9 (``benchmarks.triggerer``), and any section left out.
+recovery, scale, e2e, capacity, round_trips, wakeups, triggerer (section 10: a real
+deployment's resumes next to Airflow's own deferrable sensor's), many_keys (a lock session per
+key, and batches). What the run does not measure
+stays in the document it rewrites: the section of ``benchmarks.slots``, the 200-task herd of
+section 9 (``benchmarks.triggerer --herd``), and any section left out.
 """
 
 from __future__ import annotations
@@ -32,17 +34,31 @@ from benchmarks import (  # noqa: E402
     contention,
     e2e,
     imports,
+    many_keys,
     overhead,
     recovery,
     round_trips,
     scale,
+    triggerer,
     wakeups,
 )
 from benchmarks.machine import load, machine, versions  # noqa: E402
 from benchmarks.servers import servers  # noqa: E402
 from benchmarks.stats import keep_unmeasured, progress, table  # noqa: E402
 
-SECTIONS = ("overhead", "imports", "contention", "recovery", "scale", "e2e", "capacity", "round_trips", "wakeups")
+SECTIONS = (
+    "overhead",
+    "imports",
+    "contention",
+    "recovery",
+    "scale",
+    "e2e",
+    "capacity",
+    "round_trips",
+    "wakeups",
+    "triggerer",
+    "many_keys",
+)
 ALTERNATIVES = {"pals", "python-redis-lock"}
 
 
@@ -79,6 +95,10 @@ class Settings:
     wakeup_sensor_poll: float = 60.0  # AdvisoryLockSensor's default poke_interval
     wakeup_waiters: int = 200
     wakeup_steady: float = 20.0
+    triggerer_resumes: int = 10
+    many_keys_rounds: int = 2000
+    many_keys_batch: int = 1000
+    many_keys_repeats: int = 20
 
 
 QUICK = Settings(
@@ -111,6 +131,10 @@ QUICK = Settings(
     wakeup_sensor_poll=2.0,
     wakeup_waiters=10,
     wakeup_steady=1.0,
+    triggerer_resumes=2,
+    many_keys_rounds=20,
+    many_keys_batch=100,
+    many_keys_repeats=2,
 )
 
 
@@ -232,6 +256,10 @@ def headline(results: dict[str, Any]) -> str:
         )
     if "wakeups" in results:
         rows += wakeups.headline_rows(results["wakeups"])
+    if "many_keys" in results:
+        rows.append(many_keys.headline_row(results["many_keys"].samples))
+    if "triggerer" in results:
+        rows.append(triggerer.headline_row(results["triggerer"]))
     return table(["measure", "target", "result", ""], rows)
 
 
@@ -284,6 +312,8 @@ def write_document(
         "capacity": capacity.render,
         "round_trips": round_trips.render,
         "wakeups": wakeups.render,
+        "triggerer": triggerer.render_side_by_side,
+        "many_keys": lambda result: result.render(command),
     }
     for name in SECTIONS:
         if name in results:
@@ -341,6 +371,14 @@ def run(
             results["wakeups"] = wakeups.run_wakeups(
                 srv.dsn, s.wakeup_samples, s.wakeup_poll, s.wakeup_sensor_poll, s.wakeup_waiters, s.wakeup_steady
             )
+        if "many_keys" in sections:
+            client = srv.redis.client() if srv.has("python-redis-lock") else None
+            results["many_keys"] = many_keys.run_many_keys(
+                srv.dsn, srv.cluster.port, client, s.many_keys_rounds, s.many_keys_batch, s.many_keys_repeats
+            )
+    if "triggerer" in sections:  # a whole deployment of its own
+        progress(f"triggerer: {s.triggerer_resumes} provider resumes, each with one of Airflow's own")
+        results["triggerer"] = triggerer.run_side_by_side(s.triggerer_resumes)
     return results, facts
 
 
