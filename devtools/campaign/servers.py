@@ -167,6 +167,27 @@ class FailoverPair:
         children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(postmaster)], capture_output=True, text=True)
         return [postmaster, *(int(pid) for pid in children.stdout.split())]
 
+    def _freeze(self, cluster: Cluster) -> list[int]:
+        """SIGSTOP the postmaster first, then every process it started, until no new one shows up.
+
+        Listed first and stopped afterwards, a backend the postmaster forked in between (a client
+        connecting at that moment) kept running on the "frozen" primary: a campaign found a holder
+        that went on, with its lock, on the old primary after the standby was promoted.
+        """
+        postmaster = cluster.postmaster_pid()
+        if postmaster is None:
+            return []
+        os.kill(postmaster, signal.SIGSTOP)  # no new backend from here on
+        frozen = [postmaster]
+        while True:
+            fresh = [pid for pid in self.server_pids(cluster) if pid not in frozen]
+            if not fresh:
+                return frozen
+            for pid in fresh:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGSTOP)
+            frozen += fresh
+
     def failover(self, *, freeze: bool, frozen_seconds: float = 0.0) -> None:
         """The primary goes (stopped at once, or frozen and killed ``frozen_seconds`` later); the
         standby is promoted; the old primary's port becomes the new standby.
@@ -179,10 +200,7 @@ class FailoverPair:
         old = self.primary
         frozen: list[int] = []
         if freeze:
-            frozen = self.server_pids(old)
-            for pid in frozen:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGSTOP)
+            frozen = self._freeze(old)
         else:
             old.stop("immediate")
         self.standby._run(str(self.standby.bin_dir / "pg_ctl"), "-D", str(self.standby.data_dir), "-w", "promote")
