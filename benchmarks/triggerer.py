@@ -472,7 +472,11 @@ def render_side_by_side(result: SideBySide) -> str:
             "of its supervisor (about 1 s each), then the scheduler queues the task and a worker starts it. The "
             "provider's trigger sees a release in milliseconds (section 9), and its event is inside its figure; "
             "Airflow's is counted from its trigger's event (its `DateTimeTrigger` may fire after its moment: the "
-            "first row).",
+            "first row). The two differ in `trigger event -> scheduled`: `DateTimeTrigger` checks its moment once a "
+            "second, in step with the triggerer's once-a-second pass, so its event lands just before a pass; a "
+            "release lands at any moment of the pass, and its event waits for the next (half a pass on average). "
+            "Closing that gap takes a triggerer that hands an event on as it fires (Airflow's loop), not a faster "
+            "trigger.",
         ]
     )
 
