@@ -256,6 +256,7 @@ class LockGuard:
         lost: str | None = None
         commit_error: BaseException | None = None
         note: str | None = None
+        closed_inside = False
         try:
             self.interruption.disarm_absorbing()
             self._stop_heartbeat()
@@ -268,8 +269,12 @@ class LockGuard:
                     # the server session, with them, to a pooler's next client. Closing inside the
                     # transaction makes the pooler drop that session (and the server roll it back).
                     self._abandon()
-                    commit_error = PgLockError(loss.SUB_KEYS_NOT_RELEASED)
-            if lost is None and commit_error is None:
+                    closed_inside = True
+                    if exc_type is None:  # else the work's own error is the failure to see
+                        commit_error = PgLockError(loss.SUB_KEYS_NOT_RELEASED)
+                    else:
+                        self.log.warning("pglock: %s", loss.SUB_KEYS_NOT_RELEASED)
+            if lost is None and not closed_inside:
                 ending = Ending(held, exc_type is None, record, self._describe_error, self.rules.records_completion)
                 lost, commit_error, note = finish(ending)
         except BaseException as interrupted:  # an asynchronous exception during the clean-up
