@@ -173,6 +173,8 @@ def headline(results: dict[str, Any]) -> str:
         for measure, target, check in (
             ("Round trips of a guarded execution over the floor", "+0", "flights"),
             ("Guarded execution / floor, loopback", f"<= {round_trips.TARGET_LOOPBACK}x", "loopback"),
+            ("hook.lock() / floor, loopback", f"<= {round_trips.TARGET_LOOPBACK}x", "hook"),
+            ("Guarded execution ahead of pals NullPool, loopback", "p75 < its p25", "pals"),
             ("Guarded execution / floor, 2 ms relay", f"<= {round_trips.TARGET_DELAYED}x", "delayed"),
         ):
             text, met = checks[check]
