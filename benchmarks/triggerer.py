@@ -42,7 +42,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +65,10 @@ BLOCKED = "async thread was blocked"
 TUNED = {"AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "0.1"}
 
 
+def _gap(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else b - a
+
+
 @dataclass
 class Sample:
     release: float
@@ -75,15 +79,12 @@ class Sample:
     state: str | None = None
 
     def parts(self) -> dict[str, float | None]:
-        def gap(a: float | None, b: float | None) -> float | None:
-            return None if a is None or b is None else b - a
-
         return {
-            "release -> trigger event": gap(self.release, self.event),
-            "event -> scheduled": gap(self.event, self.scheduled),
-            "scheduled -> queued": gap(self.scheduled, self.queued),
-            "queued -> function starts": gap(self.queued, self.started),
-            "release -> function starts": gap(self.release, self.started),
+            "release -> trigger event": _gap(self.release, self.event),
+            "event -> scheduled": _gap(self.event, self.scheduled),
+            "scheduled -> queued": _gap(self.scheduled, self.queued),
+            "queued -> function starts": _gap(self.queued, self.started),
+            "release -> function starts": _gap(self.release, self.started),
         }
 
 
@@ -114,7 +115,12 @@ def _states(d: Deployment, dag_id: str, task_id: str) -> dict[int, str | None]:
 
 def _fired_at(d: Deployment, dag_id: str, map_index: int) -> float | None:
     """When the triggerer logged "Trigger fired event" for this task (from the task's log)."""
-    for path in (d.home / "logs" / f"dag_id={dag_id}").rglob(f"map_index={map_index}/*.log"):
+    return _fired_in_logs((d.home / "logs" / f"dag_id={dag_id}").rglob(f"map_index={map_index}/*.log"))
+
+
+def _fired_in_logs(paths: Iterable[Path]) -> float | None:
+    """The timestamp of the first "Trigger fired event" line in these task logs."""
+    for path in paths:
         for line in path.read_text(errors="replace").splitlines():
             if "Trigger fired event" not in line:
                 continue
@@ -204,16 +210,13 @@ class AirflowSample:
     queued: float | None = None
 
     def parts(self) -> dict[str, float | None]:
-        def gap(a: float | None, b: float | None) -> float | None:
-            return None if a is None or b is None else b - a
-
         return {
-            "moment -> trigger event": gap(self.target, self.event),
-            "trigger event -> scheduled": gap(self.event, self.scheduled),
-            "scheduled -> queued": gap(self.scheduled, self.queued),
-            "queued -> the sensor's resumed method starts": gap(self.queued, self.resumed),
-            "trigger event -> the sensor's resumed method starts": gap(self.event, self.resumed),
-            "trigger event -> its downstream function starts": gap(self.event, self.downstream),
+            "moment -> trigger event": _gap(self.target, self.event),
+            "trigger event -> scheduled": _gap(self.event, self.scheduled),
+            "scheduled -> queued": _gap(self.scheduled, self.queued),
+            "queued -> the sensor's resumed method starts": _gap(self.queued, self.resumed),
+            "trigger event -> the sensor's resumed method starts": _gap(self.event, self.resumed),
+            "trigger event -> its downstream function starts": _gap(self.event, self.downstream),
         }
 
 
@@ -224,14 +227,9 @@ AIRFLOW_LEAD = 10.0
 
 def _fired_in(d: Deployment, dag_id: str, run_id: str, task_id: str) -> float | None:
     """When the triggerer logged "Trigger fired event" for this task of this run."""
-    for path in (d.home / "logs" / f"dag_id={dag_id}" / f"run_id={run_id}" / f"task_id={task_id}").rglob("*.log"):
-        for line in path.read_text(errors="replace").splitlines():
-            if "Trigger fired event" in line:
-                with contextlib.suppress(ValueError):
-                    stamp = json.loads(line).get("timestamp")
-                    if stamp:
-                        return dt.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
-    return None
+    return _fired_in_logs(
+        (d.home / "logs" / f"dag_id={dag_id}" / f"run_id={run_id}" / f"task_id={task_id}").rglob("*.log")
+    )
 
 
 def measure_airflow_resume(d: Deployment, locks_dsn: str, index: int) -> AirflowSample:

@@ -81,38 +81,29 @@ def lock_function(base: str, *, shared: bool = False, scope: Scope = "session") 
     return name[base] + ("_shared" if shared else "")
 
 
-def _compose(function: str, pair: bool) -> sql.Composed:
-    casts = [sql.SQL("%s::integer")] * 2 if pair else [sql.SQL("%s::bigint")]
-    return sql.SQL("SELECT {}({})").format(sql.Identifier(function), sql.SQL(", ").join(casts))
-
-
-# Composed once: a lock session takes and releases keys in a tight loop.
-_CALLS = {
-    (lock_function(base, shared=shared, scope=scope), pair): _compose(
-        lock_function(base, shared=shared, scope=scope), pair
-    )
-    for base in ("try", "wait", "unlock")
-    for scope in ("session", "transaction")
-    for shared in (False, True)
-    for pair in (False, True)
-}
-
-
-# The same as text: the function names are this module's own (lock_function), quoted as Identifier quotes them.
+# Each call written once, as text (quoted as sql.Identifier quotes these names): psycopg caches
+# the conversion of a text query, and would render a composed one anew at each execution of a
+# tight loop. :func:`call` wraps the same text for statements composed around it.
 _CALL_TEXTS = {
     (function, pair): f'SELECT "{function}"(' + ("%s::integer, %s::integer" if pair else "%s::bigint") + ")"
-    for function, pair in _CALLS
+    for function in {
+        lock_function(base, shared=shared, scope=scope)
+        for base in ("try", "wait", "unlock")
+        for scope in ("session", "transaction")
+        for shared in (False, True)
+    }
+    for pair in (False, True)
 }
+_CALLS = {form: sql.SQL(text) for form, text in _CALL_TEXTS.items()}
 
 
-def call(function: str, key: LockKey) -> sql.Composed:
+def call(function: str, key: LockKey) -> sql.SQL:
     """``SELECT function(<key>)``, positional parameters: the key's numbers."""
     return _CALLS[(function, key.is_pair)]
 
 
 def call_text(function: str, pair: bool) -> str:
-    """:func:`call` as plain text, for the statements of a tight loop: psycopg caches the
-    conversion of a text query, and would render a composed one anew at each execution."""
+    """:func:`call` as plain text, for the statements of a tight loop."""
     return _CALL_TEXTS[(function, pair)]
 
 
