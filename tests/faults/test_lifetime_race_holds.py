@@ -374,7 +374,9 @@ class Worker:
             self.work(step)
         finally:
             self.effects.exit(hold, sections)
-        if not holder.release(*subs):
+        # A batch may take nothing new (its keys busy, or held by this session's kept steps): release() of
+        # nothing answers False, which says nothing about the session.
+        if subs and not holder.release(*subs):
             raise RuntimeError("release() answered False: a key of the batch was no longer held")
 
     def _check_tracked(self, holder: Holder, pid: int, reserved: LockKey | None) -> None:
