@@ -27,9 +27,12 @@ PROVIDER_CLI_SINCE = (3, 2)
 UI_PAGE_SINCE = (3, 1)
 HAS_PROVIDER_CLI = AIRFLOW_VERSION >= PROVIDER_CLI_SINCE
 HAS_UI_PAGE = AIRFLOW_VERSION >= UI_PAGE_SINCE
+#: Lock scopes (advisory_lock_scope) need the Task SDK's XCom and setup / teardown semantics of Airflow 3.
+LOCK_SCOPE_SINCE = (3, 0)
+HAS_LOCK_SCOPE = AIRFLOW_VERSION >= LOCK_SCOPE_SINCE
 
 if AIRFLOW_V_3_PLUS:
-    from airflow.sdk import BaseOperator, BaseSensorOperator, Context, get_current_context
+    from airflow.sdk import BaseOperator, BaseSensorOperator, Context, TaskGroup, get_current_context
     from airflow.sdk.bases.decorator import DecoratedOperator, TaskDecorator, task_decorator_factory
     from airflow.sdk.definitions.mappedoperator import MappedOperator
 
@@ -72,6 +75,7 @@ else:  # Airflow 2.x
     from airflow.operators.python import get_current_context  # type: ignore[no-redef]
     from airflow.sensors.base import BaseSensorOperator  # type: ignore[no-redef]
     from airflow.utils.context import Context  # type: ignore[no-redef]
+    from airflow.utils.task_group import TaskGroup  # type: ignore[no-redef]
 
 try:
     from airflow.providers.standard.operators.python import PythonOperator
@@ -187,6 +191,7 @@ __all__ = [
     "AIRFLOW_VERSION",
     "AIRFLOW_V_3_PLUS",
     "DEPLOYMENT_OPTION",
+    "HAS_LOCK_SCOPE",
     "HAS_PROVIDER_CLI",
     "HAS_UI_PAGE",
     "INSTANCE_NAME_OPTION",
@@ -205,6 +210,7 @@ __all__ = [
     "PythonOperator",
     "TaskDecorator",
     "TaskDeferred",
+    "TaskGroup",
     "TriggerEvent",
     "conf",
     "deployment_name",

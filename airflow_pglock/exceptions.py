@@ -57,12 +57,15 @@ class LockBusyError(PgLockError):
 
     :ivar key: the :class:`~airflow_pglock.keys.LockKey` asked for.
     :ivar holders: the :class:`~airflow_pglock.holder.LockHolder` s that hold it, as far as known.
+    :ivar retry_after: seconds until trying again makes sense, when the refusal knows (another
+        run's lock scope: until its lease ends, unless its teardown frees it sooner); else None.
     """
 
-    def __init__(self, message: str, key: Any, holders: Sequence[Any] = ()) -> None:
+    def __init__(self, message: str, key: Any, holders: Sequence[Any] = (), retry_after: float | None = None) -> None:
         super().__init__(message)
         self.key = key
         self.holders = tuple(holders)
+        self.retry_after = retry_after
 
 
 class LockLostError(PgLockError):

@@ -35,6 +35,7 @@ from airflow_pglock import loss
 from airflow_pglock.exceptions import (
     AlreadyDoneError,
     LockBusyError,
+    LockConfigurationError,
     LockLostError,
     LockLostInterrupt,
     PgLockError,
@@ -52,6 +53,12 @@ from airflow_pglock.pg.held import HeldLock
 from airflow_pglock.policy import LockPolicy
 from airflow_pglock.registry import record_acquisition
 from airflow_pglock.run_rules import RunRules, check_before_work, check_not_shared, record_success
+from airflow_pglock.scope_rules import OUTSIDE, ScopeRole, end_member_task
+from airflow_pglock.scope_rules import check_before_work as check_scope
+
+#: Seconds between two tries of a guard that waits (``on_busy="wait"``) for another's lock
+#: scope to end: a scope between its tasks is a row, not a lock the server could wait on.
+SCOPE_POLL_SECONDS = 1.0
 
 T = TypeVar("T")
 
@@ -90,6 +97,7 @@ class LockGuard:
     :param identity: the Airflow task instance, recorded with a completion.
     :param stats: gives the metrics client the outcome's metrics go to (``compat.get_stats``);
         None: no metrics.
+    :param scope: how this execution stands to a lock scope on its key (``scope_rules``).
     """
 
     def __init__(
@@ -103,8 +111,17 @@ class LockGuard:
         rules: RunRules | None = None,
         identity: TaskIdentity | None = None,
         stats: Callable[[], Any] | None = None,
+        scope: ScopeRole = OUTSIDE,
     ) -> None:
         self.database = database
+        self.scope = scope
+        if scope.kind != "outside" and (policy.mode != "session" or policy.shared or policy.slots != 1):
+            raise LockConfigurationError(
+                "a lock scope holds one exclusive session lock: mode='session', shared=False and slots=1, got "
+                f"mode={policy.mode!r}, shared={policy.shared!r}, slots={policy.slots!r}"
+            )
+        #: the scope's row as this execution's check found it (a teardown: as it freed it).
+        self.scope_row: Any = None
         self.rules = rules or RunRules()
         check_not_shared(self.rules, policy.shared)
         self.identity = identity
@@ -154,6 +171,8 @@ class LockGuard:
             self._wait_seconds = time.monotonic() - self._started
             self._outcome.acquired(self.held.key, self.held.server, self._wait_seconds)
             record_acquisition(self.held, self.application_name, self.log, self.policy.slots)  # written at release
+            if self.scope.kind == "member":
+                self.fencing_token, self.scope_row = check_scope(self.scope, self.key, self.held, self.application_name)
             if self.rules.active:
                 self.fencing_token = check_before_work(self.rules, self.held, self.database, self.application_name)
             self.interruption.arm(interrupt=self.policy.on_lost == "fail")
@@ -178,20 +197,40 @@ class LockGuard:
 
     def _acquire(self) -> HeldLock:
         timeout = self.policy.first_wait()
+        deadline = None if timeout is None else time.monotonic() + timeout
         pool = slot_keys(self.key, self.policy.slots)  # the key, or a pool's slots: computed once
-        held = self.database.acquire_lock(
-            pool,
-            shared=self.policy.shared,
-            scope=self.policy.mode,
-            timeout=timeout,
-            application_name=self.application_name,
-        )
-        if held is not None:
-            if held.slot is not None:  # a slot of a pool: the outcome line names the slot taken
-                self._outcome.context = dataclasses.replace(self._outcome.context, key=held.key, slot=held.slot)
-                self.interruption.label = held.key.describe()
-            return held
-        raise busy_error(self.database, pool, timeout, self.log)
+        while True:
+            remaining = None if deadline is None else max(0.001, deadline - time.monotonic())
+            held = self.database.acquire_lock(
+                pool,
+                shared=self.policy.shared,
+                scope=self.policy.mode,
+                timeout=remaining,
+                application_name=self.application_name,
+            )
+            if held is None:
+                raise busy_error(self.database, pool, timeout, self.log)
+            if self.scope.kind == "member":
+                break  # checked with the run rules: a lost scope is reported as lost
+            try:
+                token, self.scope_row = check_scope(self.scope, self.key, held, self.application_name)
+            except LockBusyError:
+                held.close()
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is None or remaining <= 0:
+                    raise
+                time.sleep(min(SCOPE_POLL_SECONDS, remaining))  # another's scope: its row ends it, not a lock
+                continue
+            except BaseException:
+                held.close()
+                raise
+            if token is not None:
+                self.fencing_token = token
+            break
+        if held.slot is not None:  # a slot of a pool: the outcome line names the slot taken
+            self._outcome.context = dataclasses.replace(self._outcome.context, key=held.key, slot=held.slot)
+            self.interruption.label = held.key.describe()
+        return held
 
     # --------------------------------------------------------------------- loss
 
@@ -274,6 +313,8 @@ class LockGuard:
                         commit_error = PgLockError(loss.SUB_KEYS_NOT_RELEASED)
                     else:
                         self.log.warning("pglock: %s", loss.SUB_KEYS_NOT_RELEASED)
+            if lost is None and not closed_inside and self.scope.kind == "member" and not held.connection.closed:
+                end_member_task(self.scope, self.key, held, self.log)  # before the release: the next task's gap
             if lost is None and not closed_inside:
                 ending = Ending(held, exc_type is None, record, self._describe_error, self.rules.records_completion)
                 lost, commit_error, note = finish(ending)

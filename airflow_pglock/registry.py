@@ -19,7 +19,7 @@ import psycopg
 
 from airflow_pglock.keys import LockKey
 from airflow_pglock.pg.held import HeldLock
-from airflow_pglock.pg.key_names import REGISTRY_PRESENT, record_key_name, record_key_name_statement
+from airflow_pglock.pg.key_names import record_key_name, record_key_name_statement, registry_schema_present
 from airflow_pglock.pg.release import AT_RELEASE_LOCK_TIMEOUT, BOUND_ERRORS, WriteAtRelease
 
 log = logging.getLogger("airflow_pglock")
@@ -49,7 +49,7 @@ def record_acquisition(
         with the name so that ``locks`` can show the pool as one row.
     """
     logger = logger or log
-    if held.key.name is None or held.registry != REGISTRY_PRESENT:
+    if held.key.name is None or not registry_schema_present(held.registry):
         return
     key = held.key
 

@@ -39,6 +39,7 @@ from airflow_pglock.identity import TaskIdentity
 from airflow_pglock.keys import LockKey
 from airflow_pglock.options import KeySpec, LockSpec, check_key_spec
 from airflow_pglock.run_rules import RunRules
+from airflow_pglock.scope_rules import OUTSIDE, ScopeRole
 
 if TYPE_CHECKING:  # the guard and psycopg load when a task runs, not when a DAG file is parsed
     from airflow_pglock.guard import LockGuard
@@ -51,6 +52,10 @@ FENCING_TOKEN_XCOM_KEY = "pglock_fencing_token"
 
 #: A protected function that declares a parameter with this name receives the LockHandle.
 LOCK_HANDLE_PARAM = "lock"
+
+#: Seconds a task deferred by another run's lock scope waits at most before it tries again (the
+#: triggerer watches the key, not the scope's row: a teardown that frees the scope early is seen then).
+SCOPE_RECHECK_SECONDS = 30.0
 
 #: The method a task deferred by ``on_busy="defer"`` resumes with (it tries the key again).
 RESUME_METHOD = "pglock_resume"
@@ -102,6 +107,7 @@ def run_guarded(
     tenant: Any,
     once_per: Any = None,
     deadline: float | None = None,
+    scope: ScopeRole = OUTSIDE,
 ) -> T:
     """Run ``work`` while holding the key of this task instance; map each outcome to Airflow's.
 
@@ -114,6 +120,7 @@ def run_guarded(
     :param tenant: the rendered tenant (or the ``tenant_arg`` value), or None.
     :param once_per: the rendered ``once_per`` period, or None.
     :param deadline: ``on_busy="defer"``: UNIX time the whole wait ends (None: this is the first try).
+    :param scope: how this task stands to a lock scope on its key (a scope's setup, task or teardown).
     """
     import psycopg
 
@@ -157,6 +164,7 @@ def run_guarded(
             rules=rules,
             identity=identity,
             stats=get_stats,
+            scope=scope,
         )
         return guard.run(work_with_token)  # the airtight form of `with guard as handle: work(handle)`
     except (AlreadyDoneError, LockBusyError) as refused:
@@ -187,13 +195,18 @@ def run_guarded(
 
 def defer_until_released(spec: LockSpec, key: LockKey, busy: LockBusyError, deadline: float, logger: Any) -> NoReturn:
     """Defer the task to the triggerer until ``key`` is released (or the deadline); it resumes with a new try."""
-    from airflow_pglock.triggers.advisory_lock import DEFAULT_POLL_INTERVAL, AdvisoryLockTrigger
+    from airflow_pglock.triggers.advisory_lock import DEFAULT_POLL_INTERVAL, RESUME_HOLD_SECONDS, AdvisoryLockTrigger
 
     logger.info(
         "pglock deferred: %s; waiting in the triggerer (no worker slot) until it is released, at most %.0f s more",
         busy,
         max(0.0, deadline - time.time()),
     )
+    hold = {}
+    if busy.retry_after is not None:
+        # Another run's lock scope, between its tasks: the key is free, its row holds it. The
+        # trigger would fire at once; it fires no sooner than the lease's end, or a recheck.
+        hold = {"resume_hold": min(SCOPE_RECHECK_SECONDS, max(RESUME_HOLD_SECONDS, busy.retry_after))}
     trigger = AdvisoryLockTrigger.for_key(
         key,
         postgres_conn_id=spec.postgres_conn_id,
@@ -201,6 +214,7 @@ def defer_until_released(spec: LockSpec, key: LockKey, busy: LockBusyError, dead
         deadline=deadline,
         shared=spec.policy.shared,
         slots=spec.policy.slots,
+        **hold,
     )
     # What task.defer() raises. No Airflow deferral timeout: it would fail the task; the
     # trigger's deadline ends the wait instead.

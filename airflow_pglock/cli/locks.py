@@ -18,6 +18,7 @@ from airflow_pglock.cli.common import (
 )
 
 if TYPE_CHECKING:
+    from airflow_pglock.lock_report import ScopeEntry
     from airflow_pglock.lock_report.entries import LockEntry
     from airflow_pglock.lock_report.pools import PoolUsage
 
@@ -50,6 +51,13 @@ def cmd_locks(args: argparse.Namespace, out: TextIO) -> int:
     )
     if report.pool is not None:
         out.write(f"pool {report.pool.name!r}: {report.pool.describe()}\n")
+    if report.scopes:
+        out.write(f"{len(report.scopes)} lock scope(s), each held by a lease row between its tasks (docs/scopes.md):\n")
+        table(
+            ["SCOPE KEY", "NUMBERS", "HELD BY (DEPLOYMENT: DAG RUN)", "TASK NOW", "LEASE UNTIL", "TOKEN"],
+            [_scope_row(s) for s in report.scopes],
+            out,
+        )
     if not report.entries:
         return EXIT_OK
 
@@ -113,6 +121,17 @@ def _pool_row(pool: PoolUsage) -> list[str]:
         ",".join(clients) or "-",
         "-" if oldest is None else _since_text(oldest),
         "-" if oldest is None else human_duration(oldest.seconds),
+    ]
+
+
+def _scope_row(scope: ScopeEntry) -> list[str]:
+    return [
+        scope.key.name or UNKNOWN_NAME_MARK,
+        scope.key.numbers_text,
+        scope.run,
+        scope.task_now or "- (between tasks)",
+        scope.lease_until.isoformat(timespec="seconds"),
+        "-" if scope.token is None else str(scope.token),
     ]
 
 

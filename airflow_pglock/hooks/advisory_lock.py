@@ -29,9 +29,12 @@ from airflow_pglock.lock_set import LockSession
 from airflow_pglock.pg.database import DEFAULT_CONNECT_TIMEOUT, INSPECT_APPLICATION_NAME, LockDatabase
 from airflow_pglock.pg.held import HeldLock
 from airflow_pglock.pg.holders import aread_holders
+from airflow_pglock.pg.scopes import ScopeRow, live_scope
 from airflow_pglock.pg.settings import ConnectionSettings, from_dsn
 from airflow_pglock.policy import LockPolicy, OnBusy, OnLost
 from airflow_pglock.registry import record_acquisition
+from airflow_pglock.scope_rules import OUTSIDE
+from airflow_pglock.scope_rules import check_before_work as check_scope
 from airflow_pglock.server_rules import Scope
 
 
@@ -229,6 +232,9 @@ class AdvisoryLockHook(BaseHook):
         :param slots: more than one: ``key`` names a pool of that many slots
             (:func:`~airflow_pglock.keys.slot_keys`); the lock held is any one free slot.
         :param application_name: names the holder in ``pg_stat_activity``.
+
+        A named key that another run's lock scope holds between its tasks (docs/scopes.md) is
+        busy: None, at once (the wait is for the key, not for the scope's lease).
         """
         pool = slot_keys(LockKey.coerce(key), slots)  # before any I/O, as the timeout
         held = self.database.acquire_lock(
@@ -236,6 +242,14 @@ class AdvisoryLockHook(BaseHook):
         )
         if held is not None:
             name = held.connection.info.parameter_status("application_name")
+            try:
+                check_scope(OUTSIDE, pool[0], held, name)
+            except LockBusyError:  # another run's lock scope holds the key between its tasks
+                held.release()
+                return None
+            except BaseException:
+                held.release()
+                raise
             try:  # never raises an Exception; an interrupt must not leave the lock held
                 record_acquisition(held, name, self.log, slots)
             except BaseException:
@@ -251,6 +265,12 @@ class AdvisoryLockHook(BaseHook):
         :param slots: more than one: the holders of every slot of the pool ``key`` names.
         """
         return self.database.holders(slot_keys(LockKey.coerce(key), slots))
+
+    def scope(self, key: AnyKey) -> ScopeRow | None:
+        """The live lock scope that holds the named ``key`` (docs/scopes.md), without touching the key;
+        None when there is none (also before ``airflow-pglock init-db`` version 5)."""
+        with self.database.connect(INSPECT_APPLICATION_NAME) as conn:
+            return live_scope(conn, LockKey.coerce(key))
 
     async def aholders(self, key: AnyKey, *, slots: int = 1) -> list[LockHolder]:
         """Async :meth:`holders` on a short-lived connection of its own (closed even if cancelled)."""

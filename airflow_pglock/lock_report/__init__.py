@@ -42,6 +42,33 @@ UNKNOWN_NAME_REASONS = {
 
 
 @dataclass(frozen=True)
+class ScopeEntry:
+    """A live lock scope (docs/scopes.md): held by a lease row, between or during its tasks.
+
+    :param key: the scope's key (with its name).
+    :param run: who holds it: the deployment, DAG and run.
+    :param task_now: the task of the scope running now, or None between its tasks.
+    :param lease_until: when it ends unless a task of it renews it (database clock).
+    :param token: its fencing token, or None.
+    """
+
+    key: LockKey
+    run: str
+    task_now: str | None
+    lease_until: dt.datetime
+    token: int | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "key": {"name": self.key.name, "numbers": list(self.key.numbers)},
+            "run": self.run,
+            "task_now": self.task_now,
+            "lease_until": self.lease_until.isoformat(),
+            "fencing_token": self.token,
+        }
+
+
+@dataclass(frozen=True)
 class LockReport:
     """A snapshot of every (matching) advisory lock.
 
@@ -58,6 +85,7 @@ class LockReport:
     entries: tuple[LockEntry, ...] = field(default_factory=tuple)
     pool: PoolUsage | None = None
     pools: tuple[PoolUsage, ...] = ()
+    scopes: tuple[ScopeEntry, ...] = ()
 
     @functools.cached_property
     def _pooled(self) -> frozenset[int]:
@@ -89,6 +117,7 @@ class LockReport:
             "filters": dict(self.filters),
             "locks": [self._entry_json(entry) for entry in self.entries],
             "pools": [usage.to_json() for usage in self.pools],
+            "scopes": [scope.to_json() for scope in self.scopes],
         }
 
 
@@ -131,6 +160,7 @@ def collect_lock_report(
             registered, registry = None, REGISTRY_NO_ACCESS
         if registered is None and registry == REGISTRY_INSTALLED:
             registry = REGISTRY_MISSING
+        scopes = _live_scopes(conn, dag=dag, key=key if pool is None else pool) if registered is not None else ()
         server = hook.database.describe_target()
     everything = build_entries(snapshot, registered)
     usage = None
@@ -156,4 +186,22 @@ def collect_lock_report(
         entries=entries,
         pool=usage,
         pools=pools,
+        scopes=scopes,
+    )
+
+
+def _live_scopes(conn: Any, *, dag: str | None, key: str | None) -> tuple[ScopeEntry, ...]:
+    """The live lock scopes (none before init-db version 5, or when this role may not read them)."""
+    from airflow_pglock.exceptions import LockConfigurationError
+    from airflow_pglock.pg.scopes import live_scopes
+
+    try:
+        found = live_scopes(conn)
+    except LockConfigurationError:
+        return ()
+    wanted = None if key is None else {k.numbers for k in parse_key_filter(key)}
+    return tuple(
+        ScopeEntry(scope_key, row.run, row.task_now, row.lease_until, row.token)
+        for scope_key, row in found
+        if (wanted is None or scope_key.numbers in wanted) and (dag is None or f": {dag} " in row.run)
     )

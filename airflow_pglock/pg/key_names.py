@@ -33,9 +33,39 @@ def registry_installed(conn: psycopg.Connection[Any]) -> bool:
 #: makes the write at release fail instead, and that error is logged.
 REGISTRY_ABSENT = "absent"
 REGISTRY_PRESENT = "present"
-REGISTRY_STATE = sql.SQL("CASE WHEN to_regnamespace({schema}) IS NULL THEN {absent} ELSE {present} END").format(
-    schema=sql.Literal(SCHEMA), absent=sql.Literal(REGISTRY_ABSENT), present=sql.Literal(REGISTRY_PRESENT)
+#: The schema is there with the lock scopes' table (init-db version 5), and no scope is live
+#: anywhere in the database now: the scope horizon (``pg/scopes.py``) is in the past.
+SCOPES_IDLE = "present+scopes"
+#: As :data:`SCOPES_IDLE`, but some scope may be live now: a guard of a named key reads its
+#: key's scope row before its work (one more statement).
+SCOPES_LIVE = "present+scopes-live"
+#: What a lock statement asks about the registry and the scopes (``take.first_try``), without
+#: naming a table (a statement naming a missing one fails as a whole): the horizon is read by
+#: the sequence's oid, not MVCC, after the statement took its lock (it is a later column).
+REGISTRY_STATE = sql.SQL(
+    "CASE WHEN to_regnamespace({schema}) IS NULL THEN {absent}"
+    " WHEN to_regclass({horizon}) IS NULL THEN {present}"
+    " WHEN NOT has_sequence_privilege(to_regclass({horizon}), 'SELECT')"
+    " OR coalesce(pg_sequence_last_value(to_regclass({horizon})), 0) >= extract(epoch FROM clock_timestamp())"
+    " THEN {live} ELSE {idle} END"
+).format(
+    schema=sql.Literal(SCHEMA),
+    absent=sql.Literal(REGISTRY_ABSENT),
+    present=sql.Literal(REGISTRY_PRESENT),
+    horizon=sql.Literal(f"{SCHEMA}.scope_horizon"),
+    live=sql.Literal(SCOPES_LIVE),
+    idle=sql.Literal(SCOPES_IDLE),
 )
+
+
+def registry_schema_present(state: str | None) -> bool:
+    """Whether a lock statement's registry answer says the ``pglock`` schema is there."""
+    return state in (REGISTRY_PRESENT, SCOPES_IDLE, SCOPES_LIVE)
+
+
+def scopes_installed(state: str | None) -> bool:
+    """Whether a lock statement's registry answer says the lock scopes' table is there."""
+    return state in (SCOPES_IDLE, SCOPES_LIVE)
 
 
 def record_key_name(

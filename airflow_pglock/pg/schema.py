@@ -6,7 +6,8 @@ Nothing here is needed to take a plain lock; every table is optional and created
 an explicit ``airflow-pglock init-db``. Version 1 is the key-name registry, version 2 the
 ledger of ``once_per`` / ``min_interval`` completions and fencing tokens (its SQL is in
 ``pg/ledger.py``), version 4 the registry's ``slots`` column (the size of the pool a
-name is a slot of, so ``locks`` can show a pool as one row).
+name is a slot of, so ``locks`` can show a pool as one row), version 5 the lock scopes'
+lease rows (``pg/scopes.py``).
 
 Adding a table means appending a :class:`Migration` to :data:`MIGRATIONS` with the next
 version number. Never edit or
@@ -31,6 +32,8 @@ from airflow_pglock.exceptions import PgLockError
 from airflow_pglock.keys import LockKey
 from airflow_pglock.pg.ledger import MIGRATION_STATEMENTS as LEDGER_STATEMENTS
 from airflow_pglock.pg.ledger import STRICT_FENCING_STATEMENTS
+from airflow_pglock.pg.scopes import GRANTS as SCOPE_GRANTS
+from airflow_pglock.pg.scopes import MIGRATION_STATEMENTS as SCOPE_STATEMENTS
 
 SCHEMA = "pglock"
 VERSION_TABLE = "schema_version"
@@ -108,6 +111,12 @@ MIGRATIONS: tuple[Migration, ...] = (
             "of, as the last guarded execution that took it said (NULL: not a pool)'",
         ),
         grants=("GRANT UPDATE (slots) ON pglock.key_names TO {role}",),
+    ),
+    Migration(
+        version=5,
+        description="lock scopes: one hold over several tasks, kept between them by a lease row (see pg/scopes.py)",
+        statements=SCOPE_STATEMENTS,
+        grants=SCOPE_GRANTS,
     ),
 )
 

@@ -20,7 +20,7 @@ from airflow_pglock import server_rules
 from airflow_pglock.keys import MAX_SLOTS, LockKey, is_named_key
 from airflow_pglock.liveness import Liveness
 from airflow_pglock.pg.held import HeldLock
-from airflow_pglock.pg.key_names import REGISTRY_STATE
+from airflow_pglock.pg.key_names import REGISTRY_STATE, SCOPES_IDLE, SCOPES_LIVE
 from airflow_pglock.pg.pools import (
     MARKER_BUSY,
     PLAIN_CHECK,
@@ -214,6 +214,9 @@ def take(
             return None
         if is_named_key(key) and pool_in_use(conn, key):  # a pool of the name began during the wait
             raise pool_conflict_error(conn, key, 1, ("pool", 0, 0))
+    registry = answer.registry
+    if not answer.taken and registry == SCOPES_IDLE:
+        registry = SCOPES_LIVE  # the horizon was read before the wait: a scope may have begun since
     return HeldLock(
         key=held_key,
         shared=shared,
@@ -221,7 +224,7 @@ def take(
         connection=conn,
         server=server,
         xact_id=answer.xact_id,
-        registry=answer.registry,
+        registry=registry,
         markers=pool_markers(key, slots) if scope == "session" else (),
         slot=pool.index(held_key) + 1 if slots > 1 else None,
     )

@@ -141,6 +141,27 @@ _TEMPLATE = """<!doctype html>
     tr.append(node("td", oldest ? duration(oldest.seconds) : "-", "num"));
     return tr;
   }
+  function scopeRow(s) {
+    const tr = node("tr");
+    tr.className = "scope";
+    const key = node("td");
+    key.append(node("span", s.key.name || "(name unknown)", "keyname"));
+    key.append(node("span", "lock scope (a lease row between its tasks)", "sub"));
+    key.append(node("span", s.key.numbers.join(", "), "numbers"));
+    tr.append(key);
+    tr.append(node("td", s.task_now ? "scope: task running" : "scope: between tasks", "holding"));
+    tr.append(node("td", "-", "num"));
+    const holder = node("td");
+    holder.append(node("span", s.run));
+    holder.append(node("span", s.task_now ? "running now: " + s.task_now : "no task running now", "sub"));
+    tr.append(holder);
+    tr.append(node("td", "-", "where"));
+    tr.append(node("td", "-", "num"));
+    tr.append(node("td", "-", "num"));
+    tr.append(node("td", "lease until " + s.lease_until.replace("T", " ").slice(0, 19), "num"));
+    tr.append(node("td", s.fencing_token === null ? "-" : "token " + s.fencing_token, "num"));
+    return tr;
+  }
   function slotId(e) {
     const c = e.key.pg_locks;
     return e.database + " " + e.pid + " " + c.classid + " " + c.objid + " " + c.objsubid + " " + e.state;
@@ -189,9 +210,10 @@ _TEMPLATE = """<!doctype html>
       const pools = data.pools || [];
       const pooled = new Set(pools.flatMap((p) => [...p.holders, ...p.waiting].map(slotId)));
       const rest = data.locks.filter((e) => !pooled.has(slotId(e)));  // a pool's sessions: in its row
-      tbody.replaceChildren(...pools.map(poolRow), ...rest.map(row));
-      el("locks").hidden = data.locks.length === 0;
-      el("empty").hidden = data.locks.length !== 0;
+      const scopes = data.scopes || [];
+      tbody.replaceChildren(...scopes.map(scopeRow), ...pools.map(poolRow), ...rest.map(row));
+      el("locks").hidden = data.locks.length === 0 && scopes.length === 0;
+      el("empty").hidden = data.locks.length !== 0 || scopes.length !== 0;
       el("meta").textContent = data.locks.length + " session(s) holding or awaiting an advisory lock in " +
         data.server + " - key-name registry: " + data.registry + " - updated " +
         new Date().toLocaleTimeString() + " (every " + refreshMs / 1000 + " s)";

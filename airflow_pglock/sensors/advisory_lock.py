@@ -113,8 +113,17 @@ class AdvisoryLockSensor(BaseSensorOperator):
         from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 
         key = self.lock_key()
-        holders = AdvisoryLockHook(self.postgres_conn_id).holders(key, slots=self.slots)
-        return self._free(key, holders)
+        hook = AdvisoryLockHook(self.postgres_conn_id)
+        holders = hook.holders(key, slots=self.slots)
+        return self._free(key, holders) and self._scope(hook, key) is None
+
+    def _scope(self, hook: Any, key: LockKey) -> Any:
+        """The lock scope that holds the named key between its tasks (docs/scopes.md), or None."""
+        scope = hook.scope(key) if key.name is not None else None
+        if scope is not None:
+            self._last_holders = scope.describe()
+            self.log.info("pglock waiting: %s is held by %s", key.describe(), self._last_holders)
+        return scope
 
     def _free(self, key: LockKey, holders: Sequence[LockHolder]) -> bool:
         from airflow_pglock.holder import blocking_holders, describe_holders
@@ -169,6 +178,27 @@ class AdvisoryLockSensor(BaseSensorOperator):
         # trigger's own deadline ends the wait with an event execute_complete maps.
         self.defer(trigger=trigger, method_name="execute_complete")
 
+    def _defer_behind_scope(self, key: LockKey, lease_until: dt.datetime, event: dict[str, Any]) -> None:
+        """The key is free but a lock scope holds it: wait again, rechecking at the lease's end at the latest."""
+        from airflow_pglock.task_guard import SCOPE_RECHECK_SECONDS
+        from airflow_pglock.triggers.advisory_lock import RESUME_HOLD_SECONDS, AdvisoryLockTrigger
+
+        deadline = event.get("deadline")
+        deadline = float(deadline) if isinstance(deadline, int | float) else time.time() + self.timeout
+        trigger = AdvisoryLockTrigger.for_key(
+            key,
+            postgres_conn_id=self.postgres_conn_id,
+            poll_interval=self.poke_interval,
+            deadline=deadline,
+            shared=self.shared,
+            slots=self.slots,
+            resume_hold=min(
+                SCOPE_RECHECK_SECONDS,
+                max(RESUME_HOLD_SECONDS, (lease_until - dt.datetime.now(dt.timezone.utc)).total_seconds()),
+            ),
+        )
+        self.defer(trigger=trigger, method_name="execute_complete")
+
     def resume_execution(self, next_method: str, next_kwargs: dict[str, Any] | None, context: Context) -> Any:
         """Resume after the trigger fired; ``execute_complete`` maps the event itself.
 
@@ -192,6 +222,12 @@ class AdvisoryLockSensor(BaseSensorOperator):
 
         status, message = event.get("status"), str(event.get("message", event))
         if status == FREE:
+            from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+
+            key = self.lock_key()
+            scope = self._scope(AdvisoryLockHook(self.postgres_conn_id), key)
+            if scope is not None:
+                self._defer_behind_scope(key, scope.lease_until, event)
             self.log.info("pglock sensor: %s", message)
             return
         if status == TIMEOUT:

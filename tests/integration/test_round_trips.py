@@ -157,3 +157,45 @@ def test_a_transaction_lock_opens_its_transaction_in_its_first_statement(relay: 
             assert (isolation, timeout) == (("read committed",), ("30s",))
 
     assert _count(counter, guarded) == FLOOR + 2  # + the two SHOWs above
+
+
+def test_only_while_a_lock_scope_is_live_does_a_named_guard_read_its_scope_row(
+    relay: tuple[Relay, str], pg_server: str
+) -> None:
+    """docs/scopes.md: the scope horizon spares the read while no scope is live in the database."""
+    import uuid
+
+    from airflow_pglock.scope_rules import ScopeRole
+
+    counter, _ = relay
+    with scratch_database(pg_server, prefix="pglock_rt") as scratch:
+        with psycopg.connect(scratch, autocommit=True) as conn:
+            migrate(conn)
+        params = psycopg.conninfo.conninfo_to_dict(scratch)
+        params.update(host="127.0.0.1", port=counter.port)
+        database = AdvisoryLockHook(dsn=psycopg.conninfo.make_conninfo(**params)).database
+        plain, scoped = LockKey.from_name("round-trips-plain"), LockKey.from_name("round-trips-scoped")
+        quiet = logging.getLogger("test")
+
+        def guarded() -> None:
+            with LockGuard(database, plain, LockPolicy(), logger=quiet):
+                pass
+
+        assert _count(counter, guarded) == FLOOR
+        holder = uuid.uuid4().hex
+        role = ScopeRole(kind="enter", holder=holder, run="rt", lease=300)
+
+        def enter() -> None:
+            with LockGuard(database, scoped, LockPolicy(), logger=quiet, scope=role):
+                pass
+
+        _count(counter, enter)  # and its connection's end is counted there, not below
+        assert _count(counter, guarded) == FLOOR + 1, "another key's live scope: this key's row is read"
+        leave = ScopeRole(kind="leave", holder=holder, run="rt")
+
+        def teardown() -> None:
+            with LockGuard(database, scoped, LockPolicy(), logger=quiet, scope=leave):
+                pass
+
+        _count(counter, teardown)
+        assert _count(counter, guarded) == FLOOR, "the teardown lowered the horizon"

@@ -1,0 +1,342 @@
+"""One lock over several tasks: ``with advisory_lock_scope("publish", key="openverse/audio"):``.
+
+A task group whose tasks run as one hold of a named key, across deployments and DAGs. Built
+on Airflow's setup / teardown tasks:
+
+* ``pglock_scope_enter`` (a setup task) takes the scope before any task of the group starts:
+  it holds the key, finds no other run's live scope row, writes its own (the scope lease,
+  database clock) and releases the key. Busy: ``on_busy`` says skip (the group's tasks are
+  skipped), fail or wait.
+* every task of the group holds the key itself while it runs (its own connection, heartbeat
+  and loss detection, as a guarded task) after checking that the row is still its run's, and
+  renews the lease when it starts and when it ends;
+* ``pglock_scope_exit`` (its teardown) frees the scope once every task of the group has
+  ended, whatever their states.
+
+Between tasks only the row keeps the scope: every guard of a named key in this provider
+reads it under the key before its work and refuses while another run's scope is live. A run
+whose deployment died frees the scope when its lease runs out. See docs/scopes.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime as dt
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from airflow_pglock.compat import (
+    AIRFLOW_VERSION,
+    HAS_LOCK_SCOPE,
+    BaseOperator,
+    Context,
+    MappedOperator,
+    PythonOperator,
+    TaskGroup,
+    rendered_task,
+)
+from airflow_pglock.exceptions import LockConfigurationError, LockLostError
+from airflow_pglock.options import LockOptions, LockSpec
+from airflow_pglock.scope_rules import DEFAULT_SCOPE_LEASE_SECONDS, ScopeKind, ScopeRole
+from airflow_pglock.task_guard import (
+    GUARD_ATTRIBUTE,
+    RESUME_METHOD,
+    fail_for_configuration,
+    lock_spec_of,
+    render_lock_options,
+    resume_deadline,
+    run_guarded,
+    task_identity,
+)
+
+if TYPE_CHECKING:
+    from airflow_pglock.handle import LockHandle
+
+ENTER_TASK_ID = "pglock_scope_enter"
+EXIT_TASK_ID = "pglock_scope_exit"
+#: How long a task of the scope (and its teardown) waits for the key, held a moment by another
+#: guard that reads the scope row, before it fails: a longer holder ignores the scope.
+DEFAULT_MEMBER_WAIT_SECONDS = 60.0
+_SCOPE_ATTRIBUTE = "_pglock_scope"
+
+
+@dataclass(frozen=True)
+class ScopeSpec:
+    """A lock scope's options, checked at parse time.
+
+    :param key: the key option as written (a name, templated; required).
+    :param tenant: the tenant option as written (templated), or None.
+    :param enter: the setup's lock options (on_busy, wait_timeout, lease...).
+    :param scope_lease: seconds the scope stays held after a task of it starts or ends.
+    :param fencing: one fencing token per scope acquisition, the same for every task of it.
+    :param member_wait: seconds a task of the scope or its teardown waits for the key.
+    :param enter_task_id: the setup's task id (its XCom carries the scope's holder id).
+    """
+
+    key: str
+    tenant: Any
+    enter: LockSpec
+    scope_lease: float
+    fencing: bool
+    member_wait: float
+    enter_task_id: str
+
+    def member_spec(self) -> LockSpec:
+        """The lock options of a task of the scope (and of its teardown): wait briefly, then fail."""
+        policy = dataclasses.replace(
+            self.enter.policy, on_busy="wait", wait_timeout=self.member_wait, on_wait_timeout="fail", defer_after=0.0
+        )
+        return dataclasses.replace(self.enter, policy=policy)
+
+    def role(self, kind: ScopeKind, context: Context) -> ScopeRole:
+        """This task's role in the scope; a member and the teardown find the holder id in the setup's XCom."""
+        identity = task_identity(context)
+        where = identity.deployment or identity.host or "?"
+        run = f"{where}: {identity.dag_id} {identity.run_id}"
+        holder: str | None = uuid.uuid4().hex
+        if kind != "enter":
+            entered = context["ti"].xcom_pull(task_ids=self.enter_task_id)
+            holder = entered.get("holder") if isinstance(entered, dict) else None
+            if not holder:
+                raise LockConfigurationError(
+                    f"task {identity.task_id!r} belongs to a lock scope whose setup ({self.enter_task_id}) did not "
+                    "take it in this run (no holder id in its XCom)"
+                )
+        return ScopeRole(
+            kind=kind, holder=holder, run=run, task=identity.task_id, lease=self.scope_lease, fencing=self.fencing
+        )
+
+
+def _seconds(value: Any, option: str) -> float:
+    if isinstance(value, dt.timedelta):
+        value = value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise LockConfigurationError(f"{option} must be a positive timedelta or number of seconds, got {value!r}")
+    return float(value)
+
+
+def _scope_spec(group_prefix: str, options: dict[str, Any]) -> ScopeSpec:
+    if not HAS_LOCK_SCOPE:
+        raise LockConfigurationError(
+            f"advisory_lock_scope needs Airflow 3.0 or newer (this is {'.'.join(map(str, AIRFLOW_VERSION))}): a scope "
+            "hands its holder id from its setup to its tasks and relies on Airflow 3's setup / teardown clearing"
+        )
+    scope_lease = _seconds(options.pop("scope_lease", DEFAULT_SCOPE_LEASE_SECONDS), "scope_lease")
+    member_wait = _seconds(options.pop("member_wait", DEFAULT_MEMBER_WAIT_SECONDS), "member_wait")
+    fencing = options.pop("fencing", False)
+    if not isinstance(fencing, bool):
+        raise LockConfigurationError(f"fencing must be True or False, got {fencing!r}")
+    for refused, why in (
+        ("mode", "a scope holds session locks"),
+        ("shared", "a scope is exclusive"),
+        ("slots", "a scope holds one key"),
+        ("once_per", "not supported on a scope yet"),
+        ("min_interval", "not supported on a scope yet"),
+        ("on_lost", "a task that loses the scope always fails"),
+    ):
+        if refused in options:
+            raise LockConfigurationError(f"advisory_lock_scope() does not take {refused}= ({why})")
+    key = options.get("key")
+    if not isinstance(key, str) or not key.strip():
+        raise LockConfigurationError(
+            f"advisory_lock_scope() needs key= a non-empty name (a Jinja template), got {key!r}"
+        )
+    enter = LockSpec.from_options(options, declaration=LockOptions, caller="advisory_lock_scope")
+    return ScopeSpec(
+        key=key,
+        tenant=options.get("tenant"),
+        enter=enter,
+        scope_lease=scope_lease,
+        fencing=fencing,
+        member_wait=member_wait,
+        enter_task_id=f"{group_prefix}{ENTER_TASK_ID}",
+    )
+
+
+def _run_scope_task(
+    spec: ScopeSpec, kind: Literal["enter", "leave"], context: Context, deadline: float | None = None
+) -> dict[str, Any] | None:
+    lock_spec = spec.enter if kind == "enter" else spec.member_spec()
+    task = rendered_task(context)
+    try:
+        rendered = render_lock_options(lock_spec, context)
+        role = spec.role(kind, context)
+    except LockConfigurationError as error:
+        fail_for_configuration(lock_spec, error, task.log)
+
+    def done(handle: LockHandle) -> dict[str, Any]:
+        return {"holder": role.holder, "token": handle.fencing_token}
+
+    result = run_guarded(lock_spec, context, done, task.log, deadline=deadline, scope=role, **rendered)
+    if kind == "enter":
+        task.log.info("pglock: took the lock scope of %s (holder %s)", rendered.get("key"), role.holder)
+        return result
+    task.log.info("pglock: freed the lock scope of %s (holder %s)", rendered.get("key"), role.holder)
+    return None
+
+
+@dataclass(frozen=True)
+class ScopeMemberGuard:
+    """Replaces the ``execute`` of a task of the scope: hold the key, re-enter the scope, run."""
+
+    spec: ScopeSpec
+
+    def execute(self, context: Context, **kwargs: Any) -> Any:
+        task = rendered_task(context)
+        lock_spec = self.spec.member_spec()
+        try:
+            rendered = render_lock_options(lock_spec, context)
+            role = self.spec.role("member", context)
+        except LockConfigurationError as error:
+            fail_for_configuration(lock_spec, error, task.log)
+        try:
+            return run_guarded(
+                lock_spec,
+                context,
+                lambda handle: type(task).execute(task, context, **kwargs),
+                task.log,
+                scope=role,
+                **rendered,
+            )
+        except LockLostError:
+            try:
+                task.on_kill()
+            except Exception as error:  # losing the scope is the error to report
+                task.log.warning(
+                    "pglock: on_kill() after the scope was lost raised %s: %s", type(error).__name__, error
+                )
+            raise
+
+
+def _guard_member(task: Any, spec: ScopeSpec) -> None:
+    closest = getattr(task, "get_closest_mapped_task_group", None)
+    if isinstance(task, MappedOperator) or (closest is not None and closest() is not None):
+        raise LockConfigurationError(
+            f"task {task.task_id!r} of the lock scope on {spec.key!r} is mapped (.expand()): mapped instances run "
+            "at once and cannot share one hold. Put the mapped task outside the scope, or loop inside one task"
+        )
+    if not isinstance(task, BaseOperator):
+        raise LockConfigurationError(f"a lock scope holds operators, got {task!r}")
+    if getattr(task, "deferrable", False) is True or getattr(task, "start_from_trigger", False) is True:
+        raise LockConfigurationError(
+            f"task {task.task_id!r} of the lock scope on {spec.key!r} is deferrable: a deferred task holds no lock. "
+            "Create it with deferrable=False"
+        )
+    if getattr(task, _SCOPE_ATTRIBUTE, None) is not None:
+        raise LockConfigurationError(
+            f"task {task.task_id!r} is in two lock scopes ({getattr(task, _SCOPE_ATTRIBUTE).key!r} and "
+            f"{spec.key!r}): a scope inside a scope is refused; hold the second key with @task.advisory_lock "
+            "on the tasks that need it"
+        )
+    inner = lock_spec_of(task)
+    if getattr(task, GUARD_ATTRIBUTE, None) is not None or "execute" in vars(task):
+        raise LockConfigurationError(
+            f"task {task.task_id!r} of the lock scope on {spec.key!r} is already guarded (guarded()) or its execute "
+            "was replaced: a task of a scope holds the scope's key; guard other keys with @task.advisory_lock"
+        )
+    if inner is not None and inner.templated.get("key") == spec.key and inner.templated.get("tenant") == spec.tenant:
+        raise LockConfigurationError(
+            f"task {task.task_id!r} is guarded by {spec.key!r} inside the lock scope on the same key: it would wait "
+            "for its own scope. The scope already holds that key for it: drop the task's own guard"
+        )
+    guard = ScopeMemberGuard(spec)
+    setattr(task, _SCOPE_ATTRIBUTE, spec)
+    task.execute = guard.execute
+
+
+def _wire(tasks: list[Any], spec: ScopeSpec, *, task_group: Any = None, dag: Any = None) -> tuple[Any, Any]:
+    """Guard ``tasks`` as the scope's tasks and add its setup and teardown around them."""
+    for task in tasks:
+        _guard_member(task, spec)
+    where: dict[str, Any] = {"task_group": task_group} if task_group is not None else {"dag": dag}
+    enter = PythonOperator(
+        task_id=ENTER_TASK_ID,
+        python_callable=lambda **context: _run_scope_task(spec, "enter", context),
+        retries=0,
+        **where,
+    )
+    leave = PythonOperator(
+        task_id=EXIT_TASK_ID,
+        python_callable=lambda **context: _run_scope_task(spec, "leave", context),
+        **where,
+    )
+    # on_busy="defer": the setup resumes here (a new try), as a guarded operator does.
+    setattr(
+        enter,
+        RESUME_METHOD,
+        lambda context, event=None, deadline=None: _run_scope_task(
+            spec, "enter", context, deadline=resume_deadline(event, deadline)
+        ),
+    )
+    enter.as_setup()
+    leave.as_teardown(setups=enter)
+    inside = {task.task_id for task in tasks}
+    roots = [task for task in tasks if not (set(task.upstream_task_ids) & inside)]
+    leaves = [task for task in tasks if not (set(task.downstream_task_ids) & inside)]
+    for task in roots:
+        enter >> task
+    for task in leaves:
+        task >> leave
+    return enter, leave
+
+
+@contextlib.contextmanager
+def advisory_lock_scope(group_id: str, **options: Any) -> Iterator[Any]:
+    """A task group whose tasks hold one lock over all of them (see the module's docstring).
+
+    ``with advisory_lock_scope("publish", key="openverse/{{ params.media }}", on_busy="skip"): ...``
+
+    :param group_id: the task group's id.
+    :param options: ``key`` (required, a name; Jinja template), ``tenant``, ``postgres_conn_id``,
+        ``on_busy`` (``skip``, ``fail``, ``wait``), ``wait_timeout``, ``on_wait_timeout``, ``on_error``,
+        ``lease`` (a dead task's hold on the server), ``scope_lease`` (seconds the scope stays held
+        between its tasks, default 600), ``fencing``, ``member_wait`` (seconds a task of the scope
+        waits for a key held a moment by another guard, default 60); any other keyword goes to the
+        ``TaskGroup``.
+    """
+    lock_options = {name: options.pop(name) for name in list(options) if name in _SCOPE_OPTION_NAMES}
+    with TaskGroup(group_id, **options) as group:
+        spec = _scope_spec(group.child_id(""), lock_options)
+        yield group
+        _wire([task for task in group.iter_tasks()], spec, task_group=group)
+
+
+def advisory_lock_dag_scope(dag: Any, **options: Any) -> tuple[Any, Any]:
+    """Make the whole DAG run one lock scope: call it after every task of ``dag`` is defined.
+
+    :param dag: the DAG.
+    :param options: as :func:`advisory_lock_scope`.
+    :returns: the scope's setup and teardown tasks.
+    """
+    unknown = set(options) - _SCOPE_OPTION_NAMES
+    if unknown:
+        raise LockConfigurationError(f"advisory_lock_dag_scope() got unexpected options {sorted(unknown)}")
+    spec = _scope_spec("", dict(options))
+    return _wire(list(dag.tasks), spec, dag=dag)
+
+
+_SCOPE_OPTION_NAMES = frozenset(
+    {
+        "key",
+        "tenant",
+        "postgres_conn_id",
+        "on_busy",
+        "wait_timeout",
+        "on_wait_timeout",
+        "on_error",
+        "lease",
+        "scope_lease",
+        "fencing",
+        "member_wait",
+        "mode",
+        "shared",
+        "slots",
+        "once_per",
+        "min_interval",
+        "on_lost",
+        "defer_after",
+    }
+)

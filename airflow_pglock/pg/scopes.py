@@ -1,0 +1,274 @@
+"""Lock scopes: one hold over several tasks, kept between them by a lease row.
+
+Hook-level module (SQL lives here). The table comes from migration 5 of
+:mod:`airflow_pglock.pg.schema` (``airflow-pglock init-db``): ``pglock.scopes`` has one
+row per key that a scope holds or held. A row is live while ``lease_until`` (the database
+clock) is in the future.
+
+Every statement here runs on a session that holds the key's advisory lock exclusively:
+a scope's setup, its tasks and its teardown take the key before they touch its row, and
+every other guard of a named key takes the key before it reads the row. So the row is
+written and read under the lock, and a writer never races a reader.
+
+The scope horizon spares the guards of keys without a scope that read: the sequence
+``pglock.scope_horizon`` holds a UNIX time no earlier than the end of every live lease. A
+writer raises it after its row, before it releases the key; a guard's lock statement reads it
+(non-transactional, so never stale) after taking its key, and reads its key's row only when
+the horizon has not passed. A teardown lowers it to the latest lease still live.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+
+from airflow_pglock.exceptions import LockConfigurationError
+from airflow_pglock.keys import LockKey
+
+MIGRATION_STATEMENTS: tuple[str, ...] = (
+    """
+    CREATE TABLE pglock.scopes (
+        objsubid smallint NOT NULL CHECK (objsubid IN (1, 2)),
+        classid bigint NOT NULL,
+        objid bigint NOT NULL,
+        key_name text,
+        holder text NOT NULL,
+        run text NOT NULL,
+        task_now text,
+        token bigint,
+        acquired_at timestamptz NOT NULL,
+        lease_until timestamptz NOT NULL,
+        PRIMARY KEY (objsubid, classid, objid)
+    )
+    """,
+    "COMMENT ON TABLE pglock.scopes IS 'airflow-pglock: lock scopes (one hold over several tasks); a row is "
+    "held while lease_until is in the future'",
+    # Every guard of a named key reads its scope row, whatever its role: a role that could not
+    # would have to fail (it cannot tell whether a scope holds the key). Reading shows key
+    # names and DAG runs, as pg_locks and pg_stat_activity already do; writing needs --grant.
+    "GRANT USAGE ON SCHEMA pglock TO PUBLIC",
+    "GRANT SELECT ON pglock.scopes TO PUBLIC",
+    "CREATE SEQUENCE pglock.scope_horizon MINVALUE 0 START 0",
+    "COMMENT ON SEQUENCE pglock.scope_horizon IS 'airflow-pglock: a UNIX time no earlier than the end of every "
+    "live lock scope (guards of named keys read their scope row only until then)'",
+    "GRANT SELECT ON SEQUENCE pglock.scope_horizon TO PUBLIC",
+)
+
+GRANTS: tuple[str, ...] = (
+    "GRANT SELECT, INSERT, UPDATE, DELETE ON pglock.scopes TO {role}",
+    "GRANT UPDATE ON SEQUENCE pglock.scope_horizon TO {role}",
+)
+
+#: Serializes the writers of the horizon (a transaction-level lock: gone at the statement's end).
+HORIZON_LOCK_KEY = LockKey.from_name("airflow-pglock/scope-horizon")
+
+
+@dataclass(frozen=True)
+class ScopeRow:
+    """A row of ``pglock.scopes``.
+
+    :param holder: the acquisition's id (the setup's, shared by the scope's tasks).
+    :param run: who holds it, for people: the deployment, DAG and run.
+    :param task_now: the task of the scope that runs now, or None between tasks.
+    :param token: the scope's fencing token, or None.
+    :param lease_until: when the scope ends if no task of it renews it (database clock).
+    :param live: whether ``lease_until`` was in the future when read.
+    """
+
+    holder: str
+    run: str
+    task_now: str | None
+    token: int | None
+    lease_until: dt.datetime
+    live: bool
+
+    def describe(self) -> str:
+        now = f", task {self.task_now} running now" if self.task_now else ", between its tasks"
+        return f"the lock scope of {self.run}{now}, lease until {self.lease_until.isoformat(timespec='seconds')}"
+
+
+_COLUMNS = "holder, run, task_now, token, lease_until, lease_until > clock_timestamp()"
+_WHERE = "objsubid = %(objsubid)s AND classid = %(classid)s AND objid = %(objid)s"
+
+
+def _coordinates(key: LockKey) -> dict[str, Any]:
+    classid, objid, objsubid = key.pg_locks
+    return {"objsubid": objsubid, "classid": classid, "objid": objid}
+
+
+def missing_table_error() -> LockConfigurationError:
+    return LockConfigurationError(
+        "a lock scope needs airflow-pglock's table pglock.scopes (schema version 5 or newer), which is missing "
+        "in this database: run `airflow-pglock init-db --conn-id <your lock connection>` once (see docs/scopes.md)"
+    )
+
+
+def _run(conn: psycopg.Connection[Any], statement: str, params: dict[str, Any]) -> Any:
+    """One statement; in a savepoint inside a transaction (an error must not abort the lock's transaction).
+
+    :raises LockConfigurationError: the table is missing (init-db), or this role may not use it.
+    """
+    in_transaction = conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
+    try:
+        if in_transaction:
+            with conn.transaction(savepoint_name="pglock_scope"):
+                return conn.execute(statement, params)  # type: ignore[arg-type]  # static SQL from this module
+        return conn.execute(statement, params)  # type: ignore[arg-type]
+    except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName):
+        raise missing_table_error() from None
+    except psycopg.errors.InsufficientPrivilege as error:
+        raise LockConfigurationError(
+            f"this role may not use pglock.scopes ({error.diag.message_primary}), so no guard of a named key can "
+            "tell whether a lock scope holds it: run `airflow-pglock init-db --grant <this role>` as the schema's "
+            "owner (see docs/howto-least-privilege.md)"
+        ) from None
+
+
+def _row(found: Any) -> ScopeRow | None:
+    return None if found is None else ScopeRow(*found)
+
+
+def read(conn: psycopg.Connection[Any], key: LockKey) -> ScopeRow | None:
+    """The scope row of ``key`` (live or not), if any."""
+    return _row(_run(conn, f"SELECT {_COLUMNS} FROM pglock.scopes WHERE {_WHERE}", _coordinates(key)).fetchone())
+
+
+def live_scope(conn: psycopg.Connection[Any], key: LockKey) -> ScopeRow | None:
+    """The live scope of ``key``, for a reader that holds nothing (the sensor): None also before init-db 5."""
+    try:
+        row = _row(
+            conn.execute(
+                f"SELECT {_COLUMNS} FROM pglock.scopes WHERE {_WHERE} AND lease_until > clock_timestamp()",
+                _coordinates(key),
+            ).fetchone()
+        )
+    except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName):
+        return None
+    return row
+
+
+def enter(
+    conn: psycopg.Connection[Any], key: LockKey, holder: str, run: str, lease_seconds: float
+) -> tuple[bool, ScopeRow | None]:
+    """Take the scope of ``key`` for ``holder`` unless another one's row is live.
+
+    :returns: ``(True, the row)`` when taken (new, lapsed, or ``holder``'s own again);
+        ``(False, the live row of another holder)`` when busy.
+    """
+    cursor = _run(
+        conn,
+        "INSERT INTO pglock.scopes AS s (objsubid, classid, objid, key_name, holder, run, task_now, token,"
+        " acquired_at, lease_until)"
+        " VALUES (%(objsubid)s, %(classid)s, %(objid)s, %(name)s, %(holder)s, %(run)s, NULL, NULL,"
+        " clock_timestamp(), clock_timestamp() + make_interval(secs => %(lease)s))"
+        " ON CONFLICT (objsubid, classid, objid) DO UPDATE SET key_name = excluded.key_name,"
+        " holder = excluded.holder, run = excluded.run, task_now = NULL,"
+        " token = CASE WHEN s.holder = excluded.holder THEN s.token END,"
+        " acquired_at = CASE WHEN s.holder = excluded.holder THEN s.acquired_at ELSE excluded.acquired_at END,"
+        " lease_until = excluded.lease_until"
+        " WHERE s.holder = excluded.holder OR s.lease_until <= clock_timestamp()"
+        f" RETURNING {_COLUMNS}",
+        {**_coordinates(key), "name": key.name, "holder": holder, "run": run, "lease": lease_seconds},
+    )
+    taken = _row(cursor.fetchone())
+    if taken is not None:
+        raise_horizon(conn, taken.lease_until)
+        return True, taken
+    return False, read(conn, key)
+
+
+def set_token(conn: psycopg.Connection[Any], key: LockKey, holder: str, token: int) -> bool:
+    """Record the scope's fencing token (issued once per acquisition); whether ``holder`` still has the row."""
+    cursor = _run(
+        conn,
+        f"UPDATE pglock.scopes SET token = %(token)s WHERE {_WHERE} AND holder = %(holder)s",
+        {**_coordinates(key), "holder": holder, "token": token},
+    )
+    return bool(cursor.rowcount == 1)
+
+
+def rejoin(
+    conn: psycopg.Connection[Any],
+    key: LockKey,
+    holder: str,
+    task: str | None,
+    lease_seconds: float,
+    *,
+    require_live: bool = True,
+) -> ScopeRow | None:
+    """A task of the scope starts (or ends: ``task`` None): renew ``holder``'s row.
+
+    :param require_live: a task that starts needs the row live; one that ends held the key
+        throughout, so nobody could take the scope meanwhile, and renews it lapsed or not.
+    :returns: the renewed row; None when ``holder`` has no (live) row: the scope is lost.
+    """
+    live = " AND lease_until > clock_timestamp()" if require_live else ""
+    cursor = _run(
+        conn,
+        "UPDATE pglock.scopes SET task_now = %(task)s,"
+        " lease_until = greatest(lease_until, clock_timestamp() + make_interval(secs => %(lease)s))"
+        f" WHERE {_WHERE} AND holder = %(holder)s{live}"
+        f" RETURNING {_COLUMNS}",
+        {**_coordinates(key), "holder": holder, "task": task, "lease": lease_seconds},
+    )
+    row = _row(cursor.fetchone())
+    if row is not None:
+        raise_horizon(conn, row.lease_until)
+    return row
+
+
+def leave(conn: psycopg.Connection[Any], key: LockKey, holder: str) -> ScopeRow | None:
+    """Free ``holder``'s scope of ``key``: the row as it was (``live`` False: it had lapsed), or None when gone."""
+    cursor = _run(
+        conn,
+        f"DELETE FROM pglock.scopes WHERE {_WHERE} AND holder = %(holder)s RETURNING {_COLUMNS}",
+        {**_coordinates(key), "holder": holder},
+    )
+    freed = _row(cursor.fetchone())
+    lower_horizon(conn)
+    return freed
+
+
+def raise_horizon(conn: psycopg.Connection[Any], lease_until: dt.datetime) -> None:
+    """Make the horizon no earlier than ``lease_until`` (after the row is written, before the key is released)."""
+    _run(
+        conn,
+        "SELECT setval('pglock.scope_horizon', greatest(coalesce(pg_sequence_last_value('pglock.scope_horizon'), 0),"
+        " ceil(extract(epoch FROM %(until)s::timestamptz))::bigint))"
+        " FROM (SELECT pg_advisory_xact_lock(%(lock)s) OFFSET 0) AS serialized",
+        {"until": lease_until, "lock": HORIZON_LOCK_KEY.int64},
+    )
+
+
+def lower_horizon(conn: psycopg.Connection[Any]) -> None:
+    """Bring the horizon down to the latest lease still live (0: none), read after the horizon's lock.
+
+    Two statements in one transaction: the second one's snapshot is taken once the lock is
+    held, so it sees every row whose writer raised the horizon before (rows are written first).
+    """
+    with conn.transaction(savepoint_name="pglock_horizon" if conn.info.transaction_status else None):
+        _run(conn, "SELECT pg_advisory_xact_lock(%(lock)s)", {"lock": HORIZON_LOCK_KEY.int64})
+        _run(
+            conn,
+            "SELECT setval('pglock.scope_horizon', coalesce(max(ceil(extract(epoch FROM lease_until)))::bigint, 0))"
+            " FROM pglock.scopes WHERE lease_until > clock_timestamp()",
+            {},
+        )
+
+
+def live_scopes(conn: psycopg.Connection[Any]) -> list[tuple[LockKey, ScopeRow]]:
+    """Every live scope (for ``locks`` and the UI page)."""
+    cursor = _run(
+        conn,
+        f"SELECT objsubid, classid, objid, key_name, {_COLUMNS} FROM pglock.scopes"
+        " WHERE lease_until > clock_timestamp() ORDER BY acquired_at",
+        {},
+    )
+    found = []
+    for objsubid, classid, objid, name, *rest in cursor.fetchall():
+        key = LockKey.from_pg_locks(classid, objid, objsubid)
+        found.append((LockKey(name=name, numbers=key.numbers) if name else key, ScopeRow(*rest)))
+    return found

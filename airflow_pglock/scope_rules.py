@@ -1,0 +1,151 @@
+"""How a guarded execution stands to a lock scope on its key: outside it, entering it, one of
+its tasks, or leaving it (policy only; the SQL is in :mod:`airflow_pglock.pg.scopes`).
+
+A scope holds a named key over several tasks. While a task of it runs, that task holds the
+advisory key itself; between its tasks a lease row keeps it. Every check here runs while
+the execution holds the advisory key exclusively, so it reads and writes the row under the
+lock (see ``pg/scopes.py``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from airflow_pglock.exceptions import LockBusyError, LockConfigurationError, LockLostError
+
+if TYPE_CHECKING:  # the SQL loads when a scope is checked, not when a DAG is parsed
+    from airflow_pglock.keys import LockKey
+    from airflow_pglock.pg.held import HeldLock
+    from airflow_pglock.pg.scopes import ScopeRow
+
+ScopeKind = Literal["outside", "enter", "member", "leave"]
+
+#: Seconds a scope stays held after its last task started or ended, unless renewed.
+DEFAULT_SCOPE_LEASE_SECONDS = 600.0
+
+
+@dataclass(frozen=True)
+class ScopeRole:
+    """How one guarded execution stands to the scope of its key.
+
+    :param kind: ``outside`` (any other guard: refused while another's scope is live),
+        ``enter`` (a scope's setup: takes it), ``member`` (a task of the scope: re-enters
+        the scope its setup took), ``leave`` (the teardown: frees it).
+    :param holder: the acquisition's id (from the setup), for every kind but ``outside``.
+    :param run: who holds the scope, for people (the deployment, DAG and run).
+    :param task: the task id of this execution (shown while it runs).
+    :param lease: seconds the scope stays held after a task of it starts or ends.
+    :param fencing: issue one fencing token per scope acquisition (at ``enter``).
+    """
+
+    kind: ScopeKind = "outside"
+    holder: str | None = None
+    run: str | None = None
+    task: str | None = None
+    lease: float = DEFAULT_SCOPE_LEASE_SECONDS
+    fencing: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind != "outside" and not self.holder:
+            raise LockConfigurationError(f"a scope's {self.kind} needs the scope's holder id, got {self.holder!r}")
+
+
+OUTSIDE = ScopeRole()
+
+
+def check_before_work(
+    role: ScopeRole, key: LockKey, held: HeldLock, application_name: str | None
+) -> tuple[int | None, ScopeRow | None]:
+    """Check (and for ``enter``, take; for ``leave``, free) the scope of ``key`` under the held lock.
+
+    :param key: the key asked for (a pool's name when ``held`` is one of its slots).
+    :returns: the scope's fencing token (``enter``, ``member``), and the row as found.
+    :raises LockBusyError: another holder's scope is live (``outside``, ``enter``).
+    :raises LockLostError: a member found its scope gone, lapsed or taken.
+    """
+    from airflow_pglock.pg import scopes
+    from airflow_pglock.pg.key_names import SCOPES_LIVE, scopes_installed
+
+    conn: Any = held.connection
+    if role.kind == "outside":
+        if key.name is None or held.registry != SCOPES_LIVE:
+            return None, None  # no table, or no scope live anywhere (the horizon passed): nothing to read
+        row = scopes.read(conn, key)
+        if row is not None and row.live:
+            raise _busy(key, row)
+        return None, row
+    if key.name is None:
+        raise LockConfigurationError(f"a lock scope needs a named key, got {key.describe()}")
+    if not scopes_installed(held.registry):
+        raise scopes.missing_table_error()
+    assert role.holder is not None
+    if role.kind == "enter":
+        taken, row = scopes.enter(conn, key, role.holder, role.run or role.holder, role.lease)
+        if not taken:
+            assert row is not None
+            raise _busy(key, row)
+        assert row is not None
+        token = row.token
+        if role.fencing and token is None:
+            token = _issue_token(held, application_name)
+            scopes.set_token(conn, key, role.holder, token)
+        return token, row
+    if role.kind == "member":
+        row = scopes.rejoin(conn, key, role.holder, role.task, role.lease)
+        if row is None:
+            cause = _why_lost(scopes.read(conn, key), role)
+            raise LockLostError(f"lost the lock scope of {key.describe()}: {cause}", key, cause)
+        return row.token, row
+    return None, scopes.leave(conn, key, role.holder)
+
+
+def end_member_task(role: ScopeRole, key: LockKey, held: HeldLock, logger: logging.Logger | Any) -> None:
+    """A task of the scope ends, still holding the key: renew the scope for the next task.
+
+    The row may have lapsed while the task ran longer than the lease: nobody could take the
+    scope meanwhile (the task held the key), so it is renewed whatever its lease said.
+    """
+    from airflow_pglock.pg import scopes
+
+    assert role.holder is not None
+    try:
+        row = scopes.rejoin(held.connection, key, role.holder, None, role.lease, require_live=False)
+    except Exception as error:  # the session may be gone: the release finds and reports that
+        logger.warning("pglock could not renew the lock scope of %s: %s", key.describe(), error)
+        return
+    if row is None:
+        logger.warning(
+            "pglock: the lock scope of %s was no longer there when task %s ended (its row was deleted)",
+            key.describe(),
+            role.task,
+        )
+
+
+def _busy(key: LockKey, row: ScopeRow) -> LockBusyError:
+    until = (row.lease_until - dt.datetime.now(dt.timezone.utc)).total_seconds()  # a hint: clocks may differ
+    return LockBusyError(f"{key.describe()} is held by {row.describe()}", key, retry_after=max(0.0, until))
+
+
+def _issue_token(held: HeldLock, application_name: str | None) -> int:
+    from airflow_pglock import loss
+    from airflow_pglock.pg import ledger
+
+    token = ledger.issue_fencing_token(held.connection, held.key, application_name)
+    if token is None:
+        message = loss.lost_message(held.key.describe(), loss.NOT_HELD_AT_FENCING, transaction=False)
+        raise LockLostError(message, held.key, loss.NOT_HELD_AT_FENCING)
+    return token
+
+
+def _why_lost(row: ScopeRow | None, role: ScopeRole) -> str:
+    if row is None:
+        return "the scope was freed (its teardown ran, or its row was deleted) before this task started"
+    if row.holder != role.holder:
+        return f"its lease ran out between tasks and {row.run} took the scope"
+    return (
+        f"its lease ran out at {row.lease_until.isoformat(timespec='seconds')} (database clock) before this task "
+        "started: another guard of the key may have run in the gap"
+    )

@@ -1,0 +1,249 @@
+"""Lock scopes (advisory_lock_scope) through real Airflow runs (dag.test()) on a real PostgreSQL.
+
+dag.test() runs the tasks one after the other in this process: these tests show what each
+task of a scope does with the lease row and the key (taken, re-entered, freed, refused,
+lost); tests/e2e/test_scope_deployments.py shows two real deployments sharing a scope.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+
+from airflow_pglock.keys import LockKey
+from airflow_pglock.pg import schema, scopes
+from tests.helpers import run_dag
+
+pytestmark = pytest.mark.airflow
+
+compat = pytest.importorskip("airflow_pglock.compat")
+if not compat.HAS_LOCK_SCOPE:
+    pytest.skip(
+        "lock scopes need Airflow 3 (refused at parse time on 2.x: tests/airflow/test_scope_refusals.py)",
+        allow_module_level=True,
+    )
+
+SCOPE_DAG = """
+import pendulum
+import psycopg
+from airflow.sdk import dag, task
+from airflow_pglock.operators.scope import advisory_lock_scope
+
+CONN = "pglock_test"
+
+
+def _row(dsn):
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return conn.execute(
+            "SELECT holder, task_now, token, lease_until > clock_timestamp() FROM pglock.scopes"
+            " WHERE key_name = 'scope-key'"
+        ).fetchone()
+
+
+@dag(dag_id="scoped", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False,
+     params={"dsn": "", "fail_b": False, "lapse_between": False})
+def scoped():
+    @task
+    def before():
+        return "ok"
+
+    @task
+    def gap(params=None):  # outside the scope: nothing holds the key while it runs
+        if params["lapse_between"]:  # as a deployment gone longer than the scope lease
+            with psycopg.connect(params["dsn"], autocommit=True) as conn:
+                conn.execute("UPDATE pglock.scopes SET lease_until = clock_timestamp() - interval '1 second'")
+
+    with advisory_lock_scope("publish", key="scope-key", postgres_conn_id=CONN, fencing=True, scope_lease=300):
+        @task
+        def a(lock=None, params=None, ti=None):
+            holder, task_now, token, live = _row(params["dsn"])
+            entered = ti.xcom_pull(task_ids="publish.pglock_scope_enter")
+            assert holder == entered["holder"] and task_now == "publish.a" and live, (holder, task_now, live)
+            return {"token": token, "pushed": ti.xcom_pull(task_ids="publish.pglock_scope_enter")["token"]}
+
+        @task
+        def b(first, params=None):
+            holder, task_now, token, live = _row(params["dsn"])
+            assert task_now == "publish.b" and token == first["token"] == first["pushed"], (task_now, token, first)
+            if params["fail_b"]:
+                raise RuntimeError("b failed")
+            return token
+
+        first = a()
+        second = b(first)
+    first >> gap() >> second
+
+    before()
+
+
+scoped_dag = scoped()
+"""
+
+PLAIN_DAG = """
+import pendulum
+from airflow.sdk import dag, task
+
+@dag(dag_id="plain_guard", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False)
+def plain_guard():
+    @task.advisory_lock(postgres_conn_id="pglock_test", key="scope-key")
+    def plain():
+        return "ran"
+
+    plain()
+
+
+plain_guard_dag = plain_guard()
+"""
+
+KEY = LockKey.from_name("scope-key")
+
+
+@pytest.fixture
+def scopes_db(admin: Any, dsn: str) -> Any:
+    admin.execute("DROP SCHEMA IF EXISTS pglock CASCADE")
+    schema.migrate(admin)
+    yield admin
+    admin.execute("DROP SCHEMA IF EXISTS pglock CASCADE")
+
+
+def _scope_rows(admin: Any) -> list[tuple[Any, ...]]:
+    return admin.execute("SELECT holder, run, task_now, lease_until > clock_timestamp() FROM pglock.scopes").fetchall()
+
+
+def _hold_scope_elsewhere(admin: Any, lease: float = 300) -> str:
+    """Another run's scope, as its setup leaves it (taken under the key, then the key released)."""
+    holder = uuid.uuid4().hex
+    admin.execute("SELECT pg_advisory_lock(%s)", [KEY.int64])
+    try:
+        taken, _ = scopes.enter(admin, KEY, holder, "deployment-b: openverse manual__other", lease)
+        assert taken
+    finally:
+        admin.execute("SELECT pg_advisory_unlock(%s)", [KEY.int64])
+    return holder
+
+
+def test_a_scope_is_taken_held_across_tasks_with_one_token_and_freed(airflow_db: Any, scopes_db: Any, dsn: str) -> None:
+    result = run_dag(SCOPE_DAG, "scoped", {"dsn": dsn, "fail_b": False, "lapse_between": False})
+    assert result.state("publish.pglock_scope_enter") == "success"
+    assert result.state("publish.a") == result.state("gap") == result.state("publish.b") == "success"
+    assert result.state("publish.pglock_scope_exit") == "success"
+    assert _scope_rows(scopes_db) == [], "the teardown frees the scope"
+    token = scopes_db.execute("SELECT token FROM pglock.fencing_tokens WHERE key_name = 'scope-key'").fetchone()[0]
+    assert token is not None
+
+
+def test_the_teardown_frees_the_scope_after_a_failed_task(airflow_db: Any, scopes_db: Any, dsn: str) -> None:
+    result = run_dag(SCOPE_DAG, "scoped", {"dsn": dsn, "fail_b": True, "lapse_between": False})
+    assert result.state("publish.b") == "failed"
+    assert result.state("publish.pglock_scope_exit") == "success"
+    assert _scope_rows(scopes_db) == []
+
+
+def test_another_runs_live_scope_skips_the_setup_and_every_plain_guard(
+    airflow_db: Any, scopes_db: Any, dsn: str, capfd: Any, caplog: Any
+) -> None:
+    holder = _hold_scope_elsewhere(scopes_db)
+    result = run_dag(SCOPE_DAG, "scoped", {"dsn": dsn, "fail_b": False, "lapse_between": False})
+    assert result.state("publish.pglock_scope_enter") == "skipped"
+    assert result.state("publish.a") == "skipped" and result.state("publish.b") == "skipped"
+    assert result.state("before") == "success"
+    plain = run_dag(PLAIN_DAG, "plain_guard")
+    assert plain.state("plain") == "skipped"
+    log = "".join(capfd.readouterr()) + caplog.text
+    assert "is held by the lock scope of deployment-b: openverse manual__other, between its tasks, lease until" in log
+    rows = _scope_rows(scopes_db)
+    assert [(row[0], row[3]) for row in rows] == [(holder, True)], "the other run's scope is left alone"
+    # Its lease runs out (its deployment died): the key is free for everyone again.
+    scopes_db.execute("UPDATE pglock.scopes SET lease_until = clock_timestamp() - interval '1 second'")
+    assert run_dag(PLAIN_DAG, "plain_guard").state("plain") == "success"
+    again = run_dag(SCOPE_DAG, "scoped", {"dsn": dsn, "fail_b": False, "lapse_between": False})
+    assert again.state("publish.b") == "success" and _scope_rows(scopes_db) == []
+
+
+def test_a_task_whose_scope_lapsed_between_tasks_fails_as_lost(
+    airflow_db: Any, scopes_db: Any, dsn: str, capfd: Any, caplog: Any
+) -> None:
+    result = run_dag(SCOPE_DAG, "scoped", {"dsn": dsn, "fail_b": False, "lapse_between": True})
+    assert result.state("publish.a") == "success"
+    assert result.state("publish.b") == "failed"
+    log = "".join(capfd.readouterr()) + caplog.text
+    assert "lost the lock scope of key 'scope-key'" in log and "its lease ran out at" in log
+    assert result.state("publish.pglock_scope_exit") == "success"
+    assert _scope_rows(scopes_db) == []
+
+
+def test_a_scope_without_its_table_fails_naming_init_db(
+    airflow_db: Any, admin: Any, dsn: str, capfd: Any, caplog: Any
+) -> None:
+    admin.execute("DROP SCHEMA IF EXISTS pglock CASCADE")
+    result = run_dag(SCOPE_DAG, "scoped", {"dsn": dsn, "fail_b": False, "lapse_between": False})
+    assert result.state("publish.pglock_scope_enter") == "failed"
+    assert result.state("publish.a") != "success"
+    assert "run `airflow-pglock init-db --conn-id" in "".join(capfd.readouterr()) + caplog.text
+
+
+DEFER_DAG = """
+import pendulum
+from airflow.sdk import dag, task
+from airflow_pglock.operators.scope import advisory_lock_scope
+
+
+@dag(dag_id="scoped_defer", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False)
+def scoped_defer():
+    with advisory_lock_scope("publish", key="scope-key", postgres_conn_id="pglock_test", on_busy="defer",
+                             wait_timeout=120, defer_after=0):
+        @task
+        def work():
+            return "ran"
+
+        work()
+
+
+scoped_defer_dag = scoped_defer()
+"""
+
+
+def test_a_deferring_setup_waits_in_the_triggerer_until_the_other_scope_ends(
+    airflow_db: Any, scopes_db: Any, dsn: str, capfd: Any, caplog: Any
+) -> None:
+    _hold_scope_elsewhere(scopes_db, lease=15)  # past dag.test()'s start-up: the setup finds it live
+    result = run_dag(DEFER_DAG, "scoped_defer")
+    log = "".join(capfd.readouterr()) + caplog.text
+    assert "pglock deferred: key 'scope-key'" in log and "is held by the lock scope of deployment-b" in log
+    assert result.state("publish.pglock_scope_enter") == "success"
+    assert result.state("publish.work") == "success"
+    assert _scope_rows(scopes_db) == []
+
+
+SENSOR_DAG = """
+import pendulum
+from airflow.sdk import dag
+from airflow_pglock.sensors.advisory_lock import AdvisoryLockSensor
+
+
+@dag(dag_id="scope_sensor", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False)
+def scope_sensor():
+    poking = AdvisoryLockSensor(task_id="poking", key="scope-key", postgres_conn_id="pglock_test",
+                                poke_interval=0.5, timeout=3, soft_fail=True)
+    deferring = AdvisoryLockSensor(task_id="deferring", key="scope-key", postgres_conn_id="pglock_test",
+                                   poke_interval=1, timeout=120, deferrable=True, trigger_rule="all_done")
+    poking >> deferring
+
+
+scope_sensor_dag = scope_sensor()
+"""
+
+
+def test_the_sensor_sees_a_scope_between_its_tasks_as_held(
+    airflow_db: Any, scopes_db: Any, dsn: str, capfd: Any, caplog: Any
+) -> None:
+    _hold_scope_elsewhere(scopes_db, lease=15)
+    result = run_dag(SENSOR_DAG, "scope_sensor")
+    log = "".join(capfd.readouterr()) + caplog.text
+    assert result.state("poking") == "skipped", "the poking sensor timed out: the scope held the key"
+    assert "is still held by the lock scope of deployment-b: openverse manual__other" in log
+    assert result.state("deferring") == "success", "the deferrable sensor waited the scope out"
+    ended = scopes_db.execute("SELECT lease_until < clock_timestamp() FROM pglock.scopes").fetchone()[0]
+    assert ended

@@ -1,0 +1,160 @@
+"""DAGs with a lock scope that two real Airflow deployments schedule at once (tests/e2e).
+
+Both deployments read this file and share only the lock database (connection
+``postgres_default``). Every task of a scope records its span (deployment, task, database
+clock at its start and at its end) in ``e2e_scope_spans``, so the test can check from the
+lock database alone whether the two deployments' scopes ever interleaved.
+
+- ``e2e_scope_ingest``: the openverse pattern. ``rendezvous`` meets the other deployment,
+  then ``start >> wait >> promote`` run in one scope on ``openverse/ingest``
+  (``on_busy="skip"``): one deployment's group runs entirely, the other's is skipped (or
+  runs entirely after it).
+- ``e2e_scope_crash``: ``gate`` waits until the test lets this deployment go (a row in
+  ``e2e_go``), then ``start >> wait >> promote`` in a scope on ``openverse/crash`` with a
+  15 s scope lease and ``on_busy="wait"``; ``peek``, a plain guard of the same key, runs
+  beside the scope. The test kills deployment A while its scope is held and then lets B go.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pendulum
+import psycopg
+from airflow.sdk import dag, task
+
+from airflow_pglock.operators.scope import advisory_lock_scope
+
+LOCK_DSN = os.environ.get("PGLOCK_E2E_DSN", "")
+DEPLOYMENT = os.environ.get("PGLOCK_E2E_DEPLOYMENT", "?")
+DEPLOYMENTS = int(os.environ.get("PGLOCK_E2E_DEPLOYMENTS", "2"))
+CONN = "postgres_default"
+WAIT_SECONDS = float(os.environ.get("PGLOCK_E2E_SCOPE_WAIT_SECONDS", "6"))
+CRASH_SCOPE_LEASE = 15
+MEET_TIMEOUT = 180.0
+GATE_TIMEOUT = 400.0
+
+
+def span(dag_id: str, task_id: str, seconds: float = 0.0) -> None:
+    """Work ``seconds`` and record the span (database clock) of this task in ``e2e_scope_spans``."""
+    with psycopg.connect(LOCK_DSN, autocommit=True, application_name=f"e2e span {DEPLOYMENT}") as conn:
+        row = conn.execute("SELECT clock_timestamp()").fetchone()
+        assert row is not None
+        time.sleep(seconds)
+        conn.execute(
+            "INSERT INTO e2e_scope_spans (dag_id, deployment, task_id, started, ended)"
+            " VALUES (%s, %s, %s, %s, clock_timestamp())",
+            [dag_id, DEPLOYMENT, task_id, row[0]],
+        )
+
+
+def meet(dag_id: str) -> None:
+    """Wait until every deployment reached this DAG (so the scopes really compete)."""
+    with psycopg.connect(LOCK_DSN, autocommit=True, application_name=f"e2e meet {DEPLOYMENT}") as conn:
+        conn.execute(
+            "INSERT INTO e2e_scope_meet (dag_id, deployment) VALUES (%s, %s) ON CONFLICT DO NOTHING",
+            [dag_id, DEPLOYMENT],
+        )
+        deadline = time.monotonic() + MEET_TIMEOUT
+        while time.monotonic() < deadline:
+            row = conn.execute("SELECT count(*) FROM e2e_scope_meet WHERE dag_id = %s", [dag_id]).fetchone()
+            if row == (DEPLOYMENTS,):
+                return
+            time.sleep(0.2)
+    raise RuntimeError(f"deployment {DEPLOYMENT}: the other deployments never reached {dag_id}")
+
+
+def gate(dag_id: str) -> None:
+    """Wait until the test lets this deployment go (a row in ``e2e_go``)."""
+    with psycopg.connect(LOCK_DSN, autocommit=True, application_name=f"e2e gate {DEPLOYMENT}") as conn:
+        deadline = time.monotonic() + GATE_TIMEOUT
+        while time.monotonic() < deadline:
+            row = conn.execute(
+                "SELECT count(*) FROM e2e_go WHERE dag_id = %s AND deployment = %s", [dag_id, DEPLOYMENT]
+            ).fetchone()
+            if row == (1,):
+                return
+            time.sleep(0.3)
+    raise RuntimeError(f"deployment {DEPLOYMENT}: never let go for {dag_id}")
+
+
+@dag(
+    dag_id="e2e_scope_ingest",
+    schedule="@daily",
+    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    end_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    catchup=True,
+)
+def e2e_scope_ingest() -> None:
+    @task
+    def rendezvous() -> None:
+        meet("e2e_scope_ingest")
+
+    with advisory_lock_scope(
+        "publish", key="openverse/ingest", postgres_conn_id=CONN, on_busy="skip", scope_lease=60
+    ) as publish:
+
+        @task
+        def start() -> None:
+            span("e2e_scope_ingest", "start")
+
+        @task
+        def wait() -> None:
+            span("e2e_scope_ingest", "wait", WAIT_SECONDS)
+
+        @task
+        def promote() -> None:
+            span("e2e_scope_ingest", "promote")
+
+        start() >> wait() >> promote()
+
+    rendezvous() >> publish
+
+
+@dag(
+    dag_id="e2e_scope_crash",
+    schedule="@daily",
+    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    end_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    catchup=True,
+)
+def e2e_scope_crash() -> None:
+    @task
+    def wait_for_go() -> None:
+        gate("e2e_scope_crash")
+
+    @task.advisory_lock(postgres_conn_id=CONN, key="openverse/crash", on_busy="skip")
+    def peek() -> None:
+        span("e2e_scope_crash", "peek")
+
+    with advisory_lock_scope(
+        "publish",
+        key="openverse/crash",
+        postgres_conn_id=CONN,
+        on_busy="wait",
+        wait_timeout=150,
+        scope_lease=CRASH_SCOPE_LEASE,
+    ) as publish:
+
+        @task
+        def start() -> None:
+            span("e2e_scope_crash", "start")
+
+        @task
+        def wait() -> None:
+            span("e2e_scope_crash", "wait", WAIT_SECONDS)
+
+        @task
+        def promote() -> None:
+            span("e2e_scope_crash", "promote")
+
+        start() >> wait() >> promote()
+
+    go = wait_for_go()
+    go >> publish
+    go >> peek()
+
+
+e2e_scope_ingest_dag = e2e_scope_ingest()
+e2e_scope_crash_dag = e2e_scope_crash()

@@ -1,0 +1,305 @@
+"""Lock scopes on a real PostgreSQL: every guard of a named key honours another run's scope row,
+and a scope's setup, tasks and teardown keep it (scope_rules through LockGuard)."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from typing import Any
+
+import pytest
+
+from airflow_pglock.exceptions import LockBusyError, LockConfigurationError, LockLostError
+from airflow_pglock.guard import LockGuard
+from airflow_pglock.keys import LockKey
+from airflow_pglock.pg import schema, scopes
+from airflow_pglock.policy import LockPolicy
+from airflow_pglock.scope_rules import ScopeRole
+
+KEY = LockKey.from_name("scopes/integration")
+
+
+@pytest.fixture
+def scopes_db(admin: Any) -> Any:
+    admin.execute("DROP SCHEMA IF EXISTS pglock CASCADE")
+    schema.migrate(admin)
+    yield admin
+    admin.execute("DROP SCHEMA IF EXISTS pglock CASCADE")
+
+
+def _role(kind: str, holder: str, lease: float = 300.0, **more: Any) -> ScopeRole:
+    return ScopeRole(kind=kind, holder=holder, run=f"dep: dag {holder[:6]}", task="t", lease=lease, **more)  # type: ignore[arg-type]
+
+
+def _enter(hook: Any, holder: str, lease: float = 300.0, fencing: bool = False) -> int | None:
+    guard = LockGuard(hook.database, KEY, LockPolicy(), scope=_role("enter", holder, lease, fencing=fencing))
+    with guard as handle:
+        return handle.fencing_token
+
+
+def _advisory_locks(admin: Any) -> int:
+    """Advisory locks still held, once closed sessions' backends have exited (a moment after the close)."""
+    deadline = time.monotonic() + 10
+    while True:
+        count = int(admin.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'").fetchone()[0])
+        if count == 0 or time.monotonic() > deadline:
+            return count
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("mode", ["session", "transaction"])
+def test_a_live_scope_refuses_every_other_guard_and_leaves_nothing_held(hook: Any, scopes_db: Any, mode: str) -> None:
+    _enter(hook, uuid.uuid4().hex)
+    with (
+        pytest.raises(
+            LockBusyError, match=r"is held by the lock scope of dep: dag \w+, between its tasks, lease until"
+        ),
+        LockGuard(hook.database, KEY, LockPolicy(mode=mode)),
+    ):  # type: ignore[arg-type]
+        pytest.fail("ran inside another run's scope")
+    assert _advisory_locks(scopes_db) == 0
+    other = LockKey.from_name("scopes/another-key")
+    with LockGuard(hook.database, other, LockPolicy(mode=mode)):  # type: ignore[arg-type]
+        pass  # a key without a scope: no refusal
+
+
+def test_a_pool_of_the_scopes_name_is_refused_too(hook: Any, scopes_db: Any) -> None:
+    _enter(hook, uuid.uuid4().hex)
+    with (
+        pytest.raises(LockBusyError, match="is held by the lock scope"),
+        LockGuard(hook.database, KEY, LockPolicy(slots=3)),
+    ):
+        pytest.fail("a slot ran inside another run's scope")
+
+
+def test_a_waiting_guard_runs_once_the_scope_lease_runs_out(hook: Any, scopes_db: Any) -> None:
+    _enter(hook, uuid.uuid4().hex, lease=1.5)
+    ended_at = scopes_db.execute("SELECT lease_until FROM pglock.scopes").fetchone()[0]
+    with LockGuard(hook.database, KEY, LockPolicy(on_busy="wait", wait_timeout=30)):
+        started_at = scopes_db.execute("SELECT clock_timestamp()").fetchone()[0]
+    assert started_at >= ended_at, "the guard ran before the scope's lease ended (database clock)"
+
+
+def test_the_setup_takes_a_lapsed_scope_and_refuses_a_live_one_keeping_its_token(hook: Any, scopes_db: Any) -> None:
+    first, second = uuid.uuid4().hex, uuid.uuid4().hex
+    token = _enter(hook, first, fencing=True)
+    assert token is not None
+    assert _enter(hook, first, fencing=True) == token, "a setup that runs again for the same holder keeps the token"
+    with pytest.raises(LockBusyError, match="is held by the lock scope"):
+        _enter(hook, second, fencing=True)
+    scopes_db.execute("UPDATE pglock.scopes SET lease_until = clock_timestamp() - interval '1 second'")
+    newer = _enter(hook, second, fencing=True)
+    assert newer is not None and newer > token, "a new acquisition gets a newer token"
+
+
+def test_members_reenter_with_the_scopes_token_and_fail_as_lost_once_it_lapsed_or_went(
+    hook: Any, scopes_db: Any
+) -> None:
+    holder = uuid.uuid4().hex
+    token = _enter(hook, holder, fencing=True)
+    with LockGuard(hook.database, KEY, LockPolicy(), scope=_role("member", holder)) as handle:
+        assert handle.fencing_token == token
+        assert scopes_db.execute("SELECT task_now FROM pglock.scopes").fetchone()[0] == "t"
+    assert scopes_db.execute("SELECT task_now FROM pglock.scopes").fetchone()[0] is None
+    stranger = uuid.uuid4().hex
+    with (
+        pytest.raises(LockLostError, match=r"dep: dag \w+ took the scope"),
+        LockGuard(hook.database, KEY, LockPolicy(), scope=_role("member", stranger)),
+    ):
+        pytest.fail("a task of another acquisition re-entered")
+    scopes_db.execute("UPDATE pglock.scopes SET lease_until = clock_timestamp() - interval '1 second'")
+    with (
+        pytest.raises(LockLostError, match=r"its lease ran out at .* another guard of the key may have run in the gap"),
+        LockGuard(hook.database, KEY, LockPolicy(), scope=_role("member", holder)),
+    ):
+        pytest.fail("a task re-entered a lapsed scope")
+    assert _advisory_locks(scopes_db) == 0
+
+
+def test_a_member_that_outlives_the_lease_keeps_and_renews_the_scope(hook: Any, scopes_db: Any) -> None:
+    holder = uuid.uuid4().hex
+    _enter(hook, holder, lease=300)
+    with LockGuard(hook.database, KEY, LockPolicy(), scope=_role("member", holder, lease=300)):
+        # The task runs past the lease: nobody can take the scope (this task holds the key).
+        scopes_db.execute("UPDATE pglock.scopes SET lease_until = clock_timestamp() - interval '1 second'")
+        with (
+            pytest.raises(LockBusyError),
+            LockGuard(hook.database, KEY, LockPolicy()),
+        ):
+            pytest.fail("ran while a task of the scope held the key")
+    live = scopes_db.execute("SELECT lease_until > clock_timestamp() FROM pglock.scopes").fetchone()[0]
+    assert live, "the task's end renews the scope for the next task"
+
+
+def test_the_teardown_frees_only_its_own_scope(hook: Any, scopes_db: Any) -> None:
+    holder = uuid.uuid4().hex
+    _enter(hook, holder)
+    with LockGuard(hook.database, KEY, LockPolicy(), scope=_role("leave", uuid.uuid4().hex)) as _:
+        pass
+    assert scopes_db.execute("SELECT count(*) FROM pglock.scopes").fetchone()[0] == 1
+    guard = LockGuard(hook.database, KEY, LockPolicy(), scope=_role("leave", holder))
+    with guard:
+        pass
+    assert guard.scope_row is not None and guard.scope_row.holder == holder
+    assert scopes_db.execute("SELECT count(*) FROM pglock.scopes").fetchone()[0] == 0
+    with (
+        pytest.raises(LockLostError, match="the scope was freed"),
+        LockGuard(hook.database, KEY, LockPolicy(), scope=_role("member", holder)),
+    ):
+        pytest.fail("a task re-entered a freed scope")
+    with LockGuard(hook.database, KEY, LockPolicy()):
+        pass  # free for everyone again
+
+
+def test_without_the_scopes_table_a_scope_fails_naming_init_db_and_guards_run(hook: Any, scopes_db: Any) -> None:
+    schema_v4 = schema.MIGRATIONS[:4]
+    scopes_db.execute("DROP SCHEMA pglock CASCADE")
+    schema.migrate(scopes_db, schema_v4)
+    with pytest.raises(LockConfigurationError, match="init-db"):
+        _enter(hook, uuid.uuid4().hex)
+    with LockGuard(hook.database, KEY, LockPolicy()):
+        pass
+    assert _advisory_locks(scopes_db) == 0
+
+
+def test_a_scope_refuses_shared_and_transaction_locks_before_connecting(hook: Any) -> None:
+    for policy in (LockPolicy(mode="transaction"), LockPolicy(shared=True), LockPolicy(slots=2)):
+        with pytest.raises(LockConfigurationError, match="a lock scope holds one exclusive session lock"):
+            LockGuard(hook.database, KEY, policy, scope=_role("enter", "h"))
+    with pytest.raises(LockConfigurationError, match="needs the scope's holder id"):
+        ScopeRole(kind="member", holder=None)
+
+
+def test_setups_racing_for_one_scope_take_it_once(hook: Any, scopes_db: Any) -> None:
+    """Many setups at once (each its own holder): exactly one takes the scope, the others are busy."""
+    results: list[str] = []
+    barrier = threading.Barrier(8)
+
+    def setup() -> None:
+        barrier.wait()
+        try:
+            _enter(hook, uuid.uuid4().hex)
+            results.append("taken")
+        except LockBusyError:
+            results.append("busy")
+
+    threads = [threading.Thread(target=setup) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert results.count("taken") == 1 and results.count("busy") == 7, results
+    assert scopes.read(scopes_db, KEY) is not None
+
+
+def test_locks_shows_a_live_scope_in_its_table_and_json(hook: Any, scopes_db: Any, dsn: str, capsys: Any) -> None:
+    from tests.ops_helpers import run_cli
+
+    holder = uuid.uuid4().hex
+    _enter(hook, holder, fencing=True)
+    table = run_cli("locks", "--dsn", dsn, capsys=capsys)
+    assert table.code == 0
+    assert "1 lock scope(s), each held by a lease row between its tasks" in table.out
+    assert "scopes/integration" in table.out and "- (between tasks)" in table.out and f"dag {holder[:6]}" in table.out
+    data = run_cli("locks", "--dsn", dsn, "--output", "json", capsys=capsys).json()
+    [scope] = data["scopes"]
+    assert scope["key"]["name"] == "scopes/integration" and scope["run"] == f"dep: dag {holder[:6]}"
+    assert scope["task_now"] is None and isinstance(scope["fencing_token"], int)
+    other = run_cli("locks", "--dsn", dsn, "--key", "scopes/another", "--output", "json", capsys=capsys).json()
+    assert other["scopes"] == []
+
+
+def test_hook_acquire_finds_the_key_busy_while_another_runs_scope_is_live(hook: Any, scopes_db: Any) -> None:
+    _enter(hook, uuid.uuid4().hex)
+    assert hook.acquire(KEY) is None
+    assert hook.acquire(KEY, timeout=1) is None
+    assert _advisory_locks(scopes_db) == 0
+    held = hook.acquire(LockKey.from_name("scopes/another-key"))
+    assert held is not None
+    held.release()
+
+
+def test_a_role_without_any_grant_still_sees_scopes_and_a_scope_needs_the_grant(
+    hook: Any, scopes_db: Any, dsn: str
+) -> None:
+    """init-db lets every role read pglock.scopes: a guard that could not read it would have to fail."""
+    from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+    from tests.ops_helpers import with_user
+
+    role = "pglock_scope_reader"
+    scopes_db.execute(f"DROP ROLE IF EXISTS {role}")
+    scopes_db.execute(f"CREATE ROLE {role} LOGIN")
+    try:
+        reader = AdvisoryLockHook(dsn=with_user(dsn, role))
+        with LockGuard(reader.database, KEY, LockPolicy()):
+            pass  # no scope: it runs
+        _enter(hook, uuid.uuid4().hex)
+        with (
+            pytest.raises(LockBusyError, match="is held by the lock scope"),
+            LockGuard(reader.database, KEY, LockPolicy()),
+        ):
+            pytest.fail("ran inside another run's scope")
+        scopes_db.execute("DELETE FROM pglock.scopes")
+        with pytest.raises(LockConfigurationError, match=r"may not use pglock.scopes .* init-db --grant"):
+            _enter(reader, uuid.uuid4().hex)
+        assert _advisory_locks(scopes_db) == 0
+    finally:
+        scopes_db.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", [role])
+        scopes_db.execute(f"DROP OWNED BY {role}")
+        scopes_db.execute(f"DROP ROLE {role}")
+
+
+def test_a_busy_scope_tells_how_long_until_its_lease_ends(hook: Any, scopes_db: Any) -> None:
+    _enter(hook, uuid.uuid4().hex, lease=120)
+    with pytest.raises(LockBusyError) as busy, LockGuard(hook.database, KEY, LockPolicy()):
+        pytest.fail("ran inside another run's scope")
+    assert busy.value.retry_after is not None and 60 < busy.value.retry_after <= 120
+
+
+def test_a_guard_that_waited_for_the_key_reads_a_scope_begun_during_its_wait(hook: Any, scopes_db: Any) -> None:
+    """Its lock statement read the horizon before the wait (no scope then): it reads the row after it."""
+    scopes_db.execute("SELECT pg_advisory_lock(%s)", [KEY.int64])  # a setup holding the key
+    outcome: list[BaseException | str] = []
+
+    def waiter() -> None:
+        try:
+            with LockGuard(hook.database, KEY, LockPolicy(on_busy="wait", wait_timeout=4)):
+                outcome.append("ran")
+        except BaseException as error:
+            outcome.append(error)
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        waiting = scopes_db.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")
+        if waiting.fetchone()[0]:
+            break
+        time.sleep(0.02)
+    taken, _ = scopes.enter(scopes_db, KEY, uuid.uuid4().hex, "dep: the setup", 300)
+    assert taken
+    scopes_db.execute("SELECT pg_advisory_unlock(%s)", [KEY.int64])
+    thread.join(timeout=30)
+    assert len(outcome) == 1 and isinstance(outcome[0], LockBusyError), outcome
+    assert "is held by the lock scope of dep: the setup" in str(outcome[0])
+
+
+def test_the_horizon_follows_the_latest_live_lease(hook: Any, scopes_db: Any) -> None:
+    def horizon() -> int:
+        return int(scopes_db.execute("SELECT pg_sequence_last_value('pglock.scope_horizon')").fetchone()[0] or 0)
+
+    first, second = uuid.uuid4().hex, uuid.uuid4().hex
+    _enter(hook, first, lease=300)
+    row = scopes.read(scopes_db, KEY)
+    assert row is not None and horizon() >= row.lease_until.timestamp()
+    other = LockKey.from_name("scopes/second")
+    with LockGuard(hook.database, other, LockPolicy(), scope=_role("enter", second, lease=900)):
+        pass
+    later = horizon()
+    with LockGuard(hook.database, KEY, LockPolicy(), scope=_role("leave", first)):
+        pass
+    assert horizon() == later, "the other scope is still live: the horizon stays at its lease"
+    with LockGuard(hook.database, other, LockPolicy(), scope=_role("leave", second)):
+        pass
+    assert horizon() == 0
