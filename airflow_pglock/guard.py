@@ -162,7 +162,7 @@ class LockGuard:
             self.refusal = busy
             self._report(self.policy.busy_outcome(), detail=f"busy: {busy}", holders=busy.holders)
             raise
-        except (PgLockError, psycopg.Error) as error:
+        except Exception as error:  # a database error, a refused set-up, or a bug: one outcome line all the same
             self._report("failed", detail=f"{type(error).__name__}: {error}")
             raise
         # From here on the lock is held: one try, so that nothing (an error, Airflow's task

@@ -17,6 +17,7 @@ from airflow_pglock.exceptions import LockLostError
 from airflow_pglock.keys import AnyKey, LockKey
 from airflow_pglock.lock_set import LockSet, SubLock
 from airflow_pglock.pg.held import HeldLock
+from airflow_pglock.pg.key_names import scopes_installed
 from airflow_pglock.server_rules import Scope
 
 
@@ -51,7 +52,11 @@ class LockHandle:
         self.server: str = held.server.server
         self.backend_pid: int = held.server.backend_pid
         self.connection: psycopg.Connection[Any] | None = held.connection if held.scope == "transaction" else None
-        self._keys = LockSet(held.connection, lost_reason, reserved=held.key, can_wait=held.scope == "session")
+        # The guard's lock statement already said whether the scopes' tables are there (named keys only).
+        known = None if held.registry is None else scopes_installed(held.registry)
+        self._keys = LockSet(
+            held.connection, lost_reason, reserved=held.key, can_wait=held.scope == "session", scopes=known
+        )
 
     # Sub-keys on the task's own connection, covered by its heartbeat (see lock_set.LockSet).
 

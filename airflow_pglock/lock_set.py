@@ -28,7 +28,7 @@ from airflow_pglock import loss
 from airflow_pglock.exceptions import LockConfigurationError, LockLostError, PgLockError
 from airflow_pglock.heartbeat import Heartbeat
 from airflow_pglock.keys import AnyKey, LockKey
-from airflow_pglock.pg import statements
+from airflow_pglock.pg import scopes, statements
 from airflow_pglock.pg.database import LockDatabase
 from airflow_pglock.pg.probe import ProbeResult, probe
 from airflow_pglock.pg.release import unlock
@@ -73,6 +73,8 @@ class LockSet:
     :param reserved: a key the connection holds already for someone else (a guarded task's
         own key): always busy here, never released here.
     :param can_wait: whether :meth:`lock` may wait (not on a connection inside a transaction).
+    :param scopes: whether the lock scopes' tables are there (None: asked at the first named key).
+        A named key that another run's lock scope holds between its tasks is busy here too.
     """
 
     def __init__(
@@ -82,7 +84,9 @@ class LockSet:
         *,
         reserved: LockKey | None = None,
         can_wait: bool = True,
+        scopes: bool | None = None,
     ) -> None:
+        self._scopes = scopes
         self.connection = connection
         self._lost_reason = lost_reason
         self._reserved = reserved.numbers if reserved is not None else None
@@ -227,20 +231,39 @@ class LockSet:
             wanted = list(fresh.values())
             if not wanted:
                 return []
+            seeing = any(key.name is not None for key in wanted)
             try:
                 with self._session_errors(wanted[0]):
-                    if timeout is not None:
+                    if seeing and self._scopes is None:
+                        self._scopes = statements.scopes_installed(self.connection)
+                    seeing = seeing and bool(self._scopes)
+                    live = seeing
+                    if timeout is not None:  # a wait: any scope may have begun meanwhile
                         got = [statements.wait_lock(self.connection, wanted[0], timeout, shared=shared)]
+                    elif seeing:
+                        *got, live = statements.try_lock_seeing_scopes(self.connection, wanted, shared=shared)
                     elif len(wanted) == 1:
                         got = [statements.try_lock(self.connection, wanted[0], shared=shared)]
                     else:
                         got = statements.try_lock_many(self.connection, wanted, shared=shared)
+                    if live and any(got):
+                        got = self._outside_scopes(wanted, got, shared)
             except BaseException as error:  # it may have taken some of them before the error (or the interrupt)
                 self._unsettle_after(error, [(key, shared) for key in wanted])
                 raise
             taken = [SubLock(self, key, shared) for key, ok in zip(wanted, got, strict=True) if ok]
             self._held.update((sub.key.numbers, sub) for sub in taken)
             return taken
+
+    def _outside_scopes(self, wanted: list[LockKey], got: list[bool], shared: bool) -> list[bool]:
+        """Give back the keys just taken that another run's lock scope holds (busy, as a guard finds them)."""
+        named = [key for key, ok in zip(wanted, got, strict=True) if ok and key.name is not None]
+        scoped = scopes.live_among(self.connection, named) if named else set()
+        if not scoped:
+            return got
+        refused = [key for key in named if key.numbers in scoped]
+        statements.unlock_many(self.connection, refused, shared=shared)
+        return [ok and key.numbers not in scoped for key, ok in zip(wanted, got, strict=True)]
 
     def _unlock(self, subs: list[SubLock]) -> list[SubLock]:
         """Unlock ``subs`` (one statement per mode); those the session no longer held."""

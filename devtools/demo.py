@@ -55,6 +55,7 @@ def deployment_env(name: str, conn_uri: str) -> dict[str, str]:
             "AIRFLOW__LOGGING__COLORED_CONSOLE_LOG": "False",
             "AIRFLOW_CONN_POSTGRES_DEFAULT": conn_uri,
             "PGLOCK_EXPORT_DIR": str(DEMO_DIR / "exports" / name),
+            "AIRFLOW__PGLOCK__DEPLOYMENT": f"deployment-{name}",  # told apart on one host (docs/operations.md)
         }
     )
     return env
@@ -92,20 +93,33 @@ def wait_until_held(conn_uri: str, keys: Sequence[str], timeout: float = 120.0) 
         time.sleep(0.2)
 
 
+def wait_until_scoped(conn_uri: str, key: str, timeout: float = 120.0) -> None:
+    """Return once a lock scope holds ``key`` (or after ``timeout`` s)."""
+    from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+
+    hook = AdvisoryLockHook(dsn=conn_uri)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and hook.scope(key) is None:
+        time.sleep(0.2)
+
+
 def run_both(
     dag_id: str,
     conf: dict[str, object],
     envs: dict[str, dict[str, str]],
     *when: str,
     overlap_on: Sequence[str] = (),
+    scope_on: str | None = None,
     conn_uri: str,
 ) -> list[Outcome]:
     """Run ``dag_id`` in both deployments: at the same moment, or, given ``overlap_on``, B once A
-    holds one of those keys."""
+    holds one of those keys (``scope_on``: once a lock scope of A's holds that key)."""
 
     def one(name: str) -> list[Outcome]:
         if name != DEPLOYMENTS[0] and overlap_on:
             wait_until_held(conn_uri, overlap_on)
+        if name != DEPLOYMENTS[0] and scope_on is not None:
+            wait_until_scoped(conn_uri, scope_on)
         result = airflow(envs[name], "dags", "test", dag_id, *when, "-c", json.dumps(conf))
         log = result.stdout + result.stderr
         (DEMO_DIR / f"{dag_id}-{name}.log").write_text(log)
@@ -196,6 +210,22 @@ def main() -> int:
             conn_uri=conn_uri,
         )
         summarize("tenant_exports: one key per tenant", exports)
+
+        print(
+            "\nboth deployments run ingestion_refresh (trigger -> wait -> promote in one lock scope on\n"
+            "'ingestion-server'); B starts once A's scope holds the key ...",
+            flush=True,
+        )
+        ingestion = run_both(
+            "ingestion_refresh", {"work_seconds": 10}, envs, scope_on="ingestion-server", conn_uri=conn_uri
+        )
+        summarize("ingestion_refresh: one lock scope over three tasks", ingestion)
+        scoped = sorted({o.deployment for o in ingestion if o.task.startswith("refresh.") and o.outcome == "completed"})
+        print(
+            f"ingestion_refresh: the scope's tasks ran in deployment(s) {', '.join(scoped) or 'none'}; the other's\n"
+            "setup found the scope held (its tasks were skipped by Airflow's trigger rules). Between A's tasks no\n"
+            "process held the key: the scope's lease row did (docs/scopes.md)."
+        )
 
         ran = [o for o in forecast if o.outcome == "completed"]
         files = sorted((DEMO_DIR / "exports").glob("*/tenant-*.json"))

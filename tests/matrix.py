@@ -43,6 +43,7 @@ FEATURES: dict[str, str] = {
     "console-script": "`airflow-pglock` console script (locks, key, doctor, init-db)",
     "cli-group": "`airflow pglock ...` (Airflow 3.2+)",
     "ui-page": "Browse → Advisory locks page (Airflow 3.1+)",
+    "lock-scope": "`advisory_lock_scope`: one lock over a task group (Airflow 3.0+; refused at parse time before)",
 }
 
 _outcomes: dict[str, list[tuple[str, str]]] = {}

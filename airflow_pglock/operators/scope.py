@@ -31,14 +31,16 @@ from typing import TYPE_CHECKING, Any, Literal
 from airflow_pglock.compat import (
     AIRFLOW_VERSION,
     HAS_LOCK_SCOPE,
+    AirflowSkipException,
     BaseOperator,
     Context,
     MappedOperator,
     PythonOperator,
+    TaskDeferred,
     TaskGroup,
     rendered_task,
 )
-from airflow_pglock.exceptions import LockConfigurationError, LockLostError
+from airflow_pglock.exceptions import LockBusyError, LockConfigurationError, LockLostError
 from airflow_pglock.options import LockOptions, LockSpec
 from airflow_pglock.scope_rules import DEFAULT_SCOPE_LEASE_SECONDS, ScopeKind, ScopeRole
 from airflow_pglock.task_guard import (
@@ -56,6 +58,8 @@ if TYPE_CHECKING:
     from airflow_pglock.handle import LockHandle
 
 ENTER_TASK_ID = "pglock_scope_enter"
+#: The setup's XCom with the scope's holder id and fencing token (pushed while it holds the key).
+SCOPE_XCOM_KEY = "pglock_scope"
 EXIT_TASK_ID = "pglock_scope_exit"
 #: How long a task of the scope (and its teardown) waits for the key, held a moment by another
 #: guard that reads the scope row, before it fails: a longer holder ignores the scope.
@@ -98,7 +102,7 @@ class ScopeSpec:
         run = f"{where}: {identity.dag_id} {identity.run_id}"
         holder: str | None = uuid.uuid4().hex
         if kind != "enter":
-            entered = context["ti"].xcom_pull(task_ids=self.enter_task_id)
+            entered = context["ti"].xcom_pull(task_ids=self.enter_task_id, key=SCOPE_XCOM_KEY)
             holder = entered.get("holder") if isinstance(entered, dict) else None
             if not holder:
                 raise LockConfigurationError(
@@ -168,14 +172,34 @@ def _run_scope_task(
         fail_for_configuration(lock_spec, error, task.log)
 
     def done(handle: LockHandle) -> dict[str, Any]:
-        return {"holder": role.holder, "token": handle.fencing_token}
+        entered = {"holder": role.holder, "token": handle.fencing_token}
+        if kind == "enter":  # stored while the key is held: a failure here frees the scope below
+            context["ti"].xcom_push(key=SCOPE_XCOM_KEY, value=entered)
+        return entered
 
-    result = run_guarded(lock_spec, context, done, task.log, deadline=deadline, scope=role, **rendered)
+    try:
+        result = run_guarded(lock_spec, context, done, task.log, deadline=deadline, scope=role, **rendered)
+    except BaseException as error:
+        if kind == "enter" and not isinstance(error, AirflowSkipException | TaskDeferred | LockBusyError):
+            _free_after_failed_setup(spec, role, context, rendered, task.log)
+        raise
     if kind == "enter":
         task.log.info("pglock: took the lock scope of %s (holder %s)", rendered.get("key"), role.holder)
         return result
     task.log.info("pglock: freed the lock scope of %s (holder %s)", rendered.get("key"), role.holder)
     return None
+
+
+def _free_after_failed_setup(
+    spec: ScopeSpec, role: ScopeRole, context: Context, rendered: dict[str, Any], logger: Any
+) -> None:
+    """The setup failed, perhaps after it took the scope (Airflow then skips the teardown): free what
+    this setup may have taken, so the key is not held until the scope's lease ends. Best effort."""
+    leave = dataclasses.replace(role, kind="leave")
+    try:
+        run_guarded(spec.member_spec(), context, lambda handle: None, logger, scope=leave, **rendered)
+    except BaseException as error:  # the setup's own error is the one to report
+        logger.warning("pglock: could not free the lock scope after its setup failed: %s", error)
 
 
 @dataclass(frozen=True)

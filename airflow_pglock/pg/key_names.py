@@ -15,6 +15,7 @@ from psycopg import sql
 from airflow_pglock.keys import LockKey
 from airflow_pglock.pg.release import BOUND_WRITE, UNBOUND_WRITE
 from airflow_pglock.pg.schema import REGISTRY_TABLE, SCHEMA, table_exists
+from airflow_pglock.pg.sql import HORIZON_LIVE
 
 
 def _registry_table() -> sql.Composed:
@@ -44,15 +45,18 @@ SCOPES_LIVE = "present+scopes-live"
 #: the sequence's oid, not MVCC, after the statement took its lock (it is a later column).
 REGISTRY_STATE = sql.SQL(
     "CASE WHEN to_regnamespace({schema}) IS NULL THEN {absent}"
+    # No USAGE on the schema: its tables are out of reach (to_regclass would fail). No scope can
+    # be live then: a scope is taken only where PUBLIC may read the scopes (pg/scopes.py).
+    " WHEN NOT has_schema_privilege(to_regnamespace({schema}), 'USAGE') THEN {present}"
     " WHEN to_regclass({horizon}) IS NULL THEN {present}"
-    " WHEN NOT has_sequence_privilege(to_regclass({horizon}), 'SELECT')"
-    " OR coalesce(pg_sequence_last_value(to_regclass({horizon})), 0) >= extract(epoch FROM clock_timestamp())"
+    " WHEN NOT has_sequence_privilege(to_regclass({horizon}), 'SELECT') OR {horizon_live}"
     " THEN {live} ELSE {idle} END"
 ).format(
     schema=sql.Literal(SCHEMA),
     absent=sql.Literal(REGISTRY_ABSENT),
     present=sql.Literal(REGISTRY_PRESENT),
     horizon=sql.Literal(f"{SCHEMA}.scope_horizon"),
+    horizon_live=sql.SQL(HORIZON_LIVE),
     live=sql.Literal(SCOPES_LIVE),
     idle=sql.Literal(SCOPES_IDLE),
 )

@@ -19,7 +19,9 @@ the horizon has not passed. A teardown lowers it to the latest lease still live.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,6 +96,13 @@ _COLUMNS = "holder, run, task_now, token, lease_until, lease_until > clock_times
 _WHERE = "objsubid = %(objsubid)s AND classid = %(classid)s AND objid = %(objid)s"
 
 
+_PUBLIC_MAY_READ = (
+    "SELECT has_schema_privilege('public', 'pglock', 'USAGE')"
+    " AND has_table_privilege('public', 'pglock.scopes', 'SELECT')"
+    " AND has_sequence_privilege('public', 'pglock.scope_horizon', 'SELECT')"
+)
+
+
 def _coordinates(key: LockKey) -> dict[str, Any]:
     classid, objid, objsubid = key.pg_locks
     return {"objsubid": objsubid, "classid": classid, "objid": objid}
@@ -157,25 +166,37 @@ def enter(
 
     :returns: ``(True, the row)`` when taken (new, lapsed, or ``holder``'s own again);
         ``(False, the live row of another holder)`` when busy.
+    :raises LockConfigurationError: PUBLIC may not read the scopes (every guard of a named key
+        must, whatever its role: a scope it cannot see would not exclude it).
     """
-    cursor = _run(
-        conn,
-        "INSERT INTO pglock.scopes AS s (objsubid, classid, objid, key_name, holder, run, task_now, token,"
-        " acquired_at, lease_until)"
-        " VALUES (%(objsubid)s, %(classid)s, %(objid)s, %(name)s, %(holder)s, %(run)s, NULL, NULL,"
-        " clock_timestamp(), clock_timestamp() + make_interval(secs => %(lease)s))"
-        " ON CONFLICT (objsubid, classid, objid) DO UPDATE SET key_name = excluded.key_name,"
-        " holder = excluded.holder, run = excluded.run, task_now = NULL,"
-        " token = CASE WHEN s.holder = excluded.holder THEN s.token END,"
-        " acquired_at = CASE WHEN s.holder = excluded.holder THEN s.acquired_at ELSE excluded.acquired_at END,"
-        " lease_until = excluded.lease_until"
-        " WHERE s.holder = excluded.holder OR s.lease_until <= clock_timestamp()"
-        f" RETURNING {_COLUMNS}",
-        {**_coordinates(key), "name": key.name, "holder": holder, "run": run, "lease": lease_seconds},
-    )
-    taken = _row(cursor.fetchone())
+    readable = _run(conn, _PUBLIC_MAY_READ, {}).fetchone()
+    if not (readable and readable[0]):
+        raise LockConfigurationError(
+            "a lock scope needs every role to be able to read it (USAGE on schema pglock, SELECT on pglock.scopes "
+            "and pglock.scope_horizon, granted to PUBLIC by `airflow-pglock init-db`); one of them was revoked. "
+            "Grant them again: GRANT USAGE ON SCHEMA pglock TO PUBLIC; GRANT SELECT ON pglock.scopes, "
+            "pglock.scope_horizon TO PUBLIC"
+        )
+    with _with_its_horizon(conn):
+        cursor = _run(
+            conn,
+            "INSERT INTO pglock.scopes AS s (objsubid, classid, objid, key_name, holder, run, task_now, token,"
+            " acquired_at, lease_until)"
+            " VALUES (%(objsubid)s, %(classid)s, %(objid)s, %(name)s, %(holder)s, %(run)s, NULL, NULL,"
+            " clock_timestamp(), clock_timestamp() + make_interval(secs => %(lease)s))"
+            " ON CONFLICT (objsubid, classid, objid) DO UPDATE SET key_name = excluded.key_name,"
+            " holder = excluded.holder, run = excluded.run, task_now = NULL,"
+            " token = CASE WHEN s.holder = excluded.holder THEN s.token END,"
+            " acquired_at = CASE WHEN s.holder = excluded.holder THEN s.acquired_at ELSE excluded.acquired_at END,"
+            " lease_until = excluded.lease_until"
+            " WHERE s.holder = excluded.holder OR s.lease_until <= clock_timestamp()"
+            f" RETURNING {_COLUMNS}",
+            {**_coordinates(key), "name": key.name, "holder": holder, "run": run, "lease": lease_seconds},
+        )
+        taken = _row(cursor.fetchone())
+        if taken is not None:
+            raise_horizon(conn, taken.lease_until)
     if taken is not None:
-        raise_horizon(conn, taken.lease_until)
         return True, taken
     return False, read(conn, key)
 
@@ -206,17 +227,18 @@ def rejoin(
     :returns: the renewed row; None when ``holder`` has no (live) row: the scope is lost.
     """
     live = " AND lease_until > clock_timestamp()" if require_live else ""
-    cursor = _run(
-        conn,
-        "UPDATE pglock.scopes SET task_now = %(task)s,"
-        " lease_until = greatest(lease_until, clock_timestamp() + make_interval(secs => %(lease)s))"
-        f" WHERE {_WHERE} AND holder = %(holder)s{live}"
-        f" RETURNING {_COLUMNS}",
-        {**_coordinates(key), "holder": holder, "task": task, "lease": lease_seconds},
-    )
-    row = _row(cursor.fetchone())
-    if row is not None:
-        raise_horizon(conn, row.lease_until)
+    with _with_its_horizon(conn):
+        cursor = _run(
+            conn,
+            "UPDATE pglock.scopes SET task_now = %(task)s,"
+            " lease_until = greatest(lease_until, clock_timestamp() + make_interval(secs => %(lease)s))"
+            f" WHERE {_WHERE} AND holder = %(holder)s{live}"
+            f" RETURNING {_COLUMNS}",
+            {**_coordinates(key), "holder": holder, "task": task, "lease": lease_seconds},
+        )
+        row = _row(cursor.fetchone())
+        if row is not None:
+            raise_horizon(conn, row.lease_until)
     return row
 
 
@@ -230,6 +252,26 @@ def leave(conn: psycopg.Connection[Any], key: LockKey, holder: str) -> ScopeRow 
     freed = _row(cursor.fetchone())
     lower_horizon(conn)
     return freed
+
+
+@contextlib.contextmanager
+def _read_committed(conn: psycopg.Connection[Any], savepoint: str) -> Iterator[None]:
+    """A transaction (a savepoint inside one) whose every statement sees what was committed
+    before it began, whatever the database's default isolation."""
+    in_transaction = conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
+    with conn.transaction(savepoint_name=savepoint if in_transaction else None):
+        if not in_transaction:
+            conn.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
+        yield
+
+
+@contextlib.contextmanager
+def _with_its_horizon(conn: psycopg.Connection[Any]) -> Iterator[None]:
+    """One transaction for a row and the horizon it raises: the commit, which waits for a
+    synchronous standby, follows the horizon's WAL record (a setval alone never waits), so a
+    promoted standby has both or neither; a failed raise rolls the row back."""
+    with _read_committed(conn, "pglock_scope_write"):
+        yield
 
 
 def raise_horizon(conn: psycopg.Connection[Any], lease_until: dt.datetime) -> None:
@@ -249,7 +291,7 @@ def lower_horizon(conn: psycopg.Connection[Any]) -> None:
     Two statements in one transaction: the second one's snapshot is taken once the lock is
     held, so it sees every row whose writer raised the horizon before (rows are written first).
     """
-    with conn.transaction(savepoint_name="pglock_horizon" if conn.info.transaction_status else None):
+    with _read_committed(conn, "pglock_horizon"):
         _run(conn, "SELECT pg_advisory_xact_lock(%(lock)s)", {"lock": HORIZON_LOCK_KEY.int64})
         _run(
             conn,
@@ -257,6 +299,24 @@ def lower_horizon(conn: psycopg.Connection[Any]) -> None:
             " FROM pglock.scopes WHERE lease_until > clock_timestamp()",
             {},
         )
+
+
+def live_among(conn: psycopg.Connection[Any], keys: list[LockKey]) -> set[tuple[int, ...]]:
+    """The numbers of those of ``keys`` that a live scope holds (read under their locks)."""
+    coordinates = [key.pg_locks for key in keys]
+    cursor = _run(
+        conn,
+        "SELECT objsubid, classid, objid FROM pglock.scopes WHERE (objsubid, classid, objid) IN"
+        " (SELECT * FROM unnest(%(objsubid)s::smallint[], %(classid)s::bigint[], %(objid)s::bigint[]))"
+        " AND lease_until > clock_timestamp()",
+        {
+            "objsubid": [c[2] for c in coordinates],
+            "classid": [c[0] for c in coordinates],
+            "objid": [c[1] for c in coordinates],
+        },
+    )
+    found = {(row[0], row[1], row[2]) for row in cursor.fetchall()}
+    return {key.numbers for key in keys if (key.pg_locks[2], key.pg_locks[0], key.pg_locks[1]) in found}
 
 
 def live_scopes(conn: psycopg.Connection[Any]) -> list[tuple[LockKey, ScopeRow]]:

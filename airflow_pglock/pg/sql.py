@@ -128,3 +128,10 @@ def liveness_statement(liveness: Liveness, *, local: bool, server_version_num: i
         for name, value in settings.items()
     )
     return sql.SQL("SELECT {}").format(selects)
+
+
+#: Whether some lock scope may be live now: the scope horizon (``pg/scopes.py``) has not passed.
+#: Read by the sequence's oid, not MVCC (never stale), and false where the sequence is missing.
+HORIZON_LIVE = (
+    "coalesce(pg_sequence_last_value(to_regclass('pglock.scope_horizon')), 0) >= extract(epoch FROM clock_timestamp())"
+)

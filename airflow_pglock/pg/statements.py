@@ -21,7 +21,7 @@ from psycopg import sql
 from airflow_pglock.exceptions import LockConfigurationError
 from airflow_pglock.holder import EXCLUSIVE_MODE, SHARED_MODE
 from airflow_pglock.keys import LockKey
-from airflow_pglock.pg.sql import call, call_text, held_condition, held_params, lock_function
+from airflow_pglock.pg.sql import HORIZON_LIVE, call, call_text, held_condition, held_params, lock_function
 from airflow_pglock.policy import lock_timeout_ms, longest_wait_text, wait_timeout_problem
 from airflow_pglock.server_rules import Scope
 
@@ -134,15 +134,19 @@ def wait_slot(
 MANY_KEYS_PER_STATEMENT = 5000
 
 
-def _each_key(function: str) -> sql.Composed:
+_NO_MORE = sql.SQL("")
+
+
+def _each_key(function: str, more: sql.Composable = _NO_MORE) -> sql.Composed:
     """``function`` applied to every key of three parallel arrays (int64s; or the two halves
-    of a pair), in the order given: one statement, one round trip."""
+    of a pair), in the order given: one statement, one round trip (``more``: further columns,
+    each row's read after its key's call)."""
     call = sql.SQL(
-        "SELECT CASE WHEN k.whole IS NOT NULL THEN {f}(k.whole) ELSE {f}(k.first, k.second) END"
+        "SELECT CASE WHEN k.whole IS NOT NULL THEN {f}(k.whole) ELSE {f}(k.first, k.second) END{more}"
         " FROM unnest(%s::bigint[], %s::integer[], %s::integer[]) WITH ORDINALITY AS k(whole, first, second, n)"
         " ORDER BY k.n"
     )
-    return call.format(f=sql.Identifier(function))
+    return call.format(f=sql.Identifier(function), more=more)
 
 
 def _for_each_key(conn: psycopg.Connection[Any], function: str, keys: list[LockKey]) -> list[bool]:
@@ -162,6 +166,31 @@ def try_lock_many(conn: psycopg.Connection[Any], keys: list[LockKey], *, shared:
     """``pg_try_advisory_lock[_shared]`` for each key, in one round trip per
     :data:`MANY_KEYS_PER_STATEMENT` keys; whether each was taken, in order."""
     return _for_each_key(conn, lock_function("try", shared=shared), keys)
+
+
+def scopes_installed(conn: psycopg.Connection[Any]) -> bool:
+    """Whether the lock scopes' tables are in this database (init-db version 5)."""
+    row = conn.execute("SELECT to_regclass('pglock.scope_horizon') IS NOT NULL").fetchone()
+    return bool(row and row[0])
+
+
+_HORIZON_COLUMN = sql.SQL(", " + HORIZON_LIVE)
+
+
+def try_lock_seeing_scopes(conn: psycopg.Connection[Any], keys: list[LockKey], *, shared: bool = False) -> list[bool]:
+    """:func:`try_lock_many` that also says, after taking them, whether some lock scope may be
+    live (the horizon, read in the same statement after the tries): a last element."""
+    answers: list[bool] = []
+    live = False
+    for start in range(0, len(keys), MANY_KEYS_PER_STATEMENT):
+        chunk = keys[start : start + MANY_KEYS_PER_STATEMENT]
+        wholes = [key.int64 for key in chunk]
+        pairs = [key.numbers if key.is_pair else (None, None) for key in chunk]
+        statement = _each_key(lock_function("try", shared=shared), _HORIZON_COLUMN)
+        rows = conn.execute(statement, [wholes, [p[0] for p in pairs], [p[-1] for p in pairs]]).fetchall()
+        answers += [bool(row[0]) for row in rows]
+        live = live or any(bool(row[1]) for row in rows)
+    return [*answers, live]
 
 
 def unlock_many(conn: psycopg.Connection[Any], keys: list[LockKey], *, shared: bool = False) -> list[bool]:

@@ -40,13 +40,15 @@ HOT_KEYS = ("campaign/hot/0", "campaign/hot/1", "campaign/hot/2")
 POOL, POOL_SLOTS = "campaign/pool", 2
 #: Indices of the campaign's namespaces (devtools/netns.py leaves 231..250 to explicit users).
 NAMESPACE_INDICES = (245, 246)
-#: The workers: every kind on this host; fenced guards, a lock session and a second pool holder on the others.
+#: The workers: every kind on this host; fenced guards, a lock session, a second pool holder and a
+#: scope on the others.
 LAYOUT: tuple[tuple[str, int | None], ...] = (
     *((kind, None) for kind in KINDS),
     ("guard-transaction", 0),
     ("pool", 0),
     ("lock-session", 1),
     ("guard-session", 1),
+    ("scope", 1),
 )
 
 

@@ -16,7 +16,10 @@ The kinds (every public way to hold a lock, see docs/safety.md):
 * ``lock-session``: ``hook.lock_session()`` with ``try_lock_many`` batches, a waiting
   ``lock(key, timeout=...)`` and an early ``release``;
 * ``guard-sub-keys``: a guard's own key plus sub-keys through its ``lock`` handle;
-* ``pool``: a pool of slots (``slots=2``).
+* ``pool``: a pool of slots (``slots=2``);
+* ``scope``: a lock scope (``advisory_lock_scope``: docs/scopes.md) as its setup, tasks and
+  teardown run it, with a fencing token per scope: it believes it holds the key from its setup
+  to its last task, the gaps between tasks included (the lease row holds it there).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import os
 import random
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,8 +36,21 @@ from devtools.campaign.history import HistoryWriter
 
 #: Seconds between two register writes of a holder (and the unit of its work).
 STEP = 0.25
-KINDS = ("guard-session", "guard-transaction", "guard-wait", "hook-lock", "lock-session", "guard-sub-keys", "pool")
-FENCED_KINDS = frozenset({"guard-session", "guard-transaction", "guard-wait"})
+KINDS = (
+    "guard-session",
+    "guard-transaction",
+    "guard-wait",
+    "hook-lock",
+    "lock-session",
+    "guard-sub-keys",
+    "pool",
+    "scope",
+)
+FENCED_KINDS = frozenset({"guard-session", "guard-transaction", "guard-wait", "scope"})
+#: A scope's lease, in workers' leases: a long freeze (1.5-2.5 leases) between its tasks may
+#: outlast it (the scope lapses; its next task must fail as lost); a cut-off worker learns of
+#: the cut at its next task's connect (2 s) well before it.
+SCOPE_LEASE_FACTOR = 2.0
 
 
 @dataclass(frozen=True)
@@ -108,11 +125,12 @@ class Worker:
         if not accepted:
             raise StaleTokenRefusedError(f"the register refused token {token} for {key!r}")
 
-    def _work(self, run: str, held: dict[str, int | None], lost: Any = None) -> None:
+    def _work(self, run: str, held: dict[str, int | None], lost: Any = None, *, finish: bool = True) -> None:
         """Write every held key every step, for a random while; ``lost()`` says a session is gone.
 
-        Ends with a ``done`` event (also when it raises): from then on the holder no longer
-        uses the keys (what follows is the release). A loss it learns of is a ``lost`` event.
+        Ends with a ``done`` event (also when it raises; not with ``finish`` False: a task of a
+        scope, whose hold goes on): from then on the holder no longer uses the keys (what
+        follows is the release). A loss it learns of is a ``lost`` event.
         """
         from airflow_pglock.exceptions import LockLostInterrupt
 
@@ -128,7 +146,8 @@ class Worker:
             self.history.emit("lost", run=run)
             raise
         finally:
-            self.history.emit("done", run=run)
+            if finish:
+                self.history.emit("done", run=run)
 
     # ----------------------------------------------------------------- the kinds
 
@@ -215,6 +234,48 @@ class Worker:
         own = LockKey.from_name(f"campaign/owner/{self.config.index}")
         LockGuard(self.hook.database, own, LockPolicy(), application_name=self.name).run(work)
 
+    def _scope(self, run: str, key: str) -> None:
+        """A scope's setup, 2-3 tasks with gaps between them, and its teardown (whatever happened)."""
+        from airflow_pglock.exceptions import LockLostError
+        from airflow_pglock.guard import LockGuard
+        from airflow_pglock.keys import LockKey
+        from airflow_pglock.policy import LockPolicy
+        from airflow_pglock.scope_rules import ScopeRole
+
+        lock_key, holder = LockKey.from_name(key), uuid.uuid4().hex
+        lease = SCOPE_LEASE_FACTOR * self.config.lease
+        member_policy = LockPolicy(on_busy="wait", wait_timeout=1.5, on_wait_timeout="fail")
+
+        def guard(kind: str, policy: LockPolicy) -> LockGuard:
+            role = ScopeRole(kind=kind, holder=holder, run=f"{self.name} {run}", task=kind, lease=lease, fencing=True)  # type: ignore[arg-type]
+            return LockGuard(self.hook.database, lock_key, policy, application_name=self.name, scope=role)
+
+        enter = guard("enter", LockPolicy())
+        try:
+            with enter as handle:
+                token, backend, at = handle.fencing_token, handle.backend_pid, handle.acquired_at.timestamp()
+        except BaseException as error:
+            if enter.refusal is error:
+                raise _Busy from error
+            raise
+        self.history.emit("acquired", run=run, key=key, token=token, backend=backend, at=at)
+        try:
+            for _ in range(self.rng.randint(2, 3)):
+                time.sleep(self.rng.uniform(0.0, 0.5))  # between tasks: only the lease row holds the scope
+                try:
+                    guard("member", member_policy).run(
+                        lambda handle: self._work(run, {key: handle.fencing_token}, finish=False)
+                    )
+                except LockLostError:
+                    self.history.emit("lost", run=run)
+                    raise
+        finally:
+            self.history.emit("done", run=run)
+            try:  # the teardown runs whatever the tasks' states, as Airflow's does
+                guard("leave", member_policy).run(lambda handle: None)
+            except Exception as error:  # a lapsed scope frees itself; the run's outcome says what went wrong
+                self.history.emit("teardown-failed", run=run, detail=f"{type(error).__name__}: {error}"[:300])
+
     # ----------------------------------------------------------------- the loop
 
     def one_run(self) -> None:
@@ -237,6 +298,8 @@ class Worker:
                 self._guard_sub_keys(run, self.rng.sample(hot, k=self.rng.randint(1, 2)))
             elif kind == "pool":
                 self._guard(run, self.config.pool, slots=self.config.pool_slots)
+            elif kind == "scope":
+                self._scope(run, self.rng.choice(hot))
         except _Busy:
             outcome = "skipped"
         except (LockLostError, _Lost) as error:

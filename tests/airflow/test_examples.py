@@ -24,6 +24,9 @@ def test_example_dags_import_without_errors() -> None:
     bag = DagBag(dag_folder=str(DAGS))
     assert bag.import_errors == {}
     assert {"forecast_refresh", "daily_settlement", "tenant_exports", "fenced_forecasts"} <= set(bag.dag_ids)
+    from airflow_pglock.compat import HAS_LOCK_SCOPE
+
+    assert ("ingestion_refresh" in bag.dag_ids) == HAS_LOCK_SCOPE  # lock scopes need Airflow 3
 
 
 def test_settlement_and_exports_run(airflow_db: Any, admin: Any, tmp_path: Path) -> None:
@@ -78,6 +81,17 @@ def test_the_demo_command(tmp_path: Path) -> None:
     assert written is not None, out
     assert written[1] == "4"
     assert re.fullmatch(r"tenant 1 by [AB], tenant 2 by [AB], tenant 3 by [AB], tenant 4 by [AB]", written[2])
+    # The lock scope: A's three tasks ran in it; B's setup found it held, naming A's run (or A's task).
+    assert "ingestion_refresh: the scope's tasks ran in deployment(s) A;" in out, out
+    assert re.search(
+        # between A's tasks its scope's row holds the key; while one of them runs, that task does
+        r"^  deployment B  refresh\.pglock_scope_enter\s+SKIPPED\s+key 'ingestion-server' .*is held by "
+        r"(the lock scope of deployment-A: ingestion_refresh |pid \d+ of deployment 'deployment-A')",
+        out,
+        re.MULTILINE,
+    ), out
+    for task in ("refresh.trigger_refresh", "refresh.wait_for_refresh", "refresh.promote"):
+        assert re.search(rf"^  deployment A  {re.escape(task)}\s+RAN", out, re.MULTILINE), (task, out)
 
 
 @pytest.mark.slow

@@ -124,6 +124,7 @@ def _hold_scope_elsewhere(admin: Any, lease: float = 300) -> str:
     return holder
 
 
+@pytest.mark.matrix("lock-scope", since=compat.LOCK_SCOPE_SINCE)
 def test_a_scope_is_taken_held_across_tasks_with_one_token_and_freed(airflow_db: Any, scopes_db: Any, dsn: str) -> None:
     result = run_dag(SCOPE_DAG, "scoped", {"dsn": dsn, "fail_b": False, "lapse_between": False})
     assert result.state("publish.pglock_scope_enter") == "success"
@@ -141,6 +142,7 @@ def test_the_teardown_frees_the_scope_after_a_failed_task(airflow_db: Any, scope
     assert _scope_rows(scopes_db) == []
 
 
+@pytest.mark.matrix("lock-scope", since=compat.LOCK_SCOPE_SINCE)
 def test_another_runs_live_scope_skips_the_setup_and_every_plain_guard(
     airflow_db: Any, scopes_db: Any, dsn: str, capfd: Any, caplog: Any
 ) -> None:
@@ -247,3 +249,39 @@ def test_the_sensor_sees_a_scope_between_its_tasks_as_held(
     assert result.state("deferring") == "success", "the deferrable sensor waited the scope out"
     ended = scopes_db.execute("SELECT lease_until < clock_timestamp() FROM pglock.scopes").fetchone()[0]
     assert ended
+
+
+def test_a_setup_that_fails_after_taking_the_scope_frees_it(airflow_db: Any, scopes_db: Any) -> None:
+    """Airflow skips the teardown of a failed setup: the setup frees what it took itself."""
+    import types
+
+    from airflow.sdk import DAG
+
+    from airflow_pglock.operators import scope
+
+    with (
+        DAG("scope_setup_fails", schedule=None) as dag,
+        scope.advisory_lock_scope("publish", key="scope-key", postgres_conn_id="pglock_test"),
+    ):
+        from airflow_pglock.compat import PythonOperator
+
+        PythonOperator(task_id="work", python_callable=lambda: None)
+    enter = dag.get_task("publish.pglock_scope_enter")
+
+    def refuse(**_: Any) -> None:
+        assert scopes_db.execute("SELECT count(*) FROM pglock.scopes").fetchone()[0] == 1  # taken by now
+        raise RuntimeError("the XCom could not be stored")
+
+    ti = types.SimpleNamespace(
+        dag_id=dag.dag_id,
+        task_id=enter.task_id,
+        run_id="manual__f",
+        map_index=-1,
+        hostname="h",
+        task=enter,
+        xcom_push=refuse,
+    )
+    with pytest.raises(RuntimeError, match="the XCom could not be stored"):
+        enter.python_callable(ti=ti, task=enter, params={})
+    assert _scope_rows(scopes_db) == [], "the failed setup freed its scope"
+    assert run_dag(PLAIN_DAG, "plain_guard").state("plain") == "success"

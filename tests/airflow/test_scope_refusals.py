@@ -32,7 +32,8 @@ def _task(name: str) -> Any:
     return PythonOperator(task_id=name, python_callable=lambda: None)
 
 
-@pytest.mark.skipif(compat.HAS_LOCK_SCOPE, reason="Airflow 3 builds scopes")
+@pytest.mark.matrix("lock-scope", since=compat.LOCK_SCOPE_SINCE)
+@pytest.mark.skipif(compat.HAS_LOCK_SCOPE, reason="Airflow 3 builds scopes (tests/airflow/test_scope.py runs them)")
 def test_refused_before_airflow_3() -> None:
     with (
         _dag(),
@@ -51,7 +52,6 @@ needs_scopes = pytest.mark.skipif(not compat.HAS_LOCK_SCOPE, reason="lock scopes
     [
         ({}, "advisory_lock_scope() needs key= a non-empty name (a Jinja template), got None"),
         ({"key": 42}, "needs key= a non-empty name (a Jinja template), got 42"),
-        ({"key": "k", "on_busy": "defer", "wait_timeout": 60}, "advisory_lock_scope(on_busy='defer') is not supported"),
         ({"key": "k", "mode": "transaction"}, "does not take mode= (a scope holds session locks)"),
         ({"key": "k", "slots": 2}, "does not take slots= (a scope holds one key)"),
         ({"key": "k", "once_per": "{{ ds }}"}, "does not take once_per= (not supported on a scope yet)"),

@@ -303,3 +303,96 @@ def test_the_horizon_follows_the_latest_live_lease(hook: Any, scopes_db: Any) ->
     with LockGuard(hook.database, other, LockPolicy(), scope=_role("leave", second)):
         pass
     assert horizon() == 0
+
+
+def test_lock_sessions_and_sub_keys_find_a_scopes_key_busy(hook: Any, scopes_db: Any) -> None:
+    free = LockKey.from_name("scopes/free-key")
+    with hook.lock_session() as session:
+        with session.try_lock(KEY) as sub:
+            assert sub is not None, "no scope yet: taken"
+        _enter(hook, uuid.uuid4().hex)
+        with session.try_lock(KEY) as sub:
+            assert sub is None, "another run's scope holds it: busy"
+        taken = session.try_lock_many([KEY, free])
+        assert [sub.key for sub in taken] == [free]
+        assert session.release(*taken)
+        with session.lock(KEY, timeout=1) as waited:
+            assert waited is None
+        assert session.held() == []
+    with LockGuard(hook.database, LockKey.from_name("scopes/owner"), LockPolicy()) as handle:
+        with handle.try_lock(KEY) as sub:
+            assert sub is None
+        assert [sub.key for sub in handle.try_lock_many([free, KEY])] == [free]
+    assert _advisory_locks(scopes_db) == 0
+
+
+def test_a_renewal_whose_horizon_raise_fails_is_rolled_back(scopes_db: Any, dsn: str) -> None:
+    """The row and the horizon it raises are one transaction: never a live lease beyond the horizon."""
+    import psycopg
+
+    holder = uuid.uuid4().hex
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_advisory_lock(%s)", [KEY.int64])
+        taken, row = scopes.enter(conn, KEY, holder, "dep: the setup", 5)
+        assert taken and row is not None
+        before = row.lease_until
+        scopes_db.execute("SELECT pg_advisory_lock(%s)", [scopes.HORIZON_LOCK_KEY.int64])  # the raise will wait
+        failed: list[BaseException] = []
+
+        def renew() -> None:
+            try:
+                scopes.rejoin(conn, KEY, holder, "t", 300)
+            except BaseException as error:
+                failed.append(error)
+
+        thread = threading.Thread(target=renew)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            waiting = scopes_db.execute(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND pid = %s",
+                [conn.pgconn.backend_pid],
+            ).fetchone()[0]
+            if waiting:
+                break
+            time.sleep(0.02)
+        scopes_db.execute("SELECT pg_cancel_backend(%s)", [conn.pgconn.backend_pid])
+        thread.join(timeout=10)
+        scopes_db.execute("SELECT pg_advisory_unlock(%s)", [scopes.HORIZON_LOCK_KEY.int64])
+        assert failed and isinstance(failed[0], psycopg.errors.QueryCanceled), failed
+        after = scopes.read(scopes_db, KEY)
+        assert after is not None and after.lease_until == before, "the renewal was rolled back with its raise"
+        horizon = scopes_db.execute("SELECT pg_sequence_last_value('pglock.scope_horizon')").fetchone()[0]
+        assert horizon >= before.timestamp()
+
+
+def test_roles_without_usage_on_the_schema_lock_as_before_and_a_scope_needs_public_reads(
+    hook: Any, scopes_db: Any, dsn: str
+) -> None:
+    from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+    from tests.ops_helpers import with_user
+
+    role = "pglock_scope_nousage"
+    scopes_db.execute("DROP SCHEMA pglock CASCADE")
+    schema.migrate(scopes_db, schema.MIGRATIONS[:4])  # before lock scopes: no grant to PUBLIC
+    scopes_db.execute(f"DROP ROLE IF EXISTS {role}")
+    scopes_db.execute(f"CREATE ROLE {role} LOGIN")
+    try:
+        plain = AdvisoryLockHook(dsn=with_user(dsn, role))
+        with LockGuard(plain.database, KEY, LockPolicy()):
+            pass  # as before version 5: the registry is out of its reach, the lock works
+        schema.migrate(scopes_db)
+        scopes_db.execute("REVOKE SELECT ON pglock.scopes FROM PUBLIC")
+        with pytest.raises(LockConfigurationError, match="one of them was revoked"):
+            _enter(hook, uuid.uuid4().hex)
+        scopes_db.execute("GRANT SELECT ON pglock.scopes TO PUBLIC")
+        _enter(hook, uuid.uuid4().hex)
+        with (
+            pytest.raises(LockBusyError, match="is held by the lock scope"),
+            LockGuard(plain.database, KEY, LockPolicy()),
+        ):
+            pytest.fail("a role without any grant ran inside another run's scope")
+    finally:
+        scopes_db.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", [role])
+        scopes_db.execute(f"DROP OWNED BY {role}")
+        scopes_db.execute(f"DROP ROLE {role}")
