@@ -25,6 +25,7 @@ from airflow_pglock.pg.inspection import PROBE_KEY, ServerFacts, probe_advisory_
 from airflow_pglock.pg.key_names import registry_collisions, registry_privileges
 from airflow_pglock.pg.ledger import fencing_replication
 from airflow_pglock.pg.schema import SchemaStatus, schema_status
+from airflow_pglock.pg.scopes import scope_access
 from airflow_pglock.pg.server import inspect_server
 from airflow_pglock.server_rules import ServerInfo, Violation, violations
 
@@ -115,6 +116,9 @@ def run_doctor(hook: AdvisoryLockHook) -> DoctorReport:
         report.checks.append(_capacity_check(facts))
         report.checks.append(_connections_check(facts))
         report.checks.extend(_registry_checks(conn, facts))
+        scopes = _guarded(conn, "scopes", lambda: _scopes_check(conn, facts))
+        if scopes.summary:
+            report.checks.append(scopes)
         fencing = _guarded(conn, "fencing", lambda: _fencing_check(conn))
         if fencing.summary:
             report.checks.append(fencing)
@@ -334,6 +338,30 @@ def _registry_checks(conn: psycopg.Connection[Any], facts: ServerFacts) -> list[
     else:
         checks.append(Check("registry", "ok", "key-name registry installed; no two names share a key"))
     return checks
+
+
+def _scopes_check(conn: psycopg.Connection[Any], facts: ServerFacts) -> Check:
+    """Lock scopes (docs/scopes.md): every role must be able to read them; an empty summary: not installed."""
+    access = scope_access(conn)
+    if access is None:
+        return Check("scopes", "ok", "")
+    if not access.public_read:
+        return Check(
+            "scopes",
+            "problem",
+            "PUBLIC may not read the lock scopes (a grant of init-db was revoked): setups are refused, and a guard "
+            "that cannot read a live scope fails",
+            "GRANT USAGE ON SCHEMA pglock TO PUBLIC; GRANT SELECT ON pglock.scopes, pglock.scope_horizon TO PUBLIC",
+        )
+    live = f"{access.live} lock scope(s) live"
+    if not access.role_write:
+        return Check(
+            "scopes",
+            "note",
+            f"{live}; role {facts.user!r} may not take lock scopes (advisory_lock_scope): its setups fail",
+            f"airflow-pglock init-db --grant {facts.user} (only if its DAGs use lock scopes)",
+        )
+    return Check("scopes", "ok", f"{live}; every role can see them, role {facts.user!r} can take them")
 
 
 def _fencing_check(conn: psycopg.Connection[Any]) -> Check:

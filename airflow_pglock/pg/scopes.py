@@ -332,3 +332,33 @@ def live_scopes(conn: psycopg.Connection[Any]) -> list[tuple[LockKey, ScopeRow]]
         key = LockKey.from_pg_locks(classid, objid, objsubid)
         found.append((LockKey(name=name, numbers=key.numbers) if name else key, ScopeRow(*rest)))
     return found
+
+
+@dataclass(frozen=True)
+class ScopeAccess:
+    """What ``doctor`` says of the lock scopes.
+
+    :param public_read: every role may read them (USAGE on the schema, SELECT on the table and the sequence).
+    :param role_write: this role may take them (INSERT, UPDATE, DELETE on the table, UPDATE on the sequence).
+    :param live: how many scopes are live now.
+    """
+
+    public_read: bool
+    role_write: bool
+    live: int
+
+
+def scope_access(conn: psycopg.Connection[Any]) -> ScopeAccess | None:
+    """The lock scopes' grants and how many are live; None before init-db version 5."""
+    installed = conn.execute("SELECT to_regclass('pglock.scopes') IS NOT NULL").fetchone()
+    if not (installed and installed[0]):
+        return None
+    row = conn.execute(
+        f"SELECT ({_PUBLIC_MAY_READ[len('SELECT ') :]}),"
+        " has_table_privilege('pglock.scopes', 'INSERT, UPDATE, DELETE')"
+        " AND has_sequence_privilege('pglock.scope_horizon', 'UPDATE'),"
+        " CASE WHEN has_table_privilege('pglock.scopes', 'SELECT')"
+        " THEN (SELECT count(*) FROM pglock.scopes WHERE lease_until > clock_timestamp()) END"
+    ).fetchone()
+    assert row is not None
+    return ScopeAccess(public_read=bool(row[0]), role_write=bool(row[1]), live=int(row[2] or 0))

@@ -552,6 +552,7 @@ def test_doctor_on_a_healthy_primary(ops_db: str, capsys: Any) -> None:
         "connections",
         "schema",
         "registry",
+        "scopes",
     ]
     # The tests connect as a superuser: it works, and doctor points to the least-privilege set-up.
     assert {name: c["status"] for name, c in checks.items()} == {**dict.fromkeys(checks, "ok"), "privileges": "note"}

@@ -396,3 +396,19 @@ def test_roles_without_usage_on_the_schema_lock_as_before_and_a_scope_needs_publ
         scopes_db.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", [role])
         scopes_db.execute(f"DROP OWNED BY {role}")
         scopes_db.execute(f"DROP ROLE {role}")
+
+
+def test_doctor_reports_the_scopes_grants_and_live_scopes(hook: Any, scopes_db: Any, dsn: str, capsys: Any) -> None:
+    from tests.ops_helpers import run_cli
+
+    _enter(hook, uuid.uuid4().hex)
+    checks = {c["name"]: c for c in run_cli("doctor", "--dsn", dsn, "--output", "json", capsys=capsys).json()["checks"]}
+    assert checks["scopes"]["status"] == "ok" and "1 lock scope(s) live" in checks["scopes"]["summary"]
+    scopes_db.execute("REVOKE SELECT ON pglock.scope_horizon FROM PUBLIC")
+    try:
+        doctor = run_cli("doctor", "--dsn", dsn, "--output", "json", capsys=capsys)
+        scope_check = {c["name"]: c for c in doctor.json()["checks"]}["scopes"]
+        assert scope_check["status"] == "problem" and "PUBLIC may not read the lock scopes" in scope_check["summary"]
+        assert doctor.code == 1
+    finally:
+        scopes_db.execute("GRANT SELECT ON pglock.scope_horizon TO PUBLIC")
