@@ -9,8 +9,13 @@ clock) in the lock database:
 - the openverse pattern: ``start >> wait >> promote`` in one scope on ``openverse/ingest``,
   run by both deployments at once: the scope tasks of one deployment never run between the
   first and last scope task of the other;
+- retries and clearing (A alone): a task of the scope that fails its first try retries in the
+  same scope (same holder id and fencing token); ``airflow tasks clear`` of that task runs the
+  setup and teardown again, so the cleared run takes a new scope (new holder id, new token);
+- deferring (B's triggerer): B's setup with ``on_busy="defer"`` waits in the triggerer while
+  A's scope on the same key is live, between A's tasks, and runs its task after A's scope ended;
 - a crash: deployment A is killed while its scope on ``openverse/crash`` is held; B's scope
-  takes the key only once A's scope lease ran out.
+  takes the key only once A's scope lease ran out (last: A stays dead).
 """
 
 from __future__ import annotations
@@ -48,6 +53,11 @@ if not airflow_compat.AIRFLOW_V_3_PLUS:
 DAGS = Path(__file__).parent / "scope_dags"
 INGEST = "e2e_scope_ingest"
 CRASH = "e2e_scope_crash"
+RETRY = "e2e_scope_retry"  # deployment A only
+HOLD = "e2e_scope_hold"  # deployment A only
+DEFER = "e2e_scope_defer"  # deployment B only
+RUN_ID = "scheduled__2026-01-01T00:00:00+00:00"  # the one run of every DAG of e2e_scope.py
+LOGICAL_DATE = "2026-01-01T00:00:00+00:00"
 SCOPE_TASKS = ("publish.start", "publish.wait", "publish.promote")
 SCOPE_ALL = ("publish.pglock_scope_enter", *SCOPE_TASKS, "publish.pglock_scope_exit")
 CRASH_SCOPE_LEASE = dt.timedelta(seconds=15)  # scope_lease of e2e_scope_crash
@@ -59,6 +69,11 @@ CREATE TABLE e2e_scope_meet (dag_id text, deployment text, PRIMARY KEY (dag_id, 
 CREATE TABLE e2e_go (dag_id text, deployment text, PRIMARY KEY (dag_id, deployment));
 CREATE TABLE e2e_scope_spans (
     dag_id text, deployment text, task_id text, started timestamptz NOT NULL, ended timestamptz NOT NULL
+);
+CREATE TABLE e2e_scope_holders (
+    id bigserial PRIMARY KEY, dag_id text, deployment text, task_id text, try_number int,
+    holder text, token bigint, task_now text, run text, xcom_holder text, xcom_token bigint,
+    at timestamptz NOT NULL DEFAULT clock_timestamp()
 );
 """
 
@@ -218,6 +233,189 @@ def test_two_deployments_never_interleave_one_scope(deployments: dict[str, Deplo
         assert [task for task, _, _ in ordered] == ["start", "wait", "promote"], ordered
         assert all(prev[2] <= nxt[1] for prev, nxt in itertools.pairwise(ordered)), ordered
     assert scope_rows == [], "every scope's teardown freed it"
+
+
+def _tries(deployment: Deployment, dag_id: str) -> dict[str, tuple[str | None, int]]:
+    """task_id -> (state, try_number) of ``dag_id``'s one run."""
+    rows = deployment.query("SELECT task_id, state, try_number FROM task_instance WHERE dag_id = %s", [dag_id])
+    return {task_id: (state, try_number) for task_id, state, try_number in rows}
+
+
+def _run_state(deployment: Deployment, dag_id: str) -> str | None:
+    rows = deployment.query("SELECT state FROM dag_run WHERE dag_id = %s", [dag_id])
+    assert len(rows) <= 1, rows
+    return rows[0][0] if rows else None
+
+
+def _wait_until(deployment: Deployment, done: Any, what: str, dag_id: str, timeout: float = DEADLINE_SECONDS) -> None:
+    """Poll until ``done()``; ``deployment`` must stay alive meanwhile (failing: its ``dag_id`` run and logs)."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        deployment.check_alive()
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"{what}: not reached after {timeout} s: run {_run_state(deployment, dag_id)}, "
+                f"tasks {_tries(deployment, dag_id)}\n{deployment.logs()}"
+            )
+        time.sleep(1)
+
+
+def _holders(conn: psycopg.Connection[Any], dag_id: str) -> list[tuple[Any, ...]]:
+    """(task_id, try_number, holder, token, task_now, run, xcom_holder, xcom_token) in the order recorded."""
+    return conn.execute(
+        "SELECT task_id, try_number, holder, token, task_now, run, xcom_holder, xcom_token"
+        " FROM e2e_scope_holders WHERE dag_id = %s ORDER BY id",
+        [dag_id],
+    ).fetchall()
+
+
+def _task_log(deployment: Deployment, dag_id: str, task_id: str) -> str:
+    """Every attempt's log of ``task_id`` in ``dag_id`` (the trigger's lines included)."""
+    logs = deployment.home / "logs" / f"dag_id={dag_id}"
+    paths = sorted(path for path in logs.rglob("*.log*") if f"/task_id={task_id}/" in path.as_posix())
+    return "\n".join(path.read_text(errors="replace") for path in paths)
+
+
+def test_a_retried_task_reenters_and_a_cleared_run_takes_the_scope_again(
+    deployments: dict[str, Deployment], cluster: Cluster
+) -> None:
+    a = deployments["A"]
+    lock_uri = cluster.dsn_for("locks")
+    scope = (
+        "retried.pglock_scope_enter",
+        "retried.first",
+        "retried.flaky",
+        "retried.last",
+        "retried.pglock_scope_exit",
+    )
+    started = time.monotonic()
+    with psycopg.connect(lock_uri, autocommit=True) as conn:
+        conn.execute("INSERT INTO e2e_go (dag_id, deployment) VALUES (%s, 'A')", [RETRY])
+    _wait_until(a, lambda: _run_state(a, RETRY) in ("success", "failed"), f"A's {RETRY} run", RETRY)
+    first_run = _tries(a, RETRY)
+    with psycopg.connect(lock_uri, autocommit=True) as conn:
+        first_holders = _holders(conn, RETRY)
+        left = conn.execute("SELECT holder FROM pglock.scopes WHERE key_name = 'e2e/retried'").fetchall()
+    print(f"e2e scope retry: first run done in {time.monotonic() - started:.0f} s: {first_run}; {first_holders}")
+    history = a.query(
+        "SELECT try_number, state FROM task_instance_history WHERE dag_id = %s AND task_id = 'retried.flaky'"
+        " ORDER BY try_number",
+        [RETRY],
+    )
+
+    assert _run_state(a, RETRY) == "success", first_run
+    assert {task_id: first_run[task_id][0] for task_id in scope} == dict.fromkeys(scope, "success"), first_run
+    assert first_run["retried.flaky"] == ("success", 2), "flaky failed its first try and its retry succeeded"
+    assert first_run["retried.pglock_scope_enter"] == ("success", 1), "the retry did not run the setup again"
+    assert [try_number for try_number, _ in history] == [1], history  # the failed first try
+    tasks = [(task_id, try_number) for task_id, try_number, *_ in first_holders]
+    assert tasks == [("retried.first", 1), ("retried.flaky", 1), ("retried.flaky", 2), ("retried.last", 1)], tasks
+    holder, token = first_holders[0][2], first_holders[0][3]
+    assert holder and token is not None, first_holders
+    for task_id, _, row_holder, row_token, task_now, run, xcom_holder, xcom_token in first_holders:
+        # Each try ran in the one scope the setup took: its row, now naming this task, and the setup's XCom.
+        assert (row_holder, row_token, xcom_holder, xcom_token) == (holder, token, holder, token), first_holders
+        assert task_now == task_id and run == f"deployment-A: {RETRY} {RUN_ID}", first_holders
+    assert left == [], "the teardown freed the scope"
+
+    # Clear flaky with the real CLI: Airflow clears the scope's setup and teardown with it. -t: Airflow
+    # 3.3's partial_subset matches it as a substring, not a regex (an anchored ^...$ matches nothing).
+    cleared_at = time.monotonic()
+    cleared = a.airflow(
+        "tasks", "clear", RETRY, "-t", "retried.flaky", "-s", LOGICAL_DATE, "-e", LOGICAL_DATE, "-y", timeout=180
+    )
+    assert cleared.returncode == 0, f"airflow tasks clear failed:\n{cleared.stdout[-3000:]}\n{cleared.stderr[-3000:]}"
+    after_clear = _tries(a, RETRY)
+    assert after_clear != first_run, f"nothing was cleared: {after_clear}\n{cleared.stderr[-3000:]}"
+
+    def done_again() -> bool:
+        tries = _tries(a, RETRY)
+        return _run_state(a, RETRY) in ("success", "failed") and tries["retried.pglock_scope_exit"][1] >= 2
+
+    _wait_until(a, done_again, f"A's cleared {RETRY} run", RETRY)
+    again = _tries(a, RETRY)
+    with psycopg.connect(lock_uri, autocommit=True) as conn:
+        holders = _holders(conn, RETRY)
+        scope_rows = conn.execute("SELECT key_name, holder, run FROM pglock.scopes").fetchall()
+    print(
+        f"e2e scope retry: cleared {after_clear}; done again in {time.monotonic() - cleared_at:.0f} s: "
+        f"{again}; {holders}"
+    )
+
+    assert {task_id: after_clear[task_id][0] for task_id in ("retried.first", "retried.last")} == {
+        "retried.first": "success",
+        "retried.last": "success",
+    }, after_clear
+    assert _run_state(a, RETRY) == "success", again
+    assert {task_id: again[task_id][0] for task_id in scope} == dict.fromkeys(scope, "success"), again
+    # The setup and teardown ran again (a second try each), flaky a third time; first and last did not run.
+    assert again["retried.pglock_scope_enter"][1] == 2 and again["retried.pglock_scope_exit"][1] == 2, again
+    assert again["retried.flaky"][1] == 3, again
+    assert again["retried.first"] == first_run["retried.first"] == ("success", 1), again
+    assert again["retried.last"] == first_run["retried.last"] == ("success", 1), again
+    assert holders[: len(first_holders)] == first_holders, holders
+    new = holders[len(first_holders) :]
+    assert [(task_id, try_number) for task_id, try_number, *_ in new] == [("retried.flaky", 3)], holders
+    _, _, new_holder, new_token, task_now, run, xcom_holder, xcom_token = new[0]
+    # A new acquisition: a new holder id and a larger fencing token, the same in the row and the setup's XCom.
+    assert new_holder and new_holder != holder, (holder, new)
+    assert new_token is not None and new_token > token, (token, new)
+    assert (xcom_holder, xcom_token) == (new_holder, new_token), new
+    assert task_now == "retried.flaky" and run == f"deployment-A: {RETRY} {RUN_ID}", new
+    assert scope_rows == [], "the cleared run's teardown freed its scope"
+
+
+def test_a_deferring_setup_waits_in_the_triggerer(deployments: dict[str, Deployment], cluster: Cluster) -> None:
+    a, b = deployments["A"], deployments["B"]
+    lock_uri = cluster.dsn_for("locks")
+    if "triggerer" not in b.processes:
+        b.start_triggerer()
+    held = ("held.pglock_scope_enter", "held.hold", "pause", "held.last", "held.pglock_scope_exit")
+    deferred = ("deferred.pglock_scope_enter", "deferred.after", "deferred.pglock_scope_exit")
+    started = time.monotonic()
+    with psycopg.connect(lock_uri, autocommit=True) as conn:
+        conn.execute("INSERT INTO e2e_go (dag_id, deployment) VALUES (%s, 'A')", [HOLD])
+    # B goes once A's scope is between its tasks (pause, outside the scope, runs 20 s): the row alone holds it.
+    _wait_until(a, lambda: _task_states(a, HOLD).get("pause") == "running", f"A's {HOLD} between its scope tasks", HOLD)
+    with psycopg.connect(lock_uri, autocommit=True) as conn:
+        a_row = conn.execute("SELECT holder, run FROM pglock.scopes WHERE key_name = 'e2e/deferred'").fetchone()
+        conn.execute("INSERT INTO e2e_go (dag_id, deployment) VALUES (%s, 'B')", [DEFER])
+    assert a_row is not None and a_row[1] == f"deployment-A: {HOLD} {RUN_ID}", a_row
+    go_b = time.monotonic()
+
+    def b_done() -> bool:
+        return _run_state(b, DEFER) in ("success", "failed") and _run_state(a, HOLD) in ("success", "failed")
+
+    _wait_until(b, b_done, f"B's {DEFER} run after A's {HOLD}", DEFER)
+    a_states, b_states = _tries(a, HOLD), _tries(b, DEFER)
+    with psycopg.connect(lock_uri, autocommit=True) as conn:
+        a_spans, b_spans = _spans(conn, HOLD).get("A", []), _spans(conn, DEFER).get("B", [])
+        scope_rows = conn.execute("SELECT key_name, holder, run FROM pglock.scopes").fetchall()
+    setup_log = _task_log(b, DEFER, "deferred.pglock_scope_enter")
+    print(
+        f"e2e scope defer: B let go {go_b - started:.0f} s after A, done {time.monotonic() - go_b:.0f} s later; "
+        f"A {a_states}; B {b_states}; spans A {a_spans} B {b_spans}"
+    )
+    print("e2e scope defer: B's setup log, pglock lines:")
+    print("\n".join(line[:400] for line in setup_log.splitlines() if "pglock" in line))
+
+    assert {task_id: a_states[task_id][0] for task_id in held} == dict.fromkeys(held, "success"), a_states
+    assert {task_id: b_states[task_id][0] for task_id in deferred} == dict.fromkeys(deferred, "success"), b_states
+    # The setup deferred (to B's triggerer) behind A's scope, between A's tasks, and resumed in the same try.
+    assert "pglock deferred" in setup_log, setup_log[-5000:]
+    assert f"is held by the lock scope of deployment-A: {HOLD} {RUN_ID}" in setup_log, setup_log[-5000:]
+    assert "pglock waiting" in setup_log, "the trigger's lines (from B's triggerer)\n" + setup_log[-5000:]
+    assert "pglock: took the lock scope of e2e/deferred" in setup_log, setup_log[-5000:]
+    assert b_states["deferred.pglock_scope_enter"][1] == 1, b_states
+    # It took the scope once A's teardown freed it; its task ran after A's last scope task.
+    a_exit_start, _ = _task_times(a, HOLD, "held.pglock_scope_exit")
+    _, b_enter_end = _task_times(b, DEFER, "deferred.pglock_scope_enter")
+    assert b_enter_end > a_exit_start, (b_enter_end, a_exit_start)
+    assert [task for task, _, _ in a_spans] == ["hold", "last"], a_spans
+    assert [task for task, _, _ in b_spans] == ["after"], b_spans
+    a_last_end = max(end for _, _, end in a_spans)
+    assert b_spans[0][1] > a_last_end, f"B's scope task ran at {b_spans[0][1]}, within A's scope (ended {a_last_end})"
+    assert scope_rows == [], "both teardowns freed their scopes"
 
 
 def test_a_killed_deployments_scope_holds_until_its_lease_runs_out(

@@ -13,16 +13,31 @@ lock database alone whether the two deployments' scopes ever interleaved.
   ``e2e_go``), then ``start >> wait >> promote`` in a scope on ``openverse/crash`` with a
   15 s scope lease and ``on_busy="wait"``; ``peek``, a plain guard of the same key, runs
   beside the scope. The test kills deployment A while its scope is held and then lets B go.
+
+Deployment A alone (``PGLOCK_E2E_DEPLOYMENT``) has these two, each behind a ``gate``:
+
+- ``e2e_scope_retry``: ``first >> flaky >> last`` in a scope on ``e2e/retried`` with
+  ``fencing=True``; ``flaky`` fails its first try (``retries=1``). Every try of every task of
+  the scope records the scope row it runs in (holder, token, task now, read from
+  ``pglock.scopes`` by key name) and the setup's XCom in ``e2e_scope_holders``. The test then
+  clears ``flaky`` with ``airflow tasks clear``.
+- ``e2e_scope_hold``: a scope on ``e2e/deferred`` whose tasks ``hold`` and ``last`` have
+  ``pause`` (outside the scope, 20 s) between them: the row alone keeps the scope meanwhile.
+
+Deployment B alone has ``e2e_scope_defer``: a scope on ``e2e/deferred`` with
+``on_busy="defer"`` (``defer_after=0``) around ``after``; the test lets it go while A's
+``pause`` runs, so its setup defers to B's triggerer behind A's scope.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import time
 
 import pendulum
 import psycopg
-from airflow.sdk import dag, task
+from airflow.sdk import dag, get_current_context, task
 
 from airflow_pglock.operators.scope import advisory_lock_scope
 
@@ -47,6 +62,33 @@ def span(dag_id: str, task_id: str, seconds: float = 0.0) -> None:
             " VALUES (%s, %s, %s, %s, clock_timestamp())",
             [dag_id, DEPLOYMENT, task_id, row[0]],
         )
+
+
+def record_scope(dag_id: str, key: str, group: str) -> int:
+    """Record the scope row this task runs in (read by key name) and its setup's XCom in ``e2e_scope_holders``.
+
+    :returns: this task's try number."""
+    ti = get_current_context()["ti"]
+    entered = ti.xcom_pull(task_ids=f"{group}.pglock_scope_enter")
+    entered = entered if isinstance(entered, dict) else {}
+    with psycopg.connect(LOCK_DSN, autocommit=True, application_name=f"e2e record {DEPLOYMENT}") as conn:
+        conn.execute(
+            "INSERT INTO e2e_scope_holders (dag_id, deployment, task_id, try_number, holder, token, task_now, run,"
+            " xcom_holder, xcom_token)"
+            " SELECT %(dag_id)s, %(deployment)s, %(task_id)s, %(try_number)s, s.holder, s.token, s.task_now, s.run,"
+            " %(xcom_holder)s, %(xcom_token)s"
+            " FROM (VALUES (1)) AS one LEFT JOIN pglock.scopes AS s ON s.key_name = %(key)s",
+            {
+                "dag_id": dag_id,
+                "deployment": DEPLOYMENT,
+                "task_id": ti.task_id,
+                "try_number": ti.try_number,
+                "xcom_holder": entered.get("holder"),
+                "xcom_token": entered.get("token"),
+                "key": key,
+            },
+        )
+    return int(ti.try_number)
 
 
 def meet(dag_id: str) -> None:
@@ -156,5 +198,110 @@ def e2e_scope_crash() -> None:
     go >> peek()
 
 
+@dag(
+    dag_id="e2e_scope_retry",
+    schedule="@daily",
+    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    end_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    catchup=True,
+)
+def e2e_scope_retry() -> None:
+    @task
+    def wait_for_go() -> None:
+        gate("e2e_scope_retry")
+
+    with advisory_lock_scope(
+        "retried", key="e2e/retried", postgres_conn_id=CONN, on_busy="fail", fencing=True, scope_lease=120
+    ) as retried:
+
+        @task
+        def first() -> None:
+            record_scope("e2e_scope_retry", "e2e/retried", "retried")
+
+        @task(retries=1, retry_delay=dt.timedelta(seconds=2))
+        def flaky() -> None:
+            if record_scope("e2e_scope_retry", "e2e/retried", "retried") == 1:
+                raise RuntimeError("e2e: flaky fails its first try")
+
+        @task
+        def last() -> None:
+            record_scope("e2e_scope_retry", "e2e/retried", "retried")
+
+        first() >> flaky() >> last()
+
+    wait_for_go() >> retried
+
+
+@dag(
+    dag_id="e2e_scope_hold",
+    schedule="@daily",
+    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    end_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    catchup=True,
+)
+def e2e_scope_hold() -> None:
+    @task
+    def wait_for_go() -> None:
+        gate("e2e_scope_hold")
+
+    @task
+    def pause() -> None:  # outside the scope: the key is free, the row keeps the scope
+        time.sleep(20)
+
+    with advisory_lock_scope(
+        "held", key="e2e/deferred", postgres_conn_id=CONN, on_busy="fail", scope_lease=120
+    ) as held:
+
+        @task
+        def hold() -> None:
+            span("e2e_scope_hold", "hold", 3)
+
+        @task
+        def last() -> None:
+            span("e2e_scope_hold", "last")
+
+        before, after = hold(), last()
+
+    before >> pause() >> after
+    wait_for_go() >> held
+
+
+@dag(
+    dag_id="e2e_scope_defer",
+    schedule="@daily",
+    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    end_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    catchup=True,
+)
+def e2e_scope_defer() -> None:
+    @task
+    def wait_for_go() -> None:
+        gate("e2e_scope_defer")
+
+    with advisory_lock_scope(
+        "deferred",
+        key="e2e/deferred",
+        postgres_conn_id=CONN,
+        on_busy="defer",
+        wait_timeout=180,
+        defer_after=0,
+        scope_lease=120,
+    ) as deferred:
+
+        @task
+        def after() -> None:
+            span("e2e_scope_defer", "after")
+
+        after()
+
+    wait_for_go() >> deferred
+
+
 e2e_scope_ingest_dag = e2e_scope_ingest()
 e2e_scope_crash_dag = e2e_scope_crash()
+# Only one deployment has each of these (the other would run it too, on the same key).
+if DEPLOYMENT == "A":
+    e2e_scope_retry_dag = e2e_scope_retry()
+    e2e_scope_hold_dag = e2e_scope_hold()
+if DEPLOYMENT == "B":
+    e2e_scope_defer_dag = e2e_scope_defer()
