@@ -164,6 +164,12 @@ def summarize(title: str, outcomes: list[Outcome]) -> None:
         print(f"  deployment {item.deployment}  {item.task:<22} {verb:<8} {detail}")
 
 
+def airflow_has_lock_scopes() -> bool:
+    from importlib.metadata import version
+
+    return int(version("apache-airflow").split(".")[0]) >= 3
+
+
 def main() -> int:
     configured = os.environ.get("AIRFLOW_CONN_POSTGRES_DEFAULT")
     cluster: Cluster | None = None
@@ -211,21 +217,30 @@ def main() -> int:
         )
         summarize("tenant_exports: one key per tenant", exports)
 
-        print(
-            "\nboth deployments run ingestion_refresh (trigger -> wait -> promote in one lock scope on\n"
-            "'ingestion-server'); B starts once A's scope holds the key ...",
-            flush=True,
-        )
-        ingestion = run_both(
-            "ingestion_refresh", {"work_seconds": 10}, envs, scope_on="ingestion-server", conn_uri=conn_uri
-        )
-        summarize("ingestion_refresh: one lock scope over three tasks", ingestion)
-        scoped = sorted({o.deployment for o in ingestion if o.task.startswith("refresh.") and o.outcome == "completed"})
-        print(
-            f"ingestion_refresh: the scope's tasks ran in deployment(s) {', '.join(scoped) or 'none'}; the other's\n"
-            "setup found the scope held (its tasks were skipped by Airflow's trigger rules). Between A's tasks no\n"
-            "process held the key: the scope's lease row did (docs/scopes.md)."
-        )
+        if airflow_has_lock_scopes():
+            print(
+                "\nboth deployments run ingestion_refresh (trigger -> wait -> promote in one lock scope on\n"
+                "'ingestion-server'); B starts once A's scope holds the key ...",
+                flush=True,
+            )
+            ingestion = run_both(
+                "ingestion_refresh", {"work_seconds": 10}, envs, scope_on="ingestion-server", conn_uri=conn_uri
+            )
+            summarize("ingestion_refresh: one lock scope over three tasks", ingestion)
+            scoped = sorted(
+                {o.deployment for o in ingestion if o.task.startswith("refresh.") and o.outcome == "completed"}
+            )
+            ran_in = ", ".join(scoped) or "none"
+            print(
+                f"ingestion_refresh: the scope's tasks ran in deployment(s) {ran_in}; the other's\n"
+                "setup found the scope held (its tasks were skipped by Airflow's trigger rules). Between A's tasks no\n"
+                "process held the key: the scope's lease row did (docs/scopes.md)."
+            )
+        else:
+            print(
+                "\ningestion_refresh (a lock scope over three tasks) is not run: lock scopes need Airflow 3 "
+                "(docs/scopes.md)."
+            )
 
         ran = [o for o in forecast if o.outcome == "completed"]
         files = sorted((DEMO_DIR / "exports").glob("*/tenant-*.json"))

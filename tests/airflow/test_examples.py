@@ -81,6 +81,11 @@ def test_the_demo_command(tmp_path: Path) -> None:
     assert written is not None, out
     assert written[1] == "4"
     assert re.fullmatch(r"tenant 1 by [AB], tenant 2 by [AB], tenant 3 by [AB], tenant 4 by [AB]", written[2])
+    from airflow_pglock.compat import HAS_LOCK_SCOPE
+
+    if not HAS_LOCK_SCOPE:
+        assert "lock scopes need Airflow 3" in out, out
+        return
     # The lock scope: A's three tasks ran in it; B's setup found it held, naming A's run (or A's task).
     assert "ingestion_refresh: the scope's tasks ran in deployment(s) A;" in out, out
     assert re.search(
