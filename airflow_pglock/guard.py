@@ -123,6 +123,15 @@ class LockGuard:
         #: the scope's row as this execution's check found it (a teardown: as it freed it).
         self.scope_row: Any = None
         self.rules = rules or RunRules()
+        if scope.kind == "member" and self.rules.active:
+            raise LockConfigurationError(
+                "a task of a lock scope checks no once_per / min_interval / fencing rule of its own: the scope's "
+                "setup checks them and its teardown records the completion"
+            )
+        # A scope's setup checks once_per / min_interval before it takes the scope; its teardown
+        # records the completion (when every task of the scope succeeded) without checking again.
+        self._checks_rules = self.rules.active and scope.kind in ("outside", "enter")
+        self._records_completion = self.rules.records_completion and scope.kind in ("outside", "leave")
         check_not_shared(self.rules, policy.shared)
         self.identity = identity
         self.key = key
@@ -162,6 +171,10 @@ class LockGuard:
             self.refusal = busy
             self._report(self.policy.busy_outcome(), detail=f"busy: {busy}", holders=busy.holders)
             raise
+        except AlreadyDoneError as done:  # a scope's setup: checked before it takes the scope
+            self.refusal = done
+            self._report("skipped", detail=f"done: {done}")
+            raise
         except Exception as error:  # a database error, a refused set-up, or a bug: one outcome line all the same
             self._report("failed", detail=f"{type(error).__name__}: {error}")
             raise
@@ -173,7 +186,7 @@ class LockGuard:
             record_acquisition(self.held, self.application_name, self.log, self.policy.slots)  # written at release
             if self.scope.kind == "member":
                 self.fencing_token, self.scope_row = check_scope(self.scope, self.key, self.held, self.application_name)
-            if self.rules.active:
+            if self._checks_rules and self.scope.kind == "outside":
                 self.fencing_token = check_before_work(self.rules, self.held, self.database, self.application_name)
             self.interruption.arm(interrupt=self.policy.on_lost == "fail")
             self._heartbeat = Heartbeat(self.database, self.held, self._lose, self.interruption.lost, self._stop)
@@ -213,6 +226,8 @@ class LockGuard:
             if self.scope.kind == "member":
                 break  # checked with the run rules: a lost scope is reported as lost
             try:
+                if self.scope.kind == "enter" and self._checks_rules:  # a done period takes no scope
+                    check_before_work(self.rules, held, self.database, self.application_name)
                 token, self.scope_row = check_scope(self.scope, self.key, held, self.application_name)
             except LockBusyError:
                 held.close()
@@ -300,7 +315,8 @@ class LockGuard:
             self.interruption.disarm_absorbing()
             self._stop_heartbeat()
             lost = self.lost
-            record = lambda: record_success(self.rules, held, self.identity, self.fencing_token)  # noqa: E731
+            recorded_rules = self.rules if self._records_completion else RunRules()
+            record = lambda: record_success(recorded_rules, held, self.identity, self.fencing_token)  # noqa: E731
             if lost is None and self._handle is not None and not held.connection.closed:
                 self._handle.release_all()  # free now; the closed session would free them only when its backend ends
                 if held.scope == "transaction" and self._handle.holds_sub_keys():
@@ -316,7 +332,7 @@ class LockGuard:
             if lost is None and not closed_inside and self.scope.kind == "member" and not held.connection.closed:
                 end_member_task(self.scope, self.key, held, self.log)  # before the release: the next task's gap
             if lost is None and not closed_inside:
-                ending = Ending(held, exc_type is None, record, self._describe_error, self.rules.records_completion)
+                ending = Ending(held, exc_type is None, record, self._describe_error, self._records_completion)
                 lost, commit_error, note = finish(ending)
         except BaseException as interrupted:  # an asynchronous exception during the clean-up
             self._abandon()

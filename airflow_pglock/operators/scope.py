@@ -60,6 +60,9 @@ if TYPE_CHECKING:
 ENTER_TASK_ID = "pglock_scope_enter"
 #: The setup's XCom with the scope's holder id and fencing token (pushed while it holds the key).
 SCOPE_XCOM_KEY = "pglock_scope"
+#: A task of the scope that succeeded pushes the scope's holder id under this key (its teardown
+#: records a once_per / min_interval completion only when every task of the scope did).
+SUCCEEDED_XCOM_KEY = "pglock_scope_succeeded"
 EXIT_TASK_ID = "pglock_scope_exit"
 #: How long a task of the scope (and its teardown) waits for the key, held a moment by another
 #: guard that reads the scope row, before it fails: a longer holder ignores the scope.
@@ -88,12 +91,23 @@ class ScopeSpec:
     member_wait: float
     enter_task_id: str
 
-    def member_spec(self) -> LockSpec:
-        """The lock options of a task of the scope (and of its teardown): wait briefly, then fail."""
+    @property
+    def has_run_rules(self) -> bool:
+        """once_per or min_interval: checked by the setup, recorded by the teardown."""
+        return self.enter.templated.get("once_per") is not None or self.enter.min_interval is not None
+
+    def member_spec(self, *, record_rules: bool = False) -> LockSpec:
+        """The lock options of a task of the scope (and of its teardown): wait briefly, then fail.
+
+        :param record_rules: keep once_per / min_interval (the teardown, when every task succeeded).
+        """
         policy = dataclasses.replace(
             self.enter.policy, on_busy="wait", wait_timeout=self.member_wait, on_wait_timeout="fail", defer_after=0.0
         )
-        return dataclasses.replace(self.enter, policy=policy)
+        if record_rules:
+            return dataclasses.replace(self.enter, policy=policy)
+        templated = {**self.enter.templated, "once_per": None}
+        return dataclasses.replace(self.enter, policy=policy, min_interval=None, templated=templated)
 
     def role(self, kind: ScopeKind, context: Context) -> ScopeRole:
         """This task's role in the scope; a member and the teardown find the holder id in the setup's XCom."""
@@ -136,9 +150,7 @@ def _scope_spec(group_prefix: str, options: dict[str, Any]) -> ScopeSpec:
     for refused, why in (
         ("mode", "a scope holds session locks"),
         ("shared", "a scope is exclusive"),
-        ("slots", "a scope holds one key"),
-        ("once_per", "not supported on a scope yet"),
-        ("min_interval", "not supported on a scope yet"),
+        ("slots", "a scope holds one key: a pool of scopes is not built"),
         ("on_lost", "a task that loses the scope always fails"),
     ):
         if refused in options:
@@ -161,13 +173,19 @@ def _scope_spec(group_prefix: str, options: dict[str, Any]) -> ScopeSpec:
 
 
 def _run_scope_task(
-    spec: ScopeSpec, kind: Literal["enter", "leave"], context: Context, deadline: float | None = None
+    spec: ScopeSpec,
+    kind: Literal["enter", "leave"],
+    context: Context,
+    deadline: float | None = None,
+    members: tuple[str, ...] = (),
 ) -> dict[str, Any] | None:
-    lock_spec = spec.enter if kind == "enter" else spec.member_spec()
     task = rendered_task(context)
+    lock_spec = spec.enter
     try:
-        rendered = render_lock_options(lock_spec, context)
         role = spec.role(kind, context)
+        if kind == "leave":
+            lock_spec = spec.member_spec(record_rules=_all_succeeded(spec, members, role, context, task.log))
+        rendered = render_lock_options(lock_spec, context)
     except LockConfigurationError as error:
         fail_for_configuration(lock_spec, error, task.log)
 
@@ -188,6 +206,20 @@ def _run_scope_task(
         return result
     task.log.info("pglock: freed the lock scope of %s (holder %s)", rendered.get("key"), role.holder)
     return None
+
+
+def _all_succeeded(spec: ScopeSpec, members: tuple[str, ...], role: ScopeRole, context: Context, logger: Any) -> bool:
+    """Whether every task of the scope succeeded in this acquisition of it (their XComs say so)."""
+    if not spec.has_run_rules:
+        return False
+    ti = context["ti"]
+    missing = [task_id for task_id in members if ti.xcom_pull(task_ids=task_id, key=SUCCEEDED_XCOM_KEY) != role.holder]
+    if missing:
+        logger.info(
+            "pglock: no completion recorded for the lock scope (once_per / min_interval): task(s) %s did not succeed",
+            ", ".join(missing),
+        )
+    return not missing
 
 
 def _free_after_failed_setup(
@@ -216,15 +248,15 @@ class ScopeMemberGuard:
             role = self.spec.role("member", context)
         except LockConfigurationError as error:
             fail_for_configuration(lock_spec, error, task.log)
+
+        def work(handle: LockHandle) -> Any:
+            result = type(task).execute(task, context, **kwargs)
+            if self.spec.has_run_rules:  # read by the teardown, which records the completion
+                context["ti"].xcom_push(key=SUCCEEDED_XCOM_KEY, value=role.holder)
+            return result
+
         try:
-            return run_guarded(
-                lock_spec,
-                context,
-                lambda handle: type(task).execute(task, context, **kwargs),
-                task.log,
-                scope=role,
-                **rendered,
-            )
+            return run_guarded(lock_spec, context, work, task.log, scope=role, **rendered)
         except LockLostError:
             try:
                 task.on_kill()
@@ -282,9 +314,10 @@ def _wire(tasks: list[Any], spec: ScopeSpec, *, task_group: Any = None, dag: Any
         retries=0,
         **where,
     )
+    members = tuple(task.task_id for task in tasks)
     leave = PythonOperator(
         task_id=EXIT_TASK_ID,
-        python_callable=lambda **context: _run_scope_task(spec, "leave", context),
+        python_callable=lambda **context: _run_scope_task(spec, "leave", context, members=members),
         **where,
     )
     # on_busy="defer": the setup resumes here (a new try), as a guarded operator does.
@@ -315,11 +348,13 @@ def advisory_lock_scope(group_id: str, **options: Any) -> Iterator[Any]:
 
     :param group_id: the task group's id.
     :param options: ``key`` (required, a name; Jinja template), ``tenant``, ``postgres_conn_id``,
-        ``on_busy`` (``skip``, ``fail``, ``wait``), ``wait_timeout``, ``on_wait_timeout``, ``on_error``,
-        ``lease`` (a dead task's hold on the server), ``scope_lease`` (seconds the scope stays held
-        between its tasks, default 600), ``fencing``, ``member_wait`` (seconds a task of the scope
-        waits for a key held a moment by another guard, default 60); any other keyword goes to the
-        ``TaskGroup``.
+        ``on_busy`` (``skip``, ``fail``, ``wait``, ``defer``), ``wait_timeout``, ``on_wait_timeout``,
+        ``defer_after``, ``on_error``, ``lease`` (a dead task's hold on the server), ``scope_lease``
+        (seconds the scope stays held between its tasks, default 600), ``fencing``, ``once_per`` and
+        ``min_interval`` (checked by the setup before it takes the scope; the completion recorded by
+        the teardown when every task of the scope succeeded), ``member_wait`` (seconds a task of the
+        scope waits for a key held a moment by another guard, default 60); any other keyword goes
+        to the ``TaskGroup``.
     """
     lock_options = {name: options.pop(name) for name in list(options) if name in _SCOPE_OPTION_NAMES}
     with TaskGroup(group_id, **options) as group:

@@ -285,3 +285,79 @@ def test_a_setup_that_fails_after_taking_the_scope_frees_it(airflow_db: Any, sco
         enter.python_callable(ti=ti, task=enter, params={})
     assert _scope_rows(scopes_db) == [], "the failed setup freed its scope"
     assert run_dag(PLAIN_DAG, "plain_guard").state("plain") == "success"
+
+
+ONCE_DAG = """
+import pendulum
+from airflow.sdk import dag, task
+from airflow_pglock.operators.scope import advisory_lock_scope
+
+
+@dag(dag_id="scoped_once", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False,
+     params={"day": "2026-12-01", "fail_b": False})
+def scoped_once():
+    with advisory_lock_scope("publish", key="scope-key", postgres_conn_id="pglock_test",
+                             once_per="{{ params.day }}"):
+        @task
+        def a():
+            return "a"
+
+        @task
+        def b(first, params=None):
+            if params["fail_b"]:
+                raise RuntimeError("b failed")
+            return first
+
+        b(a())
+
+
+scoped_once_dag = scoped_once()
+"""
+
+PLAIN_ONCE_DAG = """
+import pendulum
+from airflow.sdk import dag, task
+
+@dag(dag_id="plain_once", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False,
+     params={"day": "2026-12-01"})
+def plain_once():
+    @task.advisory_lock(postgres_conn_id="pglock_test", key="scope-key", once_per="{{ params.day }}")
+    def plain():
+        return "ran"
+
+    plain()
+
+
+plain_once_dag = plain_once()
+"""
+
+
+def _completions(admin: Any) -> list[tuple[Any, ...]]:
+    return admin.execute("SELECT period, task_id FROM pglock.completions ORDER BY completed_at").fetchall()
+
+
+@pytest.mark.matrix("lock-scope", since=compat.LOCK_SCOPE_SINCE)
+def test_once_per_on_a_scope_the_setup_checks_and_the_teardown_records_when_every_task_succeeded(
+    airflow_db: Any, scopes_db: Any, dsn: str, capfd: Any, caplog: Any
+) -> None:
+    failed = run_dag(ONCE_DAG, "scoped_once", {"day": "2026-12-01", "fail_b": True})
+    assert failed.state("publish.b") == "failed" and failed.state("publish.pglock_scope_exit") == "success"
+    assert _completions(scopes_db) == [], "a scope with a failed task records no completion"
+    assert _scope_rows(scopes_db) == []
+
+    done = run_dag(ONCE_DAG, "scoped_once", {"day": "2026-12-01", "fail_b": False})
+    assert done.state("publish.a") == done.state("publish.b") == "success"
+    assert _completions(scopes_db) == [("2026-12-01", "publish.pglock_scope_exit")], "one record, by the teardown"
+    capfd.readouterr()
+
+    again = run_dag(ONCE_DAG, "scoped_once", {"day": "2026-12-01", "fail_b": False})
+    assert again.state("publish.pglock_scope_enter") == "skipped"
+    assert again.state("publish.a") == again.state("publish.b") == "skipped"
+    log = "".join(capfd.readouterr()) + caplog.text
+    assert "already done for period '2026-12-01'" in log and "by scoped_once/publish.pglock_scope_exit" in log
+    assert _scope_rows(scopes_db) == [], "a done period takes no scope"
+    # The period is the key's, whoever holds it: a plain guard of the key finds it done too.
+    assert run_dag(PLAIN_ONCE_DAG, "plain_once", {"day": "2026-12-01"}).state("plain") == "skipped"
+    next_day = run_dag(ONCE_DAG, "scoped_once", {"day": "2026-12-02", "fail_b": False})
+    assert next_day.state("publish.b") == "success"
+    assert [period for period, _ in _completions(scopes_db)] == ["2026-12-01", "2026-12-02"]

@@ -13,7 +13,8 @@ clock) in the lock database:
   same scope (same holder id and fencing token); ``airflow tasks clear`` of that task runs the
   setup and teardown again, so the cleared run takes a new scope (new holder id, new token);
 - deferring (B's triggerer): B's setup with ``on_busy="defer"`` waits in the triggerer while
-  A's scope on the same key is live, between A's tasks, and runs its task after A's scope ended;
+  A's scope on the same key is live, between A's tasks, and runs its task after A's scope ended
+  (A's last scope task fails: its teardown frees the scope all the same, long before its lease);
 - a crash: deployment A is killed while its scope on ``openverse/crash`` is held; B's scope
   takes the key only once A's scope lease ran out (last: A stays dead).
 """
@@ -399,7 +400,12 @@ def test_a_deferring_setup_waits_in_the_triggerer(deployments: dict[str, Deploym
     print("e2e scope defer: B's setup log, pglock lines:")
     print("\n".join(line[:400] for line in setup_log.splitlines() if "pglock" in line))
 
-    assert {task_id: a_states[task_id][0] for task_id in held} == dict.fromkeys(held, "success"), a_states
+    # A's last scope task failed; its teardown ran all the same and freed the scope (well before its lease).
+    assert {task_id: a_states[task_id][0] for task_id in held} == {
+        **dict.fromkeys(held, "success"),
+        "held.last": "failed",
+    }, a_states
+    assert _run_state(a, HOLD) == "failed"
     assert {task_id: b_states[task_id][0] for task_id in deferred} == dict.fromkeys(deferred, "success"), b_states
     # The setup deferred (to B's triggerer) behind A's scope, between A's tasks, and resumed in the same try.
     assert "pglock deferred" in setup_log, setup_log[-5000:]
@@ -411,6 +417,8 @@ def test_a_deferring_setup_waits_in_the_triggerer(deployments: dict[str, Deploym
     a_exit_start, _ = _task_times(a, HOLD, "held.pglock_scope_exit")
     _, b_enter_end = _task_times(b, DEFER, "deferred.pglock_scope_enter")
     assert b_enter_end > a_exit_start, (b_enter_end, a_exit_start)
+    assert (b_enter_end - a_exit_start).total_seconds() < 60, "B took the scope when A's teardown freed it, not "
+    "when A's 120 s lease ran out"
     assert [task for task, _, _ in a_spans] == ["hold", "last"], a_spans
     assert [task for task, _, _ in b_spans] == ["after"], b_spans
     a_last_end = max(end for _, _, end in a_spans)

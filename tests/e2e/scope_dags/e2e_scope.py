@@ -23,6 +23,7 @@ Deployment A alone (``PGLOCK_E2E_DEPLOYMENT``) has these two, each behind a ``ga
   clears ``flaky`` with ``airflow tasks clear``.
 - ``e2e_scope_hold``: a scope on ``e2e/deferred`` whose tasks ``hold`` and ``last`` have
   ``pause`` (outside the scope, 20 s) between them: the row alone keeps the scope meanwhile.
+  ``last`` fails: the teardown frees the scope after a failed task.
 
 Deployment B alone has ``e2e_scope_defer``: a scope on ``e2e/deferred`` with
 ``on_busy="defer"`` (``defer_after=0``) around ``after``; the test lets it go while A's
@@ -259,6 +260,7 @@ def e2e_scope_hold() -> None:
         @task
         def last() -> None:
             span("e2e_scope_hold", "last")
+            raise RuntimeError("e2e: last fails; the teardown frees the scope all the same")
 
         before, after = hold(), last()
 
