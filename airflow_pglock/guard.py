@@ -53,7 +53,7 @@ from airflow_pglock.pg.held import HeldLock
 from airflow_pglock.policy import LockPolicy
 from airflow_pglock.registry import record_acquisition
 from airflow_pglock.run_rules import RunRules, check_before_work, check_not_shared, record_success
-from airflow_pglock.scope_rules import OUTSIDE, ScopeRole, end_member_task
+from airflow_pglock.scope_rules import OUTSIDE, ScopeRole, check_own_scope, end_member_task, free_scope
 from airflow_pglock.scope_rules import check_before_work as check_scope
 
 #: Seconds between two tries of a guard that waits (``on_busy="wait"``) for another's lock
@@ -175,6 +175,9 @@ class LockGuard:
             self.refusal = done
             self._report("skipped", detail=f"done: {done}")
             raise
+        except LockLostError as lost:  # a recording teardown found its scope lapsed or gone
+            self._report("lost", detail=lost.cause)
+            raise
         except Exception as error:  # a database error, a refused set-up, or a bug: one outcome line all the same
             self._report("failed", detail=f"{type(error).__name__}: {error}")
             raise
@@ -228,7 +231,11 @@ class LockGuard:
             try:
                 if self.scope.kind == "enter" and self._checks_rules:  # a done period takes no scope
                     check_before_work(self.rules, held, self.database, self.application_name)
-                token, self.scope_row = check_scope(self.scope, self.key, held, self.application_name)
+                if self.scope.kind == "leave" and self._records_completion:  # freed after the record
+                    self.scope_row = check_own_scope(self.scope, self.key, held)
+                    token = self.scope_row.token
+                else:
+                    token, self.scope_row = check_scope(self.scope, self.key, held, self.application_name)
             except LockBusyError:
                 held.close()
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -315,8 +322,7 @@ class LockGuard:
             self.interruption.disarm_absorbing()
             self._stop_heartbeat()
             lost = self.lost
-            recorded_rules = self.rules if self._records_completion else RunRules()
-            record = lambda: record_success(recorded_rules, held, self.identity, self.fencing_token)  # noqa: E731
+            record = lambda: self._record(held)  # noqa: E731
             if lost is None and self._handle is not None and not held.connection.closed:
                 self._handle.release_all()  # free now; the closed session would free them only when its backend ends
                 if held.scope == "transaction" and self._handle.holds_sub_keys():
@@ -363,6 +369,17 @@ class LockGuard:
             self._report("failed", detail=f"{exc_type.__name__}: {exc}", held=held_for)
         else:
             self._report("completed", detail=note, held=held_for)
+
+    def _record(self, held: HeldLock) -> bool:
+        """Record the completion (once_per / min_interval) under the lock; a scope's teardown
+        then frees its scope, still under the lock. False: the key was found not held."""
+        if not self._records_completion:
+            return True
+        if not record_success(self.rules, held, self.identity, self.fencing_token):
+            return False
+        if self.scope.kind == "leave":
+            free_scope(self.scope, self.key, held)
+        return True
 
     def _stop_heartbeat(self) -> None:
         self._stop.set()

@@ -102,6 +102,34 @@ def check_before_work(
     return None, scopes.leave(conn, key, role.holder)
 
 
+def check_own_scope(role: ScopeRole, key: LockKey, held: HeldLock) -> ScopeRow:
+    """A teardown that records a completion (once_per / min_interval), under the held lock: the
+    scope must still be its own and live. It frees the row only after the record (:func:`free_scope`),
+    so that the next setup finds the row or the completion, never neither.
+
+    :raises LockLostError: the scope lapsed or went before the teardown: another guard of the key
+        may have run in the gap, so nothing may be recorded for this scope.
+    """
+    from airflow_pglock.pg import scopes
+    from airflow_pglock.pg.key_names import scopes_installed
+
+    if not scopes_installed(held.registry):
+        raise scopes.missing_table_error()
+    row = scopes.read(held.connection, key)
+    if row is None or row.holder != role.holder or not row.live:
+        cause = _why_lost(row, role) + "; no completion recorded"
+        raise LockLostError(f"lost the lock scope of {key.describe()} before its teardown: {cause}", key, cause)
+    return row
+
+
+def free_scope(role: ScopeRole, key: LockKey, held: HeldLock) -> None:
+    """The teardown that recorded a completion frees its scope (still under the lock)."""
+    from airflow_pglock.pg import scopes
+
+    assert role.holder is not None
+    scopes.leave(held.connection, key, role.holder)
+
+
 def end_member_task(role: ScopeRole, key: LockKey, held: HeldLock, logger: logging.Logger | Any) -> None:
     """A task of the scope ends, still holding the key: renew the scope for the next task.
 
@@ -142,10 +170,14 @@ def _issue_token(held: HeldLock, application_name: str | None) -> int:
 
 def _why_lost(row: ScopeRow | None, role: ScopeRole) -> str:
     if row is None:
-        return "the scope was freed (its teardown ran, or its row was deleted) before this task started"
+        return f"the scope was freed (its teardown ran, or its row was deleted) before {_this(role)} started"
     if row.holder != role.holder:
         return f"its lease ran out between tasks and {row.run} took the scope"
     return (
-        f"its lease ran out at {row.lease_until.isoformat(timespec='seconds')} (database clock) before this task "
+        f"its lease ran out at {row.lease_until.isoformat(timespec='seconds')} (database clock) before {_this(role)} "
         "started: another guard of the key may have run in the gap"
     )
+
+
+def _this(role: ScopeRole) -> str:
+    return "its teardown" if role.kind == "leave" else "this task"

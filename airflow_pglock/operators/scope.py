@@ -183,14 +183,18 @@ def _run_scope_task(
     lock_spec = spec.enter
     try:
         role = spec.role(kind, context)
-        if kind == "leave":
-            lock_spec = spec.member_spec(record_rules=_all_succeeded(spec, members, role, context, task.log))
+        period: Any = None
+        if kind == "leave" and spec.has_run_rules:
+            record, period = _completion_to_record(spec, members, role, context, task.log)
+            lock_spec = spec.member_spec(record_rules=record)
         rendered = render_lock_options(lock_spec, context)
+        if kind == "leave" and "once_per" in rendered and rendered["once_per"] is not None:
+            rendered["once_per"] = period  # the period the setup checked, not one rendered again now
     except LockConfigurationError as error:
         fail_for_configuration(lock_spec, error, task.log)
 
     def done(handle: LockHandle) -> dict[str, Any]:
-        entered = {"holder": role.holder, "token": handle.fencing_token}
+        entered = {"holder": role.holder, "token": handle.fencing_token, "period": rendered.get("once_per")}
         if kind == "enter":  # stored while the key is held: a failure here frees the scope below
             context["ti"].xcom_push(key=SCOPE_XCOM_KEY, value=entered)
         return entered
@@ -208,18 +212,50 @@ def _run_scope_task(
     return None
 
 
-def _all_succeeded(spec: ScopeSpec, members: tuple[str, ...], role: ScopeRole, context: Context, logger: Any) -> bool:
-    """Whether every task of the scope succeeded in this acquisition of it (their XComs say so)."""
-    if not spec.has_run_rules:
-        return False
+def _completion_to_record(
+    spec: ScopeSpec, members: tuple[str, ...], role: ScopeRole, context: Context, logger: Any
+) -> tuple[bool, Any]:
+    """Whether the teardown records a completion, and the period its setup checked.
+
+    Only when every task of the scope (but those that never run: EmptyOperator) pushed its
+    success marker with this acquisition's holder id, and none of them is known to have failed
+    after it. Anything unreadable records nothing: the teardown must still free the scope.
+    """
     ti = context["ti"]
-    missing = [task_id for task_id in members if ti.xcom_pull(task_ids=task_id, key=SUCCEEDED_XCOM_KEY) != role.holder]
+    try:
+        entered = ti.xcom_pull(task_ids=spec.enter_task_id, key=SCOPE_XCOM_KEY)
+        period = entered.get("period") if isinstance(entered, dict) else None
+        missing = [
+            task_id for task_id in members if ti.xcom_pull(task_ids=task_id, key=SUCCEEDED_XCOM_KEY) != role.holder
+        ]
+        missing += [task_id for task_id in _failed_tasks(context, members) if task_id not in missing]
+    except Exception as error:  # e.g. the execution API unreachable: free the scope, record nothing
+        logger.warning("pglock: no completion recorded for the lock scope: its tasks' outcomes unreadable: %s", error)
+        return False, None
+    if spec.enter.templated.get("once_per") is not None and period is None:
+        logger.warning("pglock: no completion recorded for the lock scope: its setup's XCom holds no period")
+        return False, None
     if missing:
         logger.info(
             "pglock: no completion recorded for the lock scope (once_per / min_interval): task(s) %s did not succeed",
             ", ".join(missing),
         )
-    return not missing
+    return not missing, period
+
+
+def _failed_tasks(context: Context, members: tuple[str, ...]) -> list[str]:
+    """Tasks of the scope whose state is not success although they pushed their marker (e.g. their
+    return value could not be stored afterwards), where the Task SDK can tell (``get_task_states``)."""
+    ti = context["ti"]
+    get_task_states = getattr(ti, "get_task_states", None)
+    if get_task_states is None or not members:
+        return []
+    try:
+        states = get_task_states(dag_id=ti.dag_id, task_ids=list(members), run_ids=[ti.run_id])
+    except TypeError:  # a Task SDK whose call differs: the markers alone decide
+        return []
+    of_run = states.get(ti.run_id, {}) if isinstance(states, dict) else {}
+    return [task_id for task_id, state in of_run.items() if task_id in members and str(state) != "success"]
 
 
 def _free_after_failed_setup(
@@ -249,14 +285,15 @@ class ScopeMemberGuard:
         except LockConfigurationError as error:
             fail_for_configuration(lock_spec, error, task.log)
 
-        def work(handle: LockHandle) -> Any:
-            result = type(task).execute(task, context, **kwargs)
-            if self.spec.has_run_rules:  # read by the teardown, which records the completion
-                context["ti"].xcom_push(key=SUCCEEDED_XCOM_KEY, value=role.holder)
-            return result
-
         try:
-            return run_guarded(lock_spec, context, work, task.log, scope=role, **rendered)
+            result = run_guarded(
+                lock_spec,
+                context,
+                lambda handle: type(task).execute(task, context, **kwargs),
+                task.log,
+                scope=role,
+                **rendered,
+            )
         except LockLostError:
             try:
                 task.on_kill()
@@ -265,6 +302,9 @@ class ScopeMemberGuard:
                     "pglock: on_kill() after the scope was lost raised %s: %s", type(error).__name__, error
                 )
             raise
+        if self.spec.has_run_rules:  # the work ran under the key to its end: read by the teardown
+            context["ti"].xcom_push(key=SUCCEEDED_XCOM_KEY, value=role.holder)
+        return result
 
 
 def _guard_member(task: Any, spec: ScopeSpec) -> None:
@@ -314,7 +354,8 @@ def _wire(tasks: list[Any], spec: ScopeSpec, *, task_group: Any = None, dag: Any
         retries=0,
         **where,
     )
-    members = tuple(task.task_id for task in tasks)
+    # EmptyOperator tasks never run in Airflow 3 (marked success by the scheduler): no marker to wait for
+    members = tuple(task.task_id for task in tasks if not getattr(task, "inherits_from_empty_operator", False))
     leave = PythonOperator(
         task_id=EXIT_TASK_ID,
         python_callable=lambda **context: _run_scope_task(spec, "leave", context, members=members),

@@ -289,12 +289,13 @@ def test_a_setup_that_fails_after_taking_the_scope_frees_it(airflow_db: Any, sco
 
 ONCE_DAG = """
 import pendulum
+from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.sdk import dag, task
 from airflow_pglock.operators.scope import advisory_lock_scope
 
 
 @dag(dag_id="scoped_once", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False,
-     params={"day": "2026-12-01", "fail_b": False})
+     params={"day": "2026-12-01", "fail_b": False, "unstorable": False})
 def scoped_once():
     with advisory_lock_scope("publish", key="scope-key", postgres_conn_id="pglock_test",
                              once_per="{{ params.day }}"):
@@ -306,9 +307,11 @@ def scoped_once():
         def b(first, params=None):
             if params["fail_b"]:
                 raise RuntimeError("b failed")
+            if params["unstorable"]:  # fails after its work and its marker: Airflow cannot store it as XCom
+                return object()
             return first
 
-        b(a())
+        b(a()) >> EmptyOperator(task_id="noop")  # never runs (Airflow 3 marks it success): no marker
 
 
 scoped_once_dag = scoped_once()
@@ -316,6 +319,7 @@ scoped_once_dag = scoped_once()
 
 PLAIN_ONCE_DAG = """
 import pendulum
+from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.sdk import dag, task
 
 @dag(dag_id="plain_once", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False,
@@ -344,6 +348,10 @@ def test_once_per_on_a_scope_the_setup_checks_and_the_teardown_records_when_ever
     assert failed.state("publish.b") == "failed" and failed.state("publish.pglock_scope_exit") == "success"
     assert _completions(scopes_db) == [], "a scope with a failed task records no completion"
     assert _scope_rows(scopes_db) == []
+    unstorable = run_dag(ONCE_DAG, "scoped_once", {"day": "2026-12-01", "unstorable": True})
+    assert unstorable.state("publish.b") == "failed", "its return value could not be stored"
+    assert unstorable.state("publish.pglock_scope_exit") == "success"
+    assert _completions(scopes_db) == [], "a task that failed after its marker records no completion"
 
     done = run_dag(ONCE_DAG, "scoped_once", {"day": "2026-12-01", "fail_b": False})
     assert done.state("publish.a") == done.state("publish.b") == "success"

@@ -412,3 +412,68 @@ def test_doctor_reports_the_scopes_grants_and_live_scopes(hook: Any, scopes_db: 
         assert doctor.code == 1
     finally:
         scopes_db.execute("GRANT SELECT ON pglock.scope_horizon TO PUBLIC")
+
+
+def _completions(admin: Any) -> list[tuple[Any, ...]]:
+    return admin.execute("SELECT period, fencing_token FROM pglock.completions").fetchall()
+
+
+def _leave_recording(hook: Any, holder: str, work: Any = None) -> LockGuard:
+    """A scope's teardown with once_per, as the teardown of a scope whose every task succeeded runs it."""
+    from airflow_pglock.run_rules import RunRules
+
+    guard = LockGuard(
+        hook.database, KEY, LockPolicy(), scope=_role("leave", holder), rules=RunRules(period="2026-12-01")
+    )
+    guard.run(work or (lambda handle: None))
+    return guard
+
+
+def test_a_recording_teardown_records_the_completion_with_the_scopes_token_then_frees_the_scope(
+    hook: Any, scopes_db: Any
+) -> None:
+    holder = uuid.uuid4().hex
+    token = _enter(hook, holder, fencing=True)
+    guard = _leave_recording(hook, holder)
+    assert guard.outcome == "completed"
+    assert _completions(scopes_db) == [("2026-12-01", token)]
+    assert scopes_db.execute("SELECT count(*) FROM pglock.scopes").fetchone()[0] == 0
+    assert _advisory_locks(scopes_db) == 0
+
+
+def test_a_recording_teardown_whose_session_ends_before_the_record_keeps_the_scope_and_records_nothing(
+    hook: Any, scopes_db: Any
+) -> None:
+    """Freed only after the record: a teardown cut off before it leaves the row, so the next setup
+    waits for the lease instead of finding neither the row nor the completion."""
+    holder = uuid.uuid4().hex
+    _enter(hook, holder)
+
+    def end_session(handle: Any) -> None:
+        scopes_db.execute("SELECT pg_terminate_backend(%s)", [handle.backend_pid])
+
+    with pytest.raises(LockLostError):
+        _leave_recording(hook, holder, end_session)
+    assert _completions(scopes_db) == []
+    rows = scopes_db.execute("SELECT holder, lease_until > clock_timestamp() FROM pglock.scopes").fetchall()
+    assert rows == [(holder, True)], "the scope stays held until its lease ends"
+    with pytest.raises(LockBusyError, match="is held by the lock scope"):
+        _enter(hook, uuid.uuid4().hex)
+
+
+@pytest.mark.parametrize("taken", [False, True], ids=["lapsed", "lapsed-and-taken"])
+def test_a_recording_teardown_whose_scope_lapsed_records_nothing_and_fails_as_lost(
+    hook: Any, scopes_db: Any, taken: bool
+) -> None:
+    holder = uuid.uuid4().hex
+    _enter(hook, holder)
+    scopes_db.execute("UPDATE pglock.scopes SET lease_until = clock_timestamp() - interval '1 second'")
+    other = uuid.uuid4().hex
+    if taken:
+        _enter(hook, other)
+    with pytest.raises(LockLostError, match=r"before its teardown: .*; no completion recorded"):
+        _leave_recording(hook, holder)
+    assert _completions(scopes_db) == []
+    left = scopes_db.execute("SELECT holder FROM pglock.scopes").fetchall()
+    assert left == [(other if taken else holder,)], "a lapsed teardown deletes nothing"
+    assert _advisory_locks(scopes_db) == 0
