@@ -18,7 +18,10 @@ Each of these is a failure of the run (:attr:`Report.violations`):
    holder before the overlap began, or the overlap lasted longer than :func:`overlap_bound`
    allows for that fault's kind;
 5. **token went backwards**: a fenced hold got a token lower than an earlier hold of the key;
-6. **left behind**: a lock, a session or a process still there when the campaign ended.
+6. **left behind**: a lock, a session or a process still there when the campaign ended;
+7. **period recorded twice or run again**: a scope with ``once_per`` recorded a key's period
+   that another run had recorded, or took the key's scope for a period after another run's
+   ``recorded`` event for it (its setup must have found the period done).
 
 Besides, the figures docs/safety.md shows: operations, faults by kind, believed-held overlap
 windows, time to detect and time until the key is free again, by fault kind.
@@ -74,6 +77,7 @@ class Hold:
     token: int | None
     backend: int | None
     end: float = float("inf")
+    period: str | None = None  # a scope with once_per: the period its setup checked
 
 
 @dataclass
@@ -89,6 +93,7 @@ class Run:
     lost_at: float | None = None
     refused: int = 0
     writes: int = 0
+    recorded: list[tuple[str, str, float]] = field(default_factory=list)  # (key, period, after the record)
 
 
 @dataclass
@@ -148,8 +153,20 @@ def build(events: Iterable[dict[str, Any]]) -> tuple[dict[str, Run], list[Fault]
         if kind == "acquired":  # from when the lock was taken (``at``), not when the work began
             acquired = e.get("at", e["t"])
             run.holds.append(
-                Hold(run.run, run.worker, run.pid, run.kind, e["key"], acquired, e["token"], e.get("backend"))
+                Hold(
+                    run.run,
+                    run.worker,
+                    run.pid,
+                    run.kind,
+                    e["key"],
+                    acquired,
+                    e["token"],
+                    e.get("backend"),
+                    period=e.get("period"),
+                )
             )
+        elif kind == "recorded":
+            run.recorded.append((e["key"], e["period"], e["t"]))
         elif kind == "write":
             run.writes += 1
             run.refused += 0 if e["accepted"] else 1
@@ -284,6 +301,23 @@ def check(
                 )
             last = (hold.token, hold.run)
 
+    # 7. once_per: a period is recorded once per key, and no scope takes a key for a period after
+    # another run recorded it (its setup must have found the period done)
+    records: dict[tuple[str, str], list[tuple[float, str]]] = defaultdict(list)
+    for run in runs.values():
+        for key, period, at in run.recorded:
+            records[(key, period)].append((at, run.run))
+    for (key, period), recorded in records.items():
+        if len(recorded) > 1:
+            violations.append(f"period {period!r} of {key!r} recorded {len(recorded)} times: {sorted(recorded)}")
+        first_at, first_run = min(recorded)
+        for hold in by_key.get(key, []):
+            if hold.period == period and hold.run != first_run and hold.acquired > first_at:
+                violations.append(
+                    f"period {period!r} of {key!r} ran again: {hold.run} took the scope at {hold.acquired:.3f}, "
+                    f"after {first_run} recorded it (by {first_at:.3f})"
+                )
+
     # figures
     detect: dict[str, list[float]] = defaultdict(list)
     freed: dict[str, list[float]] = defaultdict(list)
@@ -311,6 +345,7 @@ def check(
         "faults": fault_counts,
         "stale_writes_accepted": stale_accepted,
         "lost_holds_reported_as_success": reported_success,
+        "periods_recorded": sum(len(recorded) for recorded in records.values()),
         "overlap_seconds": {kind: _spread(overlaps.get(kind, [])) for kind in FAULT_KINDS},
         "detect_seconds": {kind: _spread(detect.get(kind, [])) for kind in FAULT_KINDS},
         "freed_seconds": {kind: _spread(freed.get(kind, [])) for kind in FAULT_KINDS},

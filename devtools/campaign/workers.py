@@ -19,7 +19,9 @@ The kinds (every public way to hold a lock, see docs/safety.md):
 * ``pool``: a pool of slots (``slots=2``);
 * ``scope``: a lock scope (``advisory_lock_scope``: docs/scopes.md) as its setup, tasks and
   teardown run it, with a fencing token per scope: it believes it holds the key from its setup
-  to its last task, the gaps between tasks included (the lease row holds it there).
+  to its last task, the gaps between tasks included (the lease row holds it there). Half of
+  its runs have ``once_per`` a period of :data:`PERIOD_SECONDS` (the setup checks it, the
+  teardown records it when every task succeeded: a ``recorded`` event).
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ FENCED_KINDS = frozenset({"guard-session", "guard-transaction", "guard-wait", "s
 #: outlast it (the scope lapses; its next task must fail as lost); a cut-off worker learns of
 #: the cut at its next task's connect (2 s) well before it.
 SCOPE_LEASE_FACTOR = 2.0
+#: The length of a scope's once_per period, in seconds (the period is the wall clock's quotient).
+PERIOD_SECONDS = 20
 
 
 @dataclass(frozen=True)
@@ -242,15 +246,18 @@ class Worker:
         from airflow_pglock.policy import LockPolicy
         from airflow_pglock.scope_rules import ScopeRole
 
+        from airflow_pglock.run_rules import RunRules
+
         lock_key, holder = LockKey.from_name(key), uuid.uuid4().hex
         lease = SCOPE_LEASE_FACTOR * self.config.lease
         member_policy = LockPolicy(on_busy="wait", wait_timeout=1.5, on_wait_timeout="fail")
+        period = str(int(time.time() // PERIOD_SECONDS)) if self.rng.random() < 0.5 else None
 
-        def guard(kind: str, policy: LockPolicy) -> LockGuard:
+        def guard(kind: str, policy: LockPolicy, rules: RunRules | None = None) -> LockGuard:
             role = ScopeRole(kind=kind, holder=holder, run=f"{self.name} {run}", task=kind, lease=lease, fencing=True)  # type: ignore[arg-type]
-            return LockGuard(self.hook.database, lock_key, policy, application_name=self.name, scope=role)
+            return LockGuard(self.hook.database, lock_key, policy, application_name=self.name, scope=role, rules=rules)
 
-        enter = guard("enter", LockPolicy())
+        enter = guard("enter", LockPolicy(), RunRules(period=period))
         try:
             with enter as handle:
                 token, backend, at = handle.fencing_token, handle.backend_pid, handle.acquired_at.timestamp()
@@ -258,7 +265,8 @@ class Worker:
             if enter.refusal is error:
                 raise _Busy from error
             raise
-        self.history.emit("acquired", run=run, key=key, token=token, backend=backend, at=at)
+        self.history.emit("acquired", run=run, key=key, token=token, backend=backend, at=at, period=period)
+        succeeded = False
         try:
             for _ in range(self.rng.randint(2, 3)):
                 time.sleep(self.rng.uniform(0.0, 0.5))  # between tasks: only the lease row holds the scope
@@ -269,10 +277,16 @@ class Worker:
                 except LockLostError:
                     self.history.emit("lost", run=run)
                     raise
+            succeeded = True
         finally:
             self.history.emit("done", run=run)
-            try:  # the teardown runs whatever the tasks' states, as Airflow's does
-                guard("leave", member_policy).run(lambda handle: None)
+            # The teardown runs whatever the tasks' states, as Airflow's does; it records the
+            # period only when every task succeeded.
+            recording = succeeded and period is not None
+            try:
+                guard("leave", member_policy, RunRules(period=period) if recording else None).run(lambda handle: None)
+                if recording:  # emitted after the record: a setup that took the scope later must have skipped
+                    self.history.emit("recorded", run=run, key=key, period=period)
             except Exception as error:  # a lapsed scope frees itself; the run's outcome says what went wrong
                 self.history.emit("teardown-failed", run=run, detail=f"{type(error).__name__}: {error}"[:300])
 

@@ -119,3 +119,27 @@ def test_figures_count_detection_and_freeing_by_fault_kind() -> None:
     )
     assert abs(figures["freed_seconds"]["terminate"]["p50"] - 0.5) < 1e-6
     assert figures["faults"]["terminate"] == 1
+
+
+def _scope_run(run: str, pid: int, start: float, end: float, period: str, recorded: bool) -> list[dict]:
+    events = _run(run, pid, "k", start, end, "completed")
+    events[1]["period"] = period
+    if recorded:
+        events.append({"t": end + 0.005, "event": "recorded", "run": run, "key": "k", "period": period, "pid": pid})
+    return events
+
+
+def test_a_period_recorded_once_passes_and_one_run_again_or_recorded_twice_fails() -> None:
+    # a, unrecorded (a task failed), then b records: the period's first record; c runs the next period
+    kept = [
+        *_scope_run("a", 1, 10, 11, "p1", recorded=False),
+        *_scope_run("b", 2, 11.05, 12, "p1", recorded=True),
+        *_scope_run("c", 1, 12.1, 13, "p2", recorded=True),
+    ]
+    report = check(kept, [], lease=LEASE)
+    assert report.passed, report.violations
+    assert report.figures["periods_recorded"] == 2
+    again = [*_scope_run("b", 2, 11.05, 12, "p1", recorded=True), *_scope_run("d", 1, 12.1, 13, "p1", recorded=False)]
+    assert any("ran again" in v for v in check(again, [], lease=LEASE).violations)
+    twice = [*_scope_run("b", 2, 11.05, 12, "p1", recorded=True), *_scope_run("d", 1, 12.1, 13, "p1", recorded=True)]
+    assert any("recorded 2 times" in v for v in check(twice, [], lease=LEASE).violations)
