@@ -244,9 +244,8 @@ class Worker:
         from airflow_pglock.guard import LockGuard
         from airflow_pglock.keys import LockKey
         from airflow_pglock.policy import LockPolicy
-        from airflow_pglock.scope_rules import ScopeRole
-
         from airflow_pglock.run_rules import RunRules
+        from airflow_pglock.scope_rules import ScopeRole
 
         lock_key, holder = LockKey.from_name(key), uuid.uuid4().hex
         lease = SCOPE_LEASE_FACTOR * self.config.lease
