@@ -255,7 +255,11 @@ def _failed_tasks(context: Context, members: tuple[str, ...]) -> list[str]:
     except TypeError:  # a Task SDK whose call differs: the markers alone decide
         return []
     of_run = states.get(ti.run_id, {}) if isinstance(states, dict) else {}
-    return [task_id for task_id, state in of_run.items() if task_id in members and str(state) != "success"]
+    return [
+        task_id
+        for task_id, state in of_run.items()
+        if task_id in members and str(getattr(state, "value", state)) != "success"  # an enum or its value
+    ]
 
 
 def _free_after_failed_setup(

@@ -49,6 +49,8 @@ def render(report: dict[str, Any], command: str, picture: bool) -> str:
         f"({report['refused_writes']}) |",
         f"| **stale writes accepted** (goal 0) | **{report['stale_writes_accepted']}** |",
         f"| **lost holds reported as success** (goal 0) | **{report['lost_holds_reported_as_success']}** |",
+        f"| once_per periods recorded by scopes (each at most once per key, none run again: rule 7) | "
+        f"{report.get('periods_recorded', '-')} |",
         f"| violations of any rule | {len(report['violations'])} |",
         "",
         "Per fault kind, in seconds, p50 / p99 / max (n): the believed-held overlap windows the fault",
