@@ -378,7 +378,7 @@ class LockGuard:
         if not record_success(self.rules, held, self.identity, self.fencing_token):
             return False
         if self.scope.kind == "leave":
-            free_scope(self.scope, self.key, held)
+            free_scope(self.scope, self.key, held, self.log)
         return True
 
     def _stop_heartbeat(self) -> None:

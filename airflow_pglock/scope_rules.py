@@ -122,12 +122,21 @@ def check_own_scope(role: ScopeRole, key: LockKey, held: HeldLock) -> ScopeRow:
     return row
 
 
-def free_scope(role: ScopeRole, key: LockKey, held: HeldLock) -> None:
-    """The teardown that recorded a completion frees its scope (still under the lock)."""
+def free_scope(role: ScopeRole, key: LockKey, held: HeldLock, logger: logging.Logger | Any) -> None:
+    """The teardown that recorded a completion frees its scope (still under the lock).
+
+    The row is deleted (committed) first; lowering the horizon after it is best effort: a
+    horizon left too high only makes guards read scope rows a while longer, whereas failing
+    here would fail a teardown whose completion and delete were both committed.
+    """
     from airflow_pglock.pg import scopes
 
     assert role.holder is not None
-    scopes.leave(held.connection, key, role.holder)
+    scopes.leave(held.connection, key, role.holder, lower=False)
+    try:
+        scopes.lower_horizon(held.connection)
+    except Exception as error:  # the unlock that follows finds a session that ended
+        logger.warning("pglock could not lower the scope horizon after freeing %s: %s", key.describe(), error)
 
 
 def end_member_task(role: ScopeRole, key: LockKey, held: HeldLock, logger: logging.Logger | Any) -> None:

@@ -40,7 +40,7 @@ from airflow_pglock.compat import (
     TaskGroup,
     rendered_task,
 )
-from airflow_pglock.exceptions import LockBusyError, LockConfigurationError, LockLostError
+from airflow_pglock.exceptions import AlreadyDoneError, LockBusyError, LockConfigurationError, LockLostError
 from airflow_pglock.options import LockOptions, LockSpec
 from airflow_pglock.scope_rules import DEFAULT_SCOPE_LEASE_SECONDS, ScopeKind, ScopeRole
 from airflow_pglock.task_guard import (
@@ -96,14 +96,18 @@ class ScopeSpec:
         """once_per or min_interval: checked by the setup, recorded by the teardown."""
         return self.enter.templated.get("once_per") is not None or self.enter.min_interval is not None
 
-    def member_spec(self, *, record_rules: bool = False) -> LockSpec:
+    def member_spec(self, *, record_rules: bool = False, teardown: bool = False) -> LockSpec:
         """The lock options of a task of the scope (and of its teardown): wait briefly, then fail.
 
         :param record_rules: keep once_per / min_interval (the teardown, when every task succeeded).
+        :param teardown: the teardown never turns an error into a skip (``on_error="fail"``): a
+            skipped teardown would leave the scope held until its lease ends, silently.
         """
         policy = dataclasses.replace(
             self.enter.policy, on_busy="wait", wait_timeout=self.member_wait, on_wait_timeout="fail", defer_after=0.0
         )
+        if teardown:
+            policy = dataclasses.replace(policy, on_error="fail")
         if record_rules:
             return dataclasses.replace(self.enter, policy=policy)
         templated = {**self.enter.templated, "once_per": None}
@@ -186,7 +190,9 @@ def _run_scope_task(
         period: Any = None
         if kind == "leave" and spec.has_run_rules:
             record, period = _completion_to_record(spec, members, role, context, task.log)
-            lock_spec = spec.member_spec(record_rules=record)
+            lock_spec = spec.member_spec(record_rules=record, teardown=True)
+        elif kind == "leave":
+            lock_spec = spec.member_spec(teardown=True)
         rendered = render_lock_options(lock_spec, context)
         if kind == "leave" and "once_per" in rendered and rendered["once_per"] is not None:
             rendered["once_per"] = period  # the period the setup checked, not one rendered again now
@@ -202,7 +208,7 @@ def _run_scope_task(
     try:
         result = run_guarded(lock_spec, context, done, task.log, deadline=deadline, scope=role, **rendered)
     except BaseException as error:
-        if kind == "enter" and not isinstance(error, AirflowSkipException | TaskDeferred | LockBusyError):
+        if kind == "enter" and not _refused(error):  # it may have taken the scope (a skip too: on_error="skip")
             _free_after_failed_setup(spec, role, context, rendered, task.log)
         raise
     if kind == "enter":
@@ -210,6 +216,29 @@ def _run_scope_task(
         return result
     task.log.info("pglock: freed the lock scope of %s (holder %s)", rendered.get("key"), role.holder)
     return None
+
+
+def _refused(error: BaseException) -> bool:
+    """The setup took nothing: it was busy, deferred, or found the period done."""
+    if isinstance(error, TaskDeferred | LockBusyError | AlreadyDoneError):
+        return True
+    return isinstance(error, AirflowSkipException) and isinstance(error.__cause__, LockBusyError | AlreadyDoneError)
+
+
+def scope_members(tasks: list[Any]) -> tuple[str, ...]:
+    """The tasks whose success marker the teardown waits for: all but those Airflow 3 marks
+    success without running them (an EmptyOperator with no callbacks, inlets or outlets)."""
+    return tuple(task.task_id for task in tasks if not _never_runs(task))
+
+
+def _never_runs(task: Any) -> bool:
+    return bool(
+        getattr(task, "inherits_from_empty_operator", False)
+        and not getattr(task, "on_execute_callback", None)
+        and not getattr(task, "on_success_callback", None)
+        and not getattr(task, "outlets", None)
+        and not getattr(task, "inlets", None)
+    )
 
 
 def _completion_to_record(
@@ -358,8 +387,7 @@ def _wire(tasks: list[Any], spec: ScopeSpec, *, task_group: Any = None, dag: Any
         retries=0,
         **where,
     )
-    # EmptyOperator tasks never run in Airflow 3 (marked success by the scheduler): no marker to wait for
-    members = tuple(task.task_id for task in tasks if not getattr(task, "inherits_from_empty_operator", False))
+    members = scope_members(tasks)
     leave = PythonOperator(
         task_id=EXIT_TASK_ID,
         python_callable=lambda **context: _run_scope_task(spec, "leave", context, members=members),

@@ -242,15 +242,19 @@ def rejoin(
     return row
 
 
-def leave(conn: psycopg.Connection[Any], key: LockKey, holder: str) -> ScopeRow | None:
-    """Free ``holder``'s scope of ``key``: the row as it was (``live`` False: it had lapsed), or None when gone."""
+def leave(conn: psycopg.Connection[Any], key: LockKey, holder: str, *, lower: bool = True) -> ScopeRow | None:
+    """Free ``holder``'s scope of ``key``: the row as it was (``live`` False: it had lapsed), or None when gone.
+
+    :param lower: lower the horizon afterwards (else the caller does, see :func:`lower_horizon`).
+    """
     cursor = _run(
         conn,
         f"DELETE FROM pglock.scopes WHERE {_WHERE} AND holder = %(holder)s RETURNING {_COLUMNS}",
         {**_coordinates(key), "holder": holder},
     )
     freed = _row(cursor.fetchone())
-    lower_horizon(conn)
+    if lower:
+        lower_horizon(conn)
     return freed
 
 

@@ -251,8 +251,10 @@ def test_the_sensor_sees_a_scope_between_its_tasks_as_held(
     assert ended
 
 
-def test_a_setup_that_fails_after_taking_the_scope_frees_it(airflow_db: Any, scopes_db: Any) -> None:
-    """Airflow skips the teardown of a failed setup: the setup frees what it took itself."""
+@pytest.mark.parametrize("error", [RuntimeError, compat.AirflowSkipException], ids=["failed", "skipped"])
+def test_a_setup_that_fails_after_taking_the_scope_frees_it(airflow_db: Any, scopes_db: Any, error: type) -> None:
+    """Airflow skips the teardown of a failed (or skipped: on_error="skip") setup: the setup frees
+    what it took itself."""
     import types
 
     from airflow.sdk import DAG
@@ -270,7 +272,7 @@ def test_a_setup_that_fails_after_taking_the_scope_frees_it(airflow_db: Any, sco
 
     def refuse(**_: Any) -> None:
         assert scopes_db.execute("SELECT count(*) FROM pglock.scopes").fetchone()[0] == 1  # taken by now
-        raise RuntimeError("the XCom could not be stored")
+        raise error("the XCom could not be stored")
 
     ti = types.SimpleNamespace(
         dag_id=dag.dag_id,
@@ -281,7 +283,7 @@ def test_a_setup_that_fails_after_taking_the_scope_frees_it(airflow_db: Any, sco
         task=enter,
         xcom_push=refuse,
     )
-    with pytest.raises(RuntimeError, match="the XCom could not be stored"):
+    with pytest.raises(error, match="the XCom could not be stored"):
         enter.python_callable(ti=ti, task=enter, params={})
     assert _scope_rows(scopes_db) == [], "the failed setup freed its scope"
     assert run_dag(PLAIN_DAG, "plain_guard").state("plain") == "success"
@@ -369,3 +371,24 @@ def test_once_per_on_a_scope_the_setup_checks_and_the_teardown_records_when_ever
     next_day = run_dag(ONCE_DAG, "scoped_once", {"day": "2026-12-02", "fail_b": False})
     assert next_day.state("publish.b") == "success"
     assert [period for period, _ in _completions(scopes_db)] == ["2026-12-01", "2026-12-02"]
+
+
+def test_the_teardown_waits_for_every_task_that_runs_and_never_skips_on_error() -> None:
+    from airflow.providers.standard.operators.empty import EmptyOperator
+    from airflow.sdk import DAG, Asset
+
+    from airflow_pglock.compat import PythonOperator
+    from airflow_pglock.operators import scope
+
+    with DAG("scope_members", schedule=None) as dag:
+        tasks = [
+            PythonOperator(task_id="work", python_callable=lambda: None),
+            EmptyOperator(task_id="never_runs"),
+            EmptyOperator(task_id="emits", outlets=[Asset("pglock-test-asset")]),  # Airflow 3 runs it
+            EmptyOperator(task_id="calls_back", on_success_callback=lambda context: None),
+        ]
+    assert scope.scope_members(tasks) == ("work", "emits", "calls_back")
+    spec = scope._scope_spec("g.", {"key": "k", "on_error": "skip"})
+    assert spec.enter.policy.on_error == "skip" and spec.member_spec().policy.on_error == "skip"
+    assert spec.member_spec(teardown=True).policy.on_error == "fail"
+    assert dag.dag_id == "scope_members"
