@@ -53,7 +53,7 @@ from airflow_pglock.pg.held import HeldLock
 from airflow_pglock.policy import LockPolicy
 from airflow_pglock.registry import record_acquisition
 from airflow_pglock.run_rules import RunRules, check_before_work, check_not_shared, record_success
-from airflow_pglock.scope_rules import OUTSIDE, ScopeRole, check_own_scope, end_member_task, free_scope
+from airflow_pglock.scope_rules import OUTSIDE, ScopeRole, check_own_scope, end_member_task, record_and_free
 from airflow_pglock.scope_rules import check_before_work as check_scope
 
 #: Seconds between two tries of a guard that waits (``on_busy="wait"``) for another's lock
@@ -375,11 +375,13 @@ class LockGuard:
         then frees its scope, still under the lock. False: the key was found not held."""
         if not self._records_completion:
             return True
-        if not record_success(self.rules, held, self.identity, self.fencing_token):
-            return False
+
+        def record() -> bool:
+            return record_success(self.rules, held, self.identity, self.fencing_token)
+
         if self.scope.kind == "leave":
-            free_scope(self.scope, self.key, held, self.log)
-        return True
+            return record_and_free(self.scope, self.key, held, record, self.log)
+        return record()
 
     def _stop_heartbeat(self) -> None:
         self._stop.set()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -122,21 +123,30 @@ def check_own_scope(role: ScopeRole, key: LockKey, held: HeldLock) -> ScopeRow:
     return row
 
 
-def free_scope(role: ScopeRole, key: LockKey, held: HeldLock, logger: logging.Logger | Any) -> None:
-    """The teardown that recorded a completion frees its scope (still under the lock).
+def record_and_free(
+    role: ScopeRole, key: LockKey, held: HeldLock, record: Callable[[], bool], logger: logging.Logger | Any
+) -> bool:
+    """The teardown of a scope that records a completion: ``record()`` and the row's delete in one
+    transaction, still under the lock, so that the completion is committed exactly when the scope
+    is freed (a failed delete rolls the record back; the row then keeps the scope and a retry of the
+    teardown finds it). Lowering the horizon follows, best effort: a horizon left too high only
+    makes guards read scope rows a while longer.
 
-    The row is deleted (committed) first; lowering the horizon after it is best effort: a
-    horizon left too high only makes guards read scope rows a while longer, whereas failing
-    here would fail a teardown whose completion and delete were both committed.
+    :param record: records the completion (its statement checks the key is held).
+    :returns: False when ``record()`` found the key not held (nothing recorded, nothing freed).
     """
     from airflow_pglock.pg import scopes
 
     assert role.holder is not None
-    scopes.leave(held.connection, key, role.holder, lower=False)
+    with scopes.one_transaction(held.connection):
+        if not record():
+            return False
+        scopes.leave(held.connection, key, role.holder, lower=False)
     try:
         scopes.lower_horizon(held.connection)
     except Exception as error:  # the unlock that follows finds a session that ended
         logger.warning("pglock could not lower the scope horizon after freeing %s: %s", key.describe(), error)
+    return True
 
 
 def end_member_task(role: ScopeRole, key: LockKey, held: HeldLock, logger: logging.Logger | Any) -> None:

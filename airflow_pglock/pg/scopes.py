@@ -259,6 +259,13 @@ def leave(conn: psycopg.Connection[Any], key: LockKey, holder: str, *, lower: bo
 
 
 @contextlib.contextmanager
+def one_transaction(conn: psycopg.Connection[Any]) -> Iterator[None]:
+    """One READ COMMITTED transaction around several writes (a teardown's record and delete)."""
+    with _read_committed(conn, "pglock_scope_teardown"):
+        yield
+
+
+@contextlib.contextmanager
 def _read_committed(conn: psycopg.Connection[Any], savepoint: str) -> Iterator[None]:
     """A transaction (a savepoint inside one) whose every statement sees what was committed
     before it began, whatever the database's default isolation."""

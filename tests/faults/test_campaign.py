@@ -47,5 +47,7 @@ def test_a_short_campaign_keeps_every_promise() -> None:
     assert set(figures["outcomes"]) == set(KINDS), figures["outcomes"]
     assert all(outcomes.get("completed", 0) >= 1 for outcomes in figures["outcomes"].values()), figures["outcomes"]
     assert figures["stale_writes_accepted"] == 0 and figures["lost_holds_reported_as_success"] == 0
-    assert figures["periods_recorded"] >= 1, "scopes with once_per recorded periods (rule 7 was exercised)"
+    # Not asserted: that a scope recorded a once_per period. In 80 s only a handful of scope runs
+    # complete and half have once_per (a run recorded none: 4 completed). Rule 7 is shown on synthetic
+    # histories (tests/unit/test_campaign_checker.py) and by the long run (docs/safety.md).
     shutil.rmtree(out, ignore_errors=True)

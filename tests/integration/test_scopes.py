@@ -477,3 +477,27 @@ def test_a_recording_teardown_whose_scope_lapsed_records_nothing_and_fails_as_lo
     left = scopes_db.execute("SELECT holder FROM pglock.scopes").fetchall()
     assert left == [(other if taken else holder,)], "a lapsed teardown deletes nothing"
     assert _advisory_locks(scopes_db) == 0
+
+
+def test_a_recording_teardown_whose_delete_fails_records_nothing_and_its_retry_records_and_frees(
+    hook: Any, scopes_db: Any
+) -> None:
+    """The record and the delete are one transaction: a failed delete rolls the record back, the
+    row keeps the scope, and a retry of the teardown finds its own row, records and frees."""
+    holder = uuid.uuid4().hex
+    token = _enter(hook, holder, fencing=True)
+    scopes_db.execute(
+        "CREATE FUNCTION pglock.refuse_delete() RETURNS trigger LANGUAGE plpgsql AS"
+        " $$BEGIN RAISE EXCEPTION 'pglock test: delete refused'; END$$;"
+        "CREATE TRIGGER refuse_delete BEFORE DELETE ON pglock.scopes FOR EACH ROW"
+        " EXECUTE FUNCTION pglock.refuse_delete()"
+    )
+    with pytest.raises(Exception, match="delete refused"):
+        _leave_recording(hook, holder)
+    assert _completions(scopes_db) == [], "the failed delete rolled the record back"
+    assert scopes_db.execute("SELECT holder FROM pglock.scopes").fetchall() == [(holder,)]
+    scopes_db.execute("DROP TRIGGER refuse_delete ON pglock.scopes")
+    assert _leave_recording(hook, holder).outcome == "completed"
+    assert _completions(scopes_db) == [("2026-12-01", token)]
+    assert scopes_db.execute("SELECT count(*) FROM pglock.scopes").fetchone()[0] == 0
+    assert _advisory_locks(scopes_db) == 0
