@@ -173,6 +173,20 @@ def load_dag(dag_id: str, dags_folder: str | None = None) -> tuple[Any, str]:
     return bag.dags.get(dag_id), folder
 
 
+def run_task_states(ti: Any, task_ids: list[str]) -> dict[str, str] | None:
+    """The states of ``task_ids`` in ``ti``'s DAG run, as strings, or None where the Task SDK
+    cannot tell (no ``RuntimeTaskInstance.get_task_states``, or a call that differs)."""
+    get_task_states = getattr(ti, "get_task_states", None)
+    if get_task_states is None:
+        return None
+    try:
+        states = get_task_states(dag_id=ti.dag_id, task_ids=task_ids, run_ids=[ti.run_id])
+    except TypeError:
+        return None
+    of_run = states.get(ti.run_id, {}) if isinstance(states, dict) else {}
+    return {task_id: str(getattr(state, "value", state)) for task_id, state in of_run.items()}  # an enum or its value
+
+
 def use_server_connections() -> None:
     """Let connection look-ups outside a task also read the metadata database.
 
@@ -218,6 +232,7 @@ __all__ = [
     "get_stats",
     "load_dag",
     "rendered_task",
+    "run_task_states",
     "task_decorator_factory",
     "use_server_connections",
 ]

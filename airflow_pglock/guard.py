@@ -53,7 +53,7 @@ from airflow_pglock.pg.held import HeldLock
 from airflow_pglock.policy import LockPolicy
 from airflow_pglock.registry import record_acquisition
 from airflow_pglock.run_rules import RunRules, check_before_work, check_not_shared, record_success
-from airflow_pglock.scope_rules import OUTSIDE, ScopeRole, check_own_scope, end_member_task, record_and_free
+from airflow_pglock.scope_rules import OUTSIDE, ScopeRole, end_member_task, record_and_free
 from airflow_pglock.scope_rules import check_before_work as check_scope
 
 #: Seconds between two tries of a guard that waits (``on_busy="wait"``) for another's lock
@@ -130,7 +130,6 @@ class LockGuard:
             )
         # A scope's setup checks once_per / min_interval before it takes the scope; its teardown
         # records the completion (when every task of the scope succeeded) without checking again.
-        self._checks_rules = self.rules.active and scope.kind in ("outside", "enter")
         self._records_completion = self.rules.records_completion and scope.kind in ("outside", "leave")
         check_not_shared(self.rules, policy.shared)
         self.identity = identity
@@ -189,7 +188,7 @@ class LockGuard:
             record_acquisition(self.held, self.application_name, self.log, self.policy.slots)  # written at release
             if self.scope.kind == "member":
                 self.fencing_token, self.scope_row = check_scope(self.scope, self.key, self.held, self.application_name)
-            if self._checks_rules and self.scope.kind == "outside":
+            if self.rules.active and self.scope.kind == "outside":  # a scope's setup checked them in _acquire
                 self.fencing_token = check_before_work(self.rules, self.held, self.database, self.application_name)
             self.interruption.arm(interrupt=self.policy.on_lost == "fail")
             self._heartbeat = Heartbeat(self.database, self.held, self._lose, self.interruption.lost, self._stop)
@@ -229,13 +228,11 @@ class LockGuard:
             if self.scope.kind == "member":
                 break  # checked with the run rules: a lost scope is reported as lost
             try:
-                if self.scope.kind == "enter" and self._checks_rules:  # a done period takes no scope
+                if self.scope.kind == "enter" and self.rules.active:  # a done period takes no scope
                     check_before_work(self.rules, held, self.database, self.application_name)
-                if self.scope.kind == "leave" and self._records_completion:  # freed after the record
-                    self.scope_row = check_own_scope(self.scope, self.key, held)
-                    token = self.scope_row.token
-                else:
-                    token, self.scope_row = check_scope(self.scope, self.key, held, self.application_name)
+                token, self.scope_row = check_scope(
+                    self.scope, self.key, held, self.application_name, records=self._records_completion
+                )
             except LockBusyError:
                 held.close()
                 remaining = None if deadline is None else deadline - time.monotonic()

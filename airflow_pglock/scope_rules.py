@@ -58,14 +58,17 @@ OUTSIDE = ScopeRole()
 
 
 def check_before_work(
-    role: ScopeRole, key: LockKey, held: HeldLock, application_name: str | None
+    role: ScopeRole, key: LockKey, held: HeldLock, application_name: str | None, *, records: bool = False
 ) -> tuple[int | None, ScopeRow | None]:
     """Check (and for ``enter``, take; for ``leave``, free) the scope of ``key`` under the held lock.
 
     :param key: the key asked for (a pool's name when ``held`` is one of its slots).
-    :returns: the scope's fencing token (``enter``, ``member``), and the row as found.
+    :param records: a ``leave`` that records a completion: the scope must still be its own and
+        live; it is freed with the record (:func:`record_and_free`), not here.
+    :returns: the scope's fencing token (``enter``, ``member``, a recording ``leave``), and the row as found.
     :raises LockBusyError: another holder's scope is live (``outside``, ``enter``).
-    :raises LockLostError: a member found its scope gone, lapsed or taken.
+    :raises LockLostError: a member found its scope gone, lapsed or taken; a recording
+        ``leave`` found it gone or lapsed (nothing is recorded then).
     """
     from airflow_pglock.pg import scopes
     from airflow_pglock.pg.key_names import SCOPES_LIVE, scopes_installed
@@ -100,27 +103,14 @@ def check_before_work(
             cause = _why_lost(scopes.read(conn, key), role)
             raise LockLostError(f"lost the lock scope of {key.describe()}: {cause}", key, cause)
         return row.token, row
-    return None, scopes.leave(conn, key, role.holder)
-
-
-def check_own_scope(role: ScopeRole, key: LockKey, held: HeldLock) -> ScopeRow:
-    """A teardown that records a completion (once_per / min_interval), under the held lock: the
-    scope must still be its own and live. It frees the row only after the record (:func:`free_scope`),
-    so that the next setup finds the row or the completion, never neither.
-
-    :raises LockLostError: the scope lapsed or went before the teardown: another guard of the key
-        may have run in the gap, so nothing may be recorded for this scope.
-    """
-    from airflow_pglock.pg import scopes
-    from airflow_pglock.pg.key_names import scopes_installed
-
-    if not scopes_installed(held.registry):
-        raise scopes.missing_table_error()
-    row = scopes.read(held.connection, key)
+    if not records:
+        return None, scopes.leave(conn, key, role.holder)
+    # Another guard may have run in a gap after the scope lapsed: nothing may be recorded for it.
+    row = scopes.read(conn, key)
     if row is None or row.holder != role.holder or not row.live:
         cause = _why_lost(row, role) + "; no completion recorded"
         raise LockLostError(f"lost the lock scope of {key.describe()} before its teardown: {cause}", key, cause)
-    return row
+    return row.token, row
 
 
 def record_and_free(

@@ -165,9 +165,9 @@ def summarize(title: str, outcomes: list[Outcome]) -> None:
 
 
 def airflow_has_lock_scopes() -> bool:
-    from importlib.metadata import version
+    from airflow_pglock.compat import HAS_LOCK_SCOPE  # the version gate lives there
 
-    return int(version("apache-airflow").split(".")[0]) >= 3
+    return HAS_LOCK_SCOPE
 
 
 def main() -> int:

@@ -39,6 +39,7 @@ from airflow_pglock.compat import (
     TaskDeferred,
     TaskGroup,
     rendered_task,
+    run_task_states,
 )
 from airflow_pglock.exceptions import AlreadyDoneError, LockBusyError, LockConfigurationError, LockLostError
 from airflow_pglock.options import LockOptions, LockSpec
@@ -187,14 +188,13 @@ def _run_scope_task(
     lock_spec = spec.enter
     try:
         role = spec.role(kind, context)
-        period: Any = None
-        if kind == "leave" and spec.has_run_rules:
-            record, period = _completion_to_record(spec, members, role, context, task.log)
+        if kind == "leave":
+            record, period = (False, None)
+            if spec.has_run_rules:
+                record, period = _completion_to_record(spec, members, role, context, task.log)
             lock_spec = spec.member_spec(record_rules=record, teardown=True)
-        elif kind == "leave":
-            lock_spec = spec.member_spec(teardown=True)
         rendered = render_lock_options(lock_spec, context)
-        if kind == "leave" and "once_per" in rendered and rendered["once_per"] is not None:
+        if kind == "leave" and rendered.get("once_per") is not None:
             rendered["once_per"] = period  # the period the setup checked, not one rendered again now
     except LockConfigurationError as error:
         fail_for_configuration(lock_spec, error, task.log)
@@ -274,21 +274,9 @@ def _completion_to_record(
 
 def _failed_tasks(context: Context, members: tuple[str, ...]) -> list[str]:
     """Tasks of the scope whose state is not success although they pushed their marker (e.g. their
-    return value could not be stored afterwards), where the Task SDK can tell (``get_task_states``)."""
-    ti = context["ti"]
-    get_task_states = getattr(ti, "get_task_states", None)
-    if get_task_states is None or not members:
-        return []
-    try:
-        states = get_task_states(dag_id=ti.dag_id, task_ids=list(members), run_ids=[ti.run_id])
-    except TypeError:  # a Task SDK whose call differs: the markers alone decide
-        return []
-    of_run = states.get(ti.run_id, {}) if isinstance(states, dict) else {}
-    return [
-        task_id
-        for task_id, state in of_run.items()
-        if task_id in members and str(getattr(state, "value", state)) != "success"  # an enum or its value
-    ]
+    return value could not be stored afterwards), where the Task SDK can tell."""
+    states = run_task_states(context["ti"], list(members)) if members else None
+    return [task_id for task_id, state in (states or {}).items() if task_id in members and state != "success"]
 
 
 def _free_after_failed_setup(
@@ -317,7 +305,6 @@ class ScopeMemberGuard:
             role = self.spec.role("member", context)
         except LockConfigurationError as error:
             fail_for_configuration(lock_spec, error, task.log)
-
         try:
             result = run_guarded(
                 lock_spec,
