@@ -53,7 +53,7 @@ from airflow_pglock.pg.held import HeldLock
 from airflow_pglock.policy import LockPolicy
 from airflow_pglock.registry import record_acquisition
 from airflow_pglock.run_rules import RunRules, check_before_work, check_not_shared, record_success
-from airflow_pglock.scope_rules import OUTSIDE, ScopeRole, end_member_task, record_and_free
+from airflow_pglock.scope_rules import OUTSIDE, ScopeRole, end_member_task, free_after_failed_enter, record_and_free
 from airflow_pglock.scope_rules import check_before_work as check_scope
 
 #: Seconds between two tries of a guard that waits (``on_busy="wait"``) for another's lock
@@ -79,6 +79,24 @@ def busy_error(database: LockDatabase, pool: Sequence[LockKey], timeout: float |
     if slots == 1:
         return LockBusyError(f"{key.describe()} is held by {who}{waited}", key, holders)
     return LockBusyError(f"all {slots} slots of the pool {key.describe()} are held, by {who}{waited}", key, holders)
+
+
+def _pool_scoped_error(
+    pool: Sequence[LockKey], scoped: dict[int, LockBusyError], others: LockBusyError | None
+) -> LockBusyError:
+    """The refusal for a pool whose every slot is held: some by lock scopes between their tasks
+    (their rows), the others by sessions (``others``, read from pg_locks)."""
+    by_scope = "; ".join(f"slot {index + 1}: {scoped[index]}" for index in sorted(scoped))
+    rest = f"; the other {len(pool) - len(scoped)} by sessions ({others})" if others is not None else ""
+    # A scope's slot is free in pg_locks: a deferred retry must wait for the rows, not a release.
+    hints = [error.retry_after for error in scoped.values() if error.retry_after is not None]
+    return LockBusyError(
+        f"all {len(pool)} slots of the pool {pool[0].describe()} are held, {len(scoped)} by lock scopes "
+        f"({by_scope}){rest}",
+        pool[0],
+        others.holders if others is not None else (),
+        retry_after=min(hints) if hints else None,
+    )
 
 
 class LockGuard:
@@ -115,10 +133,15 @@ class LockGuard:
     ) -> None:
         self.database = database
         self.scope = scope
-        if scope.kind != "outside" and (policy.mode != "session" or policy.shared or policy.slots != 1):
+        if scope.kind != "outside" and (policy.mode != "session" or policy.shared):
             raise LockConfigurationError(
-                "a lock scope holds one exclusive session lock: mode='session', shared=False and slots=1, got "
-                f"mode={policy.mode!r}, shared={policy.shared!r}, slots={policy.slots!r}"
+                "a lock scope holds exclusive session locks: mode='session' and shared=False, got "
+                f"mode={policy.mode!r}, shared={policy.shared!r}"
+            )
+        if scope.kind in ("member", "leave") and (scope.slot is not None) != (policy.slots > 1):
+            raise LockConfigurationError(
+                f"a task of a lock scope over a pool re-enters the slot its setup took: slots={policy.slots!r} "
+                f"with the scope's slot {scope.slot!r}"
             )
         #: the scope's row as this execution's check found it (a teardown: as it freed it).
         self.scope_row: Any = None
@@ -187,7 +210,9 @@ class LockGuard:
             self._outcome.acquired(self.held.key, self.held.server, self._wait_seconds)
             record_acquisition(self.held, self.application_name, self.log, self.policy.slots)  # written at release
             if self.scope.kind == "member":
-                self.fencing_token, self.scope_row = check_scope(self.scope, self.key, self.held, self.application_name)
+                self.fencing_token, self.scope_row = check_scope(
+                    self.scope, self.held.key, self.held, self.application_name
+                )
             if self.rules.active and self.scope.kind == "outside":  # a scope's setup checked them in _acquire
                 self.fencing_token = check_before_work(self.rules, self.held, self.database, self.application_name)
             self.interruption.arm(interrupt=self.policy.on_lost == "fail")
@@ -198,6 +223,9 @@ class LockGuard:
             )
             return self._handle
         except BaseException as error:
+            entered = self.scope.kind == "enter" and self.scope_row is not None
+            if entered and self.held is not None and not self.held.connection.closed:
+                free_after_failed_enter(self.scope, self.held.key, self.held, self.log)
             self._abandon()
             if isinstance(error, AlreadyDoneError):
                 self.refusal = error
@@ -214,16 +242,37 @@ class LockGuard:
         timeout = self.policy.first_wait()
         deadline = None if timeout is None else time.monotonic() + timeout
         pool = slot_keys(self.key, self.policy.slots)  # the key, or a pool's slots: computed once
+        every_slot = list(range(len(pool))) if len(pool) > 1 else None
+        if self.scope.slot is not None:  # a task of a scope over a pool: its own slot, nothing else
+            every_slot = [self.scope.slot - 1]
+        # Slots that lock scopes hold between their tasks (their rows, read under each slot's lock):
+        # the next try passes over them, until none is left to try.
+        scoped: dict[int, LockBusyError] = {}
         while True:
             remaining = None if deadline is None else max(0.001, deadline - time.monotonic())
-            held = self.database.acquire_lock(
-                pool,
-                shared=self.policy.shared,
-                scope=self.policy.mode,
-                timeout=remaining,
-                application_name=self.application_name,
-            )
+            candidates = None if every_slot is None else [index for index in every_slot if index not in scoped]
+            if scoped and remaining is not None:
+                remaining = min(remaining, SCOPE_POLL_SECONDS)  # a scoped slot frees by its row, not a lock
+            held = None
+            if candidates != []:
+                held = self.database.acquire_lock(
+                    pool,
+                    shared=self.policy.shared,
+                    scope=self.policy.mode,
+                    timeout=remaining,
+                    application_name=self.application_name,
+                    candidates=candidates,
+                )
             if held is None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if scoped and left is not None and left > 0:
+                    if candidates == []:
+                        time.sleep(min(SCOPE_POLL_SECONDS, left))
+                    scoped.clear()  # the wait goes on: every slot is tried again
+                    continue
+                if scoped:
+                    others = busy_error(self.database, pool, timeout, self.log) if candidates else None
+                    raise _pool_scoped_error(pool, scoped, others)
                 raise busy_error(self.database, pool, timeout, self.log)
             if self.scope.kind == "member":
                 break  # checked with the run rules: a lost scope is reported as lost
@@ -231,10 +280,13 @@ class LockGuard:
                 if self.scope.kind == "enter" and self.rules.active:  # a done period takes no scope
                     check_before_work(self.rules, held, self.database, self.application_name)
                 token, self.scope_row = check_scope(
-                    self.scope, self.key, held, self.application_name, records=self._records_completion
+                    self.scope, held.key, held, self.application_name, records=self._records_completion
                 )
-            except LockBusyError:
+            except LockBusyError as busy:
                 held.close()
+                if held.slot is not None and self.scope.kind in ("outside", "enter"):
+                    scoped[held.slot - 1] = busy  # another slot may be free: tried at once
+                    continue
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is None or remaining <= 0:
                     raise
@@ -333,7 +385,7 @@ class LockGuard:
                     else:
                         self.log.warning("pglock: %s", loss.SUB_KEYS_NOT_RELEASED)
             if lost is None and not closed_inside and self.scope.kind == "member" and not held.connection.closed:
-                end_member_task(self.scope, self.key, held, self.log)  # before the release: the next task's gap
+                end_member_task(self.scope, held.key, held, self.log)  # before the release: the next task's gap
             if lost is None and not closed_inside:
                 ending = Ending(held, exc_type is None, record, self._describe_error, self._records_completion)
                 lost, commit_error, note = finish(ending)
@@ -377,7 +429,7 @@ class LockGuard:
             return record_success(self.rules, held, self.identity, self.fencing_token)
 
         if self.scope.kind == "leave":
-            return record_and_free(self.scope, self.key, held, record, self.log)
+            return record_and_free(self.scope, held.key, held, record, self.log)
         return record()
 
     def _stop_heartbeat(self) -> None:

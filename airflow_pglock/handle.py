@@ -30,6 +30,7 @@ class LockHandle:
     :ivar acquired_at: when the lock was taken (UTC).
     :ivar fencing_token: this acquisition's fencing token (``fencing=True``), else None.
     :ivar period: the ``once_per`` period being done, else None.
+    :ivar slot: a pool (``slots=N``): the number of the slot held (1 to N), else None.
     """
 
     def __init__(
@@ -45,6 +46,7 @@ class LockHandle:
         self.period = period
         self._lost_reason = lost_reason
         self.key: LockKey = held.key
+        self.slot: int | None = held.slot
         self.mode: Scope = held.scope
         self.shared: bool = held.shared
         self.acquired_at: dt.datetime = held.acquired_at

@@ -40,6 +40,8 @@ class ScopeRole:
     :param task: the task id of this execution (shown while it runs).
     :param lease: seconds the scope stays held after a task of it starts or ends.
     :param fencing: issue one fencing token per scope acquisition (at ``enter``).
+    :param slot: a scope over a pool (``slots=N``): the slot its setup took (1 to N), which its
+        tasks and its teardown re-enter; None for the setup and for a scope over one key.
     """
 
     kind: ScopeKind = "outside"
@@ -48,6 +50,7 @@ class ScopeRole:
     task: str | None = None
     lease: float = DEFAULT_SCOPE_LEASE_SECONDS
     fencing: bool = False
+    slot: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind != "outside" and not self.holder:
@@ -62,7 +65,7 @@ def check_before_work(
 ) -> tuple[int | None, ScopeRow | None]:
     """Check (and for ``enter``, take; for ``leave``, free) the scope of ``key`` under the held lock.
 
-    :param key: the key asked for (a pool's name when ``held`` is one of its slots).
+    :param key: the key held (a pool's slot: a scope over a pool holds one slot, whose row is its own).
     :param records: a ``leave`` that records a completion: the scope must still be its own and
         live; it is freed with the record (:func:`record_and_free`), not here.
     :returns: the scope's fencing token (``enter``, ``member``, a recording ``leave``), and the row as found.
@@ -137,6 +140,18 @@ def record_and_free(
     except Exception as error:  # the unlock that follows finds a session that ended
         logger.warning("pglock could not lower the scope horizon after freeing %s: %s", key.describe(), error)
     return True
+
+
+def free_after_failed_enter(role: ScopeRole, key: LockKey, held: HeldLock, logger: logging.Logger | Any) -> None:
+    """A setup that took the scope failed before its work ran: free it now, still under the
+    lock (its operator could not tell which slot of a pool it took). Best effort: the lease ends it."""
+    from airflow_pglock.pg import scopes
+
+    assert role.holder is not None
+    try:
+        scopes.leave(held.connection, key, role.holder)
+    except Exception as error:
+        logger.warning("pglock could not free the lock scope of %s after its setup failed: %s", key.describe(), error)
 
 
 def end_member_task(role: ScopeRole, key: LockKey, held: HeldLock, logger: logging.Logger | Any) -> None:

@@ -29,7 +29,7 @@ from airflow_pglock.lock_set import LockSession
 from airflow_pglock.pg.database import DEFAULT_CONNECT_TIMEOUT, INSPECT_APPLICATION_NAME, LockDatabase
 from airflow_pglock.pg.held import HeldLock
 from airflow_pglock.pg.holders import aread_holders
-from airflow_pglock.pg.scopes import ScopeRow, live_scope
+from airflow_pglock.pg.scopes import ScopeRow, live_scope, live_scopes_of
 from airflow_pglock.pg.settings import ConnectionSettings, from_dsn
 from airflow_pglock.policy import LockPolicy, OnBusy, OnLost
 from airflow_pglock.registry import record_acquisition
@@ -237,16 +237,29 @@ class AdvisoryLockHook(BaseHook):
         busy: None, at once (the wait is for the key, not for the scope's lease).
         """
         pool = slot_keys(LockKey.coerce(key), slots)  # before any I/O, as the timeout
-        held = self.database.acquire_lock(
-            pool, shared=shared, scope=mode, timeout=timeout, application_name=application_name
-        )
-        if held is not None:
+        candidates = None if slots == 1 else list(range(slots))
+        while True:
+            held = self.database.acquire_lock(
+                pool,
+                shared=shared,
+                scope=mode,
+                timeout=timeout,
+                application_name=application_name,
+                candidates=candidates,
+            )
+            if held is None:
+                return None
             name = held.connection.info.parameter_status("application_name")
             try:
-                check_scope(OUTSIDE, pool[0], held, name)
-            except LockBusyError:  # another run's lock scope holds the key between its tasks
+                check_scope(OUTSIDE, held.key, held, name)
+            except LockBusyError:  # another run's lock scope holds the key (a pool: this slot) between its tasks
                 held.release()
-                return None
+                if held.slot is None or candidates is None:
+                    return None
+                candidates = [index for index in candidates if index != held.slot - 1]
+                if not candidates:
+                    return None
+                continue  # another slot of the pool may be free
             except BaseException:
                 held.release()
                 raise
@@ -255,7 +268,7 @@ class AdvisoryLockHook(BaseHook):
             except BaseException:
                 held.release()
                 raise
-        return held
+            return held
 
     # ----------------------------------------------------------------- who holds
 
@@ -271,6 +284,13 @@ class AdvisoryLockHook(BaseHook):
         None when there is none (also before ``airflow-pglock init-db`` version 5)."""
         with self.database.connect(INSPECT_APPLICATION_NAME) as conn:
             return live_scope(conn, LockKey.coerce(key))
+
+    def scopes(self, key: AnyKey, *, slots: int) -> dict[LockKey, ScopeRow]:
+        """The live lock scopes that hold slots of the pool the named ``key`` names, by slot key
+        (a scope over a pool holds one slot between its tasks); read as :meth:`scope`."""
+        pool = slot_keys(LockKey.coerce(key), slots)
+        with self.database.connect(INSPECT_APPLICATION_NAME) as conn:
+            return live_scopes_of(conn, pool)
 
     async def aholders(self, key: AnyKey, *, slots: int = 1) -> list[LockHolder]:
         """Async :meth:`holders` on a short-lived connection of its own (closed even if cancelled)."""

@@ -120,6 +120,7 @@ class ScopeSpec:
         where = identity.deployment or identity.host or "?"
         run = f"{where}: {identity.dag_id} {identity.run_id}"
         holder: str | None = uuid.uuid4().hex
+        slot = None
         if kind != "enter":
             entered = context["ti"].xcom_pull(task_ids=self.enter_task_id, key=SCOPE_XCOM_KEY)
             holder = entered.get("holder") if isinstance(entered, dict) else None
@@ -128,9 +129,29 @@ class ScopeSpec:
                     f"task {identity.task_id!r} belongs to a lock scope whose setup ({self.enter_task_id}) did not "
                     "take it in this run (no holder id in its XCom)"
                 )
+            slot = _entered_slot(entered, self.enter.policy.slots)
         return ScopeRole(
-            kind=kind, holder=holder, run=run, task=identity.task_id, lease=self.scope_lease, fencing=self.fencing
+            kind=kind,
+            holder=holder,
+            run=run,
+            task=identity.task_id,
+            lease=self.scope_lease,
+            fencing=self.fencing,
+            slot=slot,
         )
+
+
+def _entered_slot(entered: dict[str, Any], slots: int) -> int | None:
+    """The slot a scope over a pool took (its setup's XCom); None for a scope over one key."""
+    slot = entered.get("slot")
+    if slots == 1:
+        return None
+    if isinstance(slot, bool) or not isinstance(slot, int) or not 1 <= slot <= slots:
+        raise LockConfigurationError(
+            f"the lock scope's setup stored no slot of its pool of slots={slots} (got {slot!r}): was slots= changed "
+            "while this run was in flight? Clear the whole scope (its setup too) to take it again"
+        )
+    return slot
 
 
 def _seconds(value: Any, option: str) -> float:
@@ -155,11 +176,15 @@ def _scope_spec(group_prefix: str, options: dict[str, Any]) -> ScopeSpec:
     for refused, why in (
         ("mode", "a scope holds session locks"),
         ("shared", "a scope is exclusive"),
-        ("slots", "a scope holds one key: a pool of scopes is not built"),
         ("on_lost", "a task that loses the scope always fails"),
     ):
         if refused in options:
             raise LockConfigurationError(f"advisory_lock_scope() does not take {refused}= ({why})")
+    if fencing and options.get("slots", 1) != 1:
+        raise LockConfigurationError(
+            f"advisory_lock_scope() cannot combine fencing=True with slots={options['slots']!r}: a fencing token "
+            "orders the holders of one key, and the slots of a pool are held at once"
+        )
     key = options.get("key")
     if not isinstance(key, str) or not key.strip():
         raise LockConfigurationError(
@@ -200,7 +225,11 @@ def _run_scope_task(
         fail_for_configuration(lock_spec, error, task.log)
 
     def done(handle: LockHandle) -> dict[str, Any]:
+        nonlocal role
         entered = {"holder": role.holder, "token": handle.fencing_token, "period": rendered.get("once_per")}
+        if handle.slot is not None:  # a scope over a pool: the slot its tasks and teardown re-enter
+            entered["slot"] = handle.slot
+            role = dataclasses.replace(role, slot=handle.slot)
         if kind == "enter":  # stored while the key is held: a failure here frees the scope below
             context["ti"].xcom_push(key=SCOPE_XCOM_KEY, value=entered)
         return entered
@@ -284,6 +313,9 @@ def _free_after_failed_setup(
 ) -> None:
     """The setup failed, perhaps after it took the scope (Airflow then skips the teardown): free what
     this setup may have taken, so the key is not held until the scope's lease ends. Best effort."""
+    if spec.enter.policy.slots > 1 and role.slot is None:
+        # It failed before it knew its slot: the guard freed a slot it had entered, under its lock.
+        return
     leave = dataclasses.replace(role, kind="leave")
     try:
         run_guarded(spec.member_spec(), context, lambda handle: None, logger, scope=leave, **rendered)

@@ -236,6 +236,7 @@ class LockDatabase:
         scope: Scope,
         timeout: float | None,
         application_name: str | None,
+        candidates: Sequence[int] | None = None,
     ) -> HeldLock | None:
         """Open a dedicated connection and take the lock on it; None (and no connection) if busy.
 
@@ -245,6 +246,7 @@ class LockDatabase:
             (a transaction is opened and stays open; the lock ends with it).
         :param timeout: None to try once, or seconds to wait (enforced by the server).
         :param application_name: names the holder in ``pg_stat_activity``.
+        :param candidates: a pool: the indexes of the slots that may be taken (default: all).
         """
         if timeout is not None:
             check_wait_timeout(timeout)  # before any I/O: a bad setting is not a connection problem
@@ -259,6 +261,7 @@ class LockDatabase:
                 timeout=timeout,
                 liveness=self.liveness,
                 pool_mode=settings.pool_mode,
+                candidates=candidates,
             )
         except NOT_POSTGRES_ERRORS as error:
             refusal = not_postgresql(conn, error)

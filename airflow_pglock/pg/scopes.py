@@ -147,16 +147,33 @@ def read(conn: psycopg.Connection[Any], key: LockKey) -> ScopeRow | None:
 
 def live_scope(conn: psycopg.Connection[Any], key: LockKey) -> ScopeRow | None:
     """The live scope of ``key``, for a reader that holds nothing (the sensor): None also before init-db 5."""
+    return live_scopes_of(conn, [key]).get(key)
+
+
+def live_scopes_of(conn: psycopg.Connection[Any], keys: list[LockKey]) -> dict[LockKey, ScopeRow]:
+    """The live scopes among ``keys`` (a pool's slots), for a reader that holds nothing: none also
+    before init-db 5."""
     try:
-        row = _row(
-            conn.execute(
-                f"SELECT {_COLUMNS} FROM pglock.scopes WHERE {_WHERE} AND lease_until > clock_timestamp()",
-                _coordinates(key),
-            ).fetchone()
+        cursor = conn.execute(
+            f"SELECT objsubid, classid, objid, {_COLUMNS} FROM pglock.scopes WHERE (objsubid, classid, objid) IN"
+            " (SELECT * FROM unnest(%(objsubid)s::smallint[], %(classid)s::bigint[], %(objid)s::bigint[]))"
+            " AND lease_until > clock_timestamp()",
+            _coordinate_arrays(keys),
         )
     except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName):
-        return None
-    return row
+        return {}
+    found = {(row[0], row[1], row[2]): ScopeRow(*row[3:]) for row in cursor.fetchall()}
+    by_key = {key: found.get((key.pg_locks[2], key.pg_locks[0], key.pg_locks[1])) for key in keys}
+    return {key: row for key, row in by_key.items() if row is not None}
+
+
+def _coordinate_arrays(keys: list[LockKey]) -> dict[str, list[int]]:
+    coordinates = [key.pg_locks for key in keys]
+    return {
+        "objsubid": [c[2] for c in coordinates],
+        "classid": [c[0] for c in coordinates],
+        "objid": [c[1] for c in coordinates],
+    }
 
 
 def enter(
@@ -314,17 +331,12 @@ def lower_horizon(conn: psycopg.Connection[Any]) -> None:
 
 def live_among(conn: psycopg.Connection[Any], keys: list[LockKey]) -> set[tuple[int, ...]]:
     """The numbers of those of ``keys`` that a live scope holds (read under their locks)."""
-    coordinates = [key.pg_locks for key in keys]
     cursor = _run(
         conn,
         "SELECT objsubid, classid, objid FROM pglock.scopes WHERE (objsubid, classid, objid) IN"
         " (SELECT * FROM unnest(%(objsubid)s::smallint[], %(classid)s::bigint[], %(objid)s::bigint[]))"
         " AND lease_until > clock_timestamp()",
-        {
-            "objsubid": [c[2] for c in coordinates],
-            "classid": [c[0] for c in coordinates],
-            "objid": [c[1] for c in coordinates],
-        },
+        _coordinate_arrays(keys),
     )
     found = {(row[0], row[1], row[2]) for row in cursor.fetchall()}
     return {key.numbers for key in keys if (key.pg_locks[2], key.pg_locks[0], key.pg_locks[1]) in found}

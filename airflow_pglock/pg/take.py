@@ -17,6 +17,7 @@ import psycopg
 from psycopg import sql
 
 from airflow_pglock import server_rules
+from airflow_pglock.exceptions import LockConfigurationError
 from airflow_pglock.keys import MAX_SLOTS, LockKey, is_named_key
 from airflow_pglock.liveness import Liveness
 from airflow_pglock.pg.held import HeldLock
@@ -84,11 +85,14 @@ def first_try(
     scope: Scope,
     pool_mode: str | None,
     opening: sql.Composable | None = None,
+    candidates: Sequence[int] | None = None,
 ) -> FirstTry:
     """Try the lock (one key, or the first free slot of ``pool``) in the session's first statement.
 
     :param opening: transaction scope: the statements that open the lock's transaction
         (:data:`_OPEN_TRANSACTION`), sent in the same simple query, before the try.
+    :param candidates: a pool: the indexes of the slots to try, in order (default: all). The
+        pool's size checks are those of the whole pool whatever is tried.
     """
     params: dict[str, Any] = {
         "reported_pid": handshake.reported_pid,
@@ -103,7 +107,8 @@ def first_try(
         # The check runs in a subquery of the FROM, so before the target list that tries a slot.
         slot_try = first_free(lock_function("try", scope=scope))
         attempt: sql.Composable = sql.SQL("CASE WHEN pool.conflict IS NULL THEN ({}) END").format(slot_try)
-        params["slots"] = [key.int64 for key in pool]
+        tried = list(range(len(pool))) if candidates is None else list(candidates)
+        params["slots"] = [pool[index].int64 for index in tried]
         marker_try = sql.Identifier(lock_function("try", shared=True, scope=scope))
         check = sql.SQL(POOL_CHECK).format(shared_try=marker_try, max_slots=sql.Literal(MAX_SLOTS))
         conflict = sql.SQL(", pool.conflict")
@@ -137,6 +142,8 @@ def first_try(
     server = dataclasses.replace(handshake, backend_pid=row[1], in_recovery=row[2], started_at=row[3])
     taken, found = row[0], None
     if len(pool) > 1:
+        if taken is not None:  # the position in the slots tried: the slot's number in the pool
+            taken = tried[int(taken) - 1] + 1
         refusal = row[5 if asks_registry else 4]
         if refusal is not None:
             found = (str(refusal[0]), int(refusal[1]), int(refusal[2]))
@@ -166,6 +173,7 @@ def take(
     timeout: float | None,
     liveness: Liveness,
     pool_mode: str | None = None,
+    candidates: Sequence[int] | None = None,
 ) -> HeldLock | None:
     """Take a key on a freshly opened lock session; None when busy (the caller closes ``conn``).
 
@@ -182,13 +190,27 @@ def take(
     :param timeout: None to try once, or seconds to wait (enforced by the server; a pool is polled).
     :param liveness: the lease's settings (a transaction lock sets them in its transaction).
     :param pool_mode: the connection's declared ``pool_mode``.
+    :param candidates: a pool: the indexes of the slots that may be taken, in the order tried
+        (default: all; a lock scope's task re-enters its own slot, and a guard passes over the
+        slots that lock scopes hold between their tasks).
     """
     key, slots = pool[0], len(pool)
+    if candidates is not None and (slots == 1 or not candidates or not set(candidates) <= set(range(slots))):
+        raise LockConfigurationError(f"candidates must be slot indexes of a pool of {slots} slots, got {candidates!r}")
     opening = None
     if scope == "transaction":
         settings = liveness_statement(liveness, local=True, server_version_num=handshake.version_num)
         opening = sql.SQL(_OPEN_TRANSACTION).format(liveness=settings)
-    answer = first_try(conn, handshake, list(pool), shared=shared, scope=scope, pool_mode=pool_mode, opening=opening)
+    answer = first_try(
+        conn,
+        handshake,
+        list(pool),
+        shared=shared,
+        scope=scope,
+        pool_mode=pool_mode,
+        opening=opening,
+        candidates=candidates,
+    )
     server = answer.server
     found = server_rules.violations(server, scope, pool_mode)
     if not found and answer.conflict is not None:
@@ -205,7 +227,9 @@ def take(
     if slots > 1:
         slot = None if answer.taken is None else int(answer.taken) - 1
         if slot is None and timeout is not None:
-            slot = wait_slot(conn, list(pool), timeout, scope=scope)
+            tried = list(range(slots)) if candidates is None else list(candidates)
+            position = wait_slot(conn, [pool[index] for index in tried], timeout, scope=scope)
+            slot = None if position is None else tried[position]
         if slot is None:
             return None
         held_key = pool[slot]

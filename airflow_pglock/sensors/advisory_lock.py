@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from airflow_pglock.compat import (
@@ -115,6 +115,8 @@ class AdvisoryLockSensor(BaseSensorOperator):
         key = self.lock_key()
         hook = AdvisoryLockHook(self.postgres_conn_id)
         holders = hook.holders(key, slots=self.slots)
+        if self.slots > 1:
+            return self._free(key, holders, hook.scopes(key, slots=self.slots))
         return self._free(key, holders) and self._scope(hook, key) is None
 
     def _scope(self, hook: Any, key: LockKey) -> Any:
@@ -125,13 +127,22 @@ class AdvisoryLockSensor(BaseSensorOperator):
             self.log.info("pglock waiting: %s is held by %s", key.describe(), self._last_holders)
         return scope
 
-    def _free(self, key: LockKey, holders: Sequence[LockHolder]) -> bool:
+    def _free(self, key: LockKey, holders: Sequence[LockHolder], scoped: Mapping[LockKey, Any] | None = None) -> bool:
+        """Whether the key (a pool: a slot of it) is free; ``scoped``: a pool's slots held by lock
+        scopes between their tasks (their keys are free in pg_locks, their rows hold them)."""
         from airflow_pglock.holder import blocking_holders, describe_holders
 
         blocking = blocking_holders(holders, self.shared)
-        if self.slots > 1 and len({holder.coordinates for holder in blocking}) < self.slots:
-            self.log.info("pglock sensor: a slot of the pool %s (%d slots) is free", key.describe(), self.slots)
-            return True
+        if self.slots > 1:
+            used = {holder.coordinates for holder in blocking} | {slot.pg_locks for slot in scoped or {}}
+            if len(used) < self.slots:
+                self.log.info("pglock sensor: a slot of the pool %s (%d slots) is free", key.describe(), self.slots)
+                return True
+            if scoped:
+                by_scopes = "; ".join(f"{slot.describe()}: {row.describe()}" for slot, row in scoped.items())
+                self._last_holders = f"{describe_holders(holders, dt.datetime.now(dt.timezone.utc))}; {by_scopes}"
+                self.log.info("pglock waiting: every slot of %s is held: %s", key.describe(), self._last_holders)
+                return False
         if self.slots == 1 and not blocking:
             self.log.info("pglock sensor: %s is free%s", key.describe(), " for a shared lock" if self.shared else "")
             return True
@@ -225,9 +236,15 @@ class AdvisoryLockSensor(BaseSensorOperator):
             from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 
             key = self.lock_key()
-            scope = self._scope(AdvisoryLockHook(self.postgres_conn_id), key)
-            if scope is not None:
-                self._defer_behind_scope(key, scope.lease_until, event)
+            hook = AdvisoryLockHook(self.postgres_conn_id)
+            if self.slots > 1:  # a free slot may be one a lock scope holds between its tasks
+                scoped = hook.scopes(key, slots=self.slots)
+                if scoped and not self._free(key, hook.holders(key, slots=self.slots), scoped):
+                    self._defer_behind_scope(key, min(row.lease_until for row in scoped.values()), event)
+            else:
+                scope = self._scope(hook, key)
+                if scope is not None:
+                    self._defer_behind_scope(key, scope.lease_until, event)
             self.log.info("pglock sensor: %s", message)
             return
         if status == TIMEOUT:

@@ -251,8 +251,11 @@ def test_the_sensor_sees_a_scope_between_its_tasks_as_held(
     assert ended
 
 
+@pytest.mark.parametrize("slots", [1, 2], ids=["one-key", "pool"])
 @pytest.mark.parametrize("error", [RuntimeError, compat.AirflowSkipException], ids=["failed", "skipped"])
-def test_a_setup_that_fails_after_taking_the_scope_frees_it(airflow_db: Any, scopes_db: Any, error: type) -> None:
+def test_a_setup_that_fails_after_taking_the_scope_frees_it(
+    airflow_db: Any, scopes_db: Any, error: type, slots: int
+) -> None:
     """Airflow skips the teardown of a failed (or skipped: on_error="skip") setup: the setup frees
     what it took itself."""
     import types
@@ -263,7 +266,7 @@ def test_a_setup_that_fails_after_taking_the_scope_frees_it(airflow_db: Any, sco
 
     with (
         DAG("scope_setup_fails", schedule=None) as dag,
-        scope.advisory_lock_scope("publish", key="scope-key", postgres_conn_id="pglock_test"),
+        scope.advisory_lock_scope("publish", key="scope-key", postgres_conn_id="pglock_test", slots=slots),
     ):
         from airflow_pglock.compat import PythonOperator
 
@@ -392,3 +395,67 @@ def test_the_teardown_waits_for_every_task_that_runs_and_never_skips_on_error() 
     assert spec.enter.policy.on_error == "skip" and spec.member_spec().policy.on_error == "skip"
     assert spec.member_spec(teardown=True).policy.on_error == "fail"
     assert dag.dag_id == "scope_members"
+
+
+POOL_DAG = """
+import pendulum
+import psycopg
+from airflow.sdk import dag, task
+from airflow_pglock.operators.scope import advisory_lock_scope
+
+
+def _rows(dsn):
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return dict(conn.execute("SELECT key_name, task_now FROM pglock.scopes").fetchall())
+
+
+@dag(dag_id="scoped_pool", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False,
+     params={"dsn": ""})
+def scoped_pool():
+    with advisory_lock_scope("publish", key="scope-key", postgres_conn_id="pglock_test", slots=2):
+        @task
+        def a(params=None, ti=None):
+            entered = ti.xcom_pull(task_ids="publish.pglock_scope_enter")
+            rows = _rows(params["dsn"])
+            assert entered["slot"] == 2 and rows["scope-key#slot2"] == "publish.a", (entered, rows)
+            return entered["slot"]
+
+        @task
+        def b(slot, params=None):
+            assert _rows(params["dsn"])["scope-key#slot2"] == "publish.b"
+            return slot
+
+        b(a())
+
+
+scoped_pool_dag = scoped_pool()
+"""
+
+
+@pytest.mark.matrix("lock-scope", since=compat.LOCK_SCOPE_SINCE)
+def test_a_scope_over_a_pool_takes_a_free_slot_its_tasks_reenter_and_skips_when_all_are_held(
+    airflow_db: Any, scopes_db: Any, dsn: str, capfd: Any, caplog: Any
+) -> None:
+    from airflow_pglock.keys import slot_keys
+    from airflow_pglock.sensors.advisory_lock import AdvisoryLockSensor
+
+    other = _hold_scope_elsewhere(scopes_db)  # slot 1 of the pool is the key of its name
+    result = run_dag(POOL_DAG, "scoped_pool", {"dsn": dsn})
+    assert result.state("publish.a") == result.state("publish.b") == "success"
+    assert result.state("publish.pglock_scope_exit") == "success"
+    assert [row[0] for row in _scope_rows(scopes_db)] == [other], "the teardown freed slot 2, not the other's slot"
+    slot_2 = slot_keys(KEY, 2)[1]
+    scopes_db.execute("SELECT pg_advisory_lock(%s)", [slot_2.int64])
+    try:
+        scopes.enter(scopes_db, slot_2, uuid.uuid4().hex, "deployment-c: openverse manual__third", 300)
+    finally:
+        scopes_db.execute("SELECT pg_advisory_unlock(%s)", [slot_2.int64])
+    sensor = AdvisoryLockSensor(task_id="s", key="scope-key", slots=2, postgres_conn_id="pglock_test")
+    assert not sensor.poke({}), "every slot is held by a scope between its tasks"
+    busy = run_dag(POOL_DAG, "scoped_pool", {"dsn": dsn})
+    assert busy.state("publish.pglock_scope_enter") == "skipped"
+    assert busy.state("publish.a") == "skipped"
+    log = "".join(capfd.readouterr()) + caplog.text
+    assert "all 2 slots of the pool key 'scope-key'" in log and "2 by lock scopes" in log
+    scopes_db.execute("UPDATE pglock.scopes SET lease_until = clock_timestamp() - interval '1 second'")
+    assert sensor.poke({}), "the scopes' leases ran out: the pool is free"

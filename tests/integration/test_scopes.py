@@ -64,13 +64,16 @@ def test_a_live_scope_refuses_every_other_guard_and_leaves_nothing_held(hook: An
         pass  # a key without a scope: no refusal
 
 
-def test_a_pool_of_the_scopes_name_is_refused_too(hook: Any, scopes_db: Any) -> None:
+def test_a_pool_of_the_scopes_name_passes_over_slot_1_which_the_scope_holds(hook: Any, scopes_db: Any) -> None:
+    """A plain key of a name is slot 1 of every pool of that name: a pool guard takes another slot."""
     _enter(hook, uuid.uuid4().hex)
+    with LockGuard(hook.database, KEY, LockPolicy(slots=3)) as handle:
+        assert handle.slot == 2
     with (
-        pytest.raises(LockBusyError, match="is held by the lock scope"),
-        LockGuard(hook.database, KEY, LockPolicy(slots=3)),
+        pytest.raises(LockBusyError, match=r"all 1 slots|is held by the lock scope"),
+        LockGuard(hook.database, KEY, LockPolicy()),
     ):
-        pytest.fail("a slot ran inside another run's scope")
+        pytest.fail("slot 1 ran inside another run's scope")
 
 
 def test_a_waiting_guard_runs_once_the_scope_lease_runs_out(hook: Any, scopes_db: Any) -> None:
@@ -164,8 +167,8 @@ def test_without_the_scopes_table_a_scope_fails_naming_init_db_and_guards_run(ho
 
 
 def test_a_scope_refuses_shared_and_transaction_locks_before_connecting(hook: Any) -> None:
-    for policy in (LockPolicy(mode="transaction"), LockPolicy(shared=True), LockPolicy(slots=2)):
-        with pytest.raises(LockConfigurationError, match="a lock scope holds one exclusive session lock"):
+    for policy in (LockPolicy(mode="transaction"), LockPolicy(shared=True)):
+        with pytest.raises(LockConfigurationError, match="a lock scope holds exclusive session locks"):
             LockGuard(hook.database, KEY, policy, scope=_role("enter", "h"))
     with pytest.raises(LockConfigurationError, match="needs the scope's holder id"):
         ScopeRole(kind="member", holder=None)
