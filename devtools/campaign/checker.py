@@ -78,6 +78,7 @@ class Hold:
     backend: int | None
     end: float = float("inf")
     period: str | None = None  # a scope with once_per: the period its setup checked
+    slot: int | None = None  # a scope over the pool: the slot its setup took
 
 
 @dataclass
@@ -163,6 +164,7 @@ def build(events: Iterable[dict[str, Any]]) -> tuple[dict[str, Run], list[Fault]
                     e["token"],
                     e.get("backend"),
                     period=e.get("period"),
+                    slot=e.get("slot"),
                 )
             )
         elif kind == "recorded":
@@ -346,6 +348,9 @@ def check(
         "stale_writes_accepted": stale_accepted,
         "lost_holds_reported_as_success": reported_success,
         "periods_recorded": sum(len(recorded) for recorded in records.values()),
+        "pool_scopes_completed": sum(
+            1 for run in runs.values() if run.outcome == "completed" and any(h.slot is not None for h in run.holds)
+        ),
         "overlap_seconds": {kind: _spread(overlaps.get(kind, [])) for kind in FAULT_KINDS},
         "detect_seconds": {kind: _spread(detect.get(kind, [])) for kind in FAULT_KINDS},
         "freed_seconds": {kind: _spread(freed.get(kind, [])) for kind in FAULT_KINDS},

@@ -51,6 +51,8 @@ def render(report: dict[str, Any], command: str, picture: bool) -> str:
         f"| **lost holds reported as success** (goal 0) | **{report['lost_holds_reported_as_success']}** |",
         f"| once_per periods recorded by scopes (each at most once per key, none run again: rule 7) | "
         f"{report.get('periods_recorded', '-')} |",
+        "| scopes over the pool (slots=2) completed, each in its own slot | "
+        f"{report.get('pool_scopes_completed', '-')} |",
         f"| violations of any rule | {len(report['violations'])} |",
         "",
         "Per fault kind, in seconds, p50 / p99 / max (n): the believed-held overlap windows the fault",

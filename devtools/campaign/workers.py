@@ -20,8 +20,9 @@ The kinds (every public way to hold a lock, see docs/safety.md):
 * ``scope``: a lock scope (``advisory_lock_scope``: docs/scopes.md) as its setup, tasks and
   teardown run it, with a fencing token per scope: it believes it holds the key from its setup
   to its last task, the gaps between tasks included (the lease row holds it there). Half of
-  its runs have ``once_per`` a period of :data:`PERIOD_SECONDS` (the setup checks it, the
-  teardown records it when every task succeeded: a ``recorded`` event).
+  its runs on one key have ``once_per`` a period of :data:`PERIOD_SECONDS` (the setup checks it,
+  the teardown records it when every task succeeded: a ``recorded`` event). A third of its runs
+  are a scope over the pool (``slots=2``, no token): it holds the slot its setup took.
 """
 
 from __future__ import annotations
@@ -239,7 +240,10 @@ class Worker:
         LockGuard(self.hook.database, own, LockPolicy(), application_name=self.name).run(work)
 
     def _scope(self, run: str, key: str) -> None:
-        """A scope's setup, 2-3 tasks with gaps between them, and its teardown (whatever happened)."""
+        """A scope's setup, 2-3 tasks with gaps between them, and its teardown (whatever happened).
+
+        A third of the runs are a scope over the pool (``slots``): its tasks re-enter the slot its
+        setup took (no fencing token: refused on a pool, as once_per)."""
         from airflow_pglock.exceptions import LockLostError
         from airflow_pglock.guard import LockGuard
         from airflow_pglock.keys import LockKey
@@ -247,31 +251,45 @@ class Worker:
         from airflow_pglock.run_rules import RunRules
         from airflow_pglock.scope_rules import ScopeRole
 
-        lock_key, holder = LockKey.from_name(key), uuid.uuid4().hex
+        pooled = self.rng.random() < 1 / 3
+        slots = self.config.pool_slots if pooled else 1
+        lock_key, holder = LockKey.from_name(self.config.pool if pooled else key), uuid.uuid4().hex
         lease = SCOPE_LEASE_FACTOR * self.config.lease
-        member_policy = LockPolicy(on_busy="wait", wait_timeout=1.5, on_wait_timeout="fail")
-        period = str(int(time.time() // PERIOD_SECONDS)) if self.rng.random() < 0.5 else None
+        member_policy = LockPolicy(on_busy="wait", wait_timeout=1.5, on_wait_timeout="fail", slots=slots)
+        period = str(int(time.time() // PERIOD_SECONDS)) if not pooled and self.rng.random() < 0.5 else None
+        slot: int | None = None
 
         def guard(kind: str, policy: LockPolicy, rules: RunRules | None = None) -> LockGuard:
-            role = ScopeRole(kind=kind, holder=holder, run=f"{self.name} {run}", task=kind, lease=lease, fencing=True)  # type: ignore[arg-type]
+            role = ScopeRole(
+                kind=kind,  # type: ignore[arg-type]
+                holder=holder,
+                run=f"{self.name} {run}",
+                task=kind,
+                lease=lease,
+                fencing=not pooled,
+                slot=None if kind == "enter" else slot,
+            )
             return LockGuard(self.hook.database, lock_key, policy, application_name=self.name, scope=role, rules=rules)
 
-        enter = guard("enter", LockPolicy(), RunRules(period=period))
+        enter = guard("enter", LockPolicy(slots=slots), RunRules(period=period))
         try:
             with enter as handle:
                 token, backend, at = handle.fencing_token, handle.backend_pid, handle.acquired_at.timestamp()
+                slot, held_name = handle.slot, str(handle.key.name)
         except BaseException as error:
             if enter.refusal is error:
                 raise _Busy from error
             raise
-        self.history.emit("acquired", run=run, key=key, token=token, backend=backend, at=at, period=period)
+        self.history.emit(
+            "acquired", run=run, key=held_name, token=token, backend=backend, at=at, period=period, slot=slot
+        )
         succeeded = False
         try:
             for _ in range(self.rng.randint(2, 3)):
                 time.sleep(self.rng.uniform(0.0, 0.5))  # between tasks: only the lease row holds the scope
                 try:
                     guard("member", member_policy).run(
-                        lambda handle: self._work(run, {key: handle.fencing_token}, finish=False)
+                        lambda handle: self._work(run, {str(handle.key.name): handle.fencing_token}, finish=False)
                     )
                 except LockLostError:
                     self.history.emit("lost", run=run)
@@ -285,7 +303,7 @@ class Worker:
             try:
                 guard("leave", member_policy, RunRules(period=period) if recording else None).run(lambda handle: None)
                 if recording:  # emitted after the record: a setup that took the scope later must have skipped
-                    self.history.emit("recorded", run=run, key=key, period=period)
+                    self.history.emit("recorded", run=run, key=held_name, period=period)
             except Exception as error:  # a lapsed scope frees itself; the run's outcome says what went wrong
                 self.history.emit("teardown-failed", run=run, detail=f"{type(error).__name__}: {error}"[:300])
 
