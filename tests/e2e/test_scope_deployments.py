@@ -15,6 +15,8 @@ clock) in the lock database:
 - deferring (B's triggerer): B's setup with ``on_busy="defer"`` waits in the triggerer while
   A's scope on the same key is live, between A's tasks, and runs its task after A's scope ended
   (A's last scope task fails: its teardown frees the scope all the same, long before its lease);
+- a pool of two slots (both deployments, two DAGs each): at most two scopes at once, each in its
+  own slot, which every task of it re-enters;
 - a crash: deployment A is killed while its scope on ``openverse/crash`` is held; B's scope
   takes the key only once A's scope lease ran out (last: A stays dead).
 """
@@ -424,6 +426,52 @@ def test_a_deferring_setup_waits_in_the_triggerer(deployments: dict[str, Deploym
     a_last_end = max(end for _, _, end in a_spans)
     assert b_spans[0][1] > a_last_end, f"B's scope task ran at {b_spans[0][1]}, within A's scope (ended {a_last_end})"
     assert scope_rows == [], "both teardowns freed their scopes"
+
+
+POOLS = ("e2e_scope_pool_1", "e2e_scope_pool_2")  # in both deployments: four runs on a pool of two slots
+POOL_ALL = ("pooled.pglock_scope_enter", "pooled.start", "pooled.wait", "pooled.promote", "pooled.pglock_scope_exit")
+
+
+def test_at_most_two_scopes_over_a_pool_of_two_each_in_its_own_slot(
+    deployments: dict[str, Deployment], cluster: Cluster
+) -> None:
+    with psycopg.connect(cluster.dsn_for("locks"), autocommit=True) as conn:
+        for dag_id in POOLS:
+            for name in deployments:
+                conn.execute("INSERT INTO e2e_go (dag_id, deployment) VALUES (%s, %s)", [dag_id, name])
+    states = {
+        dag_id: _wait_for(
+            deployments,
+            dag_id,
+            lambda s: all(_all_finished(states, POOL_ALL) for states in s.values()),
+            f"the pool scopes of {dag_id}",
+        )
+        for dag_id in POOLS
+    }
+    with psycopg.connect(cluster.dsn_for("locks"), autocommit=True) as conn:
+        spans = {dag_id: _spans(conn, dag_id) for dag_id in POOLS}
+        left = conn.execute("SELECT key_name FROM pglock.scopes WHERE key_name LIKE 'openverse/pool%'").fetchall()
+    scopes: list[tuple[str, int, dt.datetime, dt.datetime]] = []  # who, slot, first start, last end
+    for dag_id in POOLS:
+        for name, deployment_states in states[dag_id].items():
+            scope_states = {task_id: deployment_states[task_id] for task_id in POOL_ALL}
+            ran = spans[dag_id].get(name, [])
+            if scope_states["pooled.pglock_scope_enter"] != "success":
+                assert set(scope_states.values()) == {"skipped"}, f"{name} {dag_id} found the pool full: {scope_states}"
+                assert ran == [], f"{name} {dag_id} skipped its scope but a task of it ran: {ran}"
+                continue
+            assert set(scope_states.values()) == {"success"}, f"{name} {dag_id} took a slot: {scope_states}"
+            slots = {task.split("@slot")[1] for task, _, _ in ran}
+            assert [task.split("@")[0] for task, _, _ in ran] == ["start", "wait", "promote"], ran
+            assert len(slots) == 1, f"{name} {dag_id}: its tasks ran in different slots: {ran}"
+            scopes.append((f"{name} {dag_id}", int(slots.pop()), ran[0][1], ran[-1][2]))
+    print(f"e2e pool scopes: {[(who, slot, str(start), str(end)) for who, slot, start, end in scopes]}")
+    assert len(scopes) >= 2, f"the first two setups take the two slots: {scopes}"
+    for who, slot, start, end in scopes:
+        beside = [other for other in scopes if other[0] != who and other[2] < end and start < other[3]]
+        assert len(beside) <= 1, f"{who} ran beside {len(beside)} other scopes of a pool of two: {beside}"
+        assert all(other[1] != slot for other in beside), f"{who} shared slot {slot} with {beside}"
+    assert left == [], "every pool scope's teardown freed its slot"
 
 
 def test_a_killed_deployments_scope_holds_until_its_lease_runs_out(

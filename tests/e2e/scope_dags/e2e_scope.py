@@ -14,6 +14,12 @@ lock database alone whether the two deployments' scopes ever interleaved.
   15 s scope lease and ``on_busy="wait"``; ``peek``, a plain guard of the same key, runs
   beside the scope. The test kills deployment A while its scope is held and then lets B go.
 
+- ``e2e_scope_pool_1`` and ``e2e_scope_pool_2`` (in both deployments: four runs): ``gate``, then
+  ``start >> wait >> promote`` in a scope over a pool of two slots on ``openverse/pool``
+  (``on_busy="skip"``); each task records its span under ``<task>@slot<N>``, the slot its setup
+  took (XCom), after checking that the slot's scope row names it. At most two scopes at once,
+  each in its own slot.
+
 Deployment A alone (``PGLOCK_E2E_DEPLOYMENT``) has these two, each behind a ``gate``:
 
 - ``e2e_scope_retry``: ``first >> flaky >> last`` in a scope on ``e2e/retried`` with
@@ -299,6 +305,58 @@ def e2e_scope_defer() -> None:
     wait_for_go() >> deferred
 
 
+def pool_slot(dag_id: str) -> int:
+    """The slot this run's pool scope took (its setup's XCom), checked against the slot's row."""
+    ti = get_current_context()["ti"]
+    entered = ti.xcom_pull(task_ids="pooled.pglock_scope_enter")
+    slot = int(entered["slot"])
+    name = "openverse/pool" if slot == 1 else f"openverse/pool#slot{slot}"
+    with psycopg.connect(LOCK_DSN, autocommit=True, application_name=f"e2e pool {DEPLOYMENT}") as conn:
+        row = conn.execute(
+            "SELECT holder, task_now FROM pglock.scopes WHERE key_name = %s AND lease_until > clock_timestamp()", [name]
+        ).fetchone()
+    assert row == (entered["holder"], ti.task_id), f"{dag_id}: slot {slot}'s row is {row}, not this task's scope"
+    return slot
+
+
+def pool_scope_dag(dag_id: str):  # type: ignore[no-untyped-def]
+    @dag(
+        dag_id=dag_id,
+        schedule="@daily",
+        start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+        end_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+        catchup=True,
+    )
+    def e2e_scope_pool() -> None:
+        @task
+        def wait_for_go() -> None:
+            gate(dag_id)
+
+        with advisory_lock_scope(
+            "pooled", key="openverse/pool", slots=2, postgres_conn_id=CONN, on_busy="skip", scope_lease=60
+        ) as pooled:
+
+            @task
+            def start() -> None:
+                span(dag_id, f"start@slot{pool_slot(dag_id)}")
+
+            @task
+            def wait() -> None:
+                span(dag_id, f"wait@slot{pool_slot(dag_id)}", WAIT_SECONDS)
+
+            @task
+            def promote() -> None:
+                span(dag_id, f"promote@slot{pool_slot(dag_id)}")
+
+            start() >> wait() >> promote()
+
+        wait_for_go() >> pooled
+
+    return e2e_scope_pool()
+
+
+e2e_scope_pool_1_dag = pool_scope_dag("e2e_scope_pool_1")
+e2e_scope_pool_2_dag = pool_scope_dag("e2e_scope_pool_2")
 e2e_scope_ingest_dag = e2e_scope_ingest()
 e2e_scope_crash_dag = e2e_scope_crash()
 # Only one deployment has each of these (the other would run it too, on the same key).
