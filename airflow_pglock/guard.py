@@ -273,6 +273,8 @@ class LockGuard:
                 if scoped:
                     others = busy_error(self.database, pool, timeout, self.log) if candidates else None
                     raise _pool_scoped_error(pool, scoped, others)
+                if self.scope.slot is not None:  # a task of a scope over a pool: its own slot was busy
+                    raise busy_error(self.database, [pool[self.scope.slot - 1]], timeout, self.log)
                 raise busy_error(self.database, pool, timeout, self.log)
             if self.scope.kind == "member":
                 break  # checked with the run rules: a lost scope is reported as lost

@@ -11,6 +11,7 @@ heartbeat). :meth:`~AdvisoryLockHook.holders` says who holds a key.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,6 +32,7 @@ from airflow_pglock.pg.held import HeldLock
 from airflow_pglock.pg.holders import aread_holders
 from airflow_pglock.pg.scopes import ScopeRow, live_scope, live_scopes_of
 from airflow_pglock.pg.settings import ConnectionSettings, from_dsn
+from airflow_pglock.pg.statements import check_wait_timeout
 from airflow_pglock.policy import LockPolicy, OnBusy, OnLost
 from airflow_pglock.registry import record_acquisition
 from airflow_pglock.scope_rules import OUTSIDE
@@ -237,13 +239,16 @@ class AdvisoryLockHook(BaseHook):
         busy: None, at once (the wait is for the key, not for the scope's lease).
         """
         pool = slot_keys(LockKey.coerce(key), slots)  # before any I/O, as the timeout
+        if timeout is not None:
+            check_wait_timeout(timeout)  # before any I/O, and before the deadline is computed from it
         candidates = None if slots == 1 else list(range(slots))
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             held = self.database.acquire_lock(
                 pool,
                 shared=shared,
                 scope=mode,
-                timeout=timeout,
+                timeout=None if deadline is None else max(0.001, deadline - time.monotonic()),
                 application_name=application_name,
                 candidates=candidates,
             )
