@@ -87,7 +87,10 @@ def _pool_scoped_error(
     """The refusal for a pool whose every slot is held: some by lock scopes between their tasks
     (their rows), the others by sessions (``others``, read from pg_locks)."""
     by_scope = "; ".join(f"slot {index + 1}: {scoped[index]}" for index in sorted(scoped))
-    rest = f"; the other {len(pool) - len(scoped)} by sessions ({others})" if others is not None else ""
+    rest = ""
+    if others is not None:
+        who = describe_holders(others.holders, dt.datetime.now(dt.timezone.utc), nobody="sessions that released since")
+        rest = f"; the other {len(pool) - len(scoped)} by {who}"
     # A scope's slot is free in pg_locks: a deferred retry must wait for the rows, not a release.
     hints = [error.retry_after for error in scoped.values() if error.retry_after is not None]
     return LockBusyError(
@@ -223,9 +226,8 @@ class LockGuard:
             )
             return self._handle
         except BaseException as error:
-            entered = self.scope.kind == "enter" and self.scope_row is not None
-            if entered and self.held is not None and not self.held.connection.closed:
-                free_after_failed_enter(self.scope, self.held.key, self.held, self.log)
+            if self.scope.kind == "enter" and self.scope_row is not None:
+                self._free_entered_scope()
             self._abandon()
             if isinstance(error, AlreadyDoneError):
                 self.refusal = error
@@ -304,6 +306,18 @@ class LockGuard:
             self._outcome.context = dataclasses.replace(self._outcome.context, key=held.key, slot=held.slot)
             self.interruption.label = held.key.describe()
         return held
+
+    def _free_entered_scope(self) -> None:
+        """A setup that took its scope failed before its work: free the scope under the lock, the
+        heartbeat and any interruption stopped first. Best effort: its operator tries again on a
+        connection of its own, and the scope lease ends it at the latest."""
+        try:
+            self._stop_heartbeat()
+            self.interruption.disarm_absorbing()
+            if self.held is not None and not self.held.connection.closed:
+                free_after_failed_enter(self.scope, self.held.key, self.held, self.log)
+        except BaseException as late:  # e.g. an interrupt during the clean-up: the setup's own error is reported
+            self.log.warning("pglock could not free the lock scope after its setup failed: %r", late)
 
     # --------------------------------------------------------------------- loss
 

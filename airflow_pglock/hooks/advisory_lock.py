@@ -19,7 +19,7 @@ import psycopg
 
 from airflow_pglock.compat import BaseHook, deployment_name, get_stats
 from airflow_pglock.exceptions import LockBusyError, LockConfigurationError, LockLostError
-from airflow_pglock.guard import LockGuard
+from airflow_pglock.guard import SCOPE_POLL_SECONDS, LockGuard
 from airflow_pglock.handle import LockHandle
 from airflow_pglock.holder import LockHolder
 from airflow_pglock.hooks import DEFAULT_CONN_ID, connection
@@ -236,34 +236,47 @@ class AdvisoryLockHook(BaseHook):
         :param application_name: names the holder in ``pg_stat_activity``.
 
         A named key that another run's lock scope holds between its tasks (docs/scopes.md) is
-        busy: None, at once (the wait is for the key, not for the scope's lease).
+        busy: None, at once (the wait is for the key, not for the scope's lease). Of a pool, the
+        slots that scopes hold are passed over; with a ``timeout`` every slot is tried again
+        about every second until one is taken or the time is up.
         """
         pool = slot_keys(LockKey.coerce(key), slots)  # before any I/O, as the timeout
         if timeout is not None:
             check_wait_timeout(timeout)  # before any I/O, and before the deadline is computed from it
-        candidates = None if slots == 1 else list(range(slots))
+        every_slot = None if slots == 1 else list(range(slots))
+        passed_over: set[int] = set()  # slots that other runs' lock scopes hold between their tasks
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            held = self.database.acquire_lock(
-                pool,
-                shared=shared,
-                scope=mode,
-                timeout=None if deadline is None else max(0.001, deadline - time.monotonic()),
-                application_name=application_name,
-                candidates=candidates,
-            )
+            candidates = None if every_slot is None else [i for i in every_slot if i not in passed_over]
+            wait = None if deadline is None else max(0.001, deadline - time.monotonic())
+            if passed_over and wait is not None:
+                wait = min(wait, SCOPE_POLL_SECONDS)  # a scoped slot frees by its row: try every slot again soon
+            held = None
+            if candidates != []:
+                held = self.database.acquire_lock(
+                    pool,
+                    shared=shared,
+                    scope=mode,
+                    timeout=wait,
+                    application_name=application_name,
+                    candidates=candidates,
+                )
             if held is None:
-                return None
+                left = None if deadline is None else deadline - time.monotonic()
+                if not passed_over or left is None or left <= 0:
+                    return None
+                if candidates == []:
+                    time.sleep(min(SCOPE_POLL_SECONDS, left))
+                passed_over.clear()
+                continue
             name = held.connection.info.parameter_status("application_name")
             try:
                 check_scope(OUTSIDE, held.key, held, name)
             except LockBusyError:  # another run's lock scope holds the key (a pool: this slot) between its tasks
                 held.release()
-                if held.slot is None or candidates is None:
+                if held.slot is None:
                     return None
-                candidates = [index for index in candidates if index != held.slot - 1]
-                if not candidates:
-                    return None
+                passed_over.add(held.slot - 1)
                 continue  # another slot of the pool may be free
             except BaseException:
                 held.release()

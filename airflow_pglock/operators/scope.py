@@ -50,6 +50,7 @@ from airflow_pglock.task_guard import (
     fail_for_configuration,
     lock_spec_of,
     render_lock_options,
+    resolve_key,
     resume_deadline,
     run_guarded,
     task_identity,
@@ -145,6 +146,11 @@ def _entered_slot(entered: dict[str, Any], slots: int) -> int | None:
     """The slot a scope over a pool took (its setup's XCom); None for a scope over one key."""
     slot = entered.get("slot")
     if slots == 1:
+        if slot is not None:  # the setup took a slot of a pool: this key is not the one it holds
+            raise LockConfigurationError(
+                f"the lock scope's setup took slot {slot!r} of a pool, but the scope now says slots=1: was slots= "
+                "changed while this run was in flight? Clear the whole scope (its setup too) to take it again"
+            )
         return None
     if isinstance(slot, bool) or not isinstance(slot, int) or not 1 <= slot <= slots:
         raise LockConfigurationError(
@@ -314,13 +320,32 @@ def _free_after_failed_setup(
     """The setup failed, perhaps after it took the scope (Airflow then skips the teardown): free what
     this setup may have taken, so the key is not held until the scope's lease ends. Best effort."""
     if spec.enter.policy.slots > 1 and role.slot is None:
-        # It failed before it knew its slot: the guard freed a slot it had entered, under its lock.
-        return
+        # It failed before it learnt its slot (its guard frees it under the lock, unless its session
+        # was gone): find the slot whose row is this acquisition's, if any.
+        try:
+            role = dataclasses.replace(role, slot=_slot_of(spec, role, context, rendered))
+        except Exception as error:
+            logger.warning("pglock: could not find the slot of the lock scope after its setup failed: %s", error)
+            return
+        if role.slot is None:
+            return
     leave = dataclasses.replace(role, kind="leave")
     try:
         run_guarded(spec.member_spec(), context, lambda handle: None, logger, scope=leave, **rendered)
     except BaseException as error:  # the setup's own error is the one to report
         logger.warning("pglock: could not free the lock scope after its setup failed: %s", error)
+
+
+def _slot_of(spec: ScopeSpec, role: ScopeRole, context: Context, rendered: dict[str, Any]) -> int | None:
+    """The slot of the pool whose live row is ``role``'s acquisition (read without a lock: the
+    row is this acquisition's until it is freed, and only under the slot's lock)."""
+    from airflow_pglock.keys import slot_keys
+
+    identity = task_identity(context)
+    pool = resolve_key(rendered.get("key"), rendered.get("tenant"), identity.dag_id, identity.task_id)
+    rows = spec.enter.hook().scopes(pool, slots=spec.enter.policy.slots)
+    slots = slot_keys(pool, spec.enter.policy.slots)
+    return next((slots.index(key) + 1 for key, row in rows.items() if row.holder == role.holder), None)
 
 
 @dataclass(frozen=True)

@@ -459,3 +459,45 @@ def test_a_scope_over_a_pool_takes_a_free_slot_its_tasks_reenter_and_skips_when_
     assert "all 2 slots of the pool key 'scope-key'" in log and "2 by lock scopes" in log
     scopes_db.execute("UPDATE pglock.scopes SET lease_until = clock_timestamp() - interval '1 second'")
     assert sensor.poke({}), "the scopes' leases ran out: the pool is free"
+
+
+def test_a_pool_setup_that_failed_before_it_learnt_its_slot_finds_and_frees_it(
+    airflow_db: Any, scopes_db: Any, dsn: str
+) -> None:
+    """The fallback of a pool setup that failed before its work (its guard could not free the slot:
+    its session was gone): the slot whose row is this acquisition's is found and freed, no other."""
+    import types
+
+    from airflow.sdk import DAG
+
+    from airflow_pglock.compat import PythonOperator
+    from airflow_pglock.keys import slot_keys
+    from airflow_pglock.operators import scope
+    from airflow_pglock.scope_rules import ScopeRole
+
+    with (
+        DAG("scope_pool_setup_fails", schedule=None) as dag,
+        scope.advisory_lock_scope("publish", key="scope-key", postgres_conn_id="pglock_test", slots=2),
+    ):
+        work = PythonOperator(task_id="work", python_callable=lambda: None)
+    spec = work._pglock_scope
+    other = _hold_scope_elsewhere(scopes_db)  # slot 1: another run's
+    mine = uuid.uuid4().hex
+    slot_2 = slot_keys(KEY, 2)[1]
+    scopes_db.execute("SELECT pg_advisory_lock(%s)", [slot_2.int64])
+    try:
+        assert scopes.enter(scopes_db, slot_2, mine, "deployment-a: scope_pool_setup_fails manual__f", 300)[0]
+    finally:
+        scopes_db.execute("SELECT pg_advisory_unlock(%s)", [slot_2.int64])
+    enter = dag.get_task("publish.pglock_scope_enter")
+    ti = types.SimpleNamespace(
+        dag_id=dag.dag_id, task_id=enter.task_id, run_id="manual__f", map_index=-1, hostname="h", task=enter
+    )
+    role = ScopeRole(kind="enter", holder=mine, run="deployment-a", task=enter.task_id)
+    context = {"ti": ti, "task": enter, "params": {}}
+    scope._free_after_failed_setup(spec, role, context, {"key": "scope-key", "tenant": None}, enter.log)
+    assert [row[0] for row in _scope_rows(scopes_db)] == [other], "its own slot freed, the other run's left alone"
+    from airflow_pglock.exceptions import LockConfigurationError
+
+    with pytest.raises(LockConfigurationError, match="was slots= changed"):
+        scope._entered_slot({"holder": mine, "slot": 2}, 1)

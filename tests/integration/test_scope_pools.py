@@ -188,3 +188,39 @@ def test_a_scope_over_a_pool_refuses_fencing_and_run_rules_at_parse_time() -> No
         _scope_spec("", {"key": "k", "slots": 2, "fencing": True})
     with pytest.raises(LockConfigurationError, match="once_per"):
         _scope_spec("", {"key": "k", "slots": 2, "once_per": "{{ ds }}"})
+
+
+def test_hook_acquire_comes_back_to_a_slot_a_scope_frees_while_it_waits(hook: Any, scopes_db: Any) -> None:
+    holder = uuid.uuid4().hex
+    _enter(hook, holder)  # slot 1: a scope between its tasks
+    other = hook.acquire(POOL, slots=SLOTS)  # slot 2: a session
+    assert other is not None and other.slot == 2
+
+    def teardown() -> None:
+        with LockGuard(hook.database, POOL, _policy(), scope=_role("leave", holder, slot=1)):
+            pass
+
+    threading.Timer(1.0, teardown).start()
+    try:
+        held = hook.acquire(POOL, slots=SLOTS, timeout=20)
+        assert held is not None and held.slot == 1, "the wait tries the slot it passed over again"
+        held.release()
+    finally:
+        other.release()
+
+
+def test_a_full_pool_names_the_scopes_and_the_sessions_that_hold_it(hook: Any, scopes_db: Any) -> None:
+    _enter(hook, uuid.uuid4().hex)
+    other = hook.acquire(POOL, slots=SLOTS, application_name="the other holder")
+    assert other is not None
+    try:
+        with (
+            pytest.raises(LockBusyError) as busy,
+            LockGuard(hook.database, POOL, _policy()),
+        ):
+            pytest.fail("ran in a full pool")
+    finally:
+        other.release()
+    message = str(busy.value)
+    assert "are held, 1 by lock scopes (slot 1: " in message and "; the other 1 by pid " in message, message
+    assert "the other holder" in message and message.count("slots of the pool") == 1, message
