@@ -14,6 +14,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -94,6 +95,17 @@ def admin(dsn: str) -> Iterator[object]:
         yield conn
         leftovers = wait_until_no_sessions(conn)
         assert leftovers == [], f"sessions left open by the test: {leftovers}"
+
+
+@pytest.fixture
+def scopes_db(admin: Any) -> Iterator[Any]:
+    """``admin`` on a lock database with airflow-pglock's schema freshly installed (init-db), dropped after."""
+    from airflow_pglock.pg import schema
+
+    admin.execute("DROP SCHEMA IF EXISTS pglock CASCADE")
+    schema.migrate(admin)
+    yield admin
+    admin.execute("DROP SCHEMA IF EXISTS pglock CASCADE")
 
 
 @pytest.fixture

@@ -68,6 +68,16 @@ def advisory_locks(conn: Any) -> list[tuple[int, int, int, int, bool]]:
     return [tuple(row) for row in rows]
 
 
+def advisory_locks_left(conn: Any, timeout: float = 10.0) -> int:
+    """How many advisory locks remain once closed sessions' backends have exited (a moment after the close)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        count = int(conn.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'").fetchone()[0])
+        if count == 0 or time.monotonic() > deadline:
+            return count
+        time.sleep(0.05)
+
+
 def wait_until_no_sessions(conn: Any, timeout: float = 5.0) -> list[tuple[int, str]]:
     """Poll until no other session remains (a closed client's backend exits asynchronously)."""
     deadline = time.monotonic() + timeout

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from airflow_pglock.keys import LockKey
-from airflow_pglock.pg import schema, scopes
+from airflow_pglock.pg import scopes
 from tests.helpers import run_dag
 
 pytestmark = pytest.mark.airflow
@@ -98,14 +98,6 @@ plain_guard_dag = plain_guard()
 """
 
 KEY = LockKey.from_name("scope-key")
-
-
-@pytest.fixture
-def scopes_db(admin: Any, dsn: str) -> Any:
-    admin.execute("DROP SCHEMA IF EXISTS pglock CASCADE")
-    schema.migrate(admin)
-    yield admin
-    admin.execute("DROP SCHEMA IF EXISTS pglock CASCADE")
 
 
 def _scope_rows(admin: Any) -> list[tuple[Any, ...]]:

@@ -15,20 +15,12 @@ import pytest
 from airflow_pglock.exceptions import LockBusyError, LockConfigurationError, LockLostError
 from airflow_pglock.guard import LockGuard
 from airflow_pglock.keys import LockKey, slot_keys
-from airflow_pglock.pg import schema
 from airflow_pglock.policy import LockPolicy
 from airflow_pglock.scope_rules import ScopeRole
+from tests.helpers import advisory_locks_left
 
 POOL = LockKey.from_name("scopes/pool")
 SLOTS = 2
-
-
-@pytest.fixture
-def scopes_db(admin: Any) -> Any:
-    admin.execute("DROP SCHEMA IF EXISTS pglock CASCADE")
-    schema.migrate(admin)
-    yield admin
-    admin.execute("DROP SCHEMA IF EXISTS pglock CASCADE")
 
 
 def _role(kind: str, holder: str, slot: int | None = None) -> ScopeRole:
@@ -49,15 +41,6 @@ def _rows(admin: Any) -> dict[str, str]:
     return dict(admin.execute("SELECT key_name, holder FROM pglock.scopes").fetchall())
 
 
-def _advisory_locks(admin: Any) -> int:
-    deadline = time.monotonic() + 10
-    while True:
-        count = int(admin.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'").fetchone()[0])
-        if count == 0 or time.monotonic() > deadline:
-            return count
-        time.sleep(0.05)
-
-
 def test_at_most_n_scopes_hold_a_pool_each_in_its_own_slot(hook: Any, scopes_db: Any) -> None:
     first, second, third = (uuid.uuid4().hex for _ in range(3))
     assert _enter(hook, first) == 1
@@ -67,7 +50,7 @@ def test_at_most_n_scopes_hold_a_pool_each_in_its_own_slot(hook: Any, scopes_db:
         LockBusyError, match=r"all 2 slots of the pool .* are held, 2 by lock scopes \(slot 1: .*slot 2"
     ):
         _enter(hook, third)
-    assert _advisory_locks(scopes_db) == 0, "between their tasks the scopes hold no session"
+    assert advisory_locks_left(scopes_db) == 0, "between their tasks the scopes hold no session"
     assert _enter(hook, first) == 1, "a setup run again for the same holder takes its own slot again"
 
 
@@ -129,7 +112,7 @@ def test_other_guards_of_the_pool_pass_over_scoped_slots_and_are_busy_when_all_a
         pass
     with LockGuard(hook.database, POOL, _policy()) as handle:
         assert handle.slot == 1, "the freed slot is free for everyone"
-    assert _advisory_locks(scopes_db) == 0
+    assert advisory_locks_left(scopes_db) == 0
 
 
 def test_a_pool_guard_that_waits_takes_a_slot_once_a_scope_frees_it(hook: Any, scopes_db: Any) -> None:
@@ -156,7 +139,7 @@ def test_a_running_task_of_a_pool_scope_holds_the_pools_size_markers(hook: Any, 
         LockGuard(hook.database, POOL, LockPolicy(slots=3)),
     ):
         pytest.fail("a pool of another size ran beside the scope's task")
-    assert _advisory_locks(scopes_db) == 0
+    assert advisory_locks_left(scopes_db) == 0
 
 
 class _FailsOnAcquired(logging.LoggerAdapter):  # type: ignore[type-arg]
@@ -177,7 +160,7 @@ def test_a_setup_that_fails_after_taking_the_scope_frees_it_under_the_lock(
     with pytest.raises(RuntimeError, match="the log handler failed"), guard:
         pytest.fail("the setup's work ran")
     assert _rows(scopes_db) == {}, "the scope a failed setup took is freed, not held until its lease ends"
-    assert _advisory_locks(scopes_db) == 0
+    assert advisory_locks_left(scopes_db) == 0
 
 
 def test_a_scope_over_a_pool_refuses_fencing_and_run_rules_at_parse_time() -> None:

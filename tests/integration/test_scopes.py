@@ -16,16 +16,9 @@ from airflow_pglock.keys import LockKey
 from airflow_pglock.pg import schema, scopes
 from airflow_pglock.policy import LockPolicy
 from airflow_pglock.scope_rules import ScopeRole
+from tests.helpers import advisory_locks_left
 
 KEY = LockKey.from_name("scopes/integration")
-
-
-@pytest.fixture
-def scopes_db(admin: Any) -> Any:
-    admin.execute("DROP SCHEMA IF EXISTS pglock CASCADE")
-    schema.migrate(admin)
-    yield admin
-    admin.execute("DROP SCHEMA IF EXISTS pglock CASCADE")
 
 
 def _role(kind: str, holder: str, lease: float = 300.0, **more: Any) -> ScopeRole:
@@ -38,16 +31,6 @@ def _enter(hook: Any, holder: str, lease: float = 300.0, fencing: bool = False) 
         return handle.fencing_token
 
 
-def _advisory_locks(admin: Any) -> int:
-    """Advisory locks still held, once closed sessions' backends have exited (a moment after the close)."""
-    deadline = time.monotonic() + 10
-    while True:
-        count = int(admin.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'").fetchone()[0])
-        if count == 0 or time.monotonic() > deadline:
-            return count
-        time.sleep(0.05)
-
-
 @pytest.mark.parametrize("mode", ["session", "transaction"])
 def test_a_live_scope_refuses_every_other_guard_and_leaves_nothing_held(hook: Any, scopes_db: Any, mode: str) -> None:
     _enter(hook, uuid.uuid4().hex)
@@ -58,7 +41,7 @@ def test_a_live_scope_refuses_every_other_guard_and_leaves_nothing_held(hook: An
         LockGuard(hook.database, KEY, LockPolicy(mode=mode)),
     ):  # type: ignore[arg-type]
         pytest.fail("ran inside another run's scope")
-    assert _advisory_locks(scopes_db) == 0
+    assert advisory_locks_left(scopes_db) == 0
     other = LockKey.from_name("scopes/another-key")
     with LockGuard(hook.database, other, LockPolicy(mode=mode)):  # type: ignore[arg-type]
         pass  # a key without a scope: no refusal
@@ -117,7 +100,7 @@ def test_members_reenter_with_the_scopes_token_and_fail_as_lost_once_it_lapsed_o
         LockGuard(hook.database, KEY, LockPolicy(), scope=_role("member", holder)),
     ):
         pytest.fail("a task re-entered a lapsed scope")
-    assert _advisory_locks(scopes_db) == 0
+    assert advisory_locks_left(scopes_db) == 0
 
 
 def test_a_member_that_outlives_the_lease_keeps_and_renews_the_scope(hook: Any, scopes_db: Any) -> None:
@@ -163,7 +146,7 @@ def test_without_the_scopes_table_a_scope_fails_naming_init_db_and_guards_run(ho
         _enter(hook, uuid.uuid4().hex)
     with LockGuard(hook.database, KEY, LockPolicy()):
         pass
-    assert _advisory_locks(scopes_db) == 0
+    assert advisory_locks_left(scopes_db) == 0
 
 
 def test_a_scope_refuses_shared_and_transaction_locks_before_connecting(hook: Any) -> None:
@@ -217,7 +200,7 @@ def test_hook_acquire_finds_the_key_busy_while_another_runs_scope_is_live(hook: 
     _enter(hook, uuid.uuid4().hex)
     assert hook.acquire(KEY) is None
     assert hook.acquire(KEY, timeout=1) is None
-    assert _advisory_locks(scopes_db) == 0
+    assert advisory_locks_left(scopes_db) == 0
     held = hook.acquire(LockKey.from_name("scopes/another-key"))
     assert held is not None
     held.release()
@@ -246,7 +229,7 @@ def test_a_role_without_any_grant_still_sees_scopes_and_a_scope_needs_the_grant(
         scopes_db.execute("DELETE FROM pglock.scopes")
         with pytest.raises(LockConfigurationError, match=r"may not use pglock.scopes .* init-db --grant"):
             _enter(reader, uuid.uuid4().hex)
-        assert _advisory_locks(scopes_db) == 0
+        assert advisory_locks_left(scopes_db) == 0
     finally:
         scopes_db.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", [role])
         scopes_db.execute(f"DROP OWNED BY {role}")
@@ -326,7 +309,7 @@ def test_lock_sessions_and_sub_keys_find_a_scopes_key_busy(hook: Any, scopes_db:
         with handle.try_lock(KEY) as sub:
             assert sub is None
         assert [sub.key for sub in handle.try_lock_many([free, KEY])] == [free]
-    assert _advisory_locks(scopes_db) == 0
+    assert advisory_locks_left(scopes_db) == 0
 
 
 def test_a_renewal_whose_horizon_raise_fails_is_rolled_back(scopes_db: Any, dsn: str) -> None:
@@ -441,7 +424,7 @@ def test_a_recording_teardown_records_the_completion_with_the_scopes_token_then_
     assert guard.outcome == "completed"
     assert _completions(scopes_db) == [("2026-12-01", token)]
     assert scopes_db.execute("SELECT count(*) FROM pglock.scopes").fetchone()[0] == 0
-    assert _advisory_locks(scopes_db) == 0
+    assert advisory_locks_left(scopes_db) == 0
 
 
 def test_a_recording_teardown_whose_session_ends_before_the_record_keeps_the_scope_and_records_nothing(
@@ -479,7 +462,7 @@ def test_a_recording_teardown_whose_scope_lapsed_records_nothing_and_fails_as_lo
     assert _completions(scopes_db) == []
     left = scopes_db.execute("SELECT holder FROM pglock.scopes").fetchall()
     assert left == [(other if taken else holder,)], "a lapsed teardown deletes nothing"
-    assert _advisory_locks(scopes_db) == 0
+    assert advisory_locks_left(scopes_db) == 0
 
 
 def test_a_recording_teardown_whose_delete_fails_records_nothing_and_its_retry_records_and_frees(
@@ -503,4 +486,4 @@ def test_a_recording_teardown_whose_delete_fails_records_nothing_and_its_retry_r
     assert _leave_recording(hook, holder).outcome == "completed"
     assert _completions(scopes_db) == [("2026-12-01", token)]
     assert scopes_db.execute("SELECT count(*) FROM pglock.scopes").fetchone()[0] == 0
-    assert _advisory_locks(scopes_db) == 0
+    assert advisory_locks_left(scopes_db) == 0
