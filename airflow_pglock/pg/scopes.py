@@ -97,7 +97,7 @@ _WHERE = "objsubid = %(objsubid)s AND classid = %(classid)s AND objid = %(objid)
 
 
 _PUBLIC_MAY_READ = (
-    "SELECT has_schema_privilege('public', 'pglock', 'USAGE')"
+    "has_schema_privilege('public', 'pglock', 'USAGE')"
     " AND has_table_privilege('public', 'pglock.scopes', 'SELECT')"
     " AND has_sequence_privilege('public', 'pglock.scope_horizon', 'SELECT')"
 )
@@ -186,7 +186,7 @@ def enter(
     :raises LockConfigurationError: PUBLIC may not read the scopes (every guard of a named key
         must, whatever its role: a scope it cannot see would not exclude it).
     """
-    readable = _run(conn, _PUBLIC_MAY_READ, {}).fetchone()
+    readable = _run(conn, f"SELECT {_PUBLIC_MAY_READ}", {}).fetchone()
     if not (readable and readable[0]):
         raise LockConfigurationError(
             "a lock scope needs every role to be able to read it (USAGE on schema pglock, SELECT on pglock.scopes "
@@ -377,7 +377,7 @@ def scope_access(conn: psycopg.Connection[Any]) -> ScopeAccess | None:
     if not (installed and installed[0]):
         return None
     row = conn.execute(
-        f"SELECT ({_PUBLIC_MAY_READ[len('SELECT ') :]}),"
+        f"SELECT ({_PUBLIC_MAY_READ}),"
         " has_table_privilege('pglock.scopes', 'INSERT, UPDATE, DELETE')"
         " AND has_sequence_privilege('pglock.scope_horizon', 'UPDATE'),"
         " CASE WHEN has_table_privilege('pglock.scopes', 'SELECT')"
