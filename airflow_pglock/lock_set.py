@@ -203,7 +203,7 @@ class LockSet:
             yield sub
         except BaseException:
             if sub is not None:
-                with contextlib.suppress(LockLostError):  # the block's own error is the one to see
+                with contextlib.suppress(PgLockError, psycopg.Error):  # the block's own error is the one to see
                     self.release(sub)
             raise
         if sub is None or self._held.get(sub.key.numbers) is not sub:

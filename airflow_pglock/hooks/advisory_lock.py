@@ -33,7 +33,7 @@ from airflow_pglock.pg.holders import aread_holders
 from airflow_pglock.pg.scopes import ScopeRow, live_scope, live_scopes_of
 from airflow_pglock.pg.settings import ConnectionSettings, from_dsn
 from airflow_pglock.pg.statements import check_wait_timeout
-from airflow_pglock.policy import LockPolicy, OnBusy, OnLost
+from airflow_pglock.policy import LockPolicy, OnBusy, OnLost, check_slots
 from airflow_pglock.registry import record_acquisition
 from airflow_pglock.scope_rules import OUTSIDE
 from airflow_pglock.scope_rules import check_before_work as check_scope
@@ -240,7 +240,8 @@ class AdvisoryLockHook(BaseHook):
         slots that scopes hold are passed over; with a ``timeout`` every slot is tried again
         about every second until one is taken or the time is up.
         """
-        pool = slot_keys(LockKey.coerce(key), slots)  # before any I/O, as the timeout
+        check_slots(slots, shared)  # before any I/O, as the key and the timeout
+        pool = slot_keys(LockKey.coerce(key), slots)
         if timeout is not None:
             check_wait_timeout(timeout)  # before any I/O, and before the deadline is computed from it
         every_slot = None if slots == 1 else list(range(slots))

@@ -659,3 +659,11 @@ def test_racing_plain_holders_of_one_name_are_busy_never_refused(dsn: str, admin
     assert [what for _, _, what in results if what not in ("held", "busy")] == []
     held = [round_no for round_no, _, what in results if what == "held"]
     assert sorted(held) == list(range(rounds))  # one holder a round
+
+
+def test_hook_acquire_refuses_a_shared_pool_before_connecting() -> None:
+    """A pool's slots are exclusive: shared=True with slots>1 is refused, as by the guard's policy,
+    rather than taken exclusively and then reported not held (is_held) and not released."""
+    unreachable = AdvisoryLockHook(dsn="postgresql://postgres@127.0.0.1:1/nowhere")
+    with pytest.raises(LockConfigurationError, match="shared=True cannot be combined with slots=2"):
+        unreachable.acquire("pool/shared", shared=True, slots=2)
