@@ -52,7 +52,7 @@ from airflow_pglock.pg.database import LockDatabase
 from airflow_pglock.pg.held import HeldLock
 from airflow_pglock.policy import LockPolicy
 from airflow_pglock.registry import record_acquisition
-from airflow_pglock.run_rules import RunRules, check_before_work, check_not_shared, record_success
+from airflow_pglock.run_rules import RunRules, check_before_work, check_not_pooled, check_not_shared, record_success
 from airflow_pglock.scope_rules import OUTSIDE, ScopeRole, end_member_task, free_after_failed_enter, record_and_free
 from airflow_pglock.scope_rules import check_before_work as check_scope
 
@@ -158,6 +158,7 @@ class LockGuard:
         # records the completion (when every task of the scope succeeded) without checking again.
         self._records_completion = self.rules.records_completion and scope.kind in ("outside", "leave")
         check_not_shared(self.rules, policy.shared)
+        check_not_pooled(self.rules, policy.slots)
         self.identity = identity
         self.key = key
         self.policy = policy

@@ -26,7 +26,7 @@ from airflow_pglock.hooks import DEFAULT_CONN_ID
 from airflow_pglock.keys import LockKey, name_bytes, slot_keys, tenant_text
 from airflow_pglock.liveness import DEFAULT_LEASE_SECONDS, Liveness
 from airflow_pglock.policy import DEFAULT_DEFER_AFTER_SECONDS, LockPolicy, OnBusy, OnError, OnLost, check_defer_after
-from airflow_pglock.run_rules import RunRules, check_not_shared, seconds
+from airflow_pglock.run_rules import RunRules, check_not_pooled, check_not_shared, seconds
 from airflow_pglock.server_rules import Scope
 
 if TYPE_CHECKING:  # the hook (psycopg) loads when a task runs, not when a DAG file is parsed
@@ -226,15 +226,6 @@ class LockSpec:
         from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 
         return AdvisoryLockHook(self.postgres_conn_id, liveness=Liveness(self.lease))
-
-
-def check_not_pooled(rules: RunRules, slots: int) -> None:
-    """once_per / min_interval / fencing are records of one key: refused on a pool of several slots."""
-    if slots > 1 and rules.active:
-        raise LockConfigurationError(
-            f"slots={slots} cannot be combined with once_per, min_interval or fencing: those are recorded per key, "
-            "and each run of a pool holds a different slot"
-        )
 
 
 def check_key_spec(key: KeySpec, tenant: Any) -> None:

@@ -147,6 +147,15 @@ def record_success(rules: RunRules, held: HeldLock, identity: TaskIdentity | Non
     )
 
 
+def check_not_pooled(rules: RunRules, slots: int) -> None:
+    """once_per / min_interval / fencing are records of one key: refused on a pool of several slots."""
+    if slots > 1 and rules.active:
+        raise LockConfigurationError(
+            f"slots={slots} cannot be combined with once_per, min_interval or fencing: those are recorded per key, "
+            "and each run of a pool holds a different slot"
+        )
+
+
 def check_not_shared(rules: RunRules, shared: bool) -> None:
     """Refuse once_per / min_interval / fencing with a shared lock (before any I/O).
 

@@ -667,3 +667,14 @@ def test_hook_acquire_refuses_a_shared_pool_before_connecting() -> None:
     unreachable = AdvisoryLockHook(dsn="postgresql://postgres@127.0.0.1:1/nowhere")
     with pytest.raises(LockConfigurationError, match="shared=True cannot be combined with slots=2"):
         unreachable.acquire("pool/shared", shared=True, slots=2)
+
+
+def test_a_guard_built_directly_refuses_run_rules_on_a_pool() -> None:
+    """once_per / min_interval / fencing are records of one key: a LockGuard refuses them with slots>1
+    itself, not only the decorator's options (else each slot would run the period once)."""
+    from airflow_pglock.run_rules import RunRules
+
+    unreachable = AdvisoryLockHook(dsn="postgresql://postgres@127.0.0.1:1/nowhere")
+    for rules in (RunRules(period="2026-12-03"), RunRules(min_interval=60.0), RunRules(fencing=True)):
+        with pytest.raises(LockConfigurationError, match="slots=2 cannot be combined with once_per"):
+            LockGuard(unreachable.database, LockKey.from_name("pool/rules"), LockPolicy(slots=2), rules=rules)
