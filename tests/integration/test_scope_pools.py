@@ -163,16 +163,6 @@ def test_a_setup_that_fails_after_taking_the_scope_frees_it_under_the_lock(
     assert advisory_locks_left(scopes_db) == 0
 
 
-def test_a_scope_over_a_pool_refuses_fencing_and_run_rules_at_parse_time() -> None:
-    pytest.importorskip("airflow")
-    from airflow_pglock.operators.scope import _scope_spec
-
-    with pytest.raises(LockConfigurationError, match="fencing=True with slots=2"):
-        _scope_spec("", {"key": "k", "slots": 2, "fencing": True})
-    with pytest.raises(LockConfigurationError, match="once_per"):
-        _scope_spec("", {"key": "k", "slots": 2, "once_per": "{{ ds }}"})
-
-
 def test_hook_acquire_comes_back_to_a_slot_a_scope_frees_while_it_waits(hook: Any, scopes_db: Any) -> None:
     holder = uuid.uuid4().hex
     _enter(hook, holder)  # slot 1: a scope between its tasks
