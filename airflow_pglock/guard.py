@@ -53,7 +53,16 @@ from airflow_pglock.pg.held import HeldLock
 from airflow_pglock.policy import LockPolicy
 from airflow_pglock.registry import record_acquisition
 from airflow_pglock.run_rules import RunRules, check_before_work, check_not_pooled, check_not_shared, record_success
-from airflow_pglock.scope_rules import OUTSIDE, ScopeRole, end_member_task, free_after_failed_enter, record_and_free
+from airflow_pglock.scope_rules import (
+    OUTSIDE,
+    HandOver,
+    ScopeRole,
+    end_deferred_hold,
+    end_member_task,
+    free_after_failed_enter,
+    hand_over,
+    record_and_free,
+)
 from airflow_pglock.scope_rules import check_before_work as check_scope
 
 #: Seconds between two tries of a guard that waits (``on_busy="wait"``) for another's lock
@@ -141,6 +150,11 @@ class LockGuard:
                 "a lock scope holds exclusive session locks: mode='session' and shared=False, got "
                 f"mode={policy.mode!r}, shared={policy.shared!r}"
             )
+        if scope.hands_over and (policy.slots > 1 or scope.kind not in ("outside", "resume")):
+            raise LockConfigurationError(
+                f"only a guarded task (not a lock scope's) over one key hands its hold to the triggerer: slots="
+                f"{policy.slots!r}, scope {scope.kind!r}"
+            )
         if scope.kind in ("member", "leave") and (scope.slot is not None) != (policy.slots > 1):
             raise LockConfigurationError(
                 f"a task of a lock scope over a pool re-enters the slot its setup took: slots={policy.slots!r} "
@@ -149,7 +163,7 @@ class LockGuard:
         #: the scope's row as this execution's check found it (a teardown: as it freed it).
         self.scope_row: Any = None
         self.rules = rules or RunRules()
-        if scope.kind == "member" and self.rules.active:
+        if scope.kind in ("member", "resume") and self.rules.active:
             raise LockConfigurationError(
                 "a task of a lock scope checks no once_per / min_interval / fencing rule of its own: the scope's "
                 "setup checks them and its teardown records the completion"
@@ -176,6 +190,8 @@ class LockGuard:
         self._started = 0.0
         self._wait_seconds = 0.0
         self._handle: LockHandle | None = None
+        #: the work deferred and returned this: its hold passes to the triggerer at the release.
+        self._hand_over: HandOver | None = None
 
     @property
     def outcome(self) -> str | None:
@@ -213,7 +229,7 @@ class LockGuard:
             self._wait_seconds = time.monotonic() - self._started
             self._outcome.acquired(self.held.key, self.held.server, self._wait_seconds)
             record_acquisition(self.held, self.application_name, self.log, self.policy.slots)  # written at release
-            if self.scope.kind == "member":
+            if self.scope.kind in ("member", "resume"):
                 self.fencing_token, self.scope_row = check_scope(
                     self.scope, self.held.key, self.held, self.application_name
                 )
@@ -279,7 +295,7 @@ class LockGuard:
                 if self.scope.slot is not None:  # a task of a scope over a pool: its own slot was busy
                     raise busy_error(self.database, [pool[self.scope.slot - 1]], timeout, self.log)
                 raise busy_error(self.database, pool, timeout, self.log)
-            if self.scope.kind == "member":
+            if self.scope.kind in ("member", "resume"):
                 break  # checked with the run rules: a lost scope is reported as lost
             try:
                 if self.scope.kind == "enter" and self.rules.active:  # a done period takes no scope
@@ -372,6 +388,8 @@ class LockGuard:
         if error is not None:
             self.__exit__(type(error), error, error.__traceback__)
             raise error
+        if isinstance(result, HandOver) and self.scope.hands_over:
+            self._hand_over = result
         self.__exit__(None, None, None)
         return result
 
@@ -383,6 +401,7 @@ class LockGuard:
         lost: str | None = None
         commit_error: BaseException | None = None
         note: str | None = None
+        handed: str | None = None
         closed_inside = False
         try:
             self.interruption.disarm_absorbing()
@@ -403,7 +422,11 @@ class LockGuard:
                         self.log.warning("pglock: %s", loss.SUB_KEYS_NOT_RELEASED)
             if lost is None and not closed_inside and self.scope.kind == "member" and not held.connection.closed:
                 end_member_task(self.scope, held.key, held, self.log)  # before the release: the next task's gap
-            if lost is None and not closed_inside:
+            if lost is None and self._hand_over is not None:
+                lost, commit_error, handed = self._pass_to_triggerer(held)
+            elif lost is None and self.scope.kind == "resume" and not held.connection.closed:
+                end_deferred_hold(self.scope, held.key, held, self.log)
+            if lost is None and commit_error is None and not closed_inside:
                 ending = Ending(held, exc_type is None, record, self._describe_error, self._records_completion)
                 lost, commit_error, note = finish(ending)
         except BaseException as interrupted:  # an asynchronous exception during the clean-up
@@ -434,7 +457,20 @@ class LockGuard:
         if exc_type is not None:
             self._report("failed", detail=f"{exc_type.__name__}: {exc}", held=held_for)
         else:
-            self._report("completed", detail=note, held=held_for)
+            self._report("completed", detail=note or handed, held=held_for)
+
+    def _pass_to_triggerer(self, held: HeldLock) -> tuple[str | None, BaseException | None, str | None]:
+        """The work deferred: before the release, write the lease row that carries the hold until
+        the trigger takes the key. Either fails the task (its deferral is then not raised: nothing
+        would hold the key while the external work goes on)."""
+        try:
+            row = hand_over(self.scope, held.key, held, self.fencing_token)
+        except LockLostError as lost:
+            return lost.cause, None, None
+        except (PgLockError, psycopg.Error) as error:
+            return None, error, None
+        until = row.lease_until.isoformat(timespec="seconds")
+        return None, None, f"deferred: the hold passes to the triggerer (lease until {until}, database clock)"
 
     def _record(self, held: HeldLock) -> bool:
         """Record the completion (once_per / min_interval) under the lock; a scope's teardown

@@ -130,6 +130,13 @@ class LockSet:
         taken = self._take([lock_key], shared, timeout)
         yield from self._hold(taken)
 
+    def take_for_scope(self, key: LockKey) -> SubLock | None:
+        """Try once to take ``key`` exclusively for the holder of its lock scope row (the triggerer's
+        hold of a deferred task), which the caller checks and renews under it: no scope row makes
+        it busy here. None when busy, also when this session holds it already."""
+        taken = self._take([key], False, None, see_scopes=False)
+        return taken[0] if taken else None
+
     def try_lock_many(self, keys: Iterable[AnyKey], shared: bool = False) -> list[SubLock]:
         """Try every key at once (one round trip per 5,000 keys); the ones taken, in order.
 
@@ -214,7 +221,9 @@ class LockSet:
             reason = loss.found_at_release(f"the session no longer held {sub.key.describe()}")
             raise LockLostError(f"lost {sub.key.describe()}: {reason}", sub.key, reason)
 
-    def _take(self, keys: list[LockKey], shared: bool, timeout: float | None) -> list[SubLock]:
+    def _take(
+        self, keys: list[LockKey], shared: bool, timeout: float | None, *, see_scopes: bool = True
+    ) -> list[SubLock]:
         with self._mutex:
             reason = self.lost
             if reason is not None and keys:
@@ -231,7 +240,7 @@ class LockSet:
             wanted = list(fresh.values())
             if not wanted:
                 return []
-            seeing = any(key.name is not None for key in wanted)
+            seeing = see_scopes and any(key.name is not None for key in wanted)
             try:
                 with self._session_errors(wanted[0]):
                     if seeing and self._scopes is None:

@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # the SQL loads when a scope is checked, not when a DAG is pa
     from airflow_pglock.pg.held import HeldLock
     from airflow_pglock.pg.scopes import ScopeRow
 
-ScopeKind = Literal["outside", "enter", "member", "leave"]
+ScopeKind = Literal["outside", "enter", "member", "leave", "resume"]
 
 #: Seconds a scope stays held after its last task started or ended, unless renewed.
 DEFAULT_SCOPE_LEASE_SECONDS = 600.0
@@ -42,6 +42,12 @@ class ScopeRole:
     :param fencing: issue one fencing token per scope acquisition (at ``enter``).
     :param slot: a scope over a pool (``slots=N``): the slot its setup took (1 to N), which its
         tasks and its teardown re-enter; None for the setup and for a scope over one key.
+    :param hands_over: a guarded deferrable operator (``outside``, or ``resume`` after a deferral):
+        when its work returns a :class:`HandOver`, the hold passes to the triggerer under a lease row.
+
+    ``resume``: a guarded deferrable operator resumes after its trigger fired. It re-enters the
+    hold its deferral handed over (like ``member``); its end frees the row, or hands the hold
+    over again when the operator defers again.
     """
 
     kind: ScopeKind = "outside"
@@ -51,13 +57,67 @@ class ScopeRole:
     lease: float = DEFAULT_SCOPE_LEASE_SECONDS
     fencing: bool = False
     slot: int | None = None
+    hands_over: bool = False
 
     def __post_init__(self) -> None:
-        if self.kind != "outside" and not self.holder:
+        if (self.kind != "outside" or self.hands_over) and not self.holder:
             raise LockConfigurationError(f"a scope's {self.kind} needs the scope's holder id, got {self.holder!r}")
 
 
 OUTSIDE = ScopeRole()
+
+
+@dataclass(frozen=True)
+class HandOver:
+    """What the work of a guarded deferrable operator returns when the operator defers: the guard
+    writes the lease row (under the key, before its release) that carries the hold to the triggerer.
+
+    :param deferral: the adapter's record of the deferral (Airflow's ``TaskDeferred``), raised again
+        once the guard has ended.
+    """
+
+    deferral: Any
+
+
+def hand_over(role: ScopeRole, key: LockKey, held: HeldLock, token: int | None) -> ScopeRow:
+    """The work deferred: write (or renew) the lease row that keeps the hold until the trigger
+    holds the key, still under the lock. The fencing token goes with it, the same for the whole task.
+
+    :raises LockLostError: another holder's scope is live (nothing is handed over: the hold would
+        not be this task's while it waits).
+    """
+    from airflow_pglock.pg import scopes
+
+    assert role.holder is not None
+    if key.name is None:
+        raise LockConfigurationError(f"a deferred guarded operator needs a named key, got {key.describe()}")
+    from airflow_pglock.pg.key_names import scopes_installed
+
+    if not scopes_installed(held.registry):
+        raise scopes.missing_table_error()
+    taken, row = scopes.enter(
+        held.connection, key, role.holder, role.run or role.holder, role.lease, task=scopes.deferred_task(role.task)
+    )
+    if not taken:
+        assert row is not None
+        cause = f"{row.describe()} took the key's scope, so the hold cannot pass to the triggerer"
+        raise LockLostError(f"lost {key.describe()} at the deferral: {cause}", key, cause)
+    assert row is not None
+    if token is not None and row.token != token:
+        scopes.set_token(held.connection, key, role.holder, token)
+    return row
+
+
+def end_deferred_hold(role: ScopeRole, key: LockKey, held: HeldLock, logger: logging.Logger | Any) -> None:
+    """A resumed deferrable operator ended (done or failed) still holding the key: free its row.
+    Best effort: its lease ends it otherwise."""
+    from airflow_pglock.pg import scopes
+
+    assert role.holder is not None
+    try:
+        scopes.leave(held.connection, key, role.holder)
+    except Exception as error:
+        logger.warning("pglock could not free the deferral hold of %s: %s", key.describe(), error)
 
 
 def check_before_work(
@@ -100,11 +160,12 @@ def check_before_work(
             token = _issue_token(held, application_name)
             scopes.set_token(conn, key, role.holder, token)
         return token, row
-    if role.kind == "member":
+    if role.kind in ("member", "resume"):
         row = scopes.rejoin(conn, key, role.holder, role.task, role.lease)
         if row is None:
             cause = _why_lost(scopes.read(conn, key), role)
-            raise LockLostError(f"lost the lock scope of {key.describe()}: {cause}", key, cause)
+            what = "the deferred hold of" if role.kind == "resume" else "the lock scope of"
+            raise LockLostError(f"lost {what} {key.describe()}: {cause}", key, cause)
         return row.token, row
     if not records:
         return None, scopes.leave(conn, key, role.holder)
@@ -193,8 +254,12 @@ def _issue_token(held: HeldLock, application_name: str | None) -> int:
 
 
 def _why_lost(row: ScopeRow | None, role: ScopeRole) -> str:
+    if row is None and role.kind == "resume":
+        return "the hold was freed (its row was deleted) while the task was deferred"
     if row is None:
         return f"the scope was freed (its teardown ran, or its row was deleted) before {_this(role)} started"
+    if row.holder != role.holder and role.kind == "resume":
+        return f"its lease ran out while the task was deferred and {row.run} took the key"
     if row.holder != role.holder:
         return f"its lease ran out between tasks and {row.run} took the scope"
     return (
@@ -204,4 +269,6 @@ def _why_lost(row: ScopeRow | None, role: ScopeRole) -> str:
 
 
 def _this(role: ScopeRole) -> str:
+    if role.kind == "resume":
+        return "the task resumed"
     return "its teardown" if role.kind == "leave" else "this task"

@@ -44,6 +44,8 @@ FEATURES: dict[str, str] = {
     "cli-group": "`airflow pglock ...` (Airflow 3.2+)",
     "ui-page": "Browse → Advisory locks page (Airflow 3.1+)",
     "lock-scope": "`advisory_lock_scope`: one lock over a task group (Airflow 3.0+; refused at parse time before)",
+    "deferrable-guard": "`guarded(deferrable operator)`: the hold follows the task into the triggerer and back "
+    "(Airflow 3.0+; refused at parse time before)",
 }
 
 _outcomes: dict[str, list[tuple[str, str]]] = {}

@@ -193,12 +193,8 @@ class AdvisoryLockHook(BaseHook):
 
         :param application_name: names the session in ``pg_stat_activity``.
         """
-        conn, info, _ = self.database.open_lock_session(application_name, "session")
-        try:
-            session = LockSession(conn, info, self.database)
-        except BaseException:
-            conn.close()
-            raise
+        session = self.open_lock_session(application_name=application_name)
+        info = session.server
         try:
             yield session
         finally:
@@ -206,6 +202,16 @@ class AdvisoryLockHook(BaseHook):
         lost = session.lost
         if lost is not None:
             raise LockLostError(f"the lock session was lost: {lost}", LockKey.from_int(info.backend_pid), lost)
+
+    def open_lock_session(self, *, application_name: str | None = None) -> LockSession:
+        """A lock session that outlives a ``with`` block (the triggerer's holds): its owner calls
+        ``close()``. :meth:`lock_session` is the form for everyone else."""
+        conn, info, _ = self.database.open_lock_session(application_name, "session")
+        try:
+            return LockSession(conn, info, self.database)
+        except BaseException:
+            conn.close()
+            raise
 
     def acquire(
         self,

@@ -16,12 +16,26 @@ inside :func:`~airflow_pglock.task_guard.run_guarded`. So
 
 from __future__ import annotations
 
+import dataclasses
+import datetime as dt
+import time
+import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from airflow_pglock.compat import BaseOperator, Context, MappedOperator, TaskDeferred, rendered_task
+from airflow_pglock.compat import (
+    AIRFLOW_VERSION,
+    HAS_LOCK_SCOPE,
+    BaseOperator,
+    Context,
+    MappedOperator,
+    TaskDeferred,
+    rendered_task,
+)
 from airflow_pglock.exceptions import LockConfigurationError, LockLostError
 from airflow_pglock.options import LockOptions, LockSpec
+from airflow_pglock.scope_rules import DEFAULT_SCOPE_LEASE_SECONDS, OUTSIDE, HandOver, ScopeRole
 from airflow_pglock.task_guard import (
     GUARD_ATTRIBUTE,
     RESUME_METHOD,
@@ -29,6 +43,7 @@ from airflow_pglock.task_guard import (
     render_lock_options,
     resume_deadline,
     run_guarded,
+    task_identity,
 )
 
 if TYPE_CHECKING:
@@ -38,15 +53,26 @@ if TYPE_CHECKING:
 
 OperatorT = TypeVar("OperatorT", bound=BaseOperator)
 
+#: The method a guarded operator resumes with after its own deferral (the hold went to the triggerer).
+DEFERRED_RESUME_METHOD = "pglock_resume_deferred"
+#: The deferral's kwarg that carries the hold to the resumed task.
+DEFERRAL_KWARG = "pglock_deferral"
+#: Seconds the resumed task waits for its key (held a moment by another guard reading the row).
+RESUME_WAIT_SECONDS = 60.0
+
 
 @dataclass(frozen=True)
 class OperatorGuard:
     """The lock options of one guarded operator; its :meth:`execute` replaces the operator's.
 
     :param spec: the lock options, checked (templated ones rendered at run time).
+    :param deferral_lease: seconds the hold of a deferred operator outlives the last process
+        that held it (the hand-overs between a worker and the triggerer, a triggerer's restart);
+        None: the operator may not defer while guarded (see :func:`deferral_refused`).
     """
 
     spec: LockSpec
+    deferral_lease: float | None = None
 
     def execute(self, context: Context, **kwargs: Any) -> Any:
         """Run the operator's own ``execute`` while holding the key (replaces ``operator.execute``).
@@ -65,40 +91,182 @@ class OperatorGuard:
         """
         return self._execute(context, {}, deadline=resume_deadline(event, deadline))
 
+    def resume_deferred(self, context: Context, event: Any = None, **kwargs: Any) -> Any:
+        """Resume after the operator's own deferral (``pglock_resume_deferred``): re-enter the hold
+        the triggerer handed back, then run the operator's resume method under it.
+
+        :param context: the task context.
+        :param event: the :class:`~airflow_pglock.triggers.guarded.GuardedTrigger`'s event.
+        :param kwargs: ``pglock_deferral``: the hold and the operator's own resume method and kwargs.
+        """
+        from airflow_pglock.triggers.guarded import HELD
+
+        task = rendered_task(context)
+        payload = event if isinstance(event, Mapping) else {}
+        deferral = kwargs.get(DEFERRAL_KWARG) or payload.get("resume")
+        if not isinstance(deferral, Mapping) or not deferral.get("holder") or not deferral.get("method"):
+            raise LockConfigurationError(
+                f"task {task.task_id!r} resumed with {DEFERRED_RESUME_METHOD} but without its hold ({DEFERRAL_KWARG}="
+                f"{deferral!r})"
+            )
+        if payload.get("pglock") != HELD:
+            reason = str(payload.get("reason") or f"the trigger's event carried no hold ({event!r})")
+            _stop_external_work(task)
+            key = deferral.get("key", "?")
+            message = f"lost the hold of {key} while task {task.task_id!r} was deferred: {reason}"
+            raise LockLostError(message, None, reason)
+        try:
+            rendered = render_lock_options(self.spec, context)
+        except LockConfigurationError as error:
+            _stop_external_work(task)
+            fail_for_configuration(dataclasses.replace(self.spec, policy=_failing(self.spec)), error, task.log)
+        role = ScopeRole(
+            kind="resume",
+            holder=str(deferral["holder"]),
+            run=_run_label(context),
+            task=task.task_id,
+            lease=float(deferral.get("lease") or DEFAULT_SCOPE_LEASE_SECONDS),
+            hands_over=True,
+        )
+        policy = dataclasses.replace(
+            _failing(self.spec),
+            on_busy="wait",
+            wait_timeout=RESUME_WAIT_SECONDS,
+            on_wait_timeout="fail",
+            defer_after=0.0,
+            on_lost="fail",
+        )
+        # The fencing token is the hold's, found in its row.
+        spec = dataclasses.replace(self.spec, policy=policy, fencing=False)
+        started: list[bool] = []
+        method, method_kwargs = str(deferral["method"]), dict(deferral.get("kwargs") or {})
+
+        def work(handle: LockHandle) -> Any:
+            started.append(True)
+            arguments = {**method_kwargs, "event": payload.get("event")}
+            return self._run_deferrable(task, lambda: _call(task, method, context, arguments), handle)
+
+        try:
+            result = run_guarded(spec, context, work, task.log, scope=role, **{**rendered, "once_per": None})
+        except BaseException:
+            if not started:  # the hold could not be re-entered: the external work must not go on unguarded
+                _stop_external_work(task)
+            raise
+        return self._defer_again_or_return(task, context, rendered, role, result)
+
     def _execute(self, context: Context, kwargs: dict[str, Any], deadline: float | None) -> Any:
         task = rendered_task(context)  # the copy the task runner executes, template fields rendered
         try:
             rendered = render_lock_options(self.spec, context)
         except LockConfigurationError as error:
             fail_for_configuration(self.spec, error, task.log)
+        role = OUTSIDE
+        if self.deferral_lease is not None:
+            role = ScopeRole(
+                holder=uuid.uuid4().hex,
+                run=_run_label(context),
+                task=task.task_id,
+                lease=self.deferral_lease,
+                hands_over=True,
+            )
         try:
-            return run_guarded(
+            result = run_guarded(
                 self.spec,
                 context,
-                lambda handle: self._run(task, handle, context, kwargs),
+                lambda handle: self._run_deferrable(task, lambda: type(task).execute(task, context, **kwargs), handle),
                 task.log,
                 deadline=deadline,
+                scope=role,
                 **rendered,
             )
         except LockLostError:
             _stop_external_work(task)
             raise
+        return self._defer_again_or_return(task, context, rendered, role, result)
 
-    @staticmethod
-    def _run(task: BaseOperator, handle: LockHandle, context: Context, kwargs: dict[str, Any]) -> Any:
+    def _run_deferrable(self, task: BaseOperator, call: Any, handle: LockHandle | None = None) -> Any:
         try:
-            return type(task).execute(task, context, **kwargs)
-        except TaskDeferred:
-            # The lock lives on this worker's connection; a deferred task has no worker.
-            raise LockConfigurationError(
-                f"task {task.task_id!r} tried to defer while guarded by {handle.key.describe()}: a deferred task "
-                "holds no lock (the worker and its lock connection are gone while the trigger waits). Run the "
-                "operator with deferrable=False, or wait for the key with AdvisoryLockSensor(deferrable=True) "
-                "and guard only non-deferrable work"
-            ) from None
+            return call()
+        except TaskDeferred as deferral:
+            if self.deferral_lease is None:
+                # The lock lives on this worker's connection; a deferred task has no worker.
+                raise LockConfigurationError(deferral_refused(task, handle)) from None
+            return HandOver(deferral)
+
+    def _defer_again_or_return(
+        self, task: BaseOperator, context: Context, rendered: dict[str, Any], role: ScopeRole, result: Any
+    ) -> Any:
+        """The guard ended: the operator's result, or its deferral, raised again around its hold."""
+        if not isinstance(result, HandOver):
+            return result
+        from airflow_pglock.task_guard import resolve_key
+        from airflow_pglock.triggers.guarded import GuardedTrigger
+
+        deferral = result.deferral
+        identity = task_identity(context)
+        key = resolve_key(rendered["key"], rendered.get("tenant"), identity.dag_id, identity.task_id)
+        trigger_classpath, trigger_kwargs = deferral.trigger.serialize()
+        assert key.name is not None and role.holder is not None
+        resume = {
+            "holder": role.holder,
+            "lease": role.lease,
+            "key": key.describe(),
+            "method": deferral.method_name,
+            "kwargs": deferral.kwargs or {},
+        }
+        trigger = GuardedTrigger(
+            trigger_classpath=trigger_classpath,
+            trigger_kwargs=trigger_kwargs,
+            key_name=key.name,
+            key_numbers=list(key.numbers),
+            postgres_conn_id=self.spec.postgres_conn_id,
+            holder=role.holder,
+            task=f"{identity.dag_id}.{identity.task_id} {identity.run_id}",
+            lease=role.lease,
+            deferred_at=time.time(),
+            resume=resume,
+        )
+        task.log.info(
+            "pglock: %s deferred to %s; the triggerer holds %s until it fires (lease %g s)",
+            task.task_id,
+            trigger_classpath,
+            key.describe(),
+            role.lease,
+        )
+        kwargs = {DEFERRAL_KWARG: resume}
+        raise TaskDeferred(trigger=trigger, method_name=DEFERRED_RESUME_METHOD, kwargs=kwargs, timeout=deferral.timeout)
 
 
-def guarded(operator: OperatorT, **options: Unpack[LockOptions]) -> OperatorT:
+def deferral_refused(task: BaseOperator, handle: LockHandle | None) -> str:
+    held = f" by {handle.key.describe()}" if handle is not None else ""
+    return (
+        f"task {task.task_id!r} tried to defer while guarded{held}, with options under which the hold cannot pass to "
+        "the triggerer (it needs Airflow 3, an exclusive session lock on one named key, and no once_per / "
+        "min_interval). Run the operator with deferrable=False, or change those options"
+    )
+
+
+def _failing(spec: LockSpec) -> Any:
+    """A resumed task never turns an error into a skip: its external work ran."""
+    return dataclasses.replace(spec.policy, on_error="fail")
+
+
+def _call(task: BaseOperator, method: str, context: Context, kwargs: dict[str, Any]) -> Any:
+    """The operator's own method (its class's: ``execute`` on the instance is the guard's)."""
+    function = getattr(type(task), method, None)
+    if function is None:
+        raise LockConfigurationError(f"task {task.task_id!r} has no method {method!r} to resume with")
+    return function(task, context, **kwargs)
+
+
+def _run_label(context: Context) -> str:
+    identity = task_identity(context)
+    return f"{identity.deployment or identity.host or '?'}: {identity.dag_id} {identity.run_id}"
+
+
+def guarded(
+    operator: OperatorT, *, deferral_lease: float | dt.timedelta | None = None, **options: Unpack[LockOptions]
+) -> OperatorT:
     """Run ``operator`` only while it holds its advisory lock; returns the same operator.
 
     ``guarded(BashOperator(task_id="vacuum", bash_command="..."), key="maintenance")``.
@@ -108,7 +276,15 @@ def guarded(operator: OperatorT, **options: Unpack[LockOptions]) -> OperatorT:
     ``on_kill()`` is called and the task fails (``on_lost``). ``key``, ``tenant`` and
     ``once_per`` are Jinja templates rendered at run time.
 
-    :param operator: any non-deferrable BaseOperator (BashOperator, SQLExecuteQueryOperator...).
+    A deferrable operator (Airflow 3) keeps its hold while it is deferred: the triggerer holds
+    the key while the operator's trigger waits, and the task re-enters the hold before its
+    resume method runs (docs/deferrable-operators.md). A hold lost meanwhile calls ``on_kill()``
+    and fails the task.
+
+    :param operator: any BaseOperator (BashOperator, SQLExecuteQueryOperator, a deferrable operator...).
+    :param deferral_lease: seconds (or a timedelta) the hold of a deferred operator outlives the
+        last process that held it: the hand-overs between a worker and the triggerer, and a
+        triggerer restarted mid-wait (default 600).
     :param options: the lock options (:class:`~airflow_pglock.options.LockOptions`).
     """
     if isinstance(operator, MappedOperator):
@@ -122,16 +298,57 @@ def guarded(operator: OperatorT, **options: Unpack[LockOptions]) -> OperatorT:
         raise LockConfigurationError(
             f"task {operator.task_id!r} is already guarded (or its execute was replaced); guard it once"
         )
-    if getattr(operator, "deferrable", False) is True or getattr(operator, "start_from_trigger", False) is True:
-        raise LockConfigurationError(
-            f"task {operator.task_id!r} is deferrable: a deferred task holds no lock (its worker and the lock "
-            "connection are gone while the trigger waits). Create it with deferrable=False to guard it"
-        )
-    guard = OperatorGuard(spec=LockSpec.from_options(options, declaration=LockOptions, caller="guarded"))
+    for flag in ("start_from_trigger", "end_from_trigger"):
+        if getattr(operator, flag, False) is True:
+            raise LockConfigurationError(
+                f"task {operator.task_id!r} has {flag}=True: it starts or ends in the triggerer, where no guarded "
+                f"worker holds its key before or after. Create it with {flag}=False to guard it"
+            )
+    spec = LockSpec.from_options(options, declaration=LockOptions, caller="guarded")
+    lease = _deferral_lease(operator, spec, deferral_lease)
+    guard = OperatorGuard(spec=spec, deferral_lease=lease)
     setattr(operator, GUARD_ATTRIBUTE, guard)
     operator.execute = guard.execute  # type: ignore[method-assign]
     setattr(operator, RESUME_METHOD, guard.resume)  # where a task deferred by on_busy="defer" resumes
+    setattr(operator, DEFERRED_RESUME_METHOD, guard.resume_deferred)  # where it resumes after its own deferral
     return operator
+
+
+def _deferral_lease(operator: BaseOperator, spec: LockSpec, lease: Any) -> float | None:
+    """The lease of the hold while the operator is deferred; None where the hold cannot pass to the
+    triggerer (refused now when the operator says it is deferrable, else when it defers)."""
+    if lease is None:
+        lease = DEFAULT_SCOPE_LEASE_SECONDS
+    elif isinstance(lease, dt.timedelta):
+        lease = lease.total_seconds()
+    if isinstance(lease, bool) or not isinstance(lease, int | float) or not 1 <= lease <= 86400:
+        raise LockConfigurationError(
+            f"deferral_lease must be a timedelta or a number of seconds from 1 to 86400, got {lease!r}"
+        )
+    why = _why_no_hand_over(spec)
+    if why is None:
+        return float(lease)
+    if getattr(operator, "deferrable", False) is True:
+        raise LockConfigurationError(
+            f"task {operator.task_id!r} is deferrable, and its hold cannot pass to the triggerer: {why}. Create it "
+            "with deferrable=False, or change those options"
+        )
+    return None
+
+
+def _why_no_hand_over(spec: LockSpec) -> str | None:
+    if not HAS_LOCK_SCOPE:
+        return f"that needs Airflow 3.0 or newer (this is {'.'.join(map(str, AIRFLOW_VERSION))})"
+    policy = spec.policy
+    if policy.mode != "session" or policy.shared or policy.slots != 1:
+        given = f"mode={policy.mode!r}, shared={policy.shared!r}, slots={policy.slots!r}"
+        return f"it needs an exclusive session lock on one key ({given})"
+    if spec.templated.get("once_per") is not None or spec.min_interval is not None:
+        return "once_per and min_interval are not kept across a deferral"
+    key = spec.templated.get("key")
+    if key is not None and not isinstance(key, str):
+        return f"it needs a named key (a string), got {key!r}"
+    return None
 
 
 def _stop_external_work(task: BaseOperator) -> None:

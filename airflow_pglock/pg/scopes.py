@@ -88,8 +88,21 @@ class ScopeRow:
     live: bool
 
     def describe(self) -> str:
+        until = self.lease_until.isoformat(timespec="seconds")
+        if self.task_now and self.task_now.endswith(DEFERRED_SUFFIX):
+            task = self.task_now.removesuffix(DEFERRED_SUFFIX)
+            return f"the deferred task {task} of {self.run} (held by the triggerer, lease until {until})"
         now = f", task {self.task_now} running now" if self.task_now else ", between its tasks"
-        return f"the lock scope of {self.run}{now}, lease until {self.lease_until.isoformat(timespec='seconds')}"
+        return f"the lock scope of {self.run}{now}, lease until {until}"
+
+
+#: The ``task_now`` suffix of a deferred guarded operator's hold (``scope_rules.hand_over``).
+DEFERRED_SUFFIX = " (deferred, held by the triggerer)"
+
+
+def deferred_task(task: str | None) -> str:
+    """The ``task_now`` of a row whose hold waits in the triggerer."""
+    return f"{task or '?'}{DEFERRED_SUFFIX}"
 
 
 _COLUMNS = "holder, run, task_now, token, lease_until, lease_until > clock_timestamp()"
@@ -177,9 +190,17 @@ def _coordinate_arrays(keys: list[LockKey]) -> dict[str, list[int]]:
 
 
 def enter(
-    conn: psycopg.Connection[Any], key: LockKey, holder: str, run: str, lease_seconds: float
+    conn: psycopg.Connection[Any],
+    key: LockKey,
+    holder: str,
+    run: str,
+    lease_seconds: float,
+    *,
+    task: str | None = None,
 ) -> tuple[bool, ScopeRow | None]:
     """Take the scope of ``key`` for ``holder`` unless another one's row is live.
+
+    :param task: the row's ``task_now`` (a deferred operator's hold: its task, marked deferred).
 
     :returns: ``(True, the row)`` when taken (new, lapsed, or ``holder``'s own again);
         ``(False, the live row of another holder)`` when busy.
@@ -199,16 +220,23 @@ def enter(
             conn,
             "INSERT INTO pglock.scopes AS s (objsubid, classid, objid, key_name, holder, run, task_now, token,"
             " acquired_at, lease_until)"
-            " VALUES (%(objsubid)s, %(classid)s, %(objid)s, %(name)s, %(holder)s, %(run)s, NULL, NULL,"
+            " VALUES (%(objsubid)s, %(classid)s, %(objid)s, %(name)s, %(holder)s, %(run)s, %(task)s, NULL,"
             " clock_timestamp(), clock_timestamp() + make_interval(secs => %(lease)s))"
             " ON CONFLICT (objsubid, classid, objid) DO UPDATE SET key_name = excluded.key_name,"
-            " holder = excluded.holder, run = excluded.run, task_now = NULL,"
+            " holder = excluded.holder, run = excluded.run, task_now = excluded.task_now,"
             " token = CASE WHEN s.holder = excluded.holder THEN s.token END,"
             " acquired_at = CASE WHEN s.holder = excluded.holder THEN s.acquired_at ELSE excluded.acquired_at END,"
             " lease_until = excluded.lease_until"
             " WHERE s.holder = excluded.holder OR s.lease_until <= clock_timestamp()"
             f" RETURNING {_COLUMNS}",
-            {**_coordinates(key), "name": key.name, "holder": holder, "run": run, "lease": lease_seconds},
+            {
+                **_coordinates(key),
+                "name": key.name,
+                "holder": holder,
+                "run": run,
+                "task": task,
+                "lease": lease_seconds,
+            },
         )
         taken = _row(cursor.fetchone())
         if taken is not None:

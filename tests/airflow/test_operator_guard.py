@@ -62,7 +62,7 @@ def operator_guard():
             key=(42, 7), mode="transaction", postgres_conn_id=CONN)
     guarded(BashOperator(task_id="lost_bash", bash_command="sleep LOST_SLEEP; touch {{ params.out }}/lost_ran"),
             key="etl/lost", lease=3, postgres_conn_id=CONN)
-    guarded(DefersAnyway(task_id="defers"), key="etl/defers", postgres_conn_id=CONN)
+    guarded(DefersAnyway(task_id="defers"), key="etl/defers", mode="transaction", postgres_conn_id=CONN)
     guarded(BashOperator(task_id="unknown_param", bash_command="true"), key="{{ params.no_such_param }}",
             postgres_conn_id=CONN)
     guarded(BashOperator(task_id="unreachable", bash_command="true"), postgres_conn_id="pglock_unreachable")
@@ -197,9 +197,19 @@ def test_bad_guards_are_refused_when_the_dag_is_parsed() -> None:
             super().__init__(**kwargs)
             self.deferrable = deferrable
 
+    class StartsInTriggerer(BashOperator):
+        start_from_trigger = True
+
     with DAG("guard_parse_errors", schedule=None):
         cases: list[tuple[Any, dict[str, Any], str]] = [
-            (MaybeDeferrable(task_id="d", bash_command="true", deferrable=True), {}, "is deferrable"),
+            (
+                MaybeDeferrable(task_id="d", bash_command="true", deferrable=True),
+                {"mode": "transaction"},
+                "is deferrable",
+            ),
+            (MaybeDeferrable(task_id="n", bash_command="true", deferrable=True), {"key": 7}, "needs a named key"),
+            (StartsInTriggerer(task_id="s", bash_command="true"), {}, "start_from_trigger=True"),
+            (BashOperator(task_id="l", bash_command="true"), {"deferral_lease": 0}, "deferral_lease must be"),
             (BashOperator.partial(task_id="m").expand(bash_command=["a", "b"]), {}, "mapped task 'm'"),
             ("not an operator", {}, "takes an operator"),
             (BashOperator(task_id="k", bash_command="true"), {"key": 3.5}, "3.5"),

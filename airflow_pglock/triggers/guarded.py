@@ -1,0 +1,157 @@
+"""GuardedTrigger: a deferred guarded operator's own trigger, waited for while the triggerer holds its key.
+
+``guarded(operator, key=...)`` wraps the trigger a deferrable operator defers with. In the
+triggerer the wrapper first takes the hold its deferral handed over
+(:mod:`~airflow_pglock.triggers.holds`: the key on the triggerer's one lock session, the lease
+row renewed under it), then runs the operator's trigger. When that trigger fires, the hold is
+handed back to a worker (the row renewed, the key released) and the event goes on, wrapped:
+``{"pglock": "held", "event": <the operator's event>}``. A hold lost meanwhile ends the wait
+at once with ``{"pglock": "lost", "reason": ...}``: the task resumes, calls the operator's
+``on_kill()`` and fails.
+
+Imported on the triggerer's event loop: nothing heavy at import time (see ``advisory_lock.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from airflow_pglock.compat import BaseTrigger, TriggerEvent
+from airflow_pglock.keys import LockKey
+from airflow_pglock.triggers.advisory_lock import CONNECT_TIMEOUT, RESUME_HOLD_SECONDS, _log
+
+#: ``event["pglock"]`` values.
+HELD, LOST = "held", "lost"
+
+
+class GuardedTrigger(BaseTrigger):
+    """Run ``trigger_classpath(**trigger_kwargs)`` while the triggerer holds the task's key.
+
+    :param trigger_classpath: the operator's trigger (its ``serialize()``).
+    :param trigger_kwargs: its kwargs.
+    :param key_name: the key's name (a deferred hold needs a named key).
+    :param key_numbers: the key's numbers.
+    :param postgres_conn_id: the Airflow connection of the lock database (resolved in the triggerer).
+    :param holder: the hold's id (its row's holder), the same for the whole task.
+    :param task: the task, for people.
+    :param lease: seconds the row keeps the hold when nobody renews it.
+    :param deferred_at: UNIX time of the deferral (an event fires no sooner than
+        ``RESUME_HOLD_SECONDS`` after it: apache/airflow#72716).
+    :param resume: what the task resumes with (the hold, the operator's resume method and its
+        kwargs), carried in every event too: ``dag.test()`` on Airflow 3 drops a deferral's kwargs.
+    :param connect_timeout: seconds to wait for a connection.
+    """
+
+    def __init__(
+        self,
+        *,
+        trigger_classpath: str,
+        trigger_kwargs: dict[str, Any],
+        key_name: str,
+        key_numbers: Sequence[int],
+        postgres_conn_id: str,
+        holder: str,
+        task: str,
+        lease: float,
+        deferred_at: float,
+        resume: dict[str, Any] | None = None,
+        connect_timeout: int = CONNECT_TIMEOUT,
+    ) -> None:
+        super().__init__()
+        self.trigger_classpath = trigger_classpath
+        self.trigger_kwargs = dict(trigger_kwargs)
+        numbers = list(key_numbers)
+        self.key = (
+            LockKey.from_pair(numbers[0], numbers[1], name=key_name)
+            if len(numbers) == 2
+            else LockKey.from_int(numbers[0], name=key_name)
+        )
+        self.postgres_conn_id = postgres_conn_id
+        self.holder = holder
+        self.task_label = task
+        self.lease = float(lease)
+        self.deferred_at = float(deferred_at)
+        self.resume = dict(resume or {})
+        self.connect_timeout = connect_timeout
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        """Class path and kwargs: the operator's trigger, the key, the connection *id* (no secret), the hold."""
+        return f"{type(self).__module__}.{type(self).__qualname__}", {
+            "trigger_classpath": self.trigger_classpath,
+            "trigger_kwargs": self.trigger_kwargs,
+            "key_name": self.key.name,
+            "key_numbers": list(self.key.numbers),
+            "postgres_conn_id": self.postgres_conn_id,
+            "holder": self.holder,
+            "task": self.task_label,
+            "lease": self.lease,
+            "deferred_at": self.deferred_at,
+            "resume": self.resume,
+            "connect_timeout": self.connect_timeout,
+        }
+
+    def _inner(self) -> BaseTrigger:
+        module, _, name = self.trigger_classpath.rpartition(".")
+        trigger: BaseTrigger = getattr(importlib.import_module(module), name)(**self.trigger_kwargs)
+        for attribute in ("trigger_id", "task_instance"):  # what the triggerer set on this one
+            if hasattr(self, attribute):
+                setattr(trigger, attribute, getattr(self, attribute))
+        return trigger
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        """Take the hold, run the operator's trigger, hand the hold back with its first event (or report the loss)."""
+        holds = await asyncio.to_thread(importlib.import_module, "airflow_pglock.triggers.holds")
+        inner = await asyncio.to_thread(self._inner)  # its module may import a driver
+        hub = holds.hub_for(self.postgres_conn_id, self.connect_timeout)
+        hold = holds.DeferredHold(self.key, self.holder, self.task_label, self.lease)
+        async with hub.holding(hold):
+            await hold.settled.wait()
+            if hold.reason is not None:
+                yield await self._lost(hold.reason)
+                return
+            await _log(
+                self.log.info,
+                "pglock: the triggerer holds %s for the deferred task %s (lease %g s, renewed every %g s)",
+                self.key.describe(),
+                self.task_label,
+                self.lease,
+                self.lease / 3,
+            )
+            events = inner.run()
+            fired = asyncio.ensure_future(events.__anext__())
+            lost = asyncio.ensure_future(hold.lost.wait())
+            try:
+                await asyncio.wait({fired, lost}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                lost.cancel()
+                if not fired.done():
+                    fired.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await fired  # the generator can be closed only once its step has ended
+            if fired.cancelled():
+                await events.aclose()
+                yield await self._lost(hold.reason)
+                return
+            event = fired.result()  # the operator's trigger may raise: the task fails as it would unguarded
+            await events.aclose()
+            held_back = self.deferred_at + RESUME_HOLD_SECONDS - time.time()
+            if held_back > 0:
+                await asyncio.sleep(held_back)
+            if not await hub.hand_back(hold):
+                yield await self._lost(hold.reason)
+                return
+        if type(event) is not TriggerEvent:  # e.g. a task-end event: the task ends in the triggerer
+            yield event
+            return
+        yield TriggerEvent({"pglock": HELD, "event": event.payload, "resume": self.resume})
+
+    async def _lost(self, reason: str | None) -> TriggerEvent:
+        reason = reason or "the hold was lost"
+        message = f"lost the hold of {self.key.describe()} while task {self.task_label} was deferred: {reason}"
+        await _log(self.log.error, "pglock: %s", message)
+        return TriggerEvent({"pglock": LOST, "reason": reason, "message": message, "resume": self.resume})

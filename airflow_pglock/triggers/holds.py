@@ -1,0 +1,326 @@
+"""The triggerer's holds of deferred guarded operators: one lock session per triggerer process and lock database.
+
+A guarded deferrable operator that defers hands its hold over under a lease row (the lock
+scopes' table, ``pglock.scopes``). While its trigger waits, the :class:`HoldHub` of the
+triggerer process holds the advisory key itself, on one dedicated connection shared by every
+deferred task of that process (a :class:`~airflow_pglock.lock_set.LockSession`: tracked keys,
+its heartbeat), and renews the lease row under it every ``lease / 3`` s. So a foreign client
+that only tries the key finds it busy, and a guard of this provider finds the row as well.
+
+Taking a key: the hub tries it; once held, it renews the row if the row is still this task's
+and live (database clock). A row that lapsed or was taken ends the hold as lost. A key that is
+busy (a guard reading the row for a moment, or a foreign client) is tried again every second
+while the row is live; once the row is found lapsed, the hold is lost.
+
+When the session ends (the lock database restarted, the connection broke, the server ended
+it), every key goes with it: the hub opens a new session and takes every key again the same
+way. A hold whose row lapsed meanwhile is lost; otherwise the lease bridged the gap. A triggerer
+that dies leaves its rows: the trigger, started again by a triggerer, takes its key again the
+same way, or finds it lost.
+
+Nothing here blocks the event loop: every statement runs in the hub's one worker thread
+(the session's statements one at a time), log lines from a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import time
+import weakref
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+import psycopg
+
+from airflow_pglock.exceptions import LockConfigurationError, PgLockError, UnsafeSetupError
+from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+from airflow_pglock.keys import LockKey
+from airflow_pglock.lock_set import LockSession, SubLock
+from airflow_pglock.pg import scopes
+
+log = logging.getLogger("airflow_pglock.holds")
+
+T = TypeVar("T")
+
+#: application_name of the hub's lock session.
+HOLDS_APPLICATION_NAME = "airflow-pglock deferred holds"
+#: Seconds between two passes of the hub (keys to take again, leases to renew, a lost session).
+PASS_SECONDS = 1.0
+#: ``task_now`` of a row between the trigger's event and the task's resumption on a worker.
+RESUMING_SUFFIX = " (resuming on a worker)"
+
+HoldState = Literal["taking", "held", "lost", "ended"]
+
+
+@dataclass(eq=False)
+class DeferredHold:
+    """One deferred task's hold, kept by the hub while its trigger waits.
+
+    :param key: the task's key (named).
+    :param holder: the acquisition's id (the row's holder).
+    :param task: the task, for people (``dag.task run``).
+    :param lease: seconds the row keeps the hold when nobody renews it.
+    """
+
+    key: LockKey
+    holder: str
+    task: str
+    lease: float
+    state: HoldState = "taking"
+    reason: str | None = None
+    sub: SubLock | None = None
+    renew_at: float = 0.0
+    lease_ends: float = 0.0
+    settled: asyncio.Event = field(default_factory=asyncio.Event)
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        # The row was renewed at most a lease ago: a hold not taken within one more is lost.
+        self.lease_ends = time.monotonic() + self.lease
+
+    def lose(self, reason: str) -> None:
+        if self.state in ("lost", "ended"):
+            return
+        self.state = "lost"
+        self.reason = reason
+        self.sub = None
+        self.lost.set()
+        self.settled.set()
+
+    def renewed(self, now: float) -> None:
+        self.renew_at = now + self.lease / 3
+        self.lease_ends = now + self.lease
+
+
+class HoldHub:
+    """The deferred holds of one event loop and one Airflow connection, on one lock session."""
+
+    def __init__(self, postgres_conn_id: str, connect_timeout: int) -> None:
+        self.postgres_conn_id = postgres_conn_id
+        self.connect_timeout = connect_timeout
+        self.holds: set[DeferredHold] = set()
+        self.session: LockSession | None = None
+        self._connected_once = False
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        # One thread: the session's statements run one at a time, never on the event loop.
+        self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pglock-holds")
+
+    async def _in_thread(self, function: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, function, *args)
+
+    @contextlib.asynccontextmanager
+    async def holding(self, hold: DeferredHold) -> AsyncIterator[DeferredHold]:
+        """Keep ``hold`` while the block runs; its ``settled`` event is set once the key is held (or lost).
+
+        When the block ends without :meth:`hand_back` (the trigger was cancelled: the task was
+        cleared, timed out, or its triggerer stops), the key is released and the row left: its
+        lease ends it, or a triggerer that runs the trigger again takes the hold back.
+        """
+        self.holds.add(hold)
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._serve(), name="pglock deferred holds")
+        self._wake.set()
+        try:
+            yield hold
+        finally:
+            self.holds.discard(hold)
+            sub, hold.sub = hold.sub, None
+            if hold.state not in ("lost", "ended"):
+                hold.state = "ended"
+            if sub is not None:
+                # Shielded: a cancelled trigger must still give its key back.
+                await asyncio.shield(self._in_thread(self._release_quietly, sub))
+
+    async def hand_back(self, hold: DeferredHold) -> bool:
+        """The trigger fired: renew the row for the hand-over to a worker and release the key.
+
+        :returns: False when the hold was lost meanwhile (``hold.reason`` says why).
+        """
+        while hold.state == "taking":  # the session is being replaced: the next pass takes the key back
+            await asyncio.sleep(PASS_SECONDS / 4)
+        if hold.state != "held" or hold.sub is None:
+            return False
+        try:
+            renewed = await self._in_thread(self._renew, hold, hold.task + RESUMING_SUFFIX)
+        except (PgLockError, psycopg.Error) as error:
+            renewed = f"the hold could not be renewed for the hand-over to a worker ({type(error).__name__}: {error})"
+        if renewed is not None:
+            hold.lose(renewed)
+            self._wake.set()
+            return False
+        sub, hold.sub = hold.sub, None
+        hold.state = "ended"
+        await self._in_thread(self._release_quietly, sub)
+        return True
+
+    # ------------------------------------------------------------------ the hub's passes
+
+    async def _serve(self) -> None:
+        try:
+            await self._passes()
+        except asyncio.CancelledError:  # the loop ends (a triggerer stopping, dag.test): the keys go now
+            self._drop_session()
+            self._close_session()
+            raise
+
+    async def _passes(self) -> None:
+        while True:
+            while self.holds:
+                try:
+                    await self._pass()
+                except Exception as error:  # a bug or an input nobody foresaw: a new session, every key again
+                    await asyncio.to_thread(log.error, "pglock deferred holds: a pass failed", exc_info=error)
+                    self._drop_session()
+                    await self._in_thread(self._close_session)
+                self._wake.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), PASS_SECONDS)
+            await self._in_thread(self._close_session)
+            if not self.holds:  # no await since the check: a hold registered now starts a new task
+                return
+
+    async def _pass(self) -> None:
+        now = time.monotonic()
+        for hold in list(self.holds):
+            if hold.state == "taking" and now >= hold.lease_ends:
+                hold.lose(
+                    f"the triggerer could not take {hold.key.describe()} back within the lease "
+                    f"({hold.lease:g} s): another holder may have run meanwhile"
+                )
+        session = self.session
+        if session is None or session.lost is not None or session.connection.closed:
+            if session is not None:
+                self._drop_session()
+                await self._in_thread(self._close_session)
+                await asyncio.to_thread(
+                    log.warning,
+                    "pglock deferred holds: the lock session was lost (%s); taking every held key back",
+                    session.lost or "its connection closed",
+                )
+            if not await self._connect():
+                return
+        for hold in list(self.holds):
+            try:
+                if hold.state == "taking":
+                    taken = await self._in_thread(self._take, hold)
+                    if isinstance(taken, str):
+                        hold.lose(taken)
+                    elif taken is not None:
+                        hold.sub, hold.state = taken, "held"
+                        hold.renewed(time.monotonic())
+                        hold.settled.set()
+                elif hold.state == "held" and time.monotonic() >= hold.renew_at:
+                    lost = await self._in_thread(self._renew, hold, scopes.deferred_task(hold.task))
+                    if lost is not None:
+                        hold.lose(lost)
+                    elif hold.state == "held":
+                        hold.renewed(time.monotonic())
+            except (PgLockError, psycopg.Error) as error:
+                await asyncio.to_thread(log.warning, "pglock deferred holds: %s: %s", hold.key.describe(), error)
+                self._drop_session()  # every key is taken back on a new session at the next pass
+                await self._in_thread(self._close_session)
+                self._wake.set()
+                return
+
+    def _drop_session(self) -> None:
+        """The session is being replaced: its keys go with it; every held key is taken again."""
+        for hold in self.holds:
+            if hold.state == "held":
+                hold.state, hold.sub = "taking", None
+
+    async def _connect(self) -> bool:
+        hook = AdvisoryLockHook(self.postgres_conn_id, connect_timeout=self.connect_timeout)
+        try:
+            self.session = await self._in_thread(self._open, hook)
+        except (PgLockError, psycopg.Error, OSError) as error:
+            if not self._connected_once and isinstance(error, LockConfigurationError | UnsafeSetupError):
+                for hold in list(self.holds):  # a setting to fix: waiting for it would not help
+                    hold.lose(f"the triggerer cannot hold the key: {type(error).__name__}: {error}")
+                return False
+            await asyncio.to_thread(
+                log.warning, "pglock deferred holds: cannot connect to the lock database (%s); retrying", error
+            )
+            return False
+        self._connected_once = True
+        return True
+
+    # ------------------------------------------------------------------ in the hub's thread
+    # These run in the hub's thread: they return what they found; the loop applies it.
+
+    @staticmethod
+    def _open(hook: AdvisoryLockHook) -> LockSession:
+        return hook.open_lock_session(application_name=HOLDS_APPLICATION_NAME)
+
+    def _take(self, hold: DeferredHold) -> SubLock | str | None:
+        """The key taken (its row renewed), None when busy (try again), or why the hold is lost."""
+        session = self.session
+        assert session is not None
+        sub = session.take_for_scope(hold.key)
+        if sub is None:  # busy: a guard reading the row for a moment, or another holder
+            row = scopes.read(session.connection, hold.key)
+            if row is None or row.holder != hold.holder or not row.live:
+                return _why_lost(hold, row, busy=True)
+            return None
+        try:
+            row = scopes.rejoin(session.connection, hold.key, hold.holder, scopes.deferred_task(hold.task), hold.lease)
+            if row is None:
+                found = scopes.read(session.connection, hold.key)
+                self._release_quietly(sub)
+                return _why_lost(hold, found, busy=False)
+        except BaseException:
+            self._release_quietly(sub)
+            raise
+        return sub
+
+    def _renew(self, hold: DeferredHold, task: str) -> str | None:
+        """Renew the row under the held key (nobody could take it meanwhile: the key was held).
+        Why the hold is lost, or None (``hold.state`` is back to taking if the session ended)."""
+        session = self.session
+        if session is None or hold.sub is None or session.lost is not None:
+            raise PgLockError("the lock session ended before the renewal")
+        row = scopes.rejoin(session.connection, hold.key, hold.holder, task, hold.lease, require_live=False)
+        if row is None:
+            self._release_quietly(hold.sub)
+            return f"the row of the hold of {hold.key.describe()} was deleted while the triggerer held the key"
+        if session.lost is not None:  # the session ended around the statement: the key may be gone
+            raise PgLockError(f"the lock session ended during the renewal: {session.lost}")
+        return None
+
+    def _release_quietly(self, sub: SubLock) -> None:
+        with contextlib.suppress(PgLockError, psycopg.Error):
+            sub.release()
+
+    def _close_session(self) -> None:
+        session, self.session = self.session, None
+        if session is not None:
+            with contextlib.suppress(Exception):  # it is being replaced: its keys go with it
+                session.close()
+
+
+def _why_lost(hold: DeferredHold, row: scopes.ScopeRow | None, *, busy: bool) -> str:
+    key = hold.key.describe()
+    if row is None:
+        return f"the row of the hold of {key} was deleted while the task was deferred"
+    if row.holder != hold.holder:
+        return f"its lease ran out while the task was deferred and {row.describe()} took {key}"
+    held = " and another session holds the key" if busy else ""
+    return (
+        f"its lease ran out at {row.lease_until.isoformat(timespec='seconds')} (database clock) while the task "
+        f"was deferred{held}: another guard of {key} may have run in the gap"
+    )
+
+
+_HUBS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, int], HoldHub]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def hub_for(postgres_conn_id: str, connect_timeout: int) -> HoldHub:
+    """The hub of the running event loop for this Airflow connection (created on first use)."""
+    hubs = _HUBS.setdefault(asyncio.get_running_loop(), {})
+    return hubs.setdefault((postgres_conn_id, connect_timeout), HoldHub(postgres_conn_id, connect_timeout))

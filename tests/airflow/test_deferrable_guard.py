@@ -1,0 +1,190 @@
+"""guarded(deferrable operator): the hold follows the task into the triggerer and back (dag.test()).
+
+dag.test() runs each deferral's trigger in this process, on an event loop of its own, through
+the same GuardedTrigger and hold hub a real triggerer runs: these tests show what each step does
+with the key and its lease row (held by the worker's connection, then by the hold hub's one
+session, then by the worker again; one fencing token throughout; the row freed at the end), and
+what a fault does while the task is deferred: the hub's session killed (the key is taken back
+under the lease: the task succeeds) or the lease run out meanwhile (lost: ``on_kill()`` and a
+failed task). tests/e2e/test_deferrable_deployments.py runs the same in real processes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import advisory_locks, run_dag
+
+pytestmark = pytest.mark.airflow
+
+compat = pytest.importorskip("airflow_pglock.compat")
+if not compat.HAS_LOCK_SCOPE:
+    pytest.skip("a deferred hold needs Airflow 3 (refused at parse time on 2.x)", allow_module_level=True)
+
+DEFER_DAG = '''
+import asyncio
+import datetime as dt
+import json
+import pathlib
+
+import pendulum
+import psycopg
+from airflow.providers.standard.sensors.date_time import DateTimeSensorAsync
+from airflow.sdk import BaseOperator, dag
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+from airflow_pglock.keys import LockKey
+from airflow_pglock.operators.advisory_lock import guarded
+
+CONN = "pglock_test"
+
+
+def holder_of(conn, key):
+    """The application_name of the session that holds ``key`` (None: nobody)."""
+    classid, objid, objsubid = LockKey.from_name(key).pg_locks
+    row = conn.execute(
+        "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
+        " WHERE l.locktype = 'advisory' AND l.granted AND l.classid::bigint = %s AND l.objid::bigint = %s"
+        " AND l.objsubid = %s",
+        [classid, objid, objsubid],
+    ).fetchone()
+    return row[0] if row else None
+
+
+def row_of(conn, key):
+    row = conn.execute(
+        "SELECT task_now, token, lease_until > clock_timestamp() FROM pglock.scopes WHERE key_name = %s", [key]
+    ).fetchone()
+    return list(row) if row else None
+
+
+class Fault(BaseTrigger):
+    """Waits a moment in the triggerer; does to the hold what a fault would; says who held the key."""
+
+    def __init__(self, dsn, key, fault):
+        super().__init__()
+        self.dsn, self.key, self.fault = dsn, key, fault
+
+    def serialize(self):
+        return f"{type(self).__module__}.Fault", {"dsn": self.dsn, "key": self.key, "fault": self.fault}
+
+    async def run(self):
+        await asyncio.sleep(0.5)
+        seen = await asyncio.to_thread(self._act)
+        await asyncio.sleep(4)  # the hub notices a killed session within moments, and takes the key back
+        seen["after"] = await asyncio.to_thread(self._look)
+        yield TriggerEvent(seen)
+
+    def _look(self):
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            return {"holder": holder_of(conn, self.key), "row": row_of(conn, self.key)}
+
+    def _act(self):
+        seen = self._look()
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            if self.fault == "lapse":  # as a triggerer gone longer than the lease
+                conn.execute("UPDATE pglock.scopes SET lease_until = clock_timestamp() - interval '1 second'"
+                             " WHERE key_name = %s", [self.key])
+            if self.fault in ("kill", "lapse"):
+                conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                             " WHERE application_name = 'airflow-pglock deferred holds'")
+        return seen
+
+
+class Steps(BaseOperator):
+    """Defers ``defers`` times; records who holds its key and its row at every step."""
+
+    template_fields = ("dsn", "out")
+
+    def __init__(self, *, key, dsn, out, fault="none", defers=2, **kwargs):
+        super().__init__(**kwargs)
+        self.key, self.dsn, self.out, self.fault, self.defers = key, dsn, out, fault, defers
+
+    def execute(self, context):
+        self._record("execute", context, None)
+        self.defer(trigger=Fault(self.dsn, self.key, self.fault), method_name="step", kwargs={"n": 1})
+
+    def step(self, context, event=None, n=0):
+        self._record(f"step{n}", context, event)
+        if n < self.defers:
+            self.defer(trigger=Fault(self.dsn, self.key, "none"), method_name="step", kwargs={"n": n + 1})
+        return n
+
+    def on_kill(self):
+        pathlib.Path(self.out, f"{self.task_id}.killed").touch()
+
+    def _record(self, step, context, event):
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            line = {"step": step, "holder": holder_of(conn, self.key), "row": row_of(conn, self.key),
+                    "xcom_token": context["ti"].xcom_pull(task_ids=self.task_id, key="pglock_fencing_token"),
+                    "event": event}
+        with open(pathlib.Path(self.out, f"{self.task_id}.jsonl"), "a") as out:
+            out.write(json.dumps(line) + "\\n")
+
+
+@dag(dag_id="deferrable_guard", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False,
+     params={"dsn": "", "out": ""})
+def deferrable_guard():
+    guarded(Steps(task_id="steps", key="defer/steps", dsn="{{ params.dsn }}", out="{{ params.out }}"),
+            key="defer/steps", fencing=True, deferral_lease=60, postgres_conn_id=CONN)
+    guarded(Steps(task_id="killed_session", key="defer/kill", dsn="{{ params.dsn }}", out="{{ params.out }}",
+                  fault="kill", defers=1), key="defer/kill", deferral_lease=60, postgres_conn_id=CONN)
+    guarded(Steps(task_id="lapsed", key="defer/lapse", dsn="{{ params.dsn }}", out="{{ params.out }}",
+                  fault="lapse", defers=1), key="defer/lapse", deferral_lease=60, postgres_conn_id=CONN)
+    soon = "{{ (macros.datetime.utcnow() + macros.timedelta(seconds=2)).isoformat() }}"
+    guarded(DateTimeSensorAsync(task_id="date_time", target_time=soon), key="defer/sensor", postgres_conn_id=CONN)
+
+
+deferrable_guard_dag = deferrable_guard()
+'''
+
+HOLDS = "airflow-pglock deferred holds"
+
+
+def _steps(out: Path, task_id: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / f"{task_id}.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.matrix("deferrable-guard", since=compat.LOCK_SCOPE_SINCE)
+def test_the_hold_follows_a_deferred_operator_into_the_triggerer_and_back(
+    airflow_db: Any, scopes_db: Any, dsn: str, tmp_path: Path, capfd: Any, caplog: Any
+) -> None:
+    result = run_dag(DEFER_DAG, "deferrable_guard", {"dsn": dsn, "out": str(tmp_path)})
+    log = "".join(capfd.readouterr()) + caplog.text
+
+    # Two deferrals: the worker holds the key, then the triggerer's hold hub, then the worker again.
+    assert result.state("steps") == "success", log[-3000:]
+    steps = _steps(tmp_path, "steps")
+    assert [s["step"] for s in steps] == ["execute", "step1", "step2"]
+    assert steps[0]["holder"] not in (None, HOLDS) and steps[0]["row"] is None, steps[0]
+    for resumed in steps[1:]:
+        assert resumed["event"]["holder"] == HOLDS, resumed  # while the trigger waited
+        assert resumed["event"]["row"][0].endswith("(deferred, held by the triggerer)") and resumed["event"]["row"][2]
+        assert resumed["holder"] not in (None, HOLDS), resumed  # re-entered by the resumed task
+        assert resumed["row"][0] == "steps" and resumed["row"][2], resumed
+    tokens = {s["xcom_token"] for s in steps} | {s["row"][1] for s in steps[1:]}
+    assert len(tokens) == 1 and None not in tokens, f"one fencing token for the whole task: {steps}"
+
+    # The hub's session killed mid-wait: the key is taken back under the lease, the task succeeds.
+    assert result.state("killed_session") == "success", log[-3000:]
+    killed = _steps(tmp_path, "killed_session")
+    assert killed[1]["event"]["holder"] == HOLDS and killed[1]["event"]["after"]["holder"] == HOLDS, killed
+    assert not (tmp_path / "killed_session.killed").exists()
+
+    # The lease ran out while the session was gone: lost; on_kill() is called, the task fails.
+    assert result.state("lapsed") == "failed"
+    assert [s["step"] for s in _steps(tmp_path, "lapsed")] == ["execute"], "its resume method never ran"
+    assert (tmp_path / "lapsed.killed").exists(), "on_kill() stops the external work"
+    assert "lost the hold of key 'defer/lapse'" in log and "its lease ran out at" in log
+
+    # Airflow's own deferrable sensor, guarded.
+    assert result.state("date_time") == "success", log[-3000:]
+    assert "pglock: date_time deferred to airflow.providers.standard.triggers.temporal.DateTimeTrigger" in log
+
+    live = "SELECT key_name, task_now FROM pglock.scopes WHERE lease_until > clock_timestamp()"
+    assert scopes_db.execute(live).fetchall() == [], "every hold is freed (the lost one's row had lapsed)"
+    assert advisory_locks(scopes_db) == []
