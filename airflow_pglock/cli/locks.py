@@ -52,7 +52,10 @@ def cmd_locks(args: argparse.Namespace, out: TextIO) -> int:
     if report.pool is not None:
         out.write(f"pool {report.pool.name!r}: {report.pool.describe()}\n")
     if report.scopes:
-        out.write(f"{len(report.scopes)} lock scope(s), each held by a lease row between its tasks (docs/scopes.md):\n")
+        out.write(
+            f"{len(report.scopes)} lock scope(s) or deferred task(s), each held by a lease row between its tasks "
+            "or while the triggerer holds it (docs/scopes.md, docs/deferrable-operators.md):\n"
+        )
         table(
             ["SCOPE KEY", "NUMBERS", "HELD BY (DEPLOYMENT: DAG RUN)", "TASK NOW", "LEASE UNTIL", "TOKEN"],
             [_scope_row(s) for s in report.scopes],

@@ -43,7 +43,9 @@ UNKNOWN_NAME_REASONS = {
 
 @dataclass(frozen=True)
 class ScopeEntry:
-    """A live lock scope (docs/scopes.md): held by a lease row, between or during its tasks.
+    """A live lock scope (docs/scopes.md): held by a lease row, between or during its tasks; or
+    the hold of a deferred guarded operator, its ``task_now`` marked deferred (the triggerer
+    holds the key; the row keeps it across the hand-overs).
 
     :param key: the scope's key (with its name).
     :param run: who holds it: the deployment, DAG and run.
@@ -58,11 +60,19 @@ class ScopeEntry:
     lease_until: dt.datetime
     token: int | None
 
+    @property
+    def deferred(self) -> bool:
+        """The hold of a deferred guarded operator (docs/deferrable-operators.md), not a task group's scope."""
+        from airflow_pglock.pg.scopes import DEFERRED_SUFFIX
+
+        return self.task_now is not None and self.task_now.endswith(DEFERRED_SUFFIX)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "key": {"name": self.key.name, "numbers": list(self.key.numbers)},
             "run": self.run,
             "task_now": self.task_now,
+            "deferred": self.deferred,
             "lease_until": self.lease_until.isoformat(),
             "fencing_token": self.token,
         }

@@ -146,14 +146,17 @@ _TEMPLATE = """<!doctype html>
     tr.className = "scope";
     const key = node("td");
     key.append(node("span", s.key.name || "(name unknown)", "keyname"));
-    key.append(node("span", "lock scope (a lease row between its tasks)", "sub"));
+    key.append(node("span", s.deferred ? "deferred task (the triggerer holds it; a lease row between processes)"
+                                       : "lock scope (a lease row between its tasks)", "sub"));
     key.append(node("span", s.key.numbers.join(", "), "numbers"));
     tr.append(key);
-    tr.append(node("td", s.task_now ? "scope: task running" : "scope: between tasks", "holding"));
+    tr.append(node("td", s.deferred ? "deferred: held by the triggerer"
+                                    : s.task_now ? "scope: task running" : "scope: between tasks", "holding"));
     tr.append(node("td", "-", "num"));
     const holder = node("td");
     holder.append(node("span", s.run));
-    holder.append(node("span", s.task_now ? "running now: " + s.task_now : "no task running now", "sub"));
+    holder.append(node("span", s.deferred ? "deferred: " + s.task_now
+                                          : s.task_now ? "running now: " + s.task_now : "no task running now", "sub"));
     tr.append(holder);
     tr.append(node("td", "-", "where"));
     tr.append(node("td", "-", "num"));

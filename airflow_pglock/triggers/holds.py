@@ -99,9 +99,9 @@ class DeferredHold:
 class HoldHub:
     """The deferred holds of one event loop and one Airflow connection, on one lock session."""
 
-    def __init__(self, postgres_conn_id: str, connect_timeout: int) -> None:
-        self.postgres_conn_id = postgres_conn_id
-        self.connect_timeout = connect_timeout
+    def __init__(self, open_session: Callable[[], LockSession]) -> None:
+        """:param open_session: opens the hub's lock session (blocking: called in the hub's thread)."""
+        self._open_session = open_session
         self.holds: set[DeferredHold] = set()
         self.session: LockSession | None = None
         self._connected_once = False
@@ -206,20 +206,22 @@ class HoldHub:
                 return
         for hold in list(self.holds):
             try:
+                # A lease is counted from before its statement: the row's own end is no earlier.
+                started = time.monotonic()
                 if hold.state == "taking":
                     taken = await self._in_thread(self._take, hold)
                     if isinstance(taken, str):
                         hold.lose(taken)
                     elif taken is not None:
                         hold.sub, hold.state = taken, "held"
-                        hold.renewed(time.monotonic())
+                        hold.renewed(started)
                         hold.settled.set()
-                elif hold.state == "held" and time.monotonic() >= hold.renew_at:
+                elif hold.state == "held" and started >= hold.renew_at:
                     lost = await self._in_thread(self._renew, hold, scopes.deferred_task(hold.task))
                     if lost is not None:
                         hold.lose(lost)
                     elif hold.state == "held":
-                        hold.renewed(time.monotonic())
+                        hold.renewed(started)
             except (PgLockError, psycopg.Error) as error:
                 await asyncio.to_thread(log.warning, "pglock deferred holds: %s: %s", hold.key.describe(), error)
                 self._drop_session()  # every key is taken back on a new session at the next pass
@@ -234,9 +236,8 @@ class HoldHub:
                 hold.state, hold.sub = "taking", None
 
     async def _connect(self) -> bool:
-        hook = AdvisoryLockHook(self.postgres_conn_id, connect_timeout=self.connect_timeout)
         try:
-            self.session = await self._in_thread(self._open, hook)
+            self.session = await self._in_thread(self._open_session)
         except (PgLockError, psycopg.Error, OSError) as error:
             if not self._connected_once and isinstance(error, LockConfigurationError | UnsafeSetupError):
                 for hold in list(self.holds):  # a setting to fix: waiting for it would not help
@@ -251,10 +252,6 @@ class HoldHub:
 
     # ------------------------------------------------------------------ in the hub's thread
     # These run in the hub's thread: they return what they found; the loop applies it.
-
-    @staticmethod
-    def _open(hook: AdvisoryLockHook) -> LockSession:
-        return hook.open_lock_session(application_name=HOLDS_APPLICATION_NAME)
 
     def _take(self, hold: DeferredHold) -> SubLock | str | None:
         """The key taken (its row renewed), None when busy (try again), or why the hold is lost."""
@@ -323,4 +320,14 @@ _HUBS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, int]
 def hub_for(postgres_conn_id: str, connect_timeout: int) -> HoldHub:
     """The hub of the running event loop for this Airflow connection (created on first use)."""
     hubs = _HUBS.setdefault(asyncio.get_running_loop(), {})
-    return hubs.setdefault((postgres_conn_id, connect_timeout), HoldHub(postgres_conn_id, connect_timeout))
+    hub = hubs.get((postgres_conn_id, connect_timeout))
+    if hub is None:
+
+        def open_session() -> LockSession:
+            # A hook per session: a hook resolves its Airflow connection once, and a new session
+            # must read it anew (a rotated password).
+            hook = AdvisoryLockHook(postgres_conn_id, connect_timeout=connect_timeout)
+            return hook.open_lock_session(application_name=HOLDS_APPLICATION_NAME)
+
+        hub = hubs[(postgres_conn_id, connect_timeout)] = HoldHub(open_session)
+    return hub

@@ -49,6 +49,7 @@ LAYOUT: tuple[tuple[str, int | None], ...] = (
     ("lock-session", 1),
     ("guard-session", 1),
     ("scope", 1),
+    ("deferred", 0),
 )
 
 

@@ -23,6 +23,14 @@ The kinds (every public way to hold a lock, see docs/safety.md):
   its runs on one key have ``once_per`` a period of :data:`PERIOD_SECONDS` (the setup checks it,
   the teardown records it when every task succeeded: a ``recorded`` event). A third of its runs
   are a scope over the pool (``slots=2``, no token): it holds the slot its setup took.
+* ``deferred``: a guarded deferrable operator (docs/deferrable-operators.md): it takes the key
+  as a guard with a fencing token, works, hands the hold over to the triggerer's part (the hold
+  hub of :mod:`airflow_pglock.triggers.holds`, run in the same process on an event loop of its
+  own, as a triggerer runs it), works while the hub holds the key (the operator's external job
+  while the task is deferred; it pauses while the hub takes the key back after its session was
+  lost), has the hub hand the hold back, and resumes as a guard that re-enters the hold and
+  works again. It believes it holds the key from the first acquisition to its last work, the
+  hand-overs included (the lease row holds it there).
 """
 
 from __future__ import annotations
@@ -48,8 +56,9 @@ KINDS = (
     "guard-sub-keys",
     "pool",
     "scope",
+    "deferred",
 )
-FENCED_KINDS = frozenset({"guard-session", "guard-transaction", "guard-wait", "scope"})
+FENCED_KINDS = frozenset({"guard-session", "guard-transaction", "guard-wait", "scope", "deferred"})
 #: A scope's lease, in workers' leases: a long freeze (1.5-2.5 leases) between its tasks may
 #: outlast it (the scope lapses; its next task must fail as lost); a cut-off worker learns of
 #: the cut at its next task's connect (2 s) well before it.
@@ -307,6 +316,102 @@ class Worker:
             except Exception as error:  # a lapsed scope frees itself; the run's outcome says what went wrong
                 self.history.emit("teardown-failed", run=run, detail=f"{type(error).__name__}: {error}"[:300])
 
+    def _deferred(self, run: str, key: str) -> None:
+        """A guarded deferrable operator: worker, triggerer, worker again; one token throughout."""
+        from airflow_pglock.exceptions import LockLostError
+        from airflow_pglock.guard import LockGuard
+        from airflow_pglock.keys import LockKey
+        from airflow_pglock.policy import LockPolicy
+        from airflow_pglock.run_rules import RunRules
+        from airflow_pglock.scope_rules import HandOver, ScopeRole
+
+        lock_key, holder = LockKey.from_name(key), uuid.uuid4().hex
+        lease = SCOPE_LEASE_FACTOR * self.config.lease
+
+        def role(kind: str) -> ScopeRole:
+            return ScopeRole(
+                kind=kind,  # type: ignore[arg-type]
+                holder=holder,
+                run=f"{self.name} {run}",
+                task="deferred",
+                lease=lease,
+                hands_over=True,
+            )
+
+        token: list[int | None] = []
+
+        def first(handle: Any) -> HandOver:
+            token.append(handle.fencing_token)
+            at = handle.acquired_at.timestamp()
+            self.history.emit(
+                "acquired", run=run, key=key, token=handle.fencing_token, backend=handle.backend_pid, at=at
+            )
+            self._work(run, {key: handle.fencing_token}, finish=False)
+            return HandOver(None)
+
+        guard = LockGuard(
+            self.hook.database,
+            lock_key,
+            LockPolicy(),
+            application_name=self.name,
+            rules=RunRules(fencing=True),
+            scope=role("outside"),
+        )
+        try:
+            guard.run(first)
+        except BaseException as error:
+            if guard.refusal is error:
+                raise _Busy from error
+            if token:  # it worked, then the hand-over failed: its work is over
+                self.history.emit("done", run=run)
+            raise
+        try:
+            self._in_triggerer(run, lock_key, holder, token[0], lease)
+            resume = LockGuard(
+                self.hook.database,
+                lock_key,
+                LockPolicy(on_busy="wait", wait_timeout=1.5, on_wait_timeout="fail"),
+                application_name=self.name,
+                scope=role("resume"),
+            )
+            try:
+                # Its done event comes before the release (the work stops using the key there).
+                resume.run(lambda handle: self._work(run, {key: handle.fencing_token}))
+            except LockLostError:
+                self.history.emit("lost", run=run)
+                raise
+        except BaseException:
+            self.history.emit("done", run=run)  # the first done ends the hold; a later one changes nothing
+            raise
+
+    def _in_triggerer(self, run: str, key: Any, holder: str, token: int | None, lease: float) -> None:
+        """The triggerer's part: the hub takes the hold; the external job works while it is held."""
+        import asyncio
+
+        from airflow_pglock.triggers.holds import DeferredHold, HoldHub
+
+        def open_session() -> Any:
+            return self.hook.open_lock_session(application_name=f"{self.name} holds")
+
+        async def deferred() -> None:
+            hub = HoldHub(open_session)
+            hold = DeferredHold(key, holder, f"{self.name} {run}", lease)
+            async with hub.holding(hold):
+                await hold.settled.wait()
+                for _ in range(self.rng.randint(2, 10)):
+                    while hold.state == "taking":  # the hub takes the key back after its session was lost
+                        await asyncio.sleep(0.05)
+                    if hold.state != "held":
+                        self.history.emit("lost", run=run)
+                        raise _Lost(str(hold.reason))
+                    await asyncio.to_thread(self._write, run, str(key.name), token)
+                    await asyncio.sleep(STEP)
+                if not await hub.hand_back(hold):
+                    self.history.emit("lost", run=run)
+                    raise _Lost(str(hold.reason))
+
+        asyncio.run(deferred())
+
     # ----------------------------------------------------------------- the loop
 
     def one_run(self) -> None:
@@ -331,6 +436,8 @@ class Worker:
                 self._guard(run, self.config.pool, slots=self.config.pool_slots)
             elif kind == "scope":
                 self._scope(run, self.rng.choice(hot))
+            elif kind == "deferred":
+                self._deferred(run, self.rng.choice(hot))
         except _Busy:
             outcome = "skipped"
         except (LockLostError, _Lost) as error:

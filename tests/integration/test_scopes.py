@@ -186,7 +186,7 @@ def test_locks_shows_a_live_scope_in_its_table_and_json(hook: Any, scopes_db: An
     _enter(hook, holder, fencing=True)
     table = run_cli("locks", "--dsn", dsn, capsys=capsys)
     assert table.code == 0
-    assert "1 lock scope(s), each held by a lease row between its tasks" in table.out
+    assert "1 lock scope(s) or deferred task(s), each held by a lease row between its tasks" in table.out
     assert "scopes/integration" in table.out and "- (between tasks)" in table.out and f"dag {holder[:6]}" in table.out
     data = run_cli("locks", "--dsn", dsn, "--output", "json", capsys=capsys).json()
     [scope] = data["scopes"]

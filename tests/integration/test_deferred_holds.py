@@ -1,0 +1,200 @@
+"""The triggerer's holds of deferred guarded operators (triggers/holds.py) on a real PostgreSQL.
+
+The hub runs here on an event loop of the test, as in a triggerer process: one lock session
+for every hold, the row renewed under the key, keys taken back after the session was lost,
+and a hold lost when its row lapsed or was taken. What the other guards, ``locks`` and the
+sensor see of a deferred holder is checked here too. The whole path through Airflow is in
+tests/airflow/test_deferrable_guard.py (dag.test) and tests/e2e/test_deferrable_deployments.py
+(real scheduler and triggerer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from airflow_pglock.exceptions import LockBusyError
+from airflow_pglock.guard import LockGuard
+from airflow_pglock.keys import LockKey
+from airflow_pglock.pg import scopes
+from airflow_pglock.policy import LockPolicy
+from airflow_pglock.scope_rules import HandOver, ScopeRole
+from airflow_pglock.triggers.holds import DeferredHold, HoldHub
+from tests.helpers import advisory_locks_left
+
+pytestmark = pytest.mark.airflow  # the hub reads its connection through the Airflow hook
+
+HUB = "pglock test holds"
+KEYS = [LockKey.from_name(f"deferred/{n}") for n in range(2)]
+
+
+def _hand_over(hook: Any, key: LockKey, lease: float = 30.0) -> str:
+    """What a guarded operator's deferral leaves: the row written under the key, the key released."""
+    holder = uuid.uuid4().hex
+    role = ScopeRole(holder=holder, run="dep: dag run", task="op", lease=lease, hands_over=True)
+    LockGuard(hook.database, key, LockPolicy(), scope=role).run(lambda handle: HandOver(None))
+    return holder
+
+
+def _hub(hook: Any) -> HoldHub:
+    return HoldHub(lambda: hook.open_lock_session(application_name=HUB))
+
+
+def _holders(admin: Any, key: LockKey) -> list[str]:
+    classid, objid, objsubid = key.pg_locks
+    rows = admin.execute(
+        "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype ="
+        " 'advisory' AND l.granted AND l.classid::bigint = %s AND l.objid::bigint = %s AND l.objsubid = %s",
+        [classid, objid, objsubid],
+    ).fetchall()
+    return [row[0] for row in rows]
+
+
+def _sessions(admin: Any) -> int:
+    return int(admin.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = %s", [HUB]).fetchone()[0])
+
+
+async def _until(check: Callable[[], Any], timeout: float = 15.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        found = await asyncio.to_thread(check)
+        if found or time.monotonic() > deadline:
+            return found
+        await asyncio.sleep(0.1)
+
+
+def _run(coroutine: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(coroutine())
+
+
+def test_one_session_holds_every_deferred_key_renews_the_rows_and_hands_them_back(hook: Any, scopes_db: Any) -> None:
+    holders = [_hand_over(hook, key, lease=3.0) for key in KEYS]
+    before = {key: scopes.read(scopes_db, key) for key in KEYS}
+
+    async def body() -> None:
+        hub = _hub(hook)
+        holds = [
+            DeferredHold(key, holder, f"dag.op{n} run", 3.0)
+            for n, (key, holder) in enumerate(zip(KEYS, holders, strict=True))
+        ]
+        async with hub.holding(holds[0]), hub.holding(holds[1]):
+            for hold in holds:
+                await asyncio.wait_for(hold.settled.wait(), 15)
+                assert hold.state == "held", hold.reason
+            assert await asyncio.to_thread(_sessions, scopes_db) == 1, "one session for every hold"
+            for key in KEYS:
+                assert await asyncio.to_thread(_holders, scopes_db, key) == [HUB]
+            await asyncio.sleep(2.5)  # past a renewal (every lease / 3 = 1 s)
+            for key in KEYS:
+                row = await asyncio.to_thread(scopes.read, scopes_db, key)
+                assert row is not None and row.live and row.lease_until > before[key].lease_until  # type: ignore[union-attr]
+                assert row.task_now is not None and row.task_now.endswith("(deferred, held by the triggerer)")
+            assert await hub.hand_back(holds[0])
+            assert await asyncio.to_thread(_holders, scopes_db, KEYS[0]) == [], "handed back: released"
+            row = await asyncio.to_thread(scopes.read, scopes_db, KEYS[0])
+            assert row is not None and row.live and row.task_now == "dag.op0 run (resuming on a worker)"
+            # The other one's trigger is cancelled (its task cleared): its key goes, its row stays.
+        assert _holders(scopes_db, KEYS[1]) == []
+        row = scopes.read(scopes_db, KEYS[1])
+        assert row is not None and row.live
+        assert await _until(lambda: _sessions(scopes_db) == 0), "the session closes with the last hold"
+
+    _run(body)
+    assert advisory_locks_left(scopes_db) == 0
+
+
+def test_a_killed_session_takes_every_key_back_while_the_rows_are_live(hook: Any, scopes_db: Any) -> None:
+    holders = [_hand_over(hook, key) for key in KEYS]
+
+    async def body() -> None:
+        hub = _hub(hook)
+        holds = [DeferredHold(key, holder, "dag.op run", 30.0) for key, holder in zip(KEYS, holders, strict=True)]
+        async with hub.holding(holds[0]), hub.holding(holds[1]):
+            for hold in holds:
+                await asyncio.wait_for(hold.settled.wait(), 15)
+            first = scopes_db.execute("SELECT pid FROM pg_stat_activity WHERE application_name = %s", [HUB]).fetchone()
+            scopes_db.execute("SELECT pg_terminate_backend(%s)", [first[0]])
+
+            def taken_back() -> bool:
+                pids = scopes_db.execute(
+                    "SELECT pid FROM pg_stat_activity WHERE application_name = %s", [HUB]
+                ).fetchall()
+                return pids not in ([], [first]) and all(_holders(scopes_db, key) == [HUB] for key in KEYS)
+
+            assert await _until(taken_back), "a new session holds both keys again"
+            assert await _until(lambda: all(hold.state == "held" for hold in holds)), [h.state for h in holds]
+            assert not any(hold.lost.is_set() for hold in holds)
+
+    _run(body)
+    assert advisory_locks_left(scopes_db) == 0
+
+
+def test_a_hold_is_lost_when_its_row_lapsed_or_another_holds_the_key_past_the_lease(
+    hook: Any, scopes_db: Any, dsn: str
+) -> None:
+    import psycopg
+
+    lapsing, busy = _hand_over(hook, KEYS[0]), _hand_over(hook, KEYS[1], lease=2.0)
+
+    async def body() -> None:
+        hub = _hub(hook)
+        lapsed = DeferredHold(KEYS[0], lapsing, "dag.lapsed run", 30.0)
+        blocked = DeferredHold(KEYS[1], busy, "dag.blocked run", 2.0)
+        # A client that takes the key by its numbers, knowing nothing of rows.
+        with psycopg.connect(dsn, autocommit=True) as foreign:
+            foreign.execute("SELECT pg_advisory_lock(%s)", [KEYS[1].int64])
+            async with hub.holding(lapsed), hub.holding(blocked):
+                await asyncio.wait_for(lapsed.settled.wait(), 15)
+                assert lapsed.state == "held"
+                # The triggerer gone longer than the lease: the row lapsed when its session ends.
+                scopes_db.execute(
+                    "UPDATE pglock.scopes SET lease_until = clock_timestamp() - interval '1 second'"
+                    " WHERE key_name = %s",
+                    [KEYS[0].name],
+                )
+                scopes_db.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s", [HUB]
+                )
+                await asyncio.wait_for(lapsed.lost.wait(), 15)
+                await asyncio.wait_for(blocked.lost.wait(), 15)
+        assert lapsed.reason is not None and "its lease ran out at" in lapsed.reason
+        # Whichever comes first: the row found lapsed while the key is busy, or the lease counted here.
+        assert blocked.reason is not None
+        assert "another session holds the key" in blocked.reason or "back within the lease (2 s)" in blocked.reason
+
+    _run(body)
+    assert advisory_locks_left(scopes_db) == 0
+
+
+def test_other_guards_locks_and_the_sensor_see_a_deferred_holder(
+    hook: Any, scopes_db: Any, dsn: str, capsys: Any
+) -> None:
+    from tests.ops_helpers import run_cli
+
+    holder = _hand_over(hook, KEYS[0])
+    # Between the hand-over and the triggerer: only the row holds the key.
+    with pytest.raises(LockBusyError, match=r"is held by the deferred task op of dep: dag run \(held by the triggerer"):
+        LockGuard(hook.database, KEYS[0], LockPolicy()).run(lambda handle: None)
+    assert hook.scope(KEYS[0]) is not None, "the sensor's view: a live row holds the key"
+
+    async def body() -> None:
+        hub = _hub(hook)
+        hold = DeferredHold(KEYS[0], holder, "dag.op run", 30.0)
+        async with hub.holding(hold):
+            await asyncio.wait_for(hold.settled.wait(), 15)
+            with pytest.raises(LockBusyError, match="is held by"):
+                await asyncio.to_thread(LockGuard(hook.database, KEYS[0], LockPolicy()).run, lambda handle: None)
+            holders = await asyncio.to_thread(hook.holders, KEYS[0])
+            assert [h.application_name for h in holders] == [HUB]
+            data = (await asyncio.to_thread(run_cli, "locks", "--dsn", dsn, "--output", "json", capsys=capsys)).json()
+            [scope] = data["scopes"]
+            assert scope["deferred"] is True and scope["task_now"].startswith("dag.op run (deferred")
+            await hub.hand_back(hold)
+
+    _run(body)
+    assert advisory_locks_left(scopes_db) == 0
