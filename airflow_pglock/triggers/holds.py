@@ -212,6 +212,8 @@ class HoldHub:
                     taken = await self._in_thread(self._take, hold)
                     if isinstance(taken, str):
                         hold.lose(taken)
+                    elif taken is not None and (hold not in self.holds or hold.state != "taking"):
+                        await self._in_thread(self._release_quietly, taken)  # its trigger ended meanwhile
                     elif taken is not None:
                         hold.sub, hold.state = taken, "held"
                         hold.renewed(started)
@@ -278,7 +280,9 @@ class HoldHub:
         """Renew the row under the held key (nobody could take it meanwhile: the key was held).
         Why the hold is lost, or None (``hold.state`` is back to taking if the session ended)."""
         session = self.session
-        if session is None or hold.sub is None or session.lost is not None:
+        if hold.state != "held" or hold.sub is None:
+            return None  # handed back or ended since the pass chose it: nothing to renew
+        if session is None or session.lost is not None:
             raise PgLockError("the lock session ended before the renewal")
         row = scopes.rejoin(session.connection, hold.key, hold.holder, task, hold.lease, require_live=False)
         if row is None:
