@@ -402,3 +402,39 @@ def test_page_shows_a_pool_as_one_row_with_its_holders_in_a_real_browser(api_ser
     assert all(pid in text for pid in pids), text
     assert f"{POOL}#slot2" not in "".join(rows)  # the slot is not a row of its own
     assert any("billing-service" in row and "holding" in row for row in rows), rows
+
+
+@pytest.mark.matrix("ui-page", since=UI_PAGE_SINCE)
+def test_page_names_a_deferred_task_that_holds_its_key_in_a_real_browser(api_server: ApiServer, ui_db: str) -> None:
+    pytest.importorskip("selenium", reason="the browser test drives Chromium with selenium (test extra)")
+    from selenium.webdriver.common.by import By
+
+    from airflow_pglock.scope_rules import HandOver, ScopeRole
+
+    try:
+        chromium = find_chromium()
+    except BrowserUnavailableError as error:
+        pytest.skip(f"no headless browser here: {error}")
+    # What a guarded deferrable operator's deferral leaves while its trigger waits: the lease row
+    # (docs/deferrable-operators.md); the JSON marks it deferred and the page says so.
+    key = LockKey.from_name("warehouse/refresh")
+    role = ScopeRole(holder="deferred-ui", run="dep-a: warehouse manual__1", task="refresh", lease=300, hands_over=True)
+    LockGuard(AdvisoryLockHook(dsn=ui_db).database, key, LockPolicy(), scope=role).run(lambda handle: HandOver(None))
+    driver = None
+    try:
+        status, data = api_server.get("/pglock/api/locks", api_server.token())
+        assert status == 200, data
+        [scope] = [s for s in data["scopes"] if s["key"]["name"] == "warehouse/refresh"]
+        assert scope["deferred"] is True and scope["run"] == "dep-a: warehouse manual__1"
+        driver = _browser(*chromium)
+        wait = _login_and_open_page(driver, api_server)
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#locks tbody tr.scope"))
+        [row] = driver.find_elements(By.CSS_SELECTOR, "#locks tbody tr.scope")
+        text = row.text
+    finally:
+        if driver is not None:
+            driver.quit()
+        with psycopg.connect(ui_db, autocommit=True) as conn:
+            conn.execute("DELETE FROM pglock.scopes WHERE holder = 'deferred-ui'")
+    assert "warehouse/refresh" in text and "deferred: held by the triggerer" in text, text
+    assert "deferred: refresh (deferred, held by the triggerer)" in text and "dep-a: warehouse manual__1" in text, text
