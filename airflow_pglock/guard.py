@@ -457,7 +457,7 @@ class LockGuard:
         if exc_type is not None:
             self._report("failed", detail=f"{exc_type.__name__}: {exc}", held=held_for)
         else:
-            self._report("completed", detail=note or handed, held=held_for)
+            self._report("deferred" if handed else "completed", detail=note or handed, held=held_for)
 
     def _pass_to_triggerer(self, held: HeldLock) -> tuple[str | None, BaseException | None, str | None]:
         """The work deferred: before the release, write the lease row that carries the hold until
@@ -467,6 +467,8 @@ class LockGuard:
             row = hand_over(self.scope, held.key, held, self.fencing_token)
         except LockLostError as lost:
             return lost.cause, None, None
+        except psycopg.OperationalError as error:  # the session may be gone, the key with it
+            return f"the hold could not pass to the triggerer: {self._describe_error(error)}", None, None
         except (PgLockError, psycopg.Error) as error:
             return None, error, None
         until = row.lease_until.isoformat(timespec="seconds")

@@ -95,16 +95,17 @@ def hand_over(role: ScopeRole, key: LockKey, held: HeldLock, token: int | None) 
 
     if not scopes_installed(held.registry):
         raise scopes.missing_table_error()
-    taken, row = scopes.enter(
-        held.connection, key, role.holder, role.run or role.holder, role.lease, task=scopes.deferred_task(role.task)
-    )
-    if not taken:
+    with scopes.one_transaction(held.connection):  # the row and its token, or neither (a failover between)
+        taken, row = scopes.enter(
+            held.connection, key, role.holder, role.run or role.holder, role.lease, task=scopes.deferred_task(role.task)
+        )
+        if not taken:
+            assert row is not None
+            cause = f"{row.describe()} took the key's scope, so the hold cannot pass to the triggerer"
+            raise LockLostError(f"lost {key.describe()} at the deferral: {cause}", key, cause)
         assert row is not None
-        cause = f"{row.describe()} took the key's scope, so the hold cannot pass to the triggerer"
-        raise LockLostError(f"lost {key.describe()} at the deferral: {cause}", key, cause)
-    assert row is not None
-    if token is not None and row.token != token:
-        scopes.set_token(held.connection, key, role.holder, token)
+        if token is not None and row.token != token:
+            scopes.set_token(held.connection, key, role.holder, token)
     return row
 
 
@@ -141,6 +142,11 @@ def check_before_work(
         if key.name is None or held.registry != SCOPES_LIVE:
             return None, None  # no table, or no scope live anywhere (the horizon passed): nothing to read
         row = scopes.read(conn, key)
+        if row is not None and row.live and role.hands_over and row.holder == role.holder:
+            # The hold an earlier try of this task instance left (a deferral timeout, a trigger
+            # cancelled): that try is over; this one starts without it.
+            scopes.leave(conn, key, role.holder)
+            return None, None
         if row is not None and row.live:
             raise _busy(key, row)
         return None, row

@@ -63,9 +63,9 @@ class ScopeEntry:
     @property
     def deferred(self) -> bool:
         """The hold of a deferred guarded operator (docs/deferrable-operators.md), not a task group's scope."""
-        from airflow_pglock.pg.scopes import DEFERRED_SUFFIX
+        from airflow_pglock.pg.scopes import is_deferred_hold
 
-        return self.task_now is not None and self.task_now.endswith(DEFERRED_SUFFIX)
+        return is_deferred_hold(self.task_now)
 
     def to_json(self) -> dict[str, Any]:
         return {

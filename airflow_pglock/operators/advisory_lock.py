@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import hashlib
 import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from airflow_pglock.compat import (
     AIRFLOW_VERSION,
@@ -59,6 +60,8 @@ DEFERRED_RESUME_METHOD = "pglock_resume_deferred"
 DEFERRAL_KWARG = "pglock_deferral"
 #: Seconds the resumed task waits for its key (held a moment by another guard reading the row).
 RESUME_WAIT_SECONDS = 60.0
+#: The shortest ``deferral_lease``: a hand-over takes seconds (the scheduler, the triggerer's loop).
+MIN_DEFERRAL_LEASE = 30.0
 
 
 @dataclass(frozen=True)
@@ -95,31 +98,27 @@ class OperatorGuard:
         """Resume after the operator's own deferral (``pglock_resume_deferred``): re-enter the hold
         the triggerer handed back, then run the operator's resume method under it.
 
+        Whatever keeps the task from re-entering its hold (lost while deferred, the key busy, the
+        lock database unreachable, the operator's trigger failed) calls the operator's ``on_kill()``
+        and raises :class:`~airflow_pglock.exceptions.LockLostError`: never a skip, also for a sensor
+        with ``soft_fail`` (its external work ran).
+
         :param context: the task context.
         :param event: the :class:`~airflow_pglock.triggers.guarded.GuardedTrigger`'s event.
         :param kwargs: ``pglock_deferral``: the hold and the operator's own resume method and kwargs.
         """
-        from airflow_pglock.triggers.guarded import HELD
+        from airflow_pglock.triggers.guarded import ERROR, HELD
 
         task = rendered_task(context)
         payload = event if isinstance(event, Mapping) else {}
         deferral = kwargs.get(DEFERRAL_KWARG) or payload.get("resume")
         if not isinstance(deferral, Mapping) or not deferral.get("holder") or not deferral.get("method"):
-            raise LockConfigurationError(
-                f"task {task.task_id!r} resumed with {DEFERRED_RESUME_METHOD} but without its hold ({DEFERRAL_KWARG}="
-                f"{deferral!r})"
-            )
-        if payload.get("pglock") != HELD:
-            reason = str(payload.get("reason") or f"the trigger's event carried no hold ({event!r})")
-            _stop_external_work(task)
-            key = deferral.get("key", "?")
-            message = f"lost the hold of {key} while task {task.task_id!r} was deferred: {reason}"
-            raise LockLostError(message, None, reason)
-        try:
-            rendered = render_lock_options(self.spec, context)
-        except LockConfigurationError as error:
-            _stop_external_work(task)
-            fail_for_configuration(dataclasses.replace(self.spec, policy=_failing(self.spec)), error, task.log)
+            _lost(task, "?", f"the task resumed without its hold ({DEFERRAL_KWARG}={deferral!r}, event {event!r})")
+        assert isinstance(deferral, Mapping)
+        key = str(deferral.get("key_name") or "")
+        status = payload.get("pglock")
+        if status not in (HELD, ERROR) or not key:
+            _lost(task, key or "?", str(payload.get("reason") or f"the trigger's event carried no hold ({event!r})"))
         role = ScopeRole(
             kind="resume",
             holder=str(deferral["holder"]),
@@ -136,23 +135,36 @@ class OperatorGuard:
             defer_after=0.0,
             on_lost="fail",
         )
-        # The fencing token is the hold's, found in its row.
+        # The key as the deferral held it (not rendered again); the fencing token is the hold's, in its row.
         spec = dataclasses.replace(self.spec, policy=policy, fencing=False)
-        started: list[bool] = []
+        stage: list[str] = []
         method, method_kwargs = str(deferral["method"]), dict(deferral.get("kwargs") or {})
 
         def work(handle: LockHandle) -> Any:
-            started.append(True)
+            if status == ERROR:  # re-entered only to free the hold (the guard's end frees its row)
+                raise _TriggerFailedError(str(payload.get("error") or "the operator's trigger failed"))
+            stage.append("started")
             arguments = {**method_kwargs, "event": payload.get("event")}
-            return self._run_deferrable(task, lambda: _call(task, method, context, arguments), handle)
+            result = self._run_deferrable(task, lambda: _call(task, method, context, arguments), handle)
+            if isinstance(result, HandOver):
+                stage.append("handing over")
+            return result
 
         try:
-            result = run_guarded(spec, context, work, task.log, scope=role, **{**rendered, "once_per": None})
-        except BaseException:
-            if not started:  # the hold could not be re-entered: the external work must not go on unguarded
-                _stop_external_work(task)
+            result = run_guarded(spec, context, work, task.log, scope=role, key=key, tenant=None)
+        except LockLostError:
+            _stop_external_work(task)
             raise
-        return self._defer_again_or_return(task, context, rendered, role, result)
+        except _TriggerFailedError as failed:
+            _stop_external_work(task)
+            raise LockLostError(
+                f"the trigger of task {task.task_id!r} failed while it held {key!r}: {failed}", None, str(failed)
+            ) from None
+        except BaseException as error:
+            if stage == ["started"]:
+                raise  # the operator's own resume method failed: its own outcome, as unguarded
+            _lost(task, key, f"the task could not re-enter its hold ({type(error).__name__}: {error})", error)
+        return self._defer_again_or_return(task, context, {"key": key, "tenant": None}, role, result)
 
     def _execute(self, context: Context, kwargs: dict[str, Any], deadline: float | None) -> Any:
         task = rendered_task(context)  # the copy the task runner executes, template fields rendered
@@ -163,24 +175,28 @@ class OperatorGuard:
         role = OUTSIDE
         if self.deferral_lease is not None:
             role = ScopeRole(
-                holder=uuid.uuid4().hex,
+                holder=_holder_of(context),
                 run=_run_label(context),
                 task=task.task_id,
                 lease=self.deferral_lease,
                 hands_over=True,
             )
+        handing: list[bool] = []
+
+        def work(handle: LockHandle) -> Any:
+            result = self._run_deferrable(task, lambda: type(task).execute(task, context, **kwargs), handle)
+            if isinstance(result, HandOver):
+                handing.append(True)
+            return result
+
         try:
-            result = run_guarded(
-                self.spec,
-                context,
-                lambda handle: self._run_deferrable(task, lambda: type(task).execute(task, context, **kwargs), handle),
-                task.log,
-                deadline=deadline,
-                scope=role,
-                **rendered,
-            )
+            result = run_guarded(self.spec, context, work, task.log, deadline=deadline, scope=role, **rendered)
         except LockLostError:
             _stop_external_work(task)
+            raise
+        except BaseException as error:
+            if handing:  # the hand-over failed: nothing holds the key while the external work goes on
+                _lost(task, str(rendered.get("key")), f"the hold could not pass to the triggerer: {error}", error)
             raise
         return self._defer_again_or_return(task, context, rendered, role, result)
 
@@ -190,6 +206,7 @@ class OperatorGuard:
         except TaskDeferred as deferral:
             if self.deferral_lease is None:
                 # The lock lives on this worker's connection; a deferred task has no worker.
+                _stop_external_work(task)
                 raise LockConfigurationError(deferral_refused(task, handle)) from None
             return HandOver(deferral)
 
@@ -211,6 +228,7 @@ class OperatorGuard:
             "holder": role.holder,
             "lease": role.lease,
             "key": key.describe(),
+            "key_name": key.name,
             "method": deferral.method_name,
             "kwargs": deferral.kwargs or {},
         }
@@ -244,6 +262,32 @@ def deferral_refused(task: BaseOperator, handle: LockHandle | None) -> str:
         "the triggerer (it needs Airflow 3, an exclusive session lock on one named key, and no once_per / "
         "min_interval). Run the operator with deferrable=False, or change those options"
     )
+
+
+class _TriggerFailedError(Exception):
+    """The operator's trigger raised in the triggerer: the resumed task frees its hold, then fails."""
+
+
+def _lost(task: BaseOperator, key: str, reason: str, cause: BaseException | None = None) -> NoReturn:
+    """The hold is gone (or cannot be re-entered): stop the external work, fail as lost."""
+    _stop_external_work(task)
+    message = f"lost the hold of {key} of task {task.task_id!r} across its deferral: {reason}"
+    raise LockLostError(message, None, reason) from cause
+
+
+def _holder_of(context: Context) -> str:
+    """The hold's id: the same for every try of one task instance in one DAG run of one deployment
+    (a retry takes over the row an earlier try left: a deferral timeout, a trigger cancelled), and
+    another in any other deployment (its run started at another moment). Random when the run's
+    start is unknown."""
+    identity = task_identity(context)
+    dag_run = context.get("dag_run")
+    started = getattr(dag_run, "start_date", None)
+    if not isinstance(started, dt.datetime):
+        return uuid.uuid4().hex
+    parts = [identity.dag_id, identity.task_id, identity.run_id, str(identity.map_index)]
+    parts += [started.isoformat(), str(getattr(dag_run, "clear_number", 0))]
+    return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:32]
 
 
 def _failing(spec: LockSpec) -> Any:
@@ -321,9 +365,10 @@ def _deferral_lease(operator: BaseOperator, spec: LockSpec, lease: Any) -> float
         lease = DEFAULT_SCOPE_LEASE_SECONDS
     elif isinstance(lease, dt.timedelta):
         lease = lease.total_seconds()
-    if isinstance(lease, bool) or not isinstance(lease, int | float) or not 1 <= lease <= 86400:
+    if isinstance(lease, bool) or not isinstance(lease, int | float) or not MIN_DEFERRAL_LEASE <= lease <= 86400:
         raise LockConfigurationError(
-            f"deferral_lease must be a timedelta or a number of seconds from 1 to 86400, got {lease!r}"
+            f"deferral_lease must be a timedelta or a number of seconds from {MIN_DEFERRAL_LEASE:g} to 86400 (it "
+            f"bridges the hand-overs between a worker and the triggerer, which take seconds), got {lease!r}"
         )
     why = _why_no_hand_over(spec)
     if why is None:
@@ -345,6 +390,8 @@ def _why_no_hand_over(spec: LockSpec) -> str | None:
         return f"it needs an exclusive session lock on one key ({given})"
     if spec.templated.get("once_per") is not None or spec.min_interval is not None:
         return "once_per and min_interval are not kept across a deferral"
+    if policy.on_lost != "fail":
+        return f"a hold lost while deferred always fails the task (on_lost={policy.on_lost!r})"
     key = spec.templated.get("key")
     if key is not None and not isinstance(key, str):
         return f"it needs a named key (a string), got {key!r}"

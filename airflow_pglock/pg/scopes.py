@@ -92,6 +92,9 @@ class ScopeRow:
         if self.task_now and self.task_now.endswith(DEFERRED_SUFFIX):
             task = self.task_now.removesuffix(DEFERRED_SUFFIX)
             return f"the deferred task {task} of {self.run} (held by the triggerer, lease until {until})"
+        if self.task_now and self.task_now.endswith(RESUMING_SUFFIX):
+            task = self.task_now.removesuffix(RESUMING_SUFFIX)
+            return f"the deferred task {task} of {self.run} (resuming on a worker, lease until {until})"
         now = f", task {self.task_now} running now" if self.task_now else ", between its tasks"
         return f"the lock scope of {self.run}{now}, lease until {until}"
 
@@ -100,9 +103,23 @@ class ScopeRow:
 DEFERRED_SUFFIX = " (deferred, held by the triggerer)"
 
 
+#: The ``task_now`` suffix of such a hold between the trigger's event and the task's resumption.
+RESUMING_SUFFIX = " (deferred, resuming on a worker)"
+
+
 def deferred_task(task: str | None) -> str:
     """The ``task_now`` of a row whose hold waits in the triggerer."""
     return f"{task or '?'}{DEFERRED_SUFFIX}"
+
+
+def resuming_task(task: str | None) -> str:
+    """The ``task_now`` of a deferred hold handed back to a worker, until the task resumes."""
+    return f"{task or '?'}{RESUMING_SUFFIX}"
+
+
+def is_deferred_hold(task_now: str | None) -> bool:
+    """Whether a row's ``task_now`` marks the hold of a deferred guarded operator."""
+    return task_now is not None and task_now.endswith((DEFERRED_SUFFIX, RESUMING_SUFFIX))
 
 
 _COLUMNS = "holder, run, task_now, token, lease_until, lease_until > clock_timestamp()"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
+import inspect
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -25,8 +26,11 @@ from airflow_pglock.compat import BaseTrigger, TriggerEvent
 from airflow_pglock.keys import LockKey
 from airflow_pglock.triggers.advisory_lock import CONNECT_TIMEOUT, RESUME_HOLD_SECONDS, _log
 
-#: ``event["pglock"]`` values.
-HELD, LOST = "held", "lost"
+#: ``event["pglock"]`` values: the hold goes back to a worker (``error``: with the operator's
+#: trigger's error, which the task raises once it freed its hold), or it was lost.
+HELD, LOST, ERROR = "held", "lost", "error"
+#: What the triggerer sets on a trigger before it runs, passed on to the operator's trigger.
+_RUNNER_ATTRIBUTES = ("trigger_id", "task_instance", "triggerer_job_id", "timeout_after", "asset_state_store")
 
 
 class GuardedTrigger(BaseTrigger):
@@ -78,6 +82,7 @@ class GuardedTrigger(BaseTrigger):
         self.deferred_at = float(deferred_at)
         self.resume = dict(resume or {})
         self.connect_timeout = connect_timeout
+        self._operator_trigger: BaseTrigger | None = None
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         """Class path and kwargs: the operator's trigger, the key, the connection *id* (no secret), the hold."""
@@ -98,15 +103,32 @@ class GuardedTrigger(BaseTrigger):
     def _inner(self) -> BaseTrigger:
         module, _, name = self.trigger_classpath.rpartition(".")
         trigger: BaseTrigger = getattr(importlib.import_module(module), name)(**self.trigger_kwargs)
-        for attribute in ("trigger_id", "task_instance"):  # what the triggerer set on this one
-            if hasattr(self, attribute):
+        for attribute in _RUNNER_ATTRIBUTES:  # what the triggerer set on this one
+            if attribute in vars(self):
                 setattr(trigger, attribute, getattr(self, attribute))
         return trigger
+
+    async def on_kill(self) -> None:
+        """The task is killed while deferred (marked, cleared; Airflow 3.3+ calls it): the operator's
+        trigger hears it too, and cancels its external job where it can."""
+        trigger = self._operator_trigger
+        kill = getattr(trigger, "on_kill", None)
+        if callable(kill):
+            result = kill()
+            if inspect.isawaitable(result):
+                await result
+
+    async def cleanup(self) -> None:
+        """The trigger stops, however: the operator's trigger cleans up too."""
+        trigger = self._operator_trigger
+        if trigger is not None:
+            await trigger.cleanup()
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         """Take the hold, run the operator's trigger, hand the hold back with its first event (or report the loss)."""
         holds = await asyncio.to_thread(importlib.import_module, "airflow_pglock.triggers.holds")
         inner = await asyncio.to_thread(self._inner)  # its module may import a driver
+        self._operator_trigger = inner
         hub = holds.hub_for(self.postgres_conn_id, self.connect_timeout)
         hold = holds.DeferredHold(self.key, self.holder, self.task_label, self.lease)
         async with hub.holding(hold):
@@ -137,8 +159,18 @@ class GuardedTrigger(BaseTrigger):
                 await events.aclose()
                 yield await self._lost(hold.reason)
                 return
-            event = fired.result()  # the operator's trigger may raise: the task fails as it would unguarded
+            failed = fired.exception()
             await events.aclose()
+            if failed is not None:
+                # The task resumes, frees its hold under the key, stops the external work and fails.
+                error = f"{type(failed).__name__}: {failed}"
+                await _log(self.log.error, "pglock: the trigger of %s failed: %s", self.task_label, error)
+                if not await hub.hand_back(hold):
+                    yield await self._lost(hold.reason)
+                    return
+                yield TriggerEvent({"pglock": ERROR, "error": error, "resume": self.resume})
+                return
+            event = fired.result()
             held_back = self.deferred_at + RESUME_HOLD_SECONDS - time.time()
             if held_back > 0:
                 await asyncio.sleep(held_back)

@@ -50,8 +50,8 @@ T = TypeVar("T")
 HOLDS_APPLICATION_NAME = "airflow-pglock deferred holds"
 #: Seconds between two passes of the hub (keys to take again, leases to renew, a lost session).
 PASS_SECONDS = 1.0
-#: ``task_now`` of a row between the trigger's event and the task's resumption on a worker.
-RESUMING_SUFFIX = " (resuming on a worker)"
+#: What :meth:`HoldHub._renew` says when the hold's key is no longer the one it was given.
+_REPLACED = "replaced"
 
 HoldState = Literal["taking", "held", "lost", "ended"]
 
@@ -99,9 +99,11 @@ class DeferredHold:
 class HoldHub:
     """The deferred holds of one event loop and one Airflow connection, on one lock session."""
 
-    def __init__(self, open_session: Callable[[], LockSession]) -> None:
-        """:param open_session: opens the hub's lock session (blocking: called in the hub's thread)."""
+    def __init__(self, open_session: Callable[[], LockSession], forget: Callable[[], None] = lambda: None) -> None:
+        """:param open_session: opens the hub's lock session (blocking: called in the hub's thread).
+        :param forget: called when the hub retires (no hold left): :func:`hub_for` makes a new one then."""
         self._open_session = open_session
+        self._forget = forget
         self.holds: set[DeferredHold] = set()
         self.session: LockSession | None = None
         self._connected_once = False
@@ -141,22 +143,26 @@ class HoldHub:
 
         :returns: False when the hold was lost meanwhile (``hold.reason`` says why).
         """
-        while hold.state == "taking":  # the session is being replaced: the next pass takes the key back
-            await asyncio.sleep(PASS_SECONDS / 4)
-        if hold.state != "held" or hold.sub is None:
-            return False
-        try:
-            renewed = await self._in_thread(self._renew, hold, hold.task + RESUMING_SUFFIX)
-        except (PgLockError, psycopg.Error) as error:
-            renewed = f"the hold could not be renewed for the hand-over to a worker ({type(error).__name__}: {error})"
-        if renewed is not None:
-            hold.lose(renewed)
-            self._wake.set()
-            return False
-        sub, hold.sub = hold.sub, None
-        hold.state = "ended"
-        await self._in_thread(self._release_quietly, sub)
-        return True
+        while True:
+            while hold.state == "taking":  # the session is being replaced: a pass takes the key back
+                await asyncio.sleep(PASS_SECONDS / 4)
+            sub = hold.sub
+            if hold.state != "held" or sub is None:
+                return False
+            try:
+                renewed = await self._in_thread(self._renew, hold, sub, scopes.resuming_task(hold.task))
+            except (PgLockError, psycopg.Error) as error:
+                renewed = f"the hold could not be renewed for the hand-over ({type(error).__name__}: {error})"
+            if renewed is _REPLACED:
+                continue  # its key was taken back on a new session meanwhile: renew it there
+            if renewed is not None:
+                hold.lose(renewed)
+                self._wake.set()
+                return False
+            hold.sub, hold.state = None, "ended"
+            # Shielded: a trigger cancelled now must still give its key back (nothing tracks it any more).
+            await asyncio.shield(self._in_thread(self._release_quietly, sub))
+            return True
 
     # ------------------------------------------------------------------ the hub's passes
 
@@ -165,8 +171,14 @@ class HoldHub:
             await self._passes()
         except asyncio.CancelledError:  # the loop ends (a triggerer stopping, dag.test): the keys go now
             self._drop_session()
-            self._close_session()
+            await self._in_thread(self._close_session)
+            self._retire()
             raise
+
+    def _retire(self) -> None:
+        """No hold left and the session closed: the hub's thread ends, and a later hold gets a new hub."""
+        self._forget()
+        self._thread.shutdown(wait=False)
 
     async def _passes(self) -> None:
         while True:
@@ -181,7 +193,8 @@ class HoldHub:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), PASS_SECONDS)
             await self._in_thread(self._close_session)
-            if not self.holds:  # no await since the check: a hold registered now starts a new task
+            if not self.holds:  # no await since the check: nothing can register with this hub any more
+                self._retire()
                 return
 
     async def _pass(self) -> None:
@@ -218,12 +231,12 @@ class HoldHub:
                         hold.sub, hold.state = taken, "held"
                         hold.renewed(started)
                         hold.settled.set()
-                elif hold.state == "held" and started >= hold.renew_at:
-                    lost = await self._in_thread(self._renew, hold, scopes.deferred_task(hold.task))
-                    if lost is not None:
-                        hold.lose(lost)
-                    elif hold.state == "held":
+                elif hold.state == "held" and hold.sub is not None and started >= hold.renew_at:
+                    lost = await self._in_thread(self._renew, hold, hold.sub, scopes.deferred_task(hold.task))
+                    if lost is None:
                         hold.renewed(started)
+                    elif lost is not _REPLACED:
+                        hold.lose(lost)
             except (PgLockError, psycopg.Error) as error:
                 await asyncio.to_thread(log.warning, "pglock deferred holds: %s: %s", hold.key.describe(), error)
                 self._drop_session()  # every key is taken back on a new session at the next pass
@@ -276,25 +289,27 @@ class HoldHub:
             raise
         return sub
 
-    def _renew(self, hold: DeferredHold, task: str) -> str | None:
-        """Renew the row under the held key (nobody could take it meanwhile: the key was held).
-        Why the hold is lost, or None (``hold.state`` is back to taking if the session ended)."""
+    def _renew(self, hold: DeferredHold, sub: SubLock, task: str) -> str | None:
+        """Renew the row under ``sub``, the hold's key (nobody could take the row meanwhile: the key
+        was held). Why the hold is lost; None when renewed; :data:`_REPLACED` when ``sub`` is no
+        longer the hold's (handed back, ended, or its session replaced since the caller looked)."""
         session = self.session
-        if hold.state != "held" or hold.sub is None:
-            return None  # handed back or ended since the pass chose it: nothing to renew
+        if hold.sub is not sub or hold.state != "held":
+            return _REPLACED
         if session is None or session.lost is not None:
             raise PgLockError("the lock session ended before the renewal")
         row = scopes.rejoin(session.connection, hold.key, hold.holder, task, hold.lease, require_live=False)
         if row is None:
-            self._release_quietly(hold.sub)
+            self._release_quietly(sub)
             return f"the row of the hold of {hold.key.describe()} was deleted while the triggerer held the key"
         if session.lost is not None:  # the session ended around the statement: the key may be gone
             raise PgLockError(f"the lock session ended during the renewal: {session.lost}")
         return None
 
-    def _release_quietly(self, sub: SubLock) -> None:
-        with contextlib.suppress(PgLockError, psycopg.Error):
-            sub.release()
+    def _release_quietly(self, sub: SubLock | None) -> None:
+        if sub is not None:
+            with contextlib.suppress(PgLockError, psycopg.Error):
+                sub.release()
 
     def _close_session(self) -> None:
         session, self.session = self.session, None
@@ -333,5 +348,8 @@ def hub_for(postgres_conn_id: str, connect_timeout: int) -> HoldHub:
             hook = AdvisoryLockHook(postgres_conn_id, connect_timeout=connect_timeout)
             return hook.open_lock_session(application_name=HOLDS_APPLICATION_NAME)
 
-        hub = hubs[(postgres_conn_id, connect_timeout)] = HoldHub(open_session)
+        def forget() -> None:
+            hubs.pop((postgres_conn_id, connect_timeout), None)
+
+        hub = hubs[(postgres_conn_id, connect_timeout)] = HoldHub(open_session, forget)
     return hub

@@ -30,6 +30,7 @@ import asyncio
 import datetime as dt
 import json
 import pathlib
+import time
 
 import pendulum
 import psycopg
@@ -74,6 +75,8 @@ class Fault(BaseTrigger):
 
     async def run(self):
         await asyncio.sleep(0.5)
+        if self.fault == "raise":
+            raise RuntimeError("the external job's API answered 500")
         seen = await asyncio.to_thread(self._act)
         await asyncio.sleep(4)  # the hub notices a killed session within moments, and takes the key back
         seen["after"] = await asyncio.to_thread(self._look)
@@ -106,10 +109,28 @@ class Steps(BaseOperator):
 
     def execute(self, context):
         self._record("execute", context, None)
+        if self.fault == "foreign_row":  # another's live row appears under the key: no hand-over possible
+            with psycopg.connect(self.dsn, autocommit=True) as conn:
+                classid, objid, objsubid = LockKey.from_name(self.key).pg_locks
+                conn.execute(
+                    "INSERT INTO pglock.scopes (objsubid, classid, objid, key_name, holder, run, acquired_at,"
+                    " lease_until) VALUES (%s, %s, %s, %s, 'foreign', 'another: app', clock_timestamp(),"
+                    " clock_timestamp() + interval '5 minutes')",
+                    [objsubid, classid, objid, self.key],
+                )
         self.defer(trigger=Fault(self.dsn, self.key, self.fault), method_name="step", kwargs={"n": 1})
 
     def step(self, context, event=None, n=0):
         self._record(f"step{n}", context, event)
+        if self.fault == "kill_in_resume":  # the resumed task's own lock session ends under it
+            with psycopg.connect(self.dsn, autocommit=True) as conn:
+                classid, objid, objsubid = LockKey.from_name(self.key).pg_locks
+                conn.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+                    " AND classid::bigint = %s AND objid::bigint = %s AND objsubid = %s",
+                    [classid, objid, objsubid],
+                )
+            time.sleep(10)  # the heartbeat's socket watch interrupts this within moments
         if n < self.defers:
             self.defer(trigger=Fault(self.dsn, self.key, "none"), method_name="step", kwargs={"n": n + 1})
         return n
@@ -135,6 +156,9 @@ def deferrable_guard():
                   fault="kill", defers=1), key="defer/kill", deferral_lease=60, postgres_conn_id=CONN)
     guarded(Steps(task_id="lapsed", key="defer/lapse", dsn="{{ params.dsn }}", out="{{ params.out }}",
                   fault="lapse", defers=1), key="defer/lapse", deferral_lease=60, postgres_conn_id=CONN)
+    for task_id, fault in (("foreign_row", "foreign_row"), ("kill_in_resume", "kill_in_resume"), ("raises", "raise")):
+        guarded(Steps(task_id=task_id, key=f"defer/{task_id}", dsn="{{ params.dsn }}", out="{{ params.out }}",
+                      fault=fault, defers=1), key=f"defer/{task_id}", deferral_lease=60, postgres_conn_id=CONN)
     soon = "{{ (macros.datetime.utcnow() + macros.timedelta(seconds=2)).isoformat() }}"
     guarded(DateTimeSensorAsync(task_id="date_time", target_time=soon), key="defer/sensor", postgres_conn_id=CONN)
 
@@ -181,10 +205,23 @@ def test_the_hold_follows_a_deferred_operator_into_the_triggerer_and_back(
     assert (tmp_path / "lapsed.killed").exists(), "on_kill() stops the external work"
     assert "lost the hold of key 'defer/lapse'" in log and "its lease ran out at" in log
 
+    # Each way the hold can end across a deferral stops the external work (on_kill) and fails: never a skip.
+    assert result.state("foreign_row") == "failed" and (tmp_path / "foreign_row.killed").exists()
+    assert "the hold could not pass to the triggerer" in log or "took the key's scope" in log
+    assert result.state("kill_in_resume") == "failed" and (tmp_path / "kill_in_resume.killed").exists()
+    assert result.state("raises") == "failed" and (tmp_path / "raises.killed").exists()
+    assert "the trigger of task 'raises' failed while it held 'defer/raises'" in log
+    assert [s["step"] for s in _steps(tmp_path, "raises")] == ["execute"]
     # Airflow's own deferrable sensor, guarded.
     assert result.state("date_time") == "success", log[-3000:]
     assert "pglock: date_time deferred to airflow.providers.standard.triggers.temporal.DateTimeTrigger" in log
 
-    live = "SELECT key_name, task_now FROM pglock.scopes WHERE lease_until > clock_timestamp()"
-    assert scopes_db.execute(live).fetchall() == [], "every hold is freed (the lost one's row had lapsed)"
+    live = "SELECT key_name, holder FROM pglock.scopes WHERE lease_until > clock_timestamp() ORDER BY key_name"
+    left = scopes_db.execute(live).fetchall()
+    # Freed: every hold, the failed trigger's too. Left: the foreign row, and the row of the hold
+    # lost in its resume method (nothing could free it under the key; its lease ends it).
+    assert [(key, holder == "foreign") for key, holder in left] == [
+        ("defer/foreign_row", True),
+        ("defer/kill_in_resume", False),
+    ], left
     assert advisory_locks(scopes_db) == []

@@ -97,7 +97,7 @@ def test_one_session_holds_every_deferred_key_renews_the_rows_and_hands_them_bac
             assert await hub.hand_back(holds[0])
             assert await asyncio.to_thread(_holders, scopes_db, KEYS[0]) == [], "handed back: released"
             row = await asyncio.to_thread(scopes.read, scopes_db, KEYS[0])
-            assert row is not None and row.live and row.task_now == "dag.op0 run (resuming on a worker)"
+            assert row is not None and row.live and row.task_now == "dag.op0 run (deferred, resuming on a worker)"
             # The other one's trigger is cancelled (its task cleared): its key goes, its row stays.
         assert _holders(scopes_db, KEYS[1]) == []
         row = scopes.read(scopes_db, KEYS[1])
@@ -197,4 +197,48 @@ def test_other_guards_locks_and_the_sensor_see_a_deferred_holder(
             await hub.hand_back(hold)
 
     _run(body)
+    assert advisory_locks_left(scopes_db) == 0
+
+
+def test_a_hub_retires_with_its_last_hold_leaving_no_thread_loop_or_session(hook: Any, scopes_db: Any) -> None:
+    import threading
+
+    from airflow_pglock.triggers import holds
+
+    def hub_threads() -> int:
+        return sum(1 for thread in threading.enumerate() if thread.name.startswith("pglock-holds"))
+
+    before = hub_threads()
+    for _ in range(3):  # dag.test() runs each deferral's trigger on an event loop of its own
+        holder = _hand_over(hook, KEYS[0])
+
+        async def body(holder: str = holder) -> None:
+            hub = holds.hub_for("pglock_test_unused", 5)  # registered as a triggerer's hub is
+            hub._open_session = lambda: hook.open_lock_session(application_name=HUB)  # the test's database
+            hold = DeferredHold(KEYS[0], holder, "dag.op run", 30.0)
+            async with hub.holding(hold):
+                await asyncio.wait_for(hold.settled.wait(), 15)
+                assert await hub.hand_back(hold)
+            await _until(lambda: hub._task is not None and hub._task.done())
+
+        _run(body)
+        scopes_db.execute("DELETE FROM pglock.scopes WHERE holder = %s", [holder])
+    assert not any(holds._HUBS.values()), "every hub retired (none kept for its loop)"
+    deadline = time.monotonic() + 10
+    while hub_threads() > before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert hub_threads() == before
+    assert _sessions(scopes_db) == 0
+
+
+def test_a_retry_of_the_task_takes_over_the_hold_its_earlier_try_left_and_another_task_skips(
+    hook: Any, scopes_db: Any
+) -> None:
+    holder = _hand_over(hook, KEYS[0])  # an earlier try's hold, left live (a deferral timeout, a cleared trigger)
+    other = ScopeRole(holder=uuid.uuid4().hex, run="dep-b: dag run", task="op", lease=30.0, hands_over=True)
+    with pytest.raises(LockBusyError, match="is held by the deferred task op of dep: dag run"):
+        LockGuard(hook.database, KEYS[0], LockPolicy(), scope=other).run(lambda handle: None)
+    retry = ScopeRole(holder=holder, run="dep: dag run", task="op", lease=30.0, hands_over=True)
+    assert LockGuard(hook.database, KEYS[0], LockPolicy(), scope=retry).run(lambda handle: "ran") == "ran"
+    assert scopes.read(scopes_db, KEYS[0]) is None, "the earlier try's row is gone with it"
     assert advisory_locks_left(scopes_db) == 0
