@@ -27,10 +27,11 @@ The kinds (every public way to hold a lock, see docs/safety.md):
   as a guard with a fencing token, works, hands the hold over to the triggerer's part (the hold
   hub of :mod:`airflow_pglock.triggers.holds`, run in the same process on an event loop of its
   own, as a triggerer runs it), works while the hub holds the key (the operator's external job
-  while the task is deferred; it pauses while the hub takes the key back after its session was
-  lost), has the hub hand the hold back, and resumes as a guard that re-enters the hold and
-  works again. It believes it holds the key from the first acquisition to its last work, the
-  hand-overs included (the lease row holds it there).
+  while the task is deferred; it goes on while the hub takes the key back after its session was
+  lost, under the row, and stops once the hub says the hold is lost), has the hub hand the hold
+  back, and resumes as a guard that re-enters the hold and works again. It believes it holds the
+  key from the first acquisition to its last work, the hand-overs included (the lease row holds
+  it there).
 """
 
 from __future__ import annotations
@@ -399,9 +400,9 @@ class Worker:
             async with hub.holding(hold):
                 await hold.settled.wait()
                 for _ in range(self.rng.randint(2, 10)):
-                    while hold.state == "taking":  # the hub takes the key back after its session was lost
-                        await asyncio.sleep(0.05)
-                    if hold.state != "held":
+                    # As an external job, it goes on while the hub takes the key back after its session
+                    # was lost (the row holds it; the hub gives up before the row's own end).
+                    if hold.state not in ("held", "taking"):
                         self.history.emit("lost", run=run)
                         raise _Lost(str(hold.reason))
                     await asyncio.to_thread(self._write, run, str(key.name), token)
