@@ -44,7 +44,7 @@ from airflow_pglock.finish import Ending, finish, finish_session, finish_transac
 from airflow_pglock.handle import LockHandle
 from airflow_pglock.heartbeat import Heartbeat
 from airflow_pglock.holder import LockHolder, describe_holders
-from airflow_pglock.identity import TaskIdentity
+from airflow_pglock.identity import DEFERRED_HOLDS_APPLICATION_NAME, TaskIdentity
 from airflow_pglock.interruption import Interruption, protect_clean_up
 from airflow_pglock.keys import LockKey, slot_keys
 from airflow_pglock.outcome import OutcomeContext, OutcomeLine, Reported
@@ -86,8 +86,24 @@ def busy_error(database: LockDatabase, pool: Sequence[LockKey], timeout: float |
     who = describe_holders(holders, dt.datetime.now(dt.timezone.utc), nobody="a session that released it since")
     waited = f" after waiting {timeout:g} s" if timeout is not None else ""
     if slots == 1:
+        deferred = _deferred_holder(database, key, holders, logger)
+        if deferred is not None:  # the triggerer's session holds it: its row names the task
+            who = f"{deferred.describe()}: the triggerer's session {who}"
         return LockBusyError(f"{key.describe()} is held by {who}{waited}", key, holders)
     return LockBusyError(f"all {slots} slots of the pool {key.describe()} are held, by {who}{waited}", key, holders)
+
+
+def _deferred_holder(database: LockDatabase, key: LockKey, holders: Sequence[LockHolder], logger: Any) -> Any:
+    """The row of a deferred guarded operator whose key a triggerer's session holds, else None."""
+    if key.name is None or not any(
+        h.granted and h.application_name == DEFERRED_HOLDS_APPLICATION_NAME for h in holders
+    ):
+        return None
+    try:
+        return database.live_scope(key)
+    except (PgLockError, psycopg.Error) as error:  # the holder's session is named all the same
+        logger.warning("pglock could not read the deferred holder of %s: %s", key.describe(), error)
+        return None
 
 
 def _pool_scoped_error(

@@ -242,6 +242,10 @@ def hook_application_name(deployment: str | None = None, host: str | None = None
     return f"{head}{where} {program}{tail}"[:MAX_APPLICATION_NAME_BYTES]
 
 
+#: application_name of a triggerer's session that holds the keys of deferred guarded operators.
+DEFERRED_HOLDS_APPLICATION_NAME = "airflow-pglock deferred holds"
+
+
 def is_provider_session(application_name: str | None) -> bool:
     """True for an airflow-pglock lock session: a guarded task's or a hook's (one session per lock)."""
     return parse_application_name(application_name) is not None or parse_hook_name(application_name) is not None

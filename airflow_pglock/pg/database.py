@@ -25,9 +25,11 @@ from airflow_pglock.holder import LockHolder
 from airflow_pglock.identity import hook_application_name
 from airflow_pglock.keys import LockKey
 from airflow_pglock.liveness import Liveness
+from airflow_pglock.pg import scopes
 from airflow_pglock.pg import settings as connection_settings
 from airflow_pglock.pg.held import HeldLock
 from airflow_pglock.pg.holders import read_holders
+from airflow_pglock.pg.scopes import ScopeRow
 from airflow_pglock.pg.server import inspect_server, not_postgresql, server_from_handshake
 from airflow_pglock.pg.settings import ConnectionSettings, redact
 from airflow_pglock.pg.sql import NOT_POSTGRES_ERRORS, liveness_statement
@@ -278,3 +280,8 @@ class LockDatabase:
         """Who holds or waits for the keys (a key, or a pool's slots), without touching them."""
         with self.connect(INSPECT_APPLICATION_NAME) as conn:
             return read_holders(conn, *pool)
+
+    def live_scope(self, key: LockKey) -> ScopeRow | None:
+        """The live lock scope row of ``key`` (a scope, or a deferred task's hold), read without the key."""
+        with self.connect(INSPECT_APPLICATION_NAME) as conn:
+            return scopes.live_scope(conn, key)

@@ -38,6 +38,7 @@ import psycopg
 
 from airflow_pglock.exceptions import LockConfigurationError, PgLockError, UnsafeSetupError
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+from airflow_pglock.identity import DEFERRED_HOLDS_APPLICATION_NAME
 from airflow_pglock.keys import LockKey
 from airflow_pglock.lock_set import LockSession, SubLock
 from airflow_pglock.pg import scopes
@@ -47,7 +48,7 @@ log = logging.getLogger("airflow_pglock.holds")
 T = TypeVar("T")
 
 #: application_name of the hub's lock session.
-HOLDS_APPLICATION_NAME = "airflow-pglock deferred holds"
+HOLDS_APPLICATION_NAME = DEFERRED_HOLDS_APPLICATION_NAME
 #: Seconds between two passes of the hub (keys to take again, leases to renew, a lost session).
 PASS_SECONDS = 1.0
 #: What :meth:`HoldHub._renew` says when the hold's key is no longer the one it was given.

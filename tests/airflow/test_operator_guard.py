@@ -217,6 +217,12 @@ def test_bad_guards_are_refused_when_the_dag_is_parsed() -> None:
             (BashOperator(task_id="o", bash_command="true"), {"on_busy": "later"}, "on_busy must be one of"),
             (BashOperator(task_id="w", bash_command="true"), {"on_busy": "wait"}, "needs wait_timeout"),
         ]
+        from airflow_pglock.compat import AIRFLOW_V_3_PLUS
+
+        if AIRFLOW_V_3_PLUS:  # its task runner triggers the run after execute() returned, outside any guard
+            from airflow.providers.standard.operators.trigger_dagrun import TriggerDagRunOperator
+
+            cases.append((TriggerDagRunOperator(task_id="tr", trigger_dag_id="x"), {}, "is a TriggerDagRunOperator"))
         for operator, options, fragment in cases:
             with pytest.raises(LockConfigurationError if fragment != "3.5" else ValueError, match=re.escape(fragment)):
                 guarded(operator, **options)

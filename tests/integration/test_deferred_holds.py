@@ -183,14 +183,18 @@ def test_other_guards_locks_and_the_sensor_see_a_deferred_holder(
     assert hook.scope(KEYS[0]) is not None, "the sensor's view: a live row holds the key"
 
     async def body() -> None:
-        hub = _hub(hook)
+        from airflow_pglock.triggers.holds import HOLDS_APPLICATION_NAME
+
+        hub = HoldHub(lambda: hook.open_lock_session(application_name=HOLDS_APPLICATION_NAME))  # a triggerer's
         hold = DeferredHold(KEYS[0], holder, "dag.op run", 30.0)
         async with hub.holding(hold):
             await asyncio.wait_for(hold.settled.wait(), 15)
-            with pytest.raises(LockBusyError, match="is held by"):
+            # The triggerer's session holds the key: its row names the task.
+            held_by = r"is held by the deferred task dag.op run of dep: dag run \(held by the triggerer, lease until "
+            with pytest.raises(LockBusyError, match=held_by + r".*\): the triggerer's session pid"):
                 await asyncio.to_thread(LockGuard(hook.database, KEYS[0], LockPolicy()).run, lambda handle: None)
             holders = await asyncio.to_thread(hook.holders, KEYS[0])
-            assert [h.application_name for h in holders] == [HUB]
+            assert [h.application_name for h in holders] == [HOLDS_APPLICATION_NAME]
             data = (await asyncio.to_thread(run_cli, "locks", "--dsn", dsn, "--output", "json", capsys=capsys)).json()
             [scope] = data["scopes"]
             assert scope["deferred"] is True and scope["task_now"].startswith("dag.op run (deferred")
