@@ -112,8 +112,11 @@ class HoldHub:
         self._wake = asyncio.Event()
         # One thread: the session's statements run one at a time, never on the event loop.
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pglock-holds")
+        self._retired = False
 
     async def _in_thread(self, function: Callable[..., T], *args: Any) -> T:
+        if self._retired:  # its session is closed: every key it held went with it
+            raise PgLockError("the hold hub retired (its session is closed)")
         return await asyncio.get_running_loop().run_in_executor(self._thread, function, *args)
 
     @contextlib.asynccontextmanager
@@ -135,9 +138,10 @@ class HoldHub:
             sub, hold.sub = hold.sub, None
             if hold.state not in ("lost", "ended"):
                 hold.state = "ended"
-            if sub is not None:
+            if sub is not None and not self._retired:  # retired: its session closed, the key with it
                 # Shielded: a cancelled trigger must still give its key back.
-                await asyncio.shield(self._in_thread(self._release_quietly, sub))
+                with contextlib.suppress(PgLockError):
+                    await asyncio.shield(self._in_thread(self._release_quietly, sub))
 
     async def hand_back(self, hold: DeferredHold) -> bool:
         """The trigger fired: renew the row for the hand-over to a worker and release the key.
@@ -178,6 +182,7 @@ class HoldHub:
 
     def _retire(self) -> None:
         """No hold left and the session closed: the hub's thread ends, and a later hold gets a new hub."""
+        self._retired = True
         self._forget()
         self._thread.shutdown(wait=False)
 
