@@ -97,6 +97,11 @@ def task_identity(context: Mapping[str, Any]) -> TaskIdentity:
     )
 
 
+def run_label(identity: TaskIdentity) -> str:
+    """Who holds a lease row, for people: the deployment (else the host), the DAG and the run."""
+    return f"{identity.deployment or identity.host or '?'}: {identity.dag_id} {identity.run_id}"
+
+
 def run_guarded(
     spec: LockSpec,
     context: Mapping[str, Any],

@@ -45,6 +45,7 @@ from airflow_pglock.task_guard import (
     render_lock_options,
     resume_deadline,
     run_guarded,
+    run_label,
     task_identity,
 )
 
@@ -123,7 +124,7 @@ class OperatorGuard:
         role = ScopeRole(
             kind="resume",
             holder=str(deferral["holder"]),
-            run=_run_label(context),
+            run=run_label(task_identity(context)),
             task=task.task_id,
             lease=float(deferral.get("lease") or DEFAULT_SCOPE_LEASE_SECONDS),
             hands_over=True,
@@ -177,7 +178,7 @@ class OperatorGuard:
         if self.deferral_lease is not None:
             role = ScopeRole(
                 holder=_holder_of(context),
-                run=_run_label(context),
+                run=run_label(task_identity(context)),
                 task=task.task_id,
                 lease=self.deferral_lease,
                 hands_over=True,
@@ -208,7 +209,7 @@ class OperatorGuard:
             if self.deferral_lease is None:
                 # The lock lives on this worker's connection; a deferred task has no worker.
                 _stop_external_work(task)
-                raise LockConfigurationError(deferral_refused(task, handle)) from None
+                raise LockConfigurationError(deferral_refused(task, handle, _why_no_hand_over(self.spec))) from None
             return HandOver(deferral)
         except Exception as error:
             if type(error).__name__ != _TASK_RUNNER_HANDOFF:
@@ -274,12 +275,11 @@ def _runner_handoff_refused(task_id: str) -> str:
     )
 
 
-def deferral_refused(task: BaseOperator, handle: LockHandle | None) -> str:
+def deferral_refused(task: BaseOperator, handle: LockHandle | None, why: str | None) -> str:
     held = f" by {handle.key.describe()}" if handle is not None else ""
     return (
-        f"task {task.task_id!r} tried to defer while guarded{held}, with options under which the hold cannot pass to "
-        "the triggerer (it needs Airflow 3, an exclusive session lock on one named key, and no once_per / "
-        "min_interval). Run the operator with deferrable=False, or change those options"
+        f"task {task.task_id!r} tried to defer while guarded{held}, and its hold cannot pass to the triggerer: "
+        f"{why}. Run the operator with deferrable=False, or change those options"
     )
 
 
@@ -320,11 +320,6 @@ def _call(task: BaseOperator, method: str, context: Context, kwargs: dict[str, A
     if function is None:
         raise LockConfigurationError(f"task {task.task_id!r} has no method {method!r} to resume with")
     return function(task, context, **kwargs)
-
-
-def _run_label(context: Context) -> str:
-    identity = task_identity(context)
-    return f"{identity.deployment or identity.host or '?'}: {identity.dag_id} {identity.run_id}"
 
 
 def guarded(

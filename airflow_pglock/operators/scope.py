@@ -53,6 +53,7 @@ from airflow_pglock.task_guard import (
     resolve_key,
     resume_deadline,
     run_guarded,
+    run_label,
     task_identity,
 )
 
@@ -118,8 +119,7 @@ class ScopeSpec:
     def role(self, kind: ScopeKind, context: Context) -> ScopeRole:
         """This task's role in the scope; a member and the teardown find the holder id in the setup's XCom."""
         identity = task_identity(context)
-        where = identity.deployment or identity.host or "?"
-        run = f"{where}: {identity.dag_id} {identity.run_id}"
+        run = run_label(identity)
         holder: str | None = uuid.uuid4().hex
         slot = None
         if kind != "enter":
