@@ -156,9 +156,11 @@ def deferrable_guard():
                   fault="kill", defers=1), key="defer/kill", deferral_lease=60, postgres_conn_id=CONN)
     guarded(Steps(task_id="lapsed", key="defer/lapse", dsn="{{ params.dsn }}", out="{{ params.out }}",
                   fault="lapse", defers=1), key="defer/lapse", deferral_lease=60, postgres_conn_id=CONN)
+    # A lease far longer than the run: the check at the end sees which rows were left, whatever
+    # order dag.test() ran the tasks in (a 60 s lease had run out by then on a slow run).
     for task_id, fault in (("foreign_row", "foreign_row"), ("kill_in_resume", "kill_in_resume"), ("raises", "raise")):
         guarded(Steps(task_id=task_id, key=f"defer/{task_id}", dsn="{{ params.dsn }}", out="{{ params.out }}",
-                      fault=fault, defers=1), key=f"defer/{task_id}", deferral_lease=60, postgres_conn_id=CONN)
+                      fault=fault, defers=1), key=f"defer/{task_id}", deferral_lease=1800, postgres_conn_id=CONN)
     soon = "{{ (macros.datetime.utcnow() + macros.timedelta(seconds=2)).isoformat() }}"
     guarded(DateTimeSensorAsync(task_id="date_time", target_time=soon), key="defer/sensor", postgres_conn_id=CONN)
 

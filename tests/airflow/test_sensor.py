@@ -42,31 +42,53 @@ CONN = "pglock_test"
 DONE = "all_done"
 
 
-def hold_until_waited_for(name, by="AdvisoryLockSensor"):
-    """Another session takes the key now, and releases it once `by` has logged that it waits for it.
+def hold_until_waited_for(name, by="is held by"):
+    """Another session takes the key now, and releases it once a sensor (``by="is held by"``) or
+    its trigger (``by="until it is free"``) has logged that it waits for it.
 
     Not after a fixed time: on a loaded machine a dag.test() task can take many seconds to
     start, and the sensor must find the key held. Bounded (120 s) so that a missing line
-    fails the assertions below instead of hanging the run.
+    fails the assertions below instead of hanging the run. Airflow 2 logs a task through
+    logging; Airflow 3 through structlog, whose processors see the line before it is printed.
     """
     held = AdvisoryLockHook(CONN).acquire(name, application_name="maintenance holder")
     assert held is not None, name
     seen = threading.Event()
 
+    def look(message):
+        if f"pglock waiting: key '{name}'" in message and by in message:
+            seen.set()
+
     class Watcher(logging.Handler):
         def emit(self, record):
-            if f"pglock waiting: key '{name}'" in record.getMessage() and by in record.name:
-                seen.set()
+            look(record.getMessage())
+
+    def watch_structlog(logger, method, event_dict):
+        event, args = str(event_dict.get("event", "")), event_dict.get("positional_args")
+        try:
+            look(event % args if args else event)
+        except (TypeError, ValueError):
+            look(event)
+        return event_dict
 
     watcher = Watcher()
     loggers = [logging.getLogger(), logging.getLogger("airflow.task")]  # airflow.task may not propagate
     for logger in loggers:
         logger.addHandler(watcher)
+    try:
+        import structlog
+    except ImportError:  # Airflow 2 may come without it; it logs through logging
+        processors = []
+    else:
+        processors = structlog.get_config()["processors"]
+        processors.insert(0, watch_structlog)
 
     def release():
         seen.wait(120)
         for logger in loggers:
             logger.removeHandler(watcher)
+        if watch_structlog in processors:
+            processors.remove(watch_structlog)
         held.release()
 
     threading.Thread(target=release, daemon=True).start()
@@ -85,7 +107,7 @@ def sensors():
 
     @task(trigger_rule=DONE)
     def hold_deferred_key():
-        hold_until_waited_for("maint/deferred", by="AdvisoryLockTrigger")
+        hold_until_waited_for("maint/deferred", by="until it is free")
 
     common = dict(postgres_conn_id=CONN, trigger_rule=DONE)
     chain(
