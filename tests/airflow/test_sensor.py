@@ -64,6 +64,8 @@ def hold_until_waited_for(name, by="is held by"):
             look(record.getMessage())
 
     def watch_structlog(logger, method, event_dict):
+        if seen.is_set():  # stays in the list: removing it could race another thread's log call
+            return event_dict
         event, args = str(event_dict.get("event", "")), event_dict.get("positional_args")
         try:
             look(event % args if args else event)
@@ -78,17 +80,14 @@ def hold_until_waited_for(name, by="is held by"):
     try:
         import structlog
     except ImportError:  # Airflow 2 may come without it; it logs through logging
-        processors = []
-    else:
-        processors = structlog.get_config()["processors"]
-        processors.insert(0, watch_structlog)
+        pass
+    else:  # inserted before the sensor's task starts: dag.test() runs one task at a time
+        structlog.get_config()["processors"].insert(0, watch_structlog)
 
     def release():
         seen.wait(120)
         for logger in loggers:
             logger.removeHandler(watcher)
-        if watch_structlog in processors:
-            processors.remove(watch_structlog)
         held.release()
 
     threading.Thread(target=release, daemon=True).start()
