@@ -150,6 +150,9 @@ class HoldHub:
         """
         while True:
             while hold.state == "taking":  # the session is being replaced: a pass takes the key back
+                if self._task is None or self._task.done():  # no pass will come: the hub stopped
+                    hold.lose("the triggerer's hold hub stopped before it took the key back")
+                    return False
                 await asyncio.sleep(PASS_SECONDS / 4)
             sub = hold.sub
             if hold.state != "held" or sub is None:

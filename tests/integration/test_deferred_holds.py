@@ -246,3 +246,28 @@ def test_a_retry_of_the_task_takes_over_the_hold_its_earlier_try_left_and_anothe
     assert LockGuard(hook.database, KEYS[0], LockPolicy(), scope=retry).run(lambda handle: "ran") == "ran"
     assert scopes.read(scopes_db, KEYS[0]) is None, "the earlier try's row is gone with it"
     assert advisory_locks_left(scopes_db) == 0
+
+
+def test_a_trigger_that_fires_after_its_hub_stopped_is_lost_at_once(hook: Any, scopes_db: Any) -> None:
+    """The hub's task ended (its loop stopping, or a bug) with the hold being taken back: no pass
+    will take it. A trigger that fires then is told its hold is lost, instead of waiting forever
+    for a pass; its key went with the hub's session."""
+    holder = _hand_over(hook, KEYS[0])
+
+    async def body() -> None:
+        hub = _hub(hook)
+        hold = DeferredHold(KEYS[0], holder, "dag.op run", 30.0)
+        async with hub.holding(hold):
+            await asyncio.wait_for(hold.settled.wait(), 15)
+            assert hold.state == "held" and hub._task is not None
+            hub._task.cancel()  # it closes its session and retires
+            with pytest.raises(asyncio.CancelledError):
+                await hub._task
+            assert await _until(lambda: _holders(scopes_db, KEYS[0]) == []), "the key went with the session"
+            assert not await asyncio.wait_for(hub.hand_back(hold), 10)
+            assert hold.state == "lost" and "hold hub stopped" in str(hold.reason)
+
+    _run(body)
+    scopes_db.execute("DELETE FROM pglock.scopes WHERE holder = %s", [holder])
+    assert _sessions(scopes_db) == 0
+    assert advisory_locks_left(scopes_db) == 0
