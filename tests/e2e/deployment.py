@@ -133,6 +133,32 @@ class Deployment:
             os.killpg(self.processes[role].pid, signal.SIGKILL)
         self.processes[role].wait(timeout=30)
 
+    def kill_leftovers(self) -> list[int]:
+        """SIGKILL what is left of this deployment's processes once its roles are killed: task
+        processes run in process groups of their own, which :meth:`kill` does not reach.
+
+        Found by their environment (this deployment's AIRFLOW_HOME) or, where a process title
+        overwrote it (Airflow 3's task supervisors and task processes), by their working
+        directory: the deployment's home, where its roles were started. Scanned again until a
+        scan finds none: a supervisor may have forked its task process during the scan."""
+        marker = f"AIRFLOW_HOME={self.home}".encode()
+        home = str(self.home)
+        killed: list[int] = []
+        while True:
+            found = []
+            for entry in Path("/proc").iterdir():
+                if not entry.name.isdigit() or int(entry.name) in (os.getpid(), *killed):
+                    continue
+                with contextlib.suppress(OSError):
+                    cwd = os.readlink(entry / "cwd")
+                    ours = cwd == home or cwd.startswith(home + "/")
+                    if ours or marker in (entry / "environ").read_bytes().split(b"\0"):
+                        os.kill(int(entry.name), signal.SIGKILL)
+                        found.append(int(entry.name))
+            if not found:
+                return killed
+            killed += found
+
     def restart(self, role: str) -> None:
         """Stop one process as a shutdown does (SIGTERM, then SIGKILL after 30 s) and start it again."""
         process = self.processes[role]

@@ -129,12 +129,27 @@ def _diagnosis(d: Deployment) -> str:
     )
 
 
-def _reports_taken(d: Deployment, dag_id: str) -> int:
-    """How many of ``dag_id``'s task instances the scheduler has logged an executor report for
-    (its "TaskInstance Finished" line, which it writes once it has taken the report)."""
+def _reports_taken(d: Deployment, dag_id: str) -> set[int]:
+    """The map indexes of ``dag_id``'s task instances whose executor report the scheduler has taken.
+
+    Its "Received executor event" line (state success or failed: how a deferring process ends) says
+    the report left the executor's buffer; a "TaskInstance Finished" line follows only if the task
+    instance's row was not locked at that moment (the scheduler reads the rows with SKIP LOCKED and
+    drops the events of the rows it skipped). A dropped report never fails a resumed attempt either."""
     log = (d.home / "scheduler.log").read_text(errors="replace")
-    finished = re.findall(rf"TaskInstance Finished: dag_id={re.escape(dag_id)}, .*?map_index=(-?\d+)", log)
-    return len(set(finished))
+    name = re.escape(dag_id)
+    key = rf"TaskInstanceKey\(dag_id='{name}'.*?map_index=(-?\d+)\)"
+    received = re.findall(rf"Received executor event with state (?:success|failed) for task instance {key}", log)
+    finished = re.findall(rf"TaskInstance Finished: dag_id={name}, .*?map_index=(-?\d+)", log)
+    return {int(index) for index in received + finished}
+
+
+def _scheduler_lines_about(d: Deployment, dag_id: str, missing: set[int], most: int = 5) -> str:
+    """The scheduler's log lines that name ``dag_id`` and one of (at most ``most`` of) the ``missing`` map indexes."""
+    wanted = sorted(missing)[:most]
+    lines = (d.home / "scheduler.log").read_text(errors="replace").splitlines()
+    pattern = re.compile(rf"{re.escape(dag_id)}.*map_index[=:]\s*({'|'.join(str(index) for index in wanted)})\b")
+    return "\n".join(line[:400] for line in lines if pattern.search(line))
 
 
 def _failed_task_logs(d: Deployment, most: int = 3) -> str:
@@ -296,11 +311,16 @@ def test_many_deferred_tasks_share_one_connection_and_never_block_the_triggerer(
         # that deferred it arrives after the resumed attempt started (apache/airflow#72716, open).
         # Under load the last tasks' reports lag the release, so the keys stay held until the
         # scheduler has taken every report: the test is about the triggers, not that race.
-        _wait_for(
-            deployment,
-            lambda _: _reports_taken(deployment, "e2e_defer_many") == WAITERS,
-            f"the executor's {WAITERS} reports of the deferring processes taken by the scheduler",
-        )
+        try:
+            _wait_for(
+                deployment,
+                lambda _: len(_reports_taken(deployment, "e2e_defer_many")) == WAITERS,
+                f"the executor's {WAITERS} reports of the deferring processes taken by the scheduler",
+            )
+        except AssertionError as waited:
+            missing = set(range(WAITERS)) - _reports_taken(deployment, "e2e_defer_many")
+            about = _scheduler_lines_about(deployment, "e2e_defer_many", missing)
+            raise AssertionError(f"no report taken for map indexes {sorted(missing)}:\n{about}\n{waited}") from None
         holder.execute("SELECT pg_advisory_unlock_all()")
     _wait_for(deployment, lambda _: set(many_states()) == {"success"}, f"{WAITERS} mapped tasks resumed and succeeded")
     print(

@@ -151,26 +151,6 @@ def _create_database(cluster: Cluster, name: str, template: str | None = None) -
     return cluster.dsn_for(name)
 
 
-def _kill_task_processes(deployment: Deployment) -> list[int]:
-    """SIGKILL what is left of ``deployment``'s processes: task processes run in process groups of their own.
-
-    Found by their environment (this deployment's AIRFLOW_HOME) or, where a process title
-    overwrote it (Airflow 3's ``airflow worker -- <id>`` task supervisors), by their working
-    directory: the deployment's home, where the fixture started their ancestors."""
-    marker = f"AIRFLOW_HOME={deployment.home}".encode()
-    home = str(deployment.home)
-    killed = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        with contextlib.suppress(OSError):
-            cwd = os.readlink(entry / "cwd")
-            if marker in (entry / "environ").read_bytes().split(b"\0") or cwd == home or cwd.startswith(home + "/"):
-                os.kill(int(entry.name), signal.SIGKILL)
-                killed.append(int(entry.name))
-    return killed
-
-
 @pytest.fixture(scope="module")
 def setup(clusters: tuple[Cluster, Cluster]) -> Iterator[Setup]:
     """A and B: metadata DBs ``meta_a`` (migrated) and ``meta_b`` (a copy of the fresh ``meta_a``); one lock DB."""
@@ -217,7 +197,7 @@ def setup(clusters: tuple[Cluster, Cluster]) -> Iterator[Setup]:
     finally:
         for deployment in started:
             deployment.stop()
-            _kill_task_processes(deployment)
+            deployment.kill_leftovers()
         shutil.rmtree(base, ignore_errors=True)
 
 

@@ -23,12 +23,9 @@ clock) in the lock database:
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import itertools
-import os
 import shutil
-import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -99,23 +96,6 @@ def _create_database(cluster: Cluster, name: str, template: str | None = None) -
     return cluster.dsn_for(name)
 
 
-def _kill_task_processes(deployment: Deployment) -> list[int]:
-    """SIGKILL what is left of ``deployment``'s processes: task processes run in process groups of their own.
-
-    Found by their environment (this deployment's AIRFLOW_HOME); all of them descend from the
-    processes the fixture started."""
-    marker = f"AIRFLOW_HOME={deployment.home}".encode()
-    killed = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        with contextlib.suppress(OSError):
-            if marker in (entry / "environ").read_bytes().split(b"\0"):
-                os.kill(int(entry.name), signal.SIGKILL)
-                killed.append(int(entry.name))
-    return killed
-
-
 @pytest.fixture(scope="module")
 def deployments(cluster: Cluster) -> Iterator[dict[str, Deployment]]:
     """A and B: metadata DBs ``meta_a`` (migrated) and ``meta_b`` (a copy of the fresh ``meta_a``)."""
@@ -150,7 +130,7 @@ def deployments(cluster: Cluster) -> Iterator[dict[str, Deployment]]:
     finally:
         for deployment in started:
             deployment.stop()
-            _kill_task_processes(deployment)
+            deployment.kill_leftovers()
         shutil.rmtree(base, ignore_errors=True)
 
 
@@ -485,7 +465,7 @@ def test_a_killed_deployments_scope_holds_until_its_lease_runs_out(
     _wait_for({"A": a}, CRASH, lambda s: s["A"].get("publish.start") == "success", "A's first scope task")
     for role in ("scheduler", "dag-processor", "api-server"):
         a.kill(role)
-    leftovers = _kill_task_processes(a)
+    leftovers = a.kill_leftovers()
     with psycopg.connect(lock_uri, autocommit=True) as conn:
         held = conn.execute(
             "SELECT holder, run, task_now, lease_until, clock_timestamp() FROM pglock.scopes WHERE key_name = %s",
