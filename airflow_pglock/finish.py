@@ -62,7 +62,8 @@ def finish_transaction(ending: Ending) -> Finished:
     if not held.transaction_open:
         return Finished(lost=loss.ENDED_BY_WORK)
     if not succeeded:
-        return Finished()  # closing the connection rolls the work back
+        held.roll_back()  # the work is undone and the key free before the outcome is reported
+        return Finished()
     try:
         if not held.commit_if_held(record):
             return Finished(lost=loss.ENDED_BY_WORK)

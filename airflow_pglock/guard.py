@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,7 +32,7 @@ from typing import Any, TypeVar
 
 import psycopg
 
-from airflow_pglock import loss
+from airflow_pglock import forks, loss
 from airflow_pglock.exceptions import (
     AlreadyDoneError,
     LockBusyError,
@@ -201,6 +202,7 @@ class LockGuard:
         self.refusal: LockBusyError | AlreadyDoneError | None = None
         self.interruption = Interruption(key.describe())
         self._stop = threading.Event()
+        self._holder_pid = os.getpid()  # the process that holds the lock (set again when it is taken)
         self._heartbeat: Heartbeat | None = None
         self._outcome = OutcomeLine(self.log, OutcomeContext.of(key, policy, application_name, database), stats)
         self._started = 0.0
@@ -242,6 +244,8 @@ class LockGuard:
         # From here on the lock is held: one try, so that nothing (an error, Airflow's task
         # timeout, Ctrl-C) can leave the lock connection open with no outcome line.
         try:
+            self._holder_pid = os.getpid()
+            forks.after_fork_in_child(self, LockGuard._forked)
             self._wait_seconds = time.monotonic() - self._started
             self._outcome.acquired(self.held.key, self.held.server, self._wait_seconds)
             record_acquisition(self.held, self.application_name, self.log, self.policy.slots)  # written at release
@@ -354,15 +358,27 @@ class LockGuard:
 
     # --------------------------------------------------------------------- loss
 
+    def _forked(self) -> None:
+        """In a child forked inside the block: the lock is the parent's. Its end here touches
+        neither the lock nor the parent's session, and is reported as not held."""
+        self._stop = threading.Event()  # the parent's may have been mid-use by its heartbeat
+        self.interruption.forked(forks.forked_reason(self._holder_pid))
+
     def _lose(self, reason: str, ask_server: bool) -> None:
         """From the heartbeat: record the loss and interrupt the work at once; then refine the
         reason if the server can tell more; keep the interruption pending until taken."""
         self.interruption.lost(reason)
         if ask_server:
             assert self.held is not None
-            self.interruption.refine(
-                loss.refine_with_server_start(reason, self.database.server_started_at(), self.held.server.started_at)
-            )
+            held = self.held
+            try:
+                self.interruption.refine(
+                    loss.refine_with_server_start(
+                        reason, self.database.server_start(), held.acquired_clock, held.server.server
+                    )
+                )
+            except Exception as error:  # the reason stays as it was; the interruption must still be kept pending
+                self.log.warning("pglock could not ask the server why the lock was lost: %r", error)
         held_key = self.held.key if self.held is not None else self.key  # a pool's slot: the slot
         self.log.error("pglock LOST %s: %s", held_key.describe(), self.lost)
         self.interruption.keep_pending(self._stop)
@@ -371,9 +387,16 @@ class LockGuard:
         """Stop everything and close the lock connection (ends the session, and a transaction
         lock's transaction, so the lock goes with it). Safe to call more than once."""
         self._stop.set()
-        self.interruption.disarm()
-        if self.held is not None:
-            self.held.close()
+        try:
+            try:
+                if self._heartbeat is not None:
+                    self._heartbeat.stop()  # joined first: a heartbeat still running would take the close for a loss
+            finally:
+                self.interruption.disarm()
+        finally:  # whatever interrupts the steps before (a signal handler's exception), the lock goes
+            if self.held is not None:
+                self.held.close()
+            forks.forget(self)
 
     # ----------------------------------------------------------------- release
 

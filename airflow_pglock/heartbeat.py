@@ -16,6 +16,7 @@ probes stay for what only they can see: a silent network, a lock gone on a live 
 
 from __future__ import annotations
 
+import _thread
 import os
 import select
 import threading
@@ -25,7 +26,7 @@ from typing import Any, Protocol
 
 import psycopg
 
-from airflow_pglock import loss
+from airflow_pglock import forks, loss
 from airflow_pglock.exceptions import PgLockError
 from airflow_pglock.keys import LockKey
 from airflow_pglock.pg.database import LockDatabase
@@ -84,35 +85,94 @@ class Heartbeat:
         self.first_alarm = first_alarm
         self.stop_event = stop
         self.server_notice: tuple[str, str] | None = None  # (sqlstate, message) of a 57P.. notice
-        self._thread: threading.Thread | None = None
         self._wake_read, self._wake_write = os.pipe()  # stop() wakes the socket watch at once
         self._wake_lock = threading.Lock()
+        # The thread's life: "new" -> "starting" -> "running" -> "ended", or "starting" ->
+        # "cancelled" when stopped before it ran a line of its loop (it then touches nothing);
+        # "forked" in a child process forked meanwhile (see airflow_pglock.forks).
+        self._state = "new"
+        self._state_lock = threading.Lock()
+        self._ended = threading.Lock()  # held from the start until the thread is done with the session
+        self._ident: int | None = None
+        self._reported = False  # on_loss was called (once at most)
 
     def start(self) -> None:
         # A server that ends every session (crash, immediate shutdown) says why in a notice
         # just before it hangs up; the error the client then sees does not.
         self.held.connection.add_notice_handler(self._on_notice)
-        self._thread = threading.Thread(
-            target=self._loop, name=f"pglock-heartbeat-{self.held.server.backend_pid}", daemon=True
-        )
-        self._thread.start()
+        forks.after_fork_in_child(self, Heartbeat._forked)
+        self._ended.acquire()
+        self._state = "starting"
+        # A low-level thread: threading.Thread.start() waits until the new thread runs, which on
+        # a busy machine costs a guarded execution more than its work (docs/benchmarks.md).
+        # stop() joins it through ``_ended``; if it has not begun, stop() cancels it instead.
+        try:
+            _thread.start_new_thread(self._run, ())
+        except BaseException:  # no thread, or one not to run: an interrupt can land after it was made
+            with self._state_lock:
+                cancelled = self._state == "starting"
+                if cancelled:
+                    self._state = "cancelled"  # a thread that exists returns at once and frees ``_ended``
+            if cancelled:
+                self._close_wake()
+            raise
 
     def stop(self) -> None:
+        if self._state == "forked":
+            return  # no thread here; the stop event's lock may have been held when the process forked
         self.stop_event.set()
         with self._wake_lock:
             if self._wake_write >= 0:
                 os.write(self._wake_write, b"x")
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
+        with self._state_lock:
+            state = self._state
+            if state == "starting":
+                self._state = "cancelled"  # it will return at once: the wake pipe is ours to close
+        if state in ("new", "starting"):
+            self._close_wake()
+        elif (
+            state == "running"
+            and self._ident != _thread.get_ident()
             # Every step of the heartbeat is bounded: a probe by the loss deadline, a server
             # check by its 2 s connect timeout.
-            thread.join(timeout=self.database.liveness.loss_deadline + 5)
-        if thread is None:
-            self._close_wake()
+            and self._ended.acquire(timeout=self.database.liveness.loss_deadline + 5)
+        ):
+            self._ended.release()
+        forks.forget(self)
+
+    def _forked(self) -> None:
+        """In a child forked while this heartbeat lived: its thread is not in this process, and any
+        of its locks may have been held at the fork."""
+        self._state_lock, self._ended, self._wake_lock = threading.Lock(), threading.Lock(), threading.Lock()
+        self._state = "forked"
+        # Left open (close-on-exec): the parent's thread may have been closing them at the fork,
+        # and closing a number again could close what has reused it.
+        self._wake_read = self._wake_write = -1
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._state == "running" and self._ended.locked()
+
+    def _run(self) -> None:
+        try:
+            with self._state_lock:
+                if self._state != "starting":
+                    return  # stopped before it began
+                self._state = "running"
+                self._ident = _thread.get_ident()
+            try:
+                self._loop()
+            except BaseException as error:  # a heartbeat that dies unheard would leave the work unwatched
+                if not self._reported and not self.stop_event.is_set():
+                    self._report(f"the heartbeat failed ({type(error).__name__}: {error})", False)
+            finally:
+                self._state = "ended"
+        finally:
+            self._ended.release()
+
+    def _report(self, reason: str, ask_server: bool) -> None:
+        self._reported = True
+        self.on_loss(reason, ask_server)
 
     def _on_notice(self, diagnostic: psycopg.errors.Diagnostic) -> None:
         # A FATAL read by the socket watch (the server ending an idle session: terminated, the
@@ -217,7 +277,7 @@ class Heartbeat:
                 if self._watch(max(0.0, confirmed + interval - time.monotonic())):
                     return
             except psycopg.Error as error:  # the server ended the session and said so on the socket
-                self.on_loss(*self.describe_error(error))
+                self._report(*self.describe_error(error))
                 return
             started = time.monotonic()
             budget = max(confirmed + liveness.loss_deadline - started, grace)
@@ -230,10 +290,10 @@ class Heartbeat:
                 if not held.connection.closed and loss.is_ordinary_error(getattr(error, "sqlstate", None)):
                     confirmed = started  # the session answered (e.g. the work's transaction is aborted): alive
                     continue
-                self.on_loss(*self.describe_error(error))
+                self._report(*self.describe_error(error))
                 return
             except Exception as error:  # never let the heartbeat die silently: a silent heartbeat loses the lock
-                self.on_loss(f"the heartbeat failed ({type(error).__name__}: {error})", False)
+                self._report(f"the heartbeat failed ({type(error).__name__}: {error})", False)
                 return
             if result == "busy":
                 # The work is using the connection (a statement, COPY, a stream, a pipeline), and has
@@ -242,11 +302,11 @@ class Heartbeat:
                 seen = self._seen_from_aside()
                 if seen is None:  # the server cannot be reached either: silent, as a probe without answer
                     if time.monotonic() - confirmed >= liveness.loss_deadline:
-                        self.on_loss(no_answer(), False)
+                        self._report(no_answer(), False)
                         return
                     continue
                 if not seen:
-                    self.on_loss(
+                    self._report(
                         loss.NOT_HELD_SEEN_ASIDE if held.key is not None else loss.SESSION_GONE_SEEN_ASIDE, True
                     )
                     return
@@ -254,8 +314,8 @@ class Heartbeat:
             if result == "held":
                 confirmed = started
             elif result == "not held":
-                self.on_loss(loss.not_held_reason(held.scope), False)
+                self._report(loss.not_held_reason(held.scope), False)
                 return
             else:
-                self.on_loss(no_answer(), False)
+                self._report(no_answer(), False)
                 return

@@ -82,6 +82,15 @@ class Interruption:
                     return
                 signal.pthread_kill(self._thread.ident or 0, LOST_SIGNAL)
 
+    def forked(self, reason: str) -> None:
+        """In a child process forked during the work: the lock is the parent's, so ``reason`` is
+        why it is not held here; nothing is interrupted (the lock guarding these fields may
+        have been held at the fork)."""
+        self.lock = threading.Lock()
+        self._armed = False
+        self.reason = reason
+        _disarm_main_thread(self)
+
     def take(self) -> str | None:
         """Called by the signal handler in the guarded (main) thread: the reason to raise, once."""
         if not self._armed or self.reason is None or self._delivered:

@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import datetime as dt
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -24,7 +25,7 @@ from typing import Any
 
 import psycopg
 
-from airflow_pglock import loss
+from airflow_pglock import forks, loss
 from airflow_pglock.exceptions import LockConfigurationError, LockLostError, PgLockError
 from airflow_pglock.heartbeat import Heartbeat
 from airflow_pglock.keys import AnyKey, LockKey
@@ -98,6 +99,15 @@ class LockSet:
         # Busy to take (PostgreSQL would count them twice); released at the next chance.
         self._unsettled: dict[tuple[int, ...], tuple[LockKey, bool]] = {}
         self._ended: str | None = None
+        self._holder_pid = os.getpid()
+        forks.after_fork_in_child(self, LockSet._forked)
+
+    def _forked(self) -> None:
+        """In a child forked while the set lived: its keys are the parent's. Every operation in
+        the child raises LockLostError saying so, and touches none of them (its copy of the
+        connection no longer reaches the server)."""
+        self._mutex = threading.RLock()  # may have been held by a thread of the parent
+        self._ended = forks.forked_reason(self._holder_pid)
 
     @property
     def lost(self) -> str | None:
@@ -386,9 +396,11 @@ class LockSession(LockSet):
         super().__init__(connection, lambda: None)
         self.server = server
         self._database = database
+        self._opened = time.monotonic()
+        self._opened_clock = loss.held_clock()
         self._heartbeat = Heartbeat(
             database,
-            _SessionKeptAlive(connection, server, time.monotonic()),
+            _SessionKeptAlive(connection, server, self._opened),
             self._found_lost,
             self._losing,
             threading.Event(),
@@ -410,6 +422,7 @@ class LockSession(LockSet):
                 self._held.clear()
                 self._unsettled.clear()
                 self.connection.close()
+            forks.forget(self)
 
     def _release_at_end(self) -> None:
         subs = list(self._held.values())
@@ -450,8 +463,8 @@ class LockSession(LockSet):
         if self._ended is None:
             self._ended = reason
             if ask_server:
-                refined = loss.refine_with_server_start(
-                    reason, self._database.server_started_at(), self.server.started_at
+                server_start = self._database.server_start()
+                self._ended = loss.refine_with_server_start(
+                    reason, server_start, self._opened_clock, self.server.server
                 )
-                self._ended = refined
         log.error("pglock lock session (pid %s) LOST: %s", self.server.backend_pid, self._ended)

@@ -1,12 +1,16 @@
 """Why a lock was lost, in words a DAG author can act on. Pure: no I/O, no threads.
 
 The guard and its heartbeat decide *that* a lock is lost; these functions say *why*, from
-what they saw (an error's SQLSTATE, a probe that went unanswered, the server's start time).
+what they saw (an error's SQLSTATE, a probe that went unanswered, the server's start).
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import time
+from dataclasses import dataclass
+
+from airflow_pglock import forks
 
 # Errors with which the server ends a session (its locks end with it).
 SESSION_ENDED_STATES = frozenset({"57P01", "57P02", "57P03", "57P05", "25P03"})
@@ -112,23 +116,77 @@ def no_answer_reason(silent: float, server: str, lease: float) -> str:
     )
 
 
-def refine_with_server_start(reason: str, started_now: dt.datetime | None, started_before: dt.datetime | None) -> str:
-    """A vague reason made precise with the server's start time now (None: unreachable).
+#: Seconds by which the server's start must precede the lock's answer to say it did not restart:
+#: the lock statement ran on the server at most this long before its answer was read (its answer's
+#: latency). Only the "terminated, no restart" wording rests on it; "restarted" needs no margin.
+RESTART_MARGIN = 0.02
 
-    :param started_before: the server's start time when the lock was taken.
+_BOOT_CLOCK = getattr(time, "CLOCK_BOOTTIME", None)
+
+
+def held_clock() -> float:
+    """Seconds on this machine's clock for how long a lock was held: ``CLOCK_BOOTTIME``, which
+    also counts a suspend of the machine (``time.monotonic()`` does not), where there is one."""
+    return time.clock_gettime(_BOOT_CLOCK) if _BOOT_CLOCK is not None else time.monotonic()
+
+
+@dataclass(frozen=True)
+class ServerStart:
+    """The server's start, asked after a loss: ``pg_postmaster_start_time()`` and how long ago
+    that was on the server's clock (``uptime``), asked at :func:`held_clock` = ``asked_at`` and
+    answered at ``seen_at`` (the server read its clock in between), by the server at ``server``
+    (``host:port`` as the connection reached it), which also answers to every name in
+    ``addresses`` (``server`` and ``inet_server_addr():inet_server_port()``) and is a standby
+    when ``in_recovery``.
+
+    Comparing the uptime with how long the lock had been held needs no start time from when
+    the lock was taken (the lock statement does not ask it) and no agreement between clocks.
+    On this machine's clock the server started between ``asked_at - uptime`` and
+    ``seen_at - uptime``, however late the answer was read.
     """
-    if started_now is None:
+
+    started_at: dt.datetime
+    uptime: float
+    asked_at: float
+    seen_at: float
+    server: str
+    addresses: frozenset[str]
+    in_recovery: bool
+
+
+def refine_with_server_start(reason: str, server: ServerStart | None, acquired: float, lock_server: str) -> str:
+    """A vague reason made precise with the server's start (None: the server is unreachable).
+
+    :param acquired: :func:`held_clock` when the lock was taken (its statement answered).
+    :param lock_server: ``host:port`` the lock's connection reached; a connection string with
+        several hosts may now lead to another server, whose uptime says nothing about the lock's.
+    """
+    if server is None:
         return (
             "the PostgreSQL server shut down, crashed or is restarting: it does not accept connections now "
             f"(the lock session ended with: {reason})"
         )
-    if started_before is not None and started_now > started_before:
-        when = started_now.isoformat(timespec="seconds")
-        return f"the PostgreSQL server restarted at {when} (the lock session ended with it)"
-    if reason.startswith("the session was terminated"):
+    if lock_server not in server.addresses:
+        if server.in_recovery:
+            return (
+                f"the lock's server ({lock_server}) shut down, crashed, is restarting or is no longer a primary: "
+                f"the connection string now leads to {server.server}, a standby (the lock session ended with: "
+                f"{reason})"
+            )
         return (
-            "the session was terminated by pg_terminate_backend() (an administrator or a tool ended it; "
-            "the server did not restart)"
+            f"the connection now leads to another address ({server.server}, a primary) than the lock's "
+            f"({lock_server}): a failover or switchover if it is another server, and advisory locks are not "
+            f"replicated (the lock session ended with: {reason})"
+        )
+    if server.asked_at - server.uptime > acquired:  # it started after the lock's answer, at the earliest
+        when = server.started_at.isoformat(timespec="seconds")
+        return f"the PostgreSQL server restarted at {when} (the lock session ended with it)"
+    started_before = server.seen_at - server.uptime < acquired - RESTART_MARGIN  # at the latest
+    if reason.startswith("the session was terminated") and started_before:
+        return (
+            "the session was terminated by pg_terminate_backend() (an administrator or a tool ended it; the "
+            f"server at {lock_server} has run since before the lock was taken, unless another server took over "
+            "its address, e.g. a failover behind a virtual IP or a pooler)"
         )
     return reason
 
@@ -152,6 +210,8 @@ def found_at_commit(reason: str) -> str:
 
 def lost_message(key: str, reason: str, *, transaction: bool) -> str:
     """The message of the LockLostError that fails the run."""
+    if forks.is_forked_reason(reason):  # held all along, by the parent: no other worker can have it
+        return f"{key} is not held in this process: {reason}"
     rolled_back = " (transaction mode: nothing written on the lock's connection was committed)"
     return (
         f"lost {key} while the task ran: {reason}. Another worker may now run the same "

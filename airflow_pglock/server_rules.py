@@ -30,7 +30,7 @@ class ServerInfo:
     A lock connection reads most of it from the handshake (:func:`from_handshake`: the
     ``server_version`` parameter, the database and address it connected to, the pid of the
     key data) and the rest from its first statement, the lock statement itself
-    (``pg_backend_pid()``, ``pg_is_in_recovery()``, ``pg_postmaster_start_time()``; see
+    (``pg_backend_pid()``, ``pg_is_in_recovery()``; see
     ``pg.take.first_try``). ``doctor`` reads all of it with ``pg.server.inspect_server``.
 
     :param backend_pid: ``pg_backend_pid()`` of the lock session.
@@ -43,7 +43,8 @@ class ServerInfo:
         connection reached); None over a local socket.
     :param server_port: its port; None over a local socket.
     :param in_recovery: ``pg_is_in_recovery()``: True on a standby (refused for locks).
-    :param started_at: ``pg_postmaster_start_time()``; None until the session was asked.
+    :param started_at: ``pg_postmaster_start_time()`` as ``doctor``'s inspection reads it; None for a
+        lock session (its statement does not ask it: a loss is classified by the server's uptime).
     """
 
     backend_pid: int
@@ -63,9 +64,12 @@ class ServerInfo:
 
     @property
     def server(self) -> str:
-        if self.server_addr is None:
-            return "local socket"
-        return f"{self.server_addr}:{self.server_port}"
+        return server_label(self.server_addr, self.server_port)
+
+
+def server_label(addr: str | None, port: int | None) -> str:
+    """``addr:port``, or "local socket" (no address)."""
+    return "local socket" if addr is None else f"{addr}:{port}"
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,15 @@ more than on loopback: a network of that round-trip time.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import socket
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from types import TracebackType
 
 from devtools.pgcluster import free_port
@@ -116,3 +121,48 @@ class Relay:
         for flow in self._flows:
             for end in (flow.client, flow.upstream):
                 end.close()
+
+
+@contextlib.contextmanager
+def relay_process(upstream_port: int, upstream_host: str = "127.0.0.1", *, delay: float = 0.0) -> Iterator[int]:
+    """A :class:`Relay` in a process of its own; yields its port.
+
+    Its pumps then run outside the measured client's process: a client busy in Python holds
+    the relay's threads up (they share its interpreter lock), which a real network does not.
+    """
+    process = subprocess.Popen(
+        [sys.executable, "-m", "devtools.relay", str(upstream_port), "--host", upstream_host, "--delay", str(delay)],
+        cwd=Path(__file__).resolve().parents[1],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        if not line.startswith("port "):
+            raise RuntimeError(f"the relay process did not start: {line!r}")
+        yield int(line.split()[1])
+    finally:
+        if process.stdin is not None:
+            process.stdin.close()  # the relay ends when its standard input does
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Relay a local port to PostgreSQL until standard input closes.")
+    parser.add_argument("upstream_port", type=int)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--delay", type=float, default=0.0, help="seconds each chunk waits, in each direction")
+    args = parser.parse_args()
+    with Relay(args.upstream_port, args.host, delay=args.delay) as relay:
+        print(f"port {relay.port}", flush=True)
+        sys.stdin.read()
+
+
+if __name__ == "__main__":
+    main()

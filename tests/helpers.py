@@ -15,7 +15,10 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from devtools.relay import Relay
 
 TEST_CONN_ID = "pglock_test"
 
@@ -243,3 +246,16 @@ def run_dag(source: str, dag_id: str, conf: dict[str, Any] | None = None) -> Dag
 
 def pglock_env() -> dict[str, str]:
     return dict(os.environ)
+
+
+@contextlib.contextmanager
+def relayed(dsn: str, delay: float = 0.0) -> Iterator[tuple[Relay, str]]:
+    """A :class:`devtools.relay.Relay` in front of ``dsn``'s server, and the DSN that goes through it."""
+    import psycopg
+
+    from devtools.relay import Relay
+
+    params = psycopg.conninfo.conninfo_to_dict(dsn)
+    with Relay(int(params.get("port") or 5432), str(params.get("host") or "127.0.0.1"), delay=delay) as relay:
+        params.update(host="127.0.0.1", port=relay.port)
+        yield relay, psycopg.conninfo.make_conninfo(**params)

@@ -13,13 +13,15 @@ database is (``resolve``; the hook reads an Airflow connection there).
 
 from __future__ import annotations
 
-import datetime as dt
+import functools
+import os
+import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import psycopg
 
-from airflow_pglock import server_rules
+from airflow_pglock import forks, loss, server_rules
 from airflow_pglock.exceptions import LockConfigurationError, LockConnectionError, PgLockError
 from airflow_pglock.holder import LockHolder
 from airflow_pglock.identity import hook_application_name
@@ -127,11 +129,10 @@ class LockDatabase:
             self.connect_timeout,
             server_settings=server_settings,
         )
-        where = connection_settings.describe_params(kwargs, settings.source)
         try:
-            return psycopg.Connection.connect(autocommit=True, **kwargs)
+            return _left_to_the_parent_in_a_fork(psycopg.Connection.connect(autocommit=True, **kwargs))
         except psycopg.Error as error:
-            self._raise_connect_error(error, where)
+            self._raise_connect_error(error, connection_settings.describe_params(kwargs, settings.source))
 
     async def aconnect(
         self, settings: ConnectionSettings, application_name: str | None = None
@@ -145,11 +146,10 @@ class LockDatabase:
         kwargs = settings.session_params(
             application_name or self.default_application_name(), self.liveness, self.connect_timeout
         )
-        where = connection_settings.describe_params(kwargs, settings.source)
         try:
-            return await psycopg.AsyncConnection.connect(autocommit=True, **kwargs)
+            return _left_to_the_parent_in_a_fork(await psycopg.AsyncConnection.connect(autocommit=True, **kwargs))
         except psycopg.Error as error:
-            self._raise_connect_error(error, where)
+            self._raise_connect_error(error, connection_settings.describe_params(kwargs, settings.source))
 
     def side_connection(
         self, application_name: str = INSPECT_APPLICATION_NAME, connect_timeout: int = 2
@@ -165,16 +165,35 @@ class LockDatabase:
             **settings.session_params(application_name, self.liveness, self.connect_timeout),
             "connect_timeout": connect_timeout,
         }
-        return psycopg.Connection.connect(autocommit=True, **kwargs)
+        return _left_to_the_parent_in_a_fork(psycopg.Connection.connect(autocommit=True, **kwargs))
 
-    def server_started_at(self) -> dt.datetime | None:
-        """``pg_postmaster_start_time()`` on a :meth:`side_connection`; None if unreachable."""
+    def server_start(self) -> loss.ServerStart | None:
+        """The server's start (its time, and the uptime on its own clock) and its address, asked
+        on a :meth:`side_connection`; None if unreachable."""
         try:
             with self.side_connection() as conn:
-                row = conn.execute("SELECT pg_postmaster_start_time()").fetchone()
-                return row[0] if row else None
+                asked_at = loss.held_clock()
+                row = conn.execute(
+                    "SELECT pg_postmaster_start_time(),"
+                    " extract(epoch FROM clock_timestamp() - pg_postmaster_start_time()),"
+                    " host(inet_server_addr()), inet_server_port(), pg_is_in_recovery()"
+                ).fetchone()
+                seen_at = loss.held_clock()
+                reached = server_from_handshake(conn).server
         except (psycopg.Error, PgLockError):
             return None
+        if row is None:
+            return None
+        addresses = frozenset({reached, server_rules.server_label(row[2], row[3])})
+        return loss.ServerStart(
+            started_at=row[0],
+            uptime=float(row[1]),
+            asked_at=asked_at,
+            seen_at=seen_at,
+            server=reached,
+            addresses=addresses,
+            in_recovery=bool(row[4]),
+        )
 
     # ----------------------------------------------------------------- the server
 
@@ -285,3 +304,33 @@ class LockDatabase:
         """The live lock scope row of ``key`` (a scope, or a deferred task's hold), read without the key."""
         with self.connect(INSPECT_APPLICATION_NAME) as conn:
             return scopes.live_scope(conn, key)
+
+
+AnyConnection = TypeVar("AnyConnection", psycopg.Connection[Any], psycopg.AsyncConnection[Any])
+
+
+@functools.cache
+def _devnull() -> int:
+    """/dev/null, opened once in the parent (close-on-exec): a child forked at its descriptor
+    limit could not open it then."""
+    return os.open(os.devnull, os.O_RDWR)
+
+
+def _left_to_the_parent_in_a_fork(conn: AnyConnection) -> AnyConnection:
+    _devnull()
+    forks.after_fork_in_child(conn, _leave_to_the_parent)
+    return conn
+
+
+def _leave_to_the_parent(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
+    """In a forked child: /dev/null in place of the connection's socket, then the connection
+    closed, so nothing of the child's reaches the parent's session: the close's Terminate
+    message goes to /dev/null, and a closed connection sends no cancel request (which would
+    travel on a new socket, with the parent backend's cancel key). A fresh lock in place of
+    psycopg's, which a thread of the parent (the heartbeat, in a probe) may have held."""
+    if conn.closed:
+        return  # its descriptor number may belong to something else by now
+    os.dup2(_devnull(), conn.pgconn.socket, inheritable=False)  # stays close-on-exec, as libpq's socket was
+    if isinstance(conn, psycopg.Connection):
+        conn.lock = threading.Lock()
+    conn.pgconn.finish()

@@ -17,8 +17,9 @@ from typing import Any
 import psycopg
 
 from airflow_pglock.keys import LockKey
+from airflow_pglock.loss import held_clock
 from airflow_pglock.pg.probe import ProbeResult, probe
-from airflow_pglock.pg.release import WriteAtRelease, commit_if_held, unlock
+from airflow_pglock.pg.release import WriteAtRelease, commit_if_held, roll_back_within, unlock
 from airflow_pglock.pg.statements import commit, held_seen_from_aside, is_held
 from airflow_pglock.server_rules import Scope, ServerInfo
 
@@ -37,6 +38,8 @@ class HeldLock:
     :param server: what the connection found at the other end.
     :param acquired_at: when the lock was taken (UTC).
     :param acquired_monotonic: ``time.monotonic()`` at acquisition, for durations.
+    :param acquired_clock: :func:`~airflow_pglock.loss.held_clock` at acquisition: after a loss,
+        against the server's uptime (a clock that also counts a suspend of this machine).
     :param released: True once :meth:`release` ran.
     :param xact_id: transaction scope: the id (``txid_current()``) of the transaction that
         holds the lock; every later check verifies the session is still in it.
@@ -55,6 +58,7 @@ class HeldLock:
     server: ServerInfo
     acquired_at: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.timezone.utc))
     acquired_monotonic: float = field(default_factory=time.monotonic)
+    acquired_clock: float = field(default_factory=held_clock)
     released: bool = False
     xact_id: int | None = None
     registry: str | None = None
@@ -88,7 +92,8 @@ class HeldLock:
 
         Returns whether the lock was really held until now (False when it had been lost,
         e.g. the session was terminated, or when it was released already). A transaction
-        lock is released by the end of its transaction: here that is a rollback.
+        lock is released by the end of its transaction: here that is a rollback, done before
+        this returns.
         """
         if self.released:
             return False
@@ -105,6 +110,7 @@ class HeldLock:
                 )
             elif self.scope == "transaction" and not self.connection.closed:
                 was_held = is_held(self.connection, self.key, self.shared, self.xact_id)
+                self.roll_back()
         except psycopg.Error:
             was_held = False  # the connection broke: the server has dropped the lock with it
         finally:
@@ -175,6 +181,13 @@ class HeldLock:
     def _take_at_release(self) -> WriteAtRelease | None:
         at_release, self.at_release = self.at_release, None  # sent once, with the first release statement
         return at_release
+
+    def roll_back(self) -> bool:
+        """Transaction scope: end the lock's transaction on the server now, so the key is free when
+        this returns (a close frees it only once the server has read it and the backend has
+        exited). Waits at most :data:`~airflow_pglock.pg.release.ROLLBACK_WAIT_SECONDS` for the
+        answer; False when there was none (the connection is closed after that anyway)."""
+        return roll_back_within(self.connection)
 
     def close(self) -> None:
         """Close the connection: the session ends, an open transaction rolls back, the lock goes

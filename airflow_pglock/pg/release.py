@@ -235,3 +235,31 @@ def _results_of(conn: psycopg.Connection[Any], query: str) -> list[psycopg.pq.ab
 
 # A release waits for its answer as a plain statement does: bounded by the server and TCP settings.
 _NO_CLIENT_DEADLINE = 24 * 3600.0
+
+
+#: The most a transaction lock's rollback waits for its answer before the connection is just
+#: closed (the key then goes when the server hears of the close): a stalled network or proxy
+#: must not hold up the end of a failed work.
+ROLLBACK_WAIT_SECONDS = 2.0
+
+
+def roll_back_within(conn: psycopg.Connection[Any], timeout: float = ROLLBACK_WAIT_SECONDS) -> bool:
+    """ROLLBACK the open transaction, waiting at most ``timeout`` s for the server's answer.
+
+    True when the server answered: the transaction, and a transaction lock with it, has ended.
+    False when it could not be sent (the connection is closed, or busy with a statement the work
+    left running) or no answer came in time; the caller closes the connection then.
+    """
+    deadline = time.monotonic() + timeout
+    if not conn.lock.acquire(timeout=timeout):
+        return False
+    try:
+        if conn.closed or conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.ACTIVE:
+            return False
+        conn.pgconn.send_query(b"ROLLBACK")
+        results = results_before(conn.pgconn, deadline)
+    except psycopg.Error:
+        return False
+    finally:
+        conn.lock.release()
+    return results is not None and all(result.status == psycopg.pq.ExecStatus.COMMAND_OK for result in results)

@@ -107,12 +107,18 @@ def call_text(function: str, pair: bool) -> str:
     return _CALL_TEXTS[(function, pair)]
 
 
-def named_call(function: str, key: LockKey) -> tuple[sql.Composed, dict[str, Any]]:
-    """``function(<key>)`` with named parameters ``k1`` (and ``k2`` for a pair)."""
+def named_call_text(function: str, pair: bool) -> sql.Composed:
+    """``function(<key>)`` with named parameters ``k1`` (and ``k2`` for a pair): :func:`key_params`."""
+    if pair:
+        return sql.SQL("{}(%(k1)s::integer, %(k2)s::integer)").format(sql.Identifier(function))
+    return sql.SQL("{}(%(k1)s::bigint)").format(sql.Identifier(function))
+
+
+def key_params(key: LockKey) -> dict[str, Any]:
+    """:func:`named_call_text`'s parameters: the key's numbers."""
     if key.is_pair:
-        composed = sql.SQL("{}(%(k1)s::integer, %(k2)s::integer)").format(sql.Identifier(function))
-        return composed, {"k1": key.numbers[0], "k2": key.numbers[-1]}
-    return sql.SQL("{}(%(k1)s::bigint)").format(sql.Identifier(function)), {"k1": key.int64}
+        return {"k1": key.numbers[0], "k2": key.numbers[-1]}
+    return {"k1": key.int64}
 
 
 def liveness_statement(liveness: Liveness, *, local: bool, server_version_num: int) -> sql.Composed:

@@ -32,7 +32,7 @@ from airflow_pglock.pg.pools import (
     pool_params,
 )
 from airflow_pglock.pg.release import unlock
-from airflow_pglock.pg.sql import liveness_statement, lock_function, named_call
+from airflow_pglock.pg.sql import key_params, liveness_statement, lock_function, named_call_text
 from airflow_pglock.pg.statements import first_free, wait_lock, wait_slot
 from airflow_pglock.server_rules import Scope, ServerInfo
 
@@ -40,10 +40,12 @@ from airflow_pglock.server_rules import Scope, ServerInfo
 # primary, and (for a session lock, unless a session pooler is declared) on the very session
 # that answered the handshake, whose pid came in its key data. It answers what the rules of
 # server_rules.py need besides the handshake, so no statement of its own inspects the server.
+# The server's start time is not asked: a loss is told from a restart by the server's uptime
+# (loss.refine_with_server_start).
 _WHERE_A_LOCK_EXCLUDES = "NOT pg_is_in_recovery() AND (pg_backend_pid() = %(reported_pid)s OR %(pooled)s)"
 _FIRST_TRY = (
-    "SELECT CASE WHEN " + _WHERE_A_LOCK_EXCLUDES + " THEN {attempt} END, pg_backend_pid(), pg_is_in_recovery(),"
-    " pg_postmaster_start_time(){registry}{conflict}{xact}{source}"
+    "SELECT CASE WHEN " + _WHERE_A_LOCK_EXCLUDES + " THEN {attempt} END, pg_backend_pid(), pg_is_in_recovery()"
+    "{registry}{conflict}{xact}{source}"
 )
 
 # A transaction lock's session opens its transaction (READ COMMITTED whatever the database's
@@ -76,6 +78,49 @@ class FirstTry:
     conflict: tuple[str, int, int] | None = None
 
 
+@dataclass(frozen=True)
+class _Shape:
+    """What the text of a first statement depends on (its values are parameters)."""
+
+    function: str
+    pair: bool
+    checks_pool: bool
+    slots: bool
+    scope: Scope
+    asks_registry: bool
+    opens_transaction: bool
+
+
+# Each shape's text, rendered once per process: psycopg caches the conversion of a text query,
+# and would render a composed one anew for every lock (docs/benchmarks.md, section 1).
+_FIRST_TRY_TEXTS: dict[_Shape, str] = {}
+
+
+def _first_try_statement(shape: _Shape) -> sql.Composed:
+    conflict: sql.Composable = sql.SQL("")
+    source: sql.Composable = sql.SQL("")
+    if shape.slots:
+        # The check runs in a subquery of the FROM, so before the target list that tries a slot.
+        slot_try = first_free(shape.function)
+        attempt: sql.Composable = sql.SQL("CASE WHEN pool.conflict IS NULL THEN ({}) END").format(slot_try)
+        marker_try = sql.Identifier(lock_function("try", shared=True, scope=shape.scope))
+        check = sql.SQL(POOL_CHECK).format(shared_try=marker_try, max_slots=sql.Literal(MAX_SLOTS))
+        conflict = sql.SQL(", pool.conflict")
+        source = sql.SQL(" FROM (SELECT CASE WHEN {} THEN {} END AS conflict OFFSET 0) AS pool").format(
+            sql.SQL(_WHERE_A_LOCK_EXCLUDES), check
+        )
+    else:
+        attempt = named_call_text(shape.function, shape.pair)
+        if shape.checks_pool:
+            attempt = sql.SQL(PLAIN_CHECK).format(attempt=attempt)
+    registry = sql.SQL(", ") + REGISTRY_STATE if shape.asks_registry else sql.SQL("")
+    # A standby cannot assign a transaction id; the rules refuse it from the row's answers.
+    xact = sql.SQL("")
+    if shape.opens_transaction:
+        xact = sql.SQL(", CASE WHEN NOT pg_is_in_recovery() THEN txid_current() END")
+    return sql.SQL(_FIRST_TRY).format(attempt=attempt, registry=registry, conflict=conflict, xact=xact, source=source)
+
+
 def first_try(
     conn: psycopg.Connection[Any],
     handshake: ServerInfo,
@@ -98,37 +143,27 @@ def first_try(
         "reported_pid": handshake.reported_pid,
         "pooled": server_rules.safe_behind_pooler(scope, pool_mode),
     }
-    conflict: sql.Composable = sql.SQL("")
-    source: sql.Composable = sql.SQL("")
     checks_pool = is_named_key(pool[0])
     if checks_pool:
         params.update(pool_params(pool[0], len(pool)))
     if len(pool) > 1:
-        # The check runs in a subquery of the FROM, so before the target list that tries a slot.
-        slot_try = first_free(lock_function("try", scope=scope))
-        attempt: sql.Composable = sql.SQL("CASE WHEN pool.conflict IS NULL THEN ({}) END").format(slot_try)
         tried = list(range(len(pool))) if candidates is None else list(candidates)
         params["slots"] = [pool[index].int64 for index in tried]
-        marker_try = sql.Identifier(lock_function("try", shared=True, scope=scope))
-        check = sql.SQL(POOL_CHECK).format(shared_try=marker_try, max_slots=sql.Literal(MAX_SLOTS))
-        conflict = sql.SQL(", pool.conflict")
-        source = sql.SQL(" FROM (SELECT CASE WHEN {} THEN {} END AS conflict OFFSET 0) AS pool").format(
-            sql.SQL(_WHERE_A_LOCK_EXCLUDES), check
-        )
     else:
-        attempt, key_params = named_call(lock_function("try", shared=shared, scope=scope), pool[0])
-        params.update(key_params)
-        if checks_pool:
-            attempt = sql.SQL(PLAIN_CHECK).format(attempt=attempt)
+        params.update(key_params(pool[0]))
     asks_registry = pool[0].name is not None
-    registry = sql.SQL(", ") + REGISTRY_STATE if asks_registry else sql.SQL("")
-    # A standby cannot assign a transaction id; the rules refuse it from the row's answers.
-    xact = sql.SQL("")
-    if opening is not None:
-        xact = sql.SQL(", CASE WHEN NOT pg_is_in_recovery() THEN txid_current() END")
-    statement = sql.SQL(_FIRST_TRY).format(
-        attempt=attempt, registry=registry, conflict=conflict, xact=xact, source=source
+    shape = _Shape(
+        function=lock_function("try", shared=shared and len(pool) == 1, scope=scope),
+        pair=pool[0].is_pair,
+        checks_pool=checks_pool,
+        slots=len(pool) > 1,
+        scope=scope,
+        asks_registry=asks_registry,
+        opens_transaction=opening is not None,
     )
+    statement = _FIRST_TRY_TEXTS.get(shape)
+    if statement is None:
+        statement = _FIRST_TRY_TEXTS[shape] = _first_try_statement(shape).as_string(conn)
     if opening is None:
         row = conn.execute(statement, params).fetchone()
     else:
@@ -139,12 +174,12 @@ def first_try(
             pass
         row = cursor.fetchone()
     assert row is not None
-    server = dataclasses.replace(handshake, backend_pid=row[1], in_recovery=row[2], started_at=row[3])
+    server = dataclasses.replace(handshake, backend_pid=row[1], in_recovery=row[2])
     taken, found = row[0], None
     if len(pool) > 1:
         if taken is not None:  # the position in the slots tried: the slot's number in the pool
             taken = tried[int(taken) - 1] + 1
-        refusal = row[5 if asks_registry else 4]
+        refusal = row[4 if asks_registry else 3]
         if refusal is not None:
             found = (str(refusal[0]), int(refusal[1]), int(refusal[2]))
     elif checks_pool and taken is not None:
@@ -157,7 +192,7 @@ def first_try(
     return FirstTry(
         taken=taken,
         server=server,
-        registry=row[4] if asks_registry else None,
+        registry=row[3] if asks_registry else None,
         xact_id=None if opening is None or row[-1] is None else int(row[-1]),
         conflict=found,
     )

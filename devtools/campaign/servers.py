@@ -251,10 +251,14 @@ class Register:
         return self
 
     def dsn(self, host: str = "127.0.0.1") -> str:
-        # A write waits at most a few seconds for a cut network: the work then fails (as it would).
+        # A write on a cut network fails (as it would) within about a second: a lock session does
+        # not interrupt its work (docs/howto-many-keys.md), so its worker's write in flight must
+        # end before the server frees the lease (3 s) of the session the cut left silent. At 3 s
+        # (the kernel acts on it at its next retransmission, here up to 4.5 s) a lock-session
+        # worker blocked in a write still believed it held the key 2.4 s after another took it.
         return (
             f"host={host} port={self.cluster.port} dbname=postgres user=postgres connect_timeout=2"
-            " tcp_user_timeout=3000 keepalives_idle=1 keepalives_interval=1 keepalives_count=2"
+            " tcp_user_timeout=1000 keepalives_idle=1 keepalives_interval=1 keepalives_count=2"
         )
 
     def writes(self) -> list[tuple[Any, ...]]:

@@ -16,9 +16,11 @@ from typing import Any
 import psycopg
 import pytest
 
+from airflow_pglock import loss
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 from airflow_pglock.keys import LockKey
 from airflow_pglock.liveness import Liveness
+from devtools.campaign.servers import FailoverPair
 from devtools.holder import EXIT_COMPLETED, EXIT_LOST, Holder, HolderConfig
 from tests.faults.conftest import FaultServer, lock_holder_pids, wait_until_released
 
@@ -184,6 +186,55 @@ def test_postgres_restart_or_crash_fails_the_task_and_says_so(
         assert holder.join(10) == EXIT_LOST
     fault_server.wait_until_up()
     assert contender_can_take(fault_server.dsn, key)
+
+
+def test_a_loss_is_told_from_a_restart_by_the_servers_uptime(fault_server: FaultServer, fault_admin: Any) -> None:
+    """The lock statement does not ask the server's start time: after a loss, the server's uptime
+    (its own clock) against the time the lock was held (this process's) tells a restart."""
+    database = AdvisoryLockHook(dsn=fault_server.dsn).database
+    held_since = loss.held_clock()
+    time.sleep(0.5)  # more than loss.RESTART_MARGIN
+    before = database.server_start()
+    assert before is not None and before.uptime > before.seen_at - held_since
+    lock_server = before.server
+    assert "terminated by pg_terminate_backend()" in loss.refine_with_server_start(
+        loss.TERMINATED, before, held_since, lock_server
+    )
+    fault_server.cluster.restart()
+    fault_server.wait_until_up()
+    after = database.server_start()
+    assert after is not None and after.started_at > before.started_at
+    assert after.server == lock_server
+    refined = loss.refine_with_server_start(loss.TERMINATED, after, held_since, lock_server)
+    when = after.started_at.isoformat(timespec="seconds")
+    assert refined == f"the PostgreSQL server restarted at {when} (the lock session ended with it)"
+
+
+def test_a_loss_after_a_failover_names_the_server_that_answers_now() -> None:
+    """A connection string with several hosts leads, after a failover, to another server: its
+    uptime (it ran as a standby all along) says nothing about the lock's server, which did not
+    simply have its session terminated."""
+    pair = FailoverPair().start()
+    try:
+        hook = AdvisoryLockHook(dsn=pair.dsn())
+        held = hook.acquire("faults/failover-wording")
+        assert held is not None
+        lock_server = held.server.server
+        try:
+            pair.failover(freeze=False)
+            after = hook.database.server_start()
+        finally:
+            held.connection.close()
+        assert after is not None and after.server != lock_server, (lock_server, after)
+        assert after.uptime > after.seen_at - held.acquired_clock  # up before the lock: it was the standby
+        assert not after.in_recovery
+        refined = loss.refine_with_server_start(loss.TERMINATED, after, held.acquired_clock, lock_server)
+        assert refined.startswith(
+            f"the connection now leads to another address ({after.server}, a primary) than the lock's "
+            f"({lock_server}): a failover or switchover"
+        ), refined
+    finally:
+        pair.destroy()
 
 
 def test_network_cut_server_releases_within_lease_and_holder_fails(fault_server: FaultServer, fault_admin: Any) -> None:

@@ -25,6 +25,7 @@ from airflow_pglock.pg.key_names import registered_names
 from airflow_pglock.pg.schema import migrate
 from airflow_pglock.policy import LockPolicy
 from devtools.relay import Relay
+from tests.helpers import relayed
 from tests.ops_helpers import scratch_database
 
 FLOOR = 5
@@ -32,10 +33,8 @@ FLOOR = 5
 
 @pytest.fixture
 def relay(dsn: str) -> Iterator[tuple[Relay, str]]:
-    params = psycopg.conninfo.conninfo_to_dict(dsn)
-    with Relay(int(params.get("port") or 5432), str(params.get("host") or "127.0.0.1")) as relay:
-        params.update(host="127.0.0.1", port=relay.port)
-        yield relay, psycopg.conninfo.make_conninfo(**params)
+    with relayed(dsn) as (relay, relayed_dsn):
+        yield relay, relayed_dsn
 
 
 def _count(relay: Relay, operation: object) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import time
 
 import pytest
 
@@ -51,17 +52,67 @@ def test_no_answer_reason_says_how_long_and_the_lease() -> None:
     assert "silent for the lease (3 s)" in text
 
 
-def test_reason_refined_with_the_server_start_time() -> None:
-    before = dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.timezone.utc)
-    later = before + dt.timedelta(minutes=5)
-    assert loss.refine_with_server_start(loss.TERMINATED, None, before).startswith(
-        "the PostgreSQL server shut down, crashed or is restarting"
-    )
-    assert loss.refine_with_server_start("anything", later, before) == (
+def test_reason_refined_with_the_server_start() -> None:
+    started = dt.datetime(2026, 11, 30, 12, 5, tzinfo=dt.timezone.utc)
+    acquired = 1000.0  # loss.held_clock() when the lock was taken; asked at 1060, answered at 1060 + late
+    lock_server = "10.0.0.5:5432"
+
+    def answer(
+        uptime: float, server: str = lock_server, *, standby: bool = False, late: float = 0.0
+    ) -> loss.ServerStart:
+        addresses = frozenset({server, "10.9.9.9:5432"})  # inet_server_addr() may name it otherwise
+        return loss.ServerStart(
+            started_at=started,
+            uptime=uptime,
+            asked_at=acquired + 60,
+            seen_at=acquired + 60 + late,
+            server=server,
+            addresses=addresses,
+            in_recovery=standby,
+        )
+
+    def refine(reason: str, server: loss.ServerStart | None, lock: str = lock_server) -> str:
+        return loss.refine_with_server_start(reason, server, acquired, lock)
+
+    assert refine(loss.TERMINATED, None).startswith("the PostgreSQL server shut down, crashed or is restarting")
+    # Up for 5 s of the 60 s the lock was held: it started after the lock was taken.
+    assert refine("anything", answer(5.0)) == (
         "the PostgreSQL server restarted at 2026-11-30T12:05:00+00:00 (the lock session ended with it)"
     )
-    assert "terminated by pg_terminate_backend()" in loss.refine_with_server_start(loss.TERMINATED, before, before)
-    assert loss.refine_with_server_start("the connection broke", before, before) == "the connection broke"
+    # Up since before the lock was taken: no restart, whatever the two clocks say the time is.
+    up_before = answer(3600.0)
+    assert "terminated by pg_terminate_backend()" in refine(loss.TERMINATED, up_before)
+    assert "terminated by pg_terminate_backend()" in refine(loss.TERMINATED, up_before, lock="10.9.9.9:5432")
+    assert refine("the connection broke", up_before) == "the connection broke"
+    # Started (on this machine's clock) after the lock's answer, however little: a restart.
+    assert refine(loss.TERMINATED, answer(59.99)).startswith("the PostgreSQL server restarted at")
+    # Up since before the lock's answer, but by less than its latency may be: neither claim.
+    assert refine(loss.TERMINATED, answer(60.01)) == loss.TERMINATED
+    assert "terminated by pg_terminate_backend()" in refine(loss.TERMINATED, answer(60.0 + loss.RESTART_MARGIN + 0.01))
+    # An answer read late (the heartbeat thread waited for the GIL): the start is known less well,
+    # and no claim is made that it cannot back (here it started between 0.5 s before and after).
+    assert refine(loss.TERMINATED, answer(60.5, late=1.0)) == loss.TERMINATED
+    assert refine(loss.TERMINATED, answer(59.5, late=1.0)).startswith("the PostgreSQL server restarted at")
+    # Another address answers now (a connection string with several hosts): its uptime tells nothing.
+    moved = refine(loss.TERMINATED, answer(3600.0, server="10.0.0.6:5432"))
+    assert moved == (
+        "the connection now leads to another address (10.0.0.6:5432, a primary) than the lock's (10.0.0.5:5432): "
+        "a failover or switchover if it is another server, and advisory locks are not replicated (the lock "
+        f"session ended with: {loss.TERMINATED})"
+    )
+    # ... and when that is a standby, the lock's server is gone (or restarting), not failed over.
+    to_standby = refine(loss.TERMINATED, answer(3600.0, server="10.0.0.6:5432", standby=True))
+    assert to_standby.startswith(
+        "the lock's server (10.0.0.5:5432) shut down, crashed, is restarting or is no longer a primary: "
+        "the connection string now leads to 10.0.0.6:5432, a standby"
+    )
+
+
+def test_the_held_clock_counts_like_the_monotonic_one() -> None:
+    before_monotonic, before = time.monotonic(), loss.held_clock()
+    time.sleep(0.05)
+    waited, held = time.monotonic() - before_monotonic, loss.held_clock() - before
+    assert abs(held - waited) < 0.01, (held, waited)
 
 
 def test_found_at_release_and_the_lost_message() -> None:
