@@ -11,6 +11,7 @@ in an ``airflow triggerer``; the real triggerer is covered by tests/e2e/test_def
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -32,6 +33,10 @@ from devtools.pgcluster import Cluster  # noqa: E402
 DEMO_DIR = ROOT / ".pglock-demo"
 DEPLOYMENTS = ("A", "B")
 TENANTS = [1, 2, 3, 4]
+SLOW_TENANT = 1
+#: B (1 s per export) starts once A holds the slow tenant and must reach it within this: B's cold start
+#: (`dags test` on Airflow 3.3, next to A's: up to 18 s here) and up to three exports before it.
+SLOW_EXPORT_SECONDS = 45
 OUTCOME = re.compile(r"pglock outcome=(?P<outcome>\w+) (?P<rest>.*?)(?: \[airflow\.task.*)?$")
 TASK_LINE = re.compile(r"task_id=(?P<task>[\w.]+) map_index=(?P<index>-?\d+)")
 
@@ -110,17 +115,20 @@ def run_both(
     *when: str,
     overlap_on: Sequence[str] = (),
     scope_on: str | None = None,
+    conf_of: dict[str, dict[str, object]] | None = None,
     conn_uri: str,
 ) -> list[Outcome]:
     """Run ``dag_id`` in both deployments: at the same moment, or, given ``overlap_on``, B once A
-    holds one of those keys (``scope_on``: once a lock scope of A's holds that key)."""
+    holds one of those keys (``scope_on``: once a lock scope of A's holds that key). ``conf_of``
+    gives a deployment a conf of its own instead of ``conf``."""
 
     def one(name: str) -> list[Outcome]:
         if name != DEPLOYMENTS[0] and overlap_on:
             wait_until_held(conn_uri, overlap_on)
         if name != DEPLOYMENTS[0] and scope_on is not None:
             wait_until_scoped(conn_uri, scope_on)
-        result = airflow(envs[name], "dags", "test", dag_id, *when, "-c", json.dumps(conf))
+        run_conf = (conf_of or {}).get(name, conf)
+        result = airflow(envs[name], "dags", "test", dag_id, *when, "-c", json.dumps(run_conf))
         log = result.stdout + result.stderr
         (DEMO_DIR / f"{dag_id}-{name}.log").write_text(log)
         return parse(name, log, result.returncode)
@@ -145,6 +153,13 @@ def parse(deployment: str, log: str, returncode: int) -> list[Outcome]:
         tail = "\n".join(log.splitlines()[-30:])
         raise SystemExit(f"deployment {deployment}: no pglock outcome in the output (exit {returncode}):\n{tail}")
     return outcomes
+
+
+def by_tenant(outcome: Outcome, tenants: list[int]) -> Outcome:
+    """``export_tenant[i]``, a map index into this deployment's own tenant list, as ``export tenant T``."""
+    if (mapped := re.fullmatch(r"export_tenant\[(\d+)\]", outcome.task)) is None:
+        return outcome
+    return dataclasses.replace(outcome, task=f"export tenant {tenants[int(mapped[1])]}")
 
 
 def summarize(title: str, outcomes: list[Outcome]) -> None:
@@ -202,19 +217,27 @@ def main() -> int:
 
         day = dt.datetime.now(dt.timezone.utc).date().isoformat()
         print(
-            f"\nboth deployments run tenant_exports for {day} at once (one key per tenant, on_busy='defer', "
+            f"\ndeployment A exports tenant {SLOW_TENANT} for {day} (a slow one: {SLOW_EXPORT_SECONDS} s); "
+            "once A holds its key,\n"
+            "deployment B runs tenant_exports for all four tenants (one key per tenant, on_busy='defer',\n"
             "once_per='{{ ds }}') ...",
             flush=True,
         )
+        # B starts once A holds the key, so B meets it whichever order `dags test` runs the mapped exports in
+        # (it iterates a set). Two full runs of 10 s exports, B started once A held any tenant, passed each
+        # other without ever meeting in a CI run; and after a release the deployment whose export ends next
+        # wins the race for the next tenant, so both running all four with A slow made B defer up to four times.
+        tenants_of = {"A": [SLOW_TENANT], "B": TENANTS}
         exports = run_both(
             "tenant_exports",
-            {"tenants": TENANTS, "work_seconds": 10},
+            {"tenants": tenants_of["B"], "work_seconds": 1},
             envs,
             day,
-            # dag.test runs the mapped exports in no set order: B starts once A holds any tenant
-            overlap_on=[f"tenant_exports/export_tenant/{tenant}" for tenant in TENANTS],
+            conf_of={"A": {"tenants": tenants_of["A"], "work_seconds": SLOW_EXPORT_SECONDS}},
+            overlap_on=[f"tenant_exports/export_tenant/{SLOW_TENANT}"],
             conn_uri=conn_uri,
         )
+        exports = [by_tenant(outcome, tenants_of[outcome.deployment]) for outcome in exports]
         summarize("tenant_exports: one key per tenant", exports)
 
         if airflow_has_lock_scopes():
@@ -255,9 +278,16 @@ def main() -> int:
             + f"); export files written: {len(files)} for 4 tenants ("
             + ", ".join(f"tenant {t} by {'+'.join(who)}" for t, who in sorted(per_tenant.items()))
             + ").\n"
-            "A deferred export waited for the other deployment's release, took the key right after it and found\n"
-            "the day already exported (once_per): every tenant exported exactly once. `airflow dags test` runs the\n"
-            "wait inline; in a deployment it waits in `airflow triggerer` (tests/e2e/test_defer_triggerer.py)."
+            + (
+                "B exported the other tenants (one key per tenant: A's tenant kept none of them waiting);\n"
+                f"B's export of tenant {SLOW_TENANT} deferred while A held its key, took the key right after A's\n"
+                "release and found the day already exported (once_per)."
+                if deferred
+                else f"B reached tenant {SLOW_TENANT} only after A's release (this machine started B too slowly)\n"
+                "and found the day already exported (once_per): nothing deferred this time."
+            )
+            + "\n`airflow dags test` runs the wait inline; in a deployment it waits in `airflow triggerer`\n"
+            "(tests/e2e/test_defer_triggerer.py)."
         )
         print(f"demo finished in {time.monotonic() - started:.0f} s; deployments are in {DEMO_DIR}")
         return 0

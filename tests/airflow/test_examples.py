@@ -51,8 +51,9 @@ def test_settlement_and_exports_run(airflow_db: Any, admin: Any, tmp_path: Path)
 
 @pytest.mark.slow
 def test_the_demo_command(tmp_path: Path) -> None:
-    """The README's demo: two deployments; forecast_refresh runs in one and skips in the other; each tenant is
-    exported exactly once, the other deployment's export deferring until the release, then finding the day done."""
+    """The README's demo: two deployments; forecast_refresh runs in one and skips in the other; A exports one
+    slow tenant, B all four: each tenant exported exactly once, B's export of A's tenant deferring until the
+    release, then finding the day done."""
     import re
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "PGLOCK_TEST"))}
@@ -65,18 +66,19 @@ def test_the_demo_command(tmp_path: Path) -> None:
     assert "forecast_refresh ran 1 time(s) across 2 deployments" in out
     assert "SKIPPED  key 'refresh-forecasts'" in out and "is held by pid" in out
 
-    rows = re.findall(r"^  deployment ([AB])  export_tenant\[(\d)\]\s+(\w+)\s+(.*)$", out, re.MULTILINE)
-    for index in "0123":
-        tenant = [(who, verb, detail) for who, i, verb, detail in rows if i == index]
+    rows = re.findall(r"^  deployment ([AB])  export tenant (\d)\s+(\w+)\s+(.*)$", out, re.MULTILINE)
+    for number in "1234":
+        tenant = [(who, verb, detail) for who, i, verb, detail in rows if i == number]
         ran = [who for who, verb, _ in tenant if verb == "RAN"]
-        assert len(ran) == 1, (index, tenant)  # exactly once across the two deployments
-        other = [(verb, detail) for who, verb, detail in tenant if who != ran[0]]
-        # The other deployment deferred while the key was held (or came after the release), then took the
-        # key and found the day exported: skipped by once_per, never run, never failed.
-        assert other and other[-1][0] == "SKIPPED" and "already done for period" in other[-1][1], tenant
-        assert "(once_per)" in other[-1][1]
-        assert all(verb == "DEFERRED" and "is held by pid" in detail for verb, detail in other[:-1]), tenant
-    assert any(verb == "DEFERRED" for _, _, verb, _ in rows), out  # at least one export waited for the other's
+        assert ran == (["A"] if number == "1" else ["B"]), (number, tenant)  # exactly once across the two
+        assert all(f"export_tenant/{number}'" in detail for _, verb, detail in tenant if verb == "RAN"), tenant
+    # B's export of A's tenant deferred while A held it, then took the key and found the day exported:
+    # skipped by once_per, never run, never failed.
+    slow = [(verb, detail) for who, i, verb, detail in rows if i == "1" and who == "B"]
+    assert [verb for verb, _ in slow] == ["DEFERRED", "SKIPPED"], slow
+    assert "is held by pid" in slow[0][1] and "deployment-A" in slow[0][1], slow
+    assert "already done for period" in slow[1][1] and "(once_per)" in slow[1][1], slow
+    assert [who for who, *_ in rows] == ["A", "B", "B", "B", "B", "B"], rows  # A ran one tenant; B tried all four
     written = re.search(r"export files written: (\d+) for 4 tenants \((.*)\)\.", out)
     assert written is not None, out
     assert written[1] == "4"
