@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -107,10 +108,13 @@ def _terminate_when_seen(dsn: str, application_name_prefix: str, stop: threading
 
 
 def _sleepers() -> list[psutil.Process]:
+    """The lost task's child processes still running: this process's descendants only (dag.test runs
+    the task here), since another matrix leg may be running the same DAG at the same time."""
     found = []
-    for process in psutil.process_iter(["cmdline"]):
-        if process.info["cmdline"] and LOST_SLEEP in " ".join(process.info["cmdline"]):
-            found.append(process)
+    for process in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if LOST_SLEEP in " ".join(process.cmdline()):
+                found.append(process)
     return found
 
 
