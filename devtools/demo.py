@@ -36,7 +36,7 @@ DEPLOYMENTS = ("A", "B")
 TENANTS = [1, 2, 3, 4]
 SLOW_TENANT = 1
 #: B (1 s per export) starts once A holds the slow tenant and must reach it within this: B's cold start
-#: (`dags test` on Airflow 3.3, next to A's: up to 18 s here) and up to three exports before it.
+#: (`dags test` on Airflow 3.3, next to A's: up to 19 s here) and up to three exports before it.
 SLOW_EXPORT_SECONDS = 45
 OUTCOME = re.compile(r"pglock outcome=(?P<outcome>\w+) (?P<rest>.*?)(?: \[airflow\.task.*)?$")
 TASK_LINE = re.compile(r"task_id=(?P<task>[\w.]+) map_index=(?P<index>-?\d+)")
