@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from airflow_pglock.exceptions import LockLostError
+from airflow_pglock.handle import LockHandle
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 from airflow_pglock.liveness import Liveness
 from tests.helpers import advisory_locks
@@ -43,6 +44,20 @@ def _the_child_exits_here(parent: int) -> Iterator[None]:
         raise
     if os.getpid() != parent:
         os._exit(LEFT_AS_THE_HOLDER)
+
+
+def _fork_a_child_that_tries_a_sub_key(handle: LockHandle, parent: int) -> int:
+    """Fork; the child tries a sub-key of the parent's ``handle`` and exits with what it saw."""
+    child = os.fork()
+    if child == 0:
+        code = SAW_AN_ERROR
+        try:
+            handle.try_lock("fork-other").__enter__()
+        except LockLostError as error:
+            code = _what_the_child_saw(error, parent)
+        finally:
+            os._exit(code)
+    return child
 
 
 def _exit_code(child: int, timeout: float = 30) -> int:
@@ -144,15 +159,7 @@ def test_a_child_cannot_use_the_parents_sub_keys(dsn: str, admin: Any) -> None:
         assert handle is not None
         with handle.try_lock("fork-sub") as sub:
             assert sub is not None
-            child = os.fork()
-            if child == 0:
-                code = SAW_AN_ERROR
-                try:
-                    handle.try_lock("fork-other").__enter__()
-                except LockLostError as error:
-                    code = _what_the_child_saw(error, parent)
-                finally:
-                    os._exit(code)
+            child = _fork_a_child_that_tries_a_sub_key(handle, parent)
             assert _exit_code(child) == SAW_IT_WAS_FORKED
             assert [row[0] for row in advisory_locks(admin)] == [handle.backend_pid] * 2
     assert advisory_locks(admin) == []
@@ -180,15 +187,7 @@ def test_a_child_forked_while_a_thread_waits_for_a_sub_key_is_not_stuck_behind_i
         while len(advisory_locks(admin)) < 3:  # the task's key, the contender's, the waiter's request
             assert time.monotonic() < deadline
             time.sleep(0.02)
-        child = os.fork()
-        if child == 0:
-            code = SAW_AN_ERROR
-            try:
-                handle.try_lock("fork-other").__enter__()
-            except LockLostError as error:
-                code = _what_the_child_saw(error, parent)
-            finally:
-                os._exit(code)
+        child = _fork_a_child_that_tries_a_sub_key(handle, parent)
         assert _exit_code(child, timeout=10) == SAW_IT_WAS_FORKED
         waiter.join()
     assert contender.release() is True
