@@ -126,6 +126,7 @@ def build_variants(
     servers: Servers, *, registry_dsn: str | None
 ) -> tuple[dict[str, Callable[[], object]], Callable[[], None]]:
     """name -> one acquire + release around nothing; and what closes the pools and clients afterwards."""
+    from airflow_pglock.compat import get_stats
     from airflow_pglock.guard import LockGuard
     from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
     from airflow_pglock.keys import LockKey
@@ -146,7 +147,8 @@ def build_variants(
 
     def guarded(guard_hook: Any, guard_key: Any) -> Callable[[], None]:
         def run() -> None:
-            with LockGuard(guard_hook.database, guard_key, policy, application_name=app):
+            # As a guarded task runs it: its lines written (quiet_task_logger), its metrics sent.
+            with LockGuard(guard_hook.database, guard_key, policy, application_name=app, stats=get_stats):
                 pass
 
         return run
