@@ -31,7 +31,7 @@ import psycopg
 from airflow_pglock.exceptions import LockConfigurationError
 from airflow_pglock.identity import TaskIdentity
 from airflow_pglock.keys import LockKey
-from airflow_pglock.pg.sql import held_condition, held_params
+from airflow_pglock.pg.sql import execute_contained, held_condition, held_params
 
 #: ``period`` of the rolling record kept for ``min_interval`` when no ``once_per`` is set.
 ROLLING_PERIOD = ""
@@ -200,12 +200,8 @@ def _completion(row: Any) -> Completion:
 
 def _run(conn: psycopg.Connection[Any], feature: str, statement: str, params: dict[str, Any]) -> Any:
     """Run one statement; a missing table becomes the init-db message (in a savepoint when in a transaction)."""
-    in_transaction = conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
     try:
-        if in_transaction:
-            with conn.transaction(savepoint_name="pglock_ledger"):
-                return conn.execute(statement, params)  # type: ignore[arg-type]  # static SQL from this module
-        return conn.execute(statement, params)  # type: ignore[arg-type]
+        return execute_contained(conn, statement, params, "pglock_ledger")
     except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName, psycopg.errors.UndefinedFunction):
         raise _missing_tables(feature) from None
 

@@ -29,6 +29,7 @@ import psycopg
 
 from airflow_pglock.exceptions import LockConfigurationError
 from airflow_pglock.keys import LockKey
+from airflow_pglock.pg.sql import execute_contained
 
 MIGRATION_STATEMENTS: tuple[str, ...] = (
     """
@@ -150,12 +151,8 @@ def _run(conn: psycopg.Connection[Any], statement: str, params: dict[str, Any]) 
 
     :raises LockConfigurationError: the table is missing (init-db), or this role may not use it.
     """
-    in_transaction = conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
     try:
-        if in_transaction:
-            with conn.transaction(savepoint_name="pglock_scope"):
-                return conn.execute(statement, params)  # type: ignore[arg-type]  # static SQL from this module
-        return conn.execute(statement, params)  # type: ignore[arg-type]
+        return execute_contained(conn, statement, params, "pglock_scope")
     except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName):
         raise missing_table_error() from None
     except psycopg.errors.InsufficientPrivilege as error:

@@ -3,7 +3,8 @@
 The statements themselves live next to their callers in this package; what they share
 is here: which ``pg_locks`` rows are this database's advisory locks, the condition "a
 session holds a key" (in its transaction, for a transaction lock), the lock function of
-a scope and mode, and a call of it composed for a key.
+a scope and mode, a call of it composed for a key, and a statement run without aborting
+the transaction it runs in.
 """
 
 from __future__ import annotations
@@ -17,6 +18,15 @@ from airflow_pglock.holder import EXCLUSIVE_MODE, SHARED_MODE
 from airflow_pglock.keys import LockKey
 from airflow_pglock.liveness import Liveness
 from airflow_pglock.server_rules import Scope
+
+
+def execute_contained(conn: psycopg.Connection[Any], statement: str, params: dict[str, Any], savepoint: str) -> Any:
+    """Run one of this package's statements; inside a transaction (a transaction lock's), in the
+    savepoint ``savepoint``, so that its error does not abort the transaction that holds the lock."""
+    if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+        with conn.transaction(savepoint_name=savepoint):
+            return conn.execute(statement, params)  # type: ignore[arg-type]  # static SQL from this package
+    return conn.execute(statement, params)  # type: ignore[arg-type]
 
 
 def advisory_here(alias: str = "") -> str:
