@@ -13,7 +13,7 @@ import psycopg
 from psycopg import sql
 
 from airflow_pglock.keys import LockKey
-from airflow_pglock.pg.release import BOUND_WRITE, UNBOUND_WRITE
+from airflow_pglock.pg.release import BOUND_WRITE, BOUND_WRITE_ALONE, UNBOUND_WRITE
 from airflow_pglock.pg.schema import REGISTRY_TABLE, SCHEMA, table_exists
 from airflow_pglock.pg.sql import HORIZON_LIVE
 
@@ -158,7 +158,7 @@ def _run_registry(
     with conn.transaction(savepoint_name="pglock_registry" if in_transaction else None):
         if not installed and not registry_installed(conn):
             return None
-        conn.execute(BOUND_WRITE)
+        conn.execute(BOUND_WRITE if in_transaction else BOUND_WRITE_ALONE)
         rows = conn.execute(statement, params).fetchall()
         if in_transaction:
             conn.execute(UNBOUND_WRITE)

@@ -44,6 +44,12 @@ BOUND_WRITE = (
     f" set_config('lock_timeout', '{AT_RELEASE_LOCK_TIMEOUT}', true),"
     f" set_config('statement_timeout', '{AT_RELEASE_STATEMENT_TIMEOUT}', true)"
 )
+# A write at release in a transaction of its own (session scope) also commits without waiting
+# for a WAL flush or a synchronous standby: the row only names a key, a later hold writes it
+# again, and under synchronous replication whose standby does not answer the commit would wait
+# for ever (statement_timeout does not end that wait), and the task with it, after its unlock.
+# Never in the work's transaction (transaction scope): its commit is the work's.
+BOUND_WRITE_ALONE = BOUND_WRITE + ", set_config('synchronous_commit', 'off', true)"
 UNBOUND_WRITE = (
     "SELECT set_config('lock_timeout', current_setting('pglock.lock_timeout_before'), true),"
     " set_config('statement_timeout', current_setting('pglock.statement_timeout_before'), true)"
@@ -191,7 +197,7 @@ def unlock(
         return bool(row and row[0])
     bound = psycopg.ClientCursor(conn).mogrify(statement, params)
     # BEGIN, unlock, COMMIT | BEGIN, bound, write, COMMIT: the server skips the rest of the query at an error.
-    results = _results_of(conn, f"BEGIN; {bound}; COMMIT; BEGIN; {BOUND_WRITE}; {at_release.statement}; COMMIT")
+    results = _results_of(conn, f"BEGIN; {bound}; COMMIT; BEGIN; {BOUND_WRITE_ALONE}; {at_release.statement}; COMMIT")
     encoding = conn.info.encoding
     failure = next((r for r in results if r.status == psycopg.pq.ExecStatus.FATAL_ERROR), None)
     if failure is not None:
