@@ -5,8 +5,9 @@ every commit of a transaction that wrote to the WAL waits for it for ever, as on
 whose standby is down (PostgreSQL does not wait for a transaction whose only record is its
 commit, such as the unlock's: its ``pg_notify`` gives it an id but writes nothing). A release
 must never wait there: not its unlock and announcement, not the key-name registry's row
-that travels with it. The records that are the point of a synchronous standby (once_per,
-fencing, lock scopes) wait as every other write does.
+that travels with a session lock's release. What is written to last waits, as every other
+write does: the records that are the point of a synchronous standby (once_per, fencing, lock
+scopes) and a transaction lock's commit when its transaction wrote something.
 """
 
 from __future__ import annotations
@@ -14,16 +15,21 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
 import pytest
 
+from airflow_pglock.guard import LockGuard
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 from airflow_pglock.keys import LockKey
 from airflow_pglock.pg import wakeups
 from airflow_pglock.pg.key_names import record_key_name, registered_names
 from airflow_pglock.pg.schema import migrate
+from airflow_pglock.policy import LockPolicy
+from airflow_pglock.run_rules import RunRules
+from airflow_pglock.server_rules import Scope
 from devtools.pgcluster import Cluster
 
 #: Long enough for any release on a loaded machine; a release stuck on the standby never ends.
@@ -33,22 +39,30 @@ HANG = 30.0
 @pytest.fixture(scope="module")
 def standby_down() -> Iterator[Cluster]:
     cluster = Cluster({"synchronous_commit": "on", "synchronous_standby_names": "'pglock_never_connects'"})
-    cluster.init().start()
     try:
+        cluster.init().start()
         yield cluster
     finally:
         cluster.destroy()
 
 
-def _sync_rep_waiters(admin: psycopg.Connection[Any]) -> list[int]:
-    rows = admin.execute("SELECT pid FROM pg_stat_activity WHERE wait_event = 'SyncRep'").fetchall()
-    return [row[0] for row in rows]
+@dataclass
+class Ran:
+    #: whether the work ended by itself (before any wait for the standby was cancelled)
+    finished: bool
+    #: the sessions that waited for the standby meanwhile: pid -> the statement that waited
+    waits: dict[int, str] = field(default_factory=dict)
 
 
-def _finishes(cluster: Cluster, work: Callable[[], Any], *, until_a_wait: bool = False) -> tuple[bool, list[int]]:
-    """Run ``work`` in a thread: whether it finished within :data:`HANG` (or before the first wait
-    for the standby, ``until_a_wait``), and the pids that waited for the standby meanwhile
-    (cancelled at the end, so that a stuck ``work`` ends too)."""
+def _sync_rep_waits(admin: psycopg.Connection[Any]) -> dict[int, str]:
+    rows = admin.execute("SELECT pid, query FROM pg_stat_activity WHERE wait_event = 'SyncRep'").fetchall()
+    return {pid: query for pid, query in rows}
+
+
+def _run(cluster: Cluster, work: Callable[[], Any], *, until_a_wait: bool = False) -> Ran:
+    """Run ``work`` in a thread until it ends or :data:`HANG` passed (``until_a_wait``: or until a
+    session waits for the standby); then cancel every wait until the work has ended (a
+    cancelled wait commits locally, with a warning)."""
     failure: list[BaseException] = []
 
     def run() -> None:
@@ -58,21 +72,34 @@ def _finishes(cluster: Cluster, work: Callable[[], Any], *, until_a_wait: bool =
             failure.append(error)
 
     thread = threading.Thread(target=run, daemon=True)
-    seen: set[int] = set()
     with psycopg.connect(cluster.dsn, autocommit=True) as admin:
+        left = _sync_rep_waits(admin)
+        assert not left, f"sessions left waiting for the standby by an earlier test: {left}"
+        ran = Ran(finished=False)
         thread.start()
         deadline = time.monotonic() + HANG
-        while thread.is_alive() and time.monotonic() < deadline and not (until_a_wait and seen):
-            seen.update(_sync_rep_waiters(admin))
+        while thread.is_alive() and time.monotonic() < deadline and not (until_a_wait and ran.waits):
+            ran.waits.update(_sync_rep_waits(admin))
             thread.join(0.05)
-        finished = not thread.is_alive()
-        for pid in _sync_rep_waiters(admin):  # a cancelled wait commits locally, with a warning
-            seen.add(pid)
-            admin.execute("SELECT pg_cancel_backend(%s)", [pid])
-    thread.join(HANG)
+        ran.finished = not thread.is_alive()
+        deadline = time.monotonic() + HANG
+        while thread.is_alive() and time.monotonic() < deadline:
+            for pid, query in _sync_rep_waits(admin).items():
+                ran.waits.setdefault(pid, query)
+                admin.execute("SELECT pg_cancel_backend(%s)", [pid])
+            thread.join(0.05)
+        assert not thread.is_alive(), "the work did not end once its waits for the standby were cancelled"
     if failure:
         raise failure[0]
-    return finished, sorted(seen)
+    return ran
+
+
+def _install_registry(cluster: Cluster, *names: str) -> None:
+    """init-db, and ``names`` recorded in the registry, without waiting for the standby (here only)."""
+    with psycopg.connect(cluster.dsn, autocommit=True, options="-c synchronous_commit=local") as conn:
+        migrate(conn)
+        for name in names:
+            record_key_name(conn, LockKey.from_name(name), "sync-rep test")
 
 
 def test_the_cluster_makes_a_write_wait_for_the_standby(standby_down: Cluster) -> None:
@@ -82,23 +109,30 @@ def test_the_cluster_makes_a_write_wait_for_the_standby(standby_down: Cluster) -
         with psycopg.connect(standby_down.dsn, autocommit=True) as conn:
             conn.execute("CREATE TABLE IF NOT EXISTS sync_rep_control ()")
 
-    finished, waited = _finishes(standby_down, write, until_a_wait=True)
-    assert not finished and waited
+    ran = _run(standby_down, write, until_a_wait=True)
+    assert not ran.finished and list(ran.waits.values()) == ["CREATE TABLE IF NOT EXISTS sync_rep_control ()"]
+
+
+def _guarded(cluster: Cluster, name: str, mode: Scope = "session", work: str | None = None) -> Callable[[], None]:
+    hook = AdvisoryLockHook(dsn=cluster.dsn)
+
+    def guarded() -> None:
+        with hook.lock(name, mode=mode, application_name="sync-rep test") as handle:
+            assert handle is not None
+            if work is not None:
+                assert handle.connection is not None
+                handle.connection.execute(work)  # type: ignore[arg-type]  # the test's own statement
+
+    return guarded
 
 
 def test_a_guarded_execution_releases_without_waiting_for_the_standby(standby_down: Cluster) -> None:
     key = LockKey.from_name("sync-rep/guarded")
-    hook = AdvisoryLockHook(dsn=standby_down.dsn)
     with psycopg.connect(standby_down.dsn, autocommit=True) as listener:
         listener.execute(f"LISTEN {wakeups.RELEASED_CHANNEL}")
-
-        def guarded() -> None:
-            with hook.lock(key, application_name="sync-rep test") as handle:
-                assert handle is not None
-
-        finished, waited = _finishes(standby_down, guarded)
+        ran = _run(standby_down, _guarded(standby_down, "sync-rep/guarded"))
         notes = list(listener.notifies(timeout=5, stop_after=1))
-    assert finished and not waited, f"the release waited for the synchronous standby (pids {waited})"
+    assert ran.finished and not ran.waits, f"the release waited for the synchronous standby: {ran.waits}"
     assert [wakeups.coordinates(note.payload) for note in notes] == [key.pg_locks]
 
 
@@ -111,64 +145,62 @@ def test_a_lock_session_releases_its_keys_without_waiting_for_the_standby(standb
                 with session.try_lock(f"sync-rep/session/{n}") as sub:
                     assert sub is not None
 
-    finished, waited = _finishes(standby_down, keys_one_by_one)
-    assert finished and not waited, f"a release waited for the synchronous standby (pids {waited})"
+    ran = _run(standby_down, keys_one_by_one)
+    assert ran.finished and not ran.waits, f"a release waited for the synchronous standby: {ran.waits}"
 
 
 def test_the_registry_write_at_release_does_not_wait_for_the_standby(standby_down: Cluster) -> None:
-    # init-db itself commits without the standby, here only
-    with psycopg.connect(standby_down.dsn, autocommit=True, options="-c synchronous_commit=local") as conn:
-        migrate(conn)
+    _install_registry(standby_down)
     key = LockKey.from_name("sync-rep/registry")
-    hook = AdvisoryLockHook(dsn=standby_down.dsn)
-
-    def guarded() -> None:
-        with hook.lock(key, application_name="sync-rep test") as handle:
-            assert handle is not None
-
-    finished, waited = _finishes(standby_down, guarded)
-    assert finished and not waited, f"the release waited for the synchronous standby (pids {waited})"
+    ran = _run(standby_down, _guarded(standby_down, "sync-rep/registry"))
+    assert ran.finished and not ran.waits, f"the release waited for the synchronous standby: {ran.waits}"
     with psycopg.connect(standby_down.dsn, autocommit=True) as conn:
         assert [row.name for row in registered_names(conn, [key.pg_locks]) or []] == ["sync-rep/registry"]
 
 
 def test_a_name_recorded_on_its_own_does_not_wait_for_the_standby(standby_down: Cluster) -> None:
     """The registry's write outside a release (a pool's slot on a registry before init-db 4)."""
-    with psycopg.connect(standby_down.dsn, autocommit=True, options="-c synchronous_commit=local") as conn:
-        migrate(conn)
+    _install_registry(standby_down)
     key = LockKey.from_name("sync-rep/recorded-alone")
 
     def record() -> None:
         with psycopg.connect(standby_down.dsn, autocommit=True) as conn:
             assert record_key_name(conn, key, "sync-rep test") == []
 
-    finished, waited = _finishes(standby_down, record)
-    assert finished and not waited, f"the write waited for the synchronous standby (pids {waited})"
+    ran = _run(standby_down, record)
+    assert ran.finished and not ran.waits, f"the write waited for the synchronous standby: {ran.waits}"
+
+
+def test_a_transaction_lock_that_wrote_nothing_ends_without_waiting(standby_down: Cluster) -> None:
+    _install_registry(standby_down, "sync-rep/transaction-idle")
+    ran = _run(standby_down, _guarded(standby_down, "sync-rep/transaction-idle", "transaction"))
+    assert ran.finished and not ran.waits, f"the commit waited for the synchronous standby: {ran.waits}"
 
 
 def test_what_is_written_to_last_waits_for_the_standby(standby_down: Cluster) -> None:
-    """The other side of the promise: a transaction-mode lock's work and a once_per record are
-    writes meant to last, and wait for the standby as every other write on that server."""
-    from airflow_pglock.guard import LockGuard
-    from airflow_pglock.policy import LockPolicy
-    from airflow_pglock.run_rules import RunRules
-
-    with psycopg.connect(standby_down.dsn, autocommit=True, options="-c synchronous_commit=local") as conn:
-        migrate(conn)
+    """The other side of the promise: writes meant to last wait for the standby, as every other
+    write on that server: a transaction-mode lock's work, a once_per record, and the first name
+    a transaction-mode lock records (part of the work's commit)."""
+    _install_registry(standby_down, "sync-rep/transaction-work")
     hook = AdvisoryLockHook(dsn=standby_down.dsn)
 
-    def work_in_the_lock_transaction() -> None:
-        with hook.lock("sync-rep/transaction-work", mode="transaction") as handle:
-            assert handle is not None and handle.connection is not None
-            handle.connection.execute("CREATE TABLE sync_rep_work ()")
-
     def once_per_record() -> None:
-        guard = LockGuard(
-            hook.database, LockKey.from_name("sync-rep/once-per"), LockPolicy(), rules=RunRules(period="p")
-        )
-        with guard:
+        key = LockKey.from_int(1234)  # no name: the registry writes nothing
+        with LockGuard(hook.database, key, LockPolicy(), rules=RunRules(period="p")):
             pass
 
-    for work in (work_in_the_lock_transaction, once_per_record):
-        finished, waited = _finishes(standby_down, work, until_a_wait=True)
-        assert waited and not finished, work.__name__
+    cases: dict[str, tuple[Callable[[], None], str]] = {
+        "the work": (
+            _guarded(standby_down, "sync-rep/transaction-work", "transaction", "CREATE TABLE sync_rep_work ()"),
+            "COMMIT",
+        ),
+        "the once_per record": (once_per_record, "pglock.completions"),
+        "a first name, transaction mode": (
+            _guarded(standby_down, "sync-rep/transaction-first-name", "transaction"),
+            '"key_names"',
+        ),
+    }
+    for case, (work, statement) in cases.items():
+        ran = _run(standby_down, work, until_a_wait=True)
+        assert not ran.finished and ran.waits, case
+        assert all(statement in query for query in ran.waits.values()), (case, ran.waits)
