@@ -32,8 +32,8 @@ def record_acquisition(
 
     The lock statement said whether the registry's schema is there (``held.registry``): when
     it is not (the default), nothing happens. When it is, the write costs no round trip: it
-    travels with the release (after the unlock, or after the commit in transaction mode, in a
-    transaction of its own), so it never delays the work; the name is recorded, and a collision
+    travels with the release (before the unlock, or with the commit in transaction mode, in a
+    savepoint there), so it never delays the work; the name is recorded, and a collision
     reported, when the hold ends. It never holds the release up either: it waits at most
     ``AT_RELEASE_LOCK_TIMEOUT`` for a lock (another transaction writing the registry), then
     is skipped with a warning naming the key. A write that fails there (this role may not use the

@@ -44,11 +44,11 @@ BOUND_WRITE = (
     f" set_config('lock_timeout', '{AT_RELEASE_LOCK_TIMEOUT}', true),"
     f" set_config('statement_timeout', '{AT_RELEASE_STATEMENT_TIMEOUT}', true)"
 )
-# The write at release, in a transaction of its own after the lock's release, also commits
-# without waiting for a WAL flush or a synchronous standby: the row only names a key, a later
-# hold writes it again, and under synchronous replication whose standby does not answer the
-# commit would wait for ever (statement_timeout does not end that wait), and the task with it,
-# after its release. Never in the work's transaction: its commit is the work's.
+# A write at release in a transaction of its own (session scope) also commits without waiting
+# for a WAL flush or a synchronous standby: the row only names a key, a later hold writes it
+# again, and under synchronous replication whose standby does not answer the commit would wait
+# for ever (statement_timeout does not end that wait), and the task with it, after its unlock.
+# Never in the work's transaction (transaction scope): its commit is the work's.
 BOUND_WRITE_ALONE = BOUND_WRITE + ", set_config('synchronous_commit', 'off', true)"
 UNBOUND_WRITE = (
     "SELECT set_config('lock_timeout', current_setting('pglock.lock_timeout_before'), true),"
@@ -64,17 +64,15 @@ class WriteAtRelease:
     record of the key's name: ``registry.record_acquisition``).
 
     The write never holds the release up: it waits at most :data:`AT_RELEASE_LOCK_TIMEOUT` for
-    a lock (:data:`BOUND_WRITE`), and runs in a transaction of its own
-    (:data:`BOUND_WRITE_ALONE`) after the unlock and its announcement are committed (session
-    scope) or after the work's commit (transaction scope: a transaction that rolls back, or
-    that no longer held the key, writes nothing).
+    a lock (:data:`BOUND_WRITE`), and runs after the unlock and its announcement are committed
+    (session scope) or in a savepoint before the commit (transaction scope).
 
     :param statement: the write, its values bound (psycopg's client-side binding); it returns rows.
     :param done: called with the write's rows once it ran with the release.
     :param failed: called instead, with the error, when the write failed there (one of
         :data:`BOUND_ERRORS` when it hit its bound): its transaction is rolled back and the
-        connection usable (it may write again on its own); the lock's release (a session lock's
-        unlock and its announcement, a transaction lock's commit) has run.
+        connection usable (it may write again on its own); a session lock's unlock and its
+        announcement have run, a transaction lock's commit follows.
     """
 
     statement: str
@@ -114,8 +112,7 @@ def commit_if_held(
     (closing the connection rolls it back). Raises ``InFailedSqlTransaction`` when an earlier
     error had aborted the transaction, and the driver's error when the session ended.
 
-    :param at_release: a write sent in the same round trip, after the COMMIT, in a transaction
-        of its own (not part of the work's commit: a transaction that rolls back writes nothing).
+    :param at_release: a write sent in the same round trip, after the check, in a savepoint.
     """
     if xact_id is not None:
         # A transaction-level lock lasts as long as its transaction (there is no unlock, and it was
@@ -125,27 +122,36 @@ def commit_if_held(
     else:
         condition, params = held_condition(None, ("%s", "%s", "%s", "%s"), None), held_params(key, shared)
     # Several statements in one simple query take no parameters: psycopg binds them client-side.
-    check = psycopg.ClientCursor(conn).mogrify(_CHECK.format(condition=condition), params)
-    if at_release is None:
-        try:
-            _, status = _run_together(conn, [check, "COMMIT"])
-        except psycopg.errors.DivisionByZero:
-            return False
-    else:
-        results = _results_of(conn, f"{check}; COMMIT; {_write_alone(at_release.statement)}")
-        committed, written = results[:2], results[2:]
-        failure = _first_failure(committed)
-        if failure is not None:
-            error = psycopg.errors.error_from_result(failure, encoding=conn.info.encoding)
-            if isinstance(error, psycopg.errors.DivisionByZero):
-                return False
-            raise error
-        if len(committed) < 2:
-            raise psycopg.OperationalError("the session ended before its COMMIT was answered")
-        status = (committed[1].command_status or b"").decode()
-        _end_write(conn, at_release, written)
+    statements = [psycopg.ClientCursor(conn).mogrify(_CHECK.format(condition=condition), params)]
+    if at_release is not None:
+        statements += [_SAVEPOINT, BOUND_WRITE, at_release.statement, UNBOUND_WRITE, f"RELEASE {_SAVEPOINT}"]
+    try:
+        rows, status = _run_together(conn, [*statements, "COMMIT"])
+    except psycopg.errors.DivisionByZero:
+        return False
+    except psycopg.Error as error:
+        if at_release is None or not _back_to_savepoint(conn):
+            raise
+        at_release.failed(conn, error)
+        return commit_if_held(conn, key, shared, xact_id)
+    if at_release is not None:
+        at_release.done(rows[3])
     if status != "COMMIT":
         raise psycopg.errors.InFailedSqlTransaction(f"PostgreSQL answered COMMIT with {status}: nothing was committed")
+    return True
+
+
+_SAVEPOINT = "SAVEPOINT pglock_at_release"
+
+
+def _back_to_savepoint(conn: psycopg.Connection[Any]) -> bool:
+    """After a failed write at release: back to the savepoint before it; False when there is none."""
+    if conn.closed or conn.info.transaction_status != psycopg.pq.TransactionStatus.INERROR:
+        return False
+    try:
+        conn.execute(f"ROLLBACK TO {_SAVEPOINT}")
+    except psycopg.Error:
+        return False
     return True
 
 
@@ -191,44 +197,24 @@ def unlock(
         return bool(row and row[0])
     bound = psycopg.ClientCursor(conn).mogrify(statement, params)
     # BEGIN, unlock, COMMIT | BEGIN, bound, write, COMMIT: the server skips the rest of the query at an error.
-    results = _results_of(conn, f"BEGIN; {bound}; COMMIT; {_write_alone(at_release.statement)}")
-    released, written = results[:3], results[3:]
-    failure = _first_failure(released)
-    if failure is not None:
-        _roll_back_failed(conn)
-        raise psycopg.errors.error_from_result(failure, encoding=conn.info.encoding)
-    if len(released) < 3 or released[1].status != psycopg.pq.ExecStatus.TUPLES_OK:
-        raise psycopg.OperationalError("the session ended before its unlock was committed")
-    _end_write(conn, at_release, written)
-    unlocked = released[1]
-    return unlocked.ntuples > 0 and unlocked.get_value(0, 0) == b"t"
-
-
-def _write_alone(write: str) -> str:
-    """The write at release, after the lock's release in the same simple query, in a transaction
-    of its own: BEGIN, its bounds, the write, COMMIT (:func:`_end_write` reads their results)."""
-    return f"BEGIN; {BOUND_WRITE_ALONE}; {write}; COMMIT"
-
-
-def _first_failure(results: list[psycopg.pq.abc.PGresult]) -> psycopg.pq.abc.PGresult | None:
-    return next((r for r in results if r.status == psycopg.pq.ExecStatus.FATAL_ERROR), None)
-
-
-def _end_write(
-    conn: psycopg.Connection[Any], at_release: WriteAtRelease, results: list[psycopg.pq.abc.PGresult]
-) -> None:
-    """Tell ``at_release`` how its write went, from the results of :func:`_write_alone`; a failed
-    write's transaction is rolled back first, so that the connection is usable."""
+    results = _results_of(conn, f"BEGIN; {bound}; COMMIT; BEGIN; {BOUND_WRITE_ALONE}; {at_release.statement}; COMMIT")
     encoding = conn.info.encoding
-    failure = _first_failure(results)
+    failure = next((r for r in results if r.status == psycopg.pq.ExecStatus.FATAL_ERROR), None)
     if failure is not None:
         _roll_back_failed(conn)
-        at_release.failed(conn, psycopg.errors.error_from_result(failure, encoding=encoding))
-    elif len(results) < 4:
-        at_release.failed(conn, psycopg.OperationalError("the session ended before the write at release ran"))
-    else:
-        written = results[2]
+    unlocked = results[1] if len(results) > 1 else results[0]
+    if len(results) < 3 or unlocked.status != psycopg.pq.ExecStatus.TUPLES_OK:
+        if failure is None:
+            raise psycopg.OperationalError("the session ended before its unlock was committed")
+        raise psycopg.errors.error_from_result(failure, encoding=encoding)
+    written = results[5] if len(results) > 5 else None
+    if failure is None and written is not None and len(results) == 7:
         at_release.done([(bytes(written.get_value(row, 0) or b"").decode(encoding),) for row in range(written.ntuples)])
+    elif failure is not None:
+        at_release.failed(conn, psycopg.errors.error_from_result(failure, encoding=encoding))
+    else:
+        at_release.failed(conn, psycopg.OperationalError("the session ended before the write at release ran"))
+    return unlocked.ntuples > 0 and unlocked.get_value(0, 0) == b"t"
 
 
 def _roll_back_failed(conn: psycopg.Connection[Any]) -> None:
