@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import psycopg
@@ -66,6 +66,42 @@ class SubLock:
         return f"SubLock({self.key.describe()}, shared={self.shared})"
 
 
+class HoldForBlock:
+    """The ``with`` block of :meth:`LockSet.try_lock` or :meth:`LockSet.lock`: the key is taken as
+    the block begins (its :class:`SubLock`, or None when busy) and released as it ends, also when
+    it fails. At a normal end, a key the session no longer held raises
+    :class:`~airflow_pglock.exceptions.LockLostError`: the block ran at least partly without it.
+
+    One block only, as a generator-based context manager. A class rather than one: a lock
+    session takes keys in tight loops, where ``contextlib``'s machinery cost a few microseconds
+    a key (docs/benchmarks.md, "Many keys, one session").
+    """
+
+    __slots__ = ("_entered", "_key", "_owner", "_shared", "_sub", "_timeout")
+
+    def __init__(self, owner: LockSet, key: LockKey, shared: bool, timeout: float | None) -> None:
+        self._owner = owner
+        self._key = key
+        self._shared = shared
+        self._timeout = timeout
+        self._sub: SubLock | None = None
+        self._entered = False
+
+    def __enter__(self) -> SubLock | None:
+        if self._entered:
+            raise LockConfigurationError(
+                f"the with block of {self._key.describe()} was entered already: each try_lock/lock call "
+                "is for one with block"
+            )
+        self._entered = True
+        taken = self._owner._take([self._key], self._shared, self._timeout)
+        self._sub = taken[0] if taken else None
+        return self._sub
+
+    def __exit__(self, error_type: type[BaseException] | None, error: BaseException | None, trace: object) -> None:
+        self._owner._end_of_block(self._sub, failed=error_type is not None)
+
+
 class LockSet:
     """Session locks on one connection, tracked, one operation at a time (thread-safe).
 
@@ -89,6 +125,9 @@ class LockSet:
     ) -> None:
         self._scopes = scopes
         self.connection = connection
+        # One cursor for the single-key statements, which a lock session runs in tight loops
+        # (a cursor per statement costs a few microseconds a key); used under _mutex only.
+        self._cursor = connection.cursor()
         self._lost_reason = lost_reason
         self._reserved = reserved.numbers if reserved is not None else None
         self._can_wait = can_wait
@@ -119,16 +158,12 @@ class LockSet:
         with self._mutex:
             return [] if self.lost else [sub.key for sub in self._held.values()]
 
-    @contextlib.contextmanager
-    def try_lock(self, key: AnyKey, shared: bool = False) -> Iterator[SubLock | None]:
+    def try_lock(self, key: AnyKey, shared: bool = False) -> HoldForBlock:
         """Try once to take ``key`` for the ``with`` block; None when busy, also when this session
         holds it already (PostgreSQL would count it twice)."""
-        lock_key = LockKey.coerce(key)
-        taken = self._take([lock_key], shared, None)
-        yield from self._hold(taken)
+        return HoldForBlock(self, LockKey.coerce(key), shared, None)
 
-    @contextlib.contextmanager
-    def lock(self, key: AnyKey, *, timeout: float, shared: bool = False) -> Iterator[SubLock | None]:
+    def lock(self, key: AnyKey, *, timeout: float, shared: bool = False) -> HoldForBlock:
         """Wait at most ``timeout`` seconds (server-side) for ``key``; None if it ran out."""
         lock_key = LockKey.coerce(key)
         statements.check_wait_timeout(timeout)
@@ -137,8 +172,7 @@ class LockSet:
                 "lock(key, timeout=...) cannot wait on a connection inside the task's transaction "
                 "(mode='transaction'); use try_lock or try_lock_many"
             )
-        taken = self._take([lock_key], shared, timeout)
-        yield from self._hold(taken)
+        return HoldForBlock(self, lock_key, shared, timeout)
 
     def take_for_scope(self, key: LockKey) -> SubLock | None:
         """Try once to take ``key`` exclusively for the holder of its lock scope row (the triggerer's
@@ -214,15 +248,13 @@ class LockSet:
         with self._mutex:
             return bool(self._held or self._unsettled) and self.lost is None
 
-    def _hold(self, taken: list[SubLock]) -> Iterator[SubLock | None]:
-        sub = taken[0] if taken else None
-        try:
-            yield sub
-        except BaseException:
+    def _end_of_block(self, sub: SubLock | None, failed: bool) -> None:
+        """What the end of a ``with`` block of :meth:`try_lock` or :meth:`lock` does with its key."""
+        if failed:
             if sub is not None:
                 with contextlib.suppress(PgLockError, psycopg.Error):  # the block's own error is the one to see
                     self.release(sub)
-            raise
+            return
         if sub is None or self._held.get(sub.key.numbers) is not sub:
             return  # busy, or released (or lost) inside the block: the key may be another SubLock's now
         if not self.release(sub) and self.lost is None:
@@ -250,7 +282,7 @@ class LockSet:
             wanted = list(fresh.values())
             if not wanted:
                 return []
-            seeing = see_scopes and any(key.name is not None for key in wanted)
+            seeing = see_scopes and self._scopes is not False and any(key.name is not None for key in wanted)
             try:
                 with self._session_errors(wanted[0]):
                     if seeing and self._scopes is None:
@@ -262,7 +294,7 @@ class LockSet:
                     elif seeing:
                         *got, live = statements.try_lock_seeing_scopes(self.connection, wanted, shared=shared)
                     elif len(wanted) == 1:
-                        got = [statements.try_lock(self.connection, wanted[0], shared=shared)]
+                        got = [statements.try_lock(self._cursor, wanted[0], shared=shared)]
                     else:
                         got = statements.try_lock_many(self.connection, wanted, shared=shared)
                     if live and any(got):
@@ -286,6 +318,10 @@ class LockSet:
 
     def _unlock(self, subs: list[SubLock]) -> list[SubLock]:
         """Unlock ``subs`` (one statement per mode); those the session no longer held."""
+        if len(subs) == 1:
+            sub = subs[0]
+            with self._session_errors(sub.key):
+                return [] if unlock(self.connection, sub.key, shared=sub.shared, cursor=self._cursor) else [sub]
         gone: list[SubLock] = []
         with self._session_errors(subs[0].key):
             for shared in (False, True):
@@ -337,17 +373,10 @@ class LockSet:
             return
         self._unsettled.clear()
 
-    @contextlib.contextmanager
-    def _session_errors(self, key: LockKey) -> Iterator[None]:
-        """A driver error that ends the session (terminated, timed out, broken) loses every key."""
-        try:
-            yield
-        except psycopg.OperationalError as error:
-            if not self.connection.closed and loss.is_ordinary_error(getattr(error, "sqlstate", None)):
-                raise
-            self._lose(error)
-            reason = self.lost or "the session ended"
-            raise LockLostError(f"the lock session was lost: {reason}", key, reason) from error
+    def _session_errors(self, key: LockKey) -> _SessionErrors:
+        """A ``with`` block whose driver error that ends the session (terminated, timed out,
+        broken) loses every key: LockLostError instead, about ``key``."""
+        return _SessionErrors(self, key)
 
     def _lose(self, error: psycopg.Error) -> None:
         text = str(error).strip().splitlines()
@@ -355,6 +384,29 @@ class LockSet:
         self._ended = self._ended or f"the session ended ({type(error).__name__}: {detail})"
         self._held.clear()
         self._unsettled.clear()
+
+
+class _SessionErrors:
+    """:meth:`LockSet._session_errors` (a class: it wraps every statement of a tight loop)."""
+
+    __slots__ = ("_key", "_owner")
+
+    def __init__(self, owner: LockSet, key: LockKey) -> None:
+        self._owner = owner
+        self._key = key
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, error_type: type[BaseException] | None, error: BaseException | None, trace: object) -> None:
+        if not isinstance(error, psycopg.OperationalError):
+            return
+        owner = self._owner
+        if not owner.connection.closed and loss.is_ordinary_error(getattr(error, "sqlstate", None)):
+            return
+        owner._lose(error)
+        reason = owner.lost or "the session ended"
+        raise LockLostError(f"the lock session was lost: {reason}", self._key, reason) from error
 
 
 @dataclasses.dataclass(frozen=True)

@@ -169,6 +169,7 @@ def unlock(
     shared: bool = False,
     at_release: WriteAtRelease | None = None,
     markers: tuple[LockKey, ...] = (),
+    cursor: psycopg.Cursor[Any] | None = None,
 ) -> bool:
     """``pg_advisory_unlock[_shared]``: True if this session held the key.
 
@@ -180,6 +181,8 @@ def unlock(
         the unlock's, which commits first: the key is free, and its release announced, as soon
         as without it. The write waits for no lock longer than its bound
         (:data:`AT_RELEASE_LOCK_TIMEOUT`); one that fails is rolled back alone.
+    :param cursor: a cursor of ``conn`` to run the unlock on, kept by a caller that releases
+        keys in a tight loop (without ``at_release``).
     """
     statement = _announced_unlock(lock_function("unlock", shared=shared), key.is_pair)
     params = [*key.numbers, wakeups.payload(key)]
@@ -193,7 +196,7 @@ def unlock(
         log.debug("pglock: the name of %s is not recorded: a transaction is open on its connection", key.describe())
         at_release = None
     if at_release is None:
-        row = conn.execute(statement, params).fetchone()
+        row = (conn if cursor is None else cursor).execute(statement, params).fetchone()
         return bool(row and row[0])
     bound = psycopg.ClientCursor(conn).mogrify(statement, params)
     # BEGIN, unlock, COMMIT | BEGIN, bound, write, COMMIT: the server skips the rest of the query at an error.

@@ -27,7 +27,8 @@ Coordinates = tuple[int, int, int]
 
 def payload(key: LockKey) -> str:
     """The announcement of ``key``: its ``pg_locks`` coordinates, ``classid/objid/objsubid``."""
-    return "/".join(str(number) for number in key.pg_locks)
+    classid, objid, objsubid = key.pg_locks
+    return f"{classid}/{objid}/{objsubid}"
 
 
 #: The largest ``classid`` / ``objid`` (unsigned 32-bit oids); an advisory key's ``objsubid``.

@@ -50,6 +50,25 @@ def test_busy_and_free_keys(hook: AdvisoryLockHook, admin: Any) -> None:
         admin.execute("SELECT pg_advisory_unlock_all()")
 
 
+def test_a_with_block_takes_its_key_as_it_begins_and_only_once(hook: AdvisoryLockHook, admin: Any) -> None:
+    """try_lock/lock return the block's hold: nothing is taken before the block, and the same
+    hold cannot start a second block (as a generator-based context manager could not)."""
+    with hook.lock_session() as session:
+        hold = session.try_lock("tenant/once")
+        assert session.held() == [] and _count(admin, session.server.backend_pid) == 0
+        with hold as sub:
+            assert sub is not None and _count(admin, session.server.backend_pid) == 1
+        assert _count(admin, session.server.backend_pid) == 0
+        with pytest.raises(LockConfigurationError, match="entered already"), hold:
+            pytest.fail("a second block of one hold ran")
+        waiting = session.lock("tenant/once", timeout=1)
+        with waiting as sub:
+            assert sub is not None
+        with pytest.raises(LockConfigurationError, match="entered already"), waiting:
+            pytest.fail("a second block of one hold ran")
+        assert session.held() == [] and _count(admin, session.server.backend_pid) == 0
+
+
 def test_a_key_this_session_holds_is_busy(hook: AdvisoryLockHook, admin: Any) -> None:
     """PostgreSQL would take it again (re-entrant counting): the session says busy instead."""
     with hook.lock_session() as session:
