@@ -125,9 +125,7 @@ class LockSet:
     ) -> None:
         self._scopes = scopes
         self.connection = connection
-        # One cursor for the single-key statements, which a lock session runs in tight loops
-        # (a cursor per statement costs a few microseconds a key); used under _mutex only.
-        self._cursor = connection.cursor()
+        self._statement_cursor: psycopg.Cursor[Any] | None = None
         self._lost_reason = lost_reason
         self._reserved = reserved.numbers if reserved is not None else None
         self._can_wait = can_wait
@@ -140,6 +138,16 @@ class LockSet:
         self._ended: str | None = None
         self._holder_pid = os.getpid()
         forks.after_fork_in_child(self, LockSet._forked)
+
+    @property
+    def _cursor(self) -> psycopg.Cursor[Any]:
+        """One cursor for the single-key statements, which a lock session runs in tight loops (a
+        cursor per statement costs a few microseconds a key); used under ``_mutex`` only. Made at
+        the first statement, inside its session-error guard: on a connection closed by then it
+        raises as the statement would (a lost session, not a construction error)."""
+        if self._statement_cursor is None:
+            self._statement_cursor = self.connection.cursor()
+        return self._statement_cursor
 
     def _forked(self) -> None:
         """In a child forked while the set lived: its keys are the parent's. Every operation in

@@ -69,6 +69,20 @@ def test_a_with_block_takes_its_key_as_it_begins_and_only_once(hook: AdvisoryLoc
         assert session.held() == [] and _count(admin, session.server.backend_pid) == 0
 
 
+def test_a_set_made_on_a_connection_closed_already_reports_a_lost_session(dsn: str, admin: Any) -> None:
+    """A guarded task builds its ``lock`` handle after its heartbeat started: the heartbeat may have
+    closed the connection by then (the server ended the session). Building the set must not fail
+    with the driver's error (a "failed" task): its first operation reports the lost session."""
+    from airflow_pglock.lock_set import LockSet
+
+    conn = psycopg.connect(dsn, autocommit=True)
+    conn.close()
+    keys = LockSet(conn, lambda: None)
+    with pytest.raises(LockLostError, match="the lock session was lost"), keys.try_lock("tenant/closed"):
+        pytest.fail("a block ran on a closed connection")
+    assert keys.held() == [] and advisory_locks(admin) == []
+
+
 def test_a_key_this_session_holds_is_busy(hook: AdvisoryLockHook, admin: Any) -> None:
     """PostgreSQL would take it again (re-entrant counting): the session says busy instead."""
     with hook.lock_session() as session:
