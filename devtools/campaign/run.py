@@ -38,6 +38,10 @@ from devtools.netns import NetNamespace, NetNamespaceUnavailableError
 
 HOT_KEYS = ("campaign/hot/0", "campaign/hot/1", "campaign/hot/2")
 POOL, POOL_SLOTS = "campaign/pool", 2
+#: A key taken by its number (no name: no registry state asked, no scope row read, a lock set's
+#: single-key statements): the history names it by this label. Only kinds without a fencing token
+#: and outside scopes take it (a scope's row holds named keys only, by design).
+NUMERIC_KEY = "campaign/numeric"
 #: Indices of the campaign's namespaces (devtools/netns.py leaves 231..250 to explicit users).
 NAMESPACE_INDICES = (245, 246)
 #: The workers: every kind on this host; fenced guards, a lock session, a second pool holder and a
@@ -165,7 +169,7 @@ def run_campaign(
     namespaces = _namespaces()
     listen = [namespace.host_addr for namespace in namespaces]
     subnets = [namespace.subnet for namespace in namespaces]
-    register = Register([*HOT_KEYS, POOL, f"{POOL}#slot2"], listen=listen, trusted_subnets=subnets)
+    register = Register([*HOT_KEYS, POOL, f"{POOL}#slot2", NUMERIC_KEY], listen=listen, trusted_subnets=subnets)
     pair = FailoverPair(listen=listen, trusted_subnets=subnets)
     campaign = Campaign(out, seed, lease, pair, register, namespaces)
     started = time.time()
@@ -190,6 +194,7 @@ def run_campaign(
                     hot_keys=HOT_KEYS,
                     pool=POOL,
                     pool_slots=POOL_SLOTS,
+                    numeric_key=NUMERIC_KEY,
                     netns=namespace.name if namespace is not None else None,
                 )
             )

@@ -12,10 +12,13 @@ The kinds (every public way to hold a lock, see docs/safety.md):
 * ``guard-session`` / ``guard-transaction``: what ``@task.advisory_lock(fencing=True)`` runs
   (``LockGuard.run``), in session and transaction mode;
 * ``guard-wait``: the same with ``on_busy="wait"``;
-* ``hook-lock``: ``hook.lock(key)`` (no fencing);
+* ``hook-lock``: ``hook.lock(key)`` (no fencing), now and then on the numeric key (taken by its
+  number: no name, so no registry state and no scope row asked);
 * ``lock-session``: ``hook.lock_session()`` with ``try_lock_many`` batches, a waiting
-  ``lock(key, timeout=...)`` and an early ``release``;
-* ``guard-sub-keys``: a guard's own key plus sub-keys through its ``lock`` handle;
+  ``lock(key, timeout=...)`` or a single ``try_lock(key)`` (of a hot key or the numeric key), and
+  an early ``release``;
+* ``guard-sub-keys``: a guard's own key plus sub-keys through its ``lock`` handle (a batch, or a
+  single ``try_lock`` block of a hot key or the numeric key);
 * ``pool``: a pool of slots (``slots=2``);
 * ``scope``: a lock scope (``advisory_lock_scope``: docs/scopes.md) as its setup, tasks and
   teardown run it, with a fencing token per scope: it believes it holds the key from its setup
@@ -82,6 +85,8 @@ class WorkerConfig:
     :param seed: its random choices' seed (with the spawn number).
     :param hot_keys: the contended key names.
     :param pool: the pool's name; :param pool_slots: its size.
+    :param numeric_key: the label of a key taken by its number (no name), or None: taken by
+        ``hook-lock``, ``lock-session`` and ``guard-sub-keys`` now and then.
     :param netns: the network namespace to enter first (another host), or None.
     """
 
@@ -96,6 +101,7 @@ class WorkerConfig:
     hot_keys: tuple[str, ...]
     pool: str
     pool_slots: int
+    numeric_key: str | None = None
     netns: str | None = None
 
 
@@ -166,6 +172,18 @@ class Worker:
 
     # ----------------------------------------------------------------- the kinds
 
+    def _maybe_numeric(self, label: str, share: float) -> tuple[str, Any]:
+        """``(label, key)`` to take: the named key ``label``, or (``share`` of the time) the
+        numeric key, taken by its number and named in the history by its label."""
+        from airflow_pglock.keys import LockKey
+
+        numeric = self.config.numeric_key
+        if numeric is None or self.rng.random() >= share:
+            return label, label
+        number = LockKey.from_name(numeric).int64
+        assert number is not None  # a name's key is an int64
+        return numeric, LockKey.from_int(number)
+
     def _guard(self, run: str, key: str, *, mode: str = "session", wait: bool = False, slots: int = 1) -> None:
         from airflow_pglock.guard import LockGuard
         from airflow_pglock.keys import LockKey
@@ -196,13 +214,14 @@ class Worker:
                 raise _Busy from error
             raise
 
-    def _hook_lock(self, run: str, key: str) -> None:
+    def _hook_lock(self, run: str, name: str) -> None:
+        label, key = self._maybe_numeric(name, 0.3)
         with self.hook.lock(key, application_name=self.name) as handle:
             if handle is None:
                 raise _Busy
             at = handle.acquired_at.timestamp()
-            self.history.emit("acquired", run=run, key=key, token=None, backend=handle.backend_pid, at=at)
-            self._work(run, {key: None})
+            self.history.emit("acquired", run=run, key=label, token=None, backend=handle.backend_pid, at=at)
+            self._work(run, {label: None})
 
     def _lock_session(self, run: str, keys: list[str]) -> None:
         with self.hook.lock_session(application_name=self.name) as session:
@@ -214,11 +233,18 @@ class Worker:
                     held[str(sub.key.name)] = None
                     at = sub.acquired_at.timestamp()
                     self.history.emit("acquired", run=run, key=sub.key.name, token=None, backend=backend, at=at)
-                with session.lock(keys[-1], timeout=0.5) as waited:
+                # The last key: a bounded wait, or a single try of it or of the numeric key (a named
+                # key's single try reads its scope row with the try; the numeric one is the try alone).
+                if self.rng.random() < 0.4:
+                    label, last = keys[-1], session.lock(keys[-1], timeout=0.5)
+                else:
+                    label, key = self._maybe_numeric(keys[-1], 0.5)
+                    last = session.try_lock(key)
+                with last as waited:
                     if waited is not None:
-                        held[keys[-1]] = None
+                        held[label] = None
                         at = waited.acquired_at.timestamp()
-                        self.history.emit("acquired", run=run, key=keys[-1], token=None, backend=backend, at=at)
+                        self.history.emit("acquired", run=run, key=label, token=None, backend=backend, at=at)
                     if not held:
                         raise _Busy
                     self._work(run, held, lost=lambda: session.lost)
@@ -236,6 +262,15 @@ class Worker:
         from airflow_pglock.policy import LockPolicy
 
         def work(handle: Any) -> None:
+            if self.rng.random() < 0.3:  # a single sub-key in a with block, named or numeric
+                label, key = self._maybe_numeric(keys[0], 0.5)
+                with handle.try_lock(key) as sub:
+                    if sub is None:
+                        return
+                    at = sub.acquired_at.timestamp()
+                    self.history.emit("acquired", run=run, key=label, token=None, backend=handle.backend_pid, at=at)
+                    self._work(run, {label: None})
+                return
             subs = handle.try_lock_many(keys)
             if not subs:
                 return
