@@ -52,6 +52,8 @@ class SubLock:
         self.shared = shared
         self.acquired_at = dt.datetime.now(dt.timezone.utc)
         self._owner = owner
+        #: Set once its release was asked (by the caller): from then on its with block no longer owns it.
+        self.given_back = False
 
     @property
     def lost(self) -> str | None:
@@ -219,9 +221,15 @@ class LockSet:
                     if numbers in self._held:
                         found[numbers] = self._held[numbers]
             subs = list(found.values())
-            if not subs:
-                return False
             reason = self.lost
+            if not subs:
+                if reason is not None:  # dropped with the session: never a quiet False
+                    first = locks[0] if locks else None
+                    key = first.key if isinstance(first, SubLock) else None if first is None else LockKey.coerce(first)
+                    raise LockLostError(f"the lock session was lost: {reason}", key, reason)
+                return False
+            for sub in subs:
+                sub.given_back = True
             if reason is not None or self.connection.closed:
                 for sub in subs:
                     self._held.pop(sub.key.numbers, None)
@@ -263,8 +271,13 @@ class LockSet:
                 with contextlib.suppress(PgLockError, psycopg.Error):  # the block's own error is the one to see
                     self.release(sub)
             return
-        if sub is None or self._held.get(sub.key.numbers) is not sub:
-            return  # busy, or released (or lost) inside the block: the key may be another SubLock's now
+        if sub is None or sub.given_back:
+            return  # busy, or released inside the block: the key may be another SubLock's now
+        if self._held.get(sub.key.numbers) is not sub:
+            # Dropped without a release: its session was lost (a statement found it ended, maybe
+            # another thread's) or closed while the block ran, which ran at least partly without it.
+            reason = self.lost or "the lock session was closed while the block ran"
+            raise LockLostError(f"lost {sub.key.describe()}: {reason}", sub.key, reason)
         if not self.release(sub) and self.lost is None:
             # The session lives but no longer held the key (an unlock on its connection): the block
             # ran at least partly without it.

@@ -83,6 +83,45 @@ def test_a_set_made_on_a_connection_closed_already_reports_a_lost_session(dsn: s
     assert keys.held() == [] and advisory_locks(admin) == []
 
 
+def test_a_block_whose_session_a_statement_found_ended_fails_at_its_end(dsn: str, admin: Any) -> None:
+    """A statement that finds the session ended (here the block's own; in a lock session often
+    another thread's, which holds the connection while the heartbeat cannot read it) drops every
+    key: the with block of each must still fail at its end, and a release must raise, not say False."""
+    from airflow_pglock.lock_set import LockSet
+
+    conn = psycopg.connect(dsn, autocommit=True)
+    keys = LockSet(conn, lambda: None)  # no heartbeat: only the statement finds the loss
+    try:
+        with pytest.raises(LockLostError, match="lost key 'tenant/a'") as ended, keys.try_lock("tenant/a") as sub:
+            assert sub is not None
+            _terminate(admin, conn.info.backend_pid)
+            with pytest.raises(LockLostError, match="the lock session was lost"):
+                keys.try_lock_many(["tenant/b"])
+            with pytest.raises(LockLostError, match="the lock session was lost"):
+                sub.release()
+        assert "the session ended" in ended.value.cause
+        assert keys.held() == []
+    finally:
+        conn.close()
+
+
+def test_a_key_given_back_early_leaves_its_block_alone_after_a_loss(dsn: str, admin: Any) -> None:
+    """Released inside the block, then the session is lost: the block's key was given back while
+    held, so its end does not report a loss (the next operation does)."""
+    from airflow_pglock.lock_set import LockSet
+
+    conn = psycopg.connect(dsn, autocommit=True)
+    keys = LockSet(conn, lambda: None)
+    try:
+        with keys.try_lock("tenant/early") as sub:
+            assert sub is not None and sub.release() is True
+            _terminate(admin, conn.info.backend_pid)
+        with pytest.raises(LockLostError, match="the lock session was lost"):
+            keys.try_lock_many(["tenant/next"])
+    finally:
+        conn.close()
+
+
 def test_a_key_this_session_holds_is_busy(hook: AdvisoryLockHook, admin: Any) -> None:
     """PostgreSQL would take it again (re-entrant counting): the session says busy instead."""
     with hook.lock_session() as session:
