@@ -138,9 +138,11 @@ class HeldLock:
         status = self.connection.info.transaction_status
         if status == psycopg.pq.TransactionStatus.IDLE:
             return False
-        if status != psycopg.pq.TransactionStatus.INTRANS:  # aborted: COMMIT says so (and commits nothing)
-            commit(self.connection)
-            return True
+        if status == psycopg.pq.TransactionStatus.INERROR:
+            commit(self.connection)  # aborted: PostgreSQL answers ROLLBACK, which raises (nothing committed)
+            return False  # it answered COMMIT: a thread of the work ended that transaction and began another
+        # In the transaction, or a statement still runs on the connection (a thread of the work that
+        # outlived it; it may end the lock's transaction): the check waits for it, then tells.
         if not record():
             return False
         return commit_if_held(self.connection, self.key, self.shared, self.xact_id, self._take_at_release())
@@ -152,14 +154,17 @@ class HeldLock:
         ran afterwards ran without the lock) and ``InFailedSqlTransaction`` when an error had
         aborted it: nothing is committed then.
         """
-        in_transaction = self.connection.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
-        if not in_transaction:
-            commit(self.connection)
-        elif not commit_if_held(self.connection, self.key, self.shared, self.xact_id, self._take_at_release()):
-            raise psycopg.errors.NoActiveSqlTransaction(
-                "the lock's transaction was ended on its connection (a COMMIT or ROLLBACK by the work): the lock "
-                "ended with it, and whatever ran afterwards ran without the lock; not committed"
-            )
+        ended = psycopg.errors.NoActiveSqlTransaction(
+            "the lock's transaction was ended on its connection (a COMMIT or ROLLBACK by the work): the lock "
+            "ended with it, and whatever ran afterwards ran without the lock; not committed"
+        )
+        status = self.connection.info.transaction_status
+        if status in (psycopg.pq.TransactionStatus.IDLE, psycopg.pq.TransactionStatus.INERROR):
+            commit(self.connection)  # raises: no transaction, or an aborted one (PostgreSQL answers ROLLBACK)
+            raise ended  # it answered COMMIT: a thread of the work ended the aborted transaction and began another
+        # As commit_if_held: a statement still running on the connection is waited for by the check.
+        if not commit_if_held(self.connection, self.key, self.shared, self.xact_id, self._take_at_release()):
+            raise ended
 
     def probe(self, timeout: float, before_giving_up: Callable[[], None] | None = None) -> ProbeResult:
         """The heartbeat's bounded check of this lock (see :func:`~airflow_pglock.pg.probe.probe`)."""

@@ -8,6 +8,9 @@ the second lifetime review (its e4 sketch), kept as regression tests.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
 from typing import Any
 
 import psycopg
@@ -75,4 +78,53 @@ def test_what_ends_the_locks_transaction_is_a_loss_and_what_stays_inside_it_comp
         assert "dropped" not in committed
         assert advisory_locks(admin) == []
     finally:
+        admin.execute("DROP TABLE IF EXISTS txn_work")
+
+
+@pytest.mark.parametrize(
+    ("statement", "expected"),
+    [
+        ("COMMIT; BEGIN; INSERT INTO txn_work VALUES ('after'); SELECT pg_sleep(0.5)", "lost"),
+        ("INSERT INTO txn_work VALUES ('inside'); SELECT pg_sleep(0.5)", "done"),
+    ],
+    ids=["ends-the-transaction", "stays-inside"],
+)
+def test_a_statement_still_running_when_the_block_ends_is_waited_for_and_checked(
+    statement: str, expected: str, hook: AdvisoryLockHook, admin: Any
+) -> None:
+    """A thread of the work still runs a statement on the lock's connection as the block ends
+    (the connection is busy, neither in nor out of a transaction): the end waits for it, and a
+    statement that ended the lock's transaction makes the block lost, its new transaction
+    uncommitted. It was committed unchecked, and the block ended as completed."""
+    admin.execute("DROP TABLE IF EXISTS txn_work; CREATE TABLE txn_work (v text)")
+    threads: list[threading.Thread] = []
+    try:
+
+        def work(conn: psycopg.Connection[Any]) -> None:
+            def run() -> None:
+                with contextlib.suppress(psycopg.Error):  # the block's end may abort its transaction
+                    conn.execute(statement)
+
+            threads.append(threading.Thread(target=run))
+            threads[0].start()
+            deadline = time.monotonic() + 5
+            while conn.info.transaction_status != psycopg.pq.TransactionStatus.ACTIVE:  # sent, running
+                assert time.monotonic() < deadline, "the thread's statement did not start"
+                time.sleep(0.001)
+
+        if expected == "lost":
+            with pytest.raises(LockLostError), hook.lock(KEY, mode="transaction") as handle:
+                assert handle is not None and handle.connection is not None
+                work(handle.connection)
+        else:
+            with hook.lock(KEY, mode="transaction") as handle:
+                assert handle is not None and handle.connection is not None
+                work(handle.connection)
+        threads[0].join(10)
+        committed = [row[0] for row in admin.execute("SELECT v FROM txn_work ORDER BY v").fetchall()]
+        assert committed == ([] if expected == "lost" else ["inside"]), committed
+        assert advisory_locks(admin) == []
+    finally:
+        for thread in threads:
+            thread.join(10)
         admin.execute("DROP TABLE IF EXISTS txn_work")
