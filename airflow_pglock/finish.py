@@ -32,6 +32,8 @@ class Ending(NamedTuple):
     :param record: records the completion (a statement that checks the key is held) and says
         whether it found it held; in transaction mode it runs inside the lock's transaction.
     :param describe_error: says why a driver error ended the session.
+    :param commit_status: transaction mode: reads, on a side connection, what the server says
+        of a transaction id (``txid_status``), or None; asked after a COMMIT whose answer was lost.
     :param records_completion: whether ``record()`` writes a completion (once_per /
         min_interval). Its statement checks that the session holds the key, after the work:
         once it is recorded, the work is known to have run under the lock to its end, and a
@@ -43,6 +45,7 @@ class Ending(NamedTuple):
     record: Callable[[], bool]
     describe_error: Callable[[psycopg.Error], str]
     records_completion: bool = False
+    commit_status: Callable[[int], str | None] | None = None
 
 
 def finish(ending: Ending) -> Finished:
@@ -58,7 +61,7 @@ def finish(ending: Ending) -> Finished:
 def finish_transaction(ending: Ending) -> Finished:
     """Transaction mode: commits only if the work succeeded and the session is still in the
     lock's transaction, holding the key; ``record()`` runs first, inside it."""
-    held, succeeded, record, describe_error, _ = ending
+    held, succeeded, record, describe_error, _, commit_status = ending
     if not held.transaction_open:
         return Finished(lost=loss.ENDED_BY_WORK)
     if not succeeded:
@@ -69,7 +72,9 @@ def finish_transaction(ending: Ending) -> Finished:
             return Finished(lost=loss.ENDED_BY_WORK)
     except psycopg.Error as error:
         if held.connection.closed or not loss.is_ordinary_error(getattr(error, "sqlstate", None)):
-            return Finished(lost=loss.found_at_commit(describe_error(error)))
+            # The session ended during the checked COMMIT: it may have run. Never "nothing committed".
+            said = commit_status(held.xact_id) if commit_status is not None and held.xact_id is not None else None
+            return Finished(lost=loss.commit_unknown(describe_error(error), said))
         return Finished(error=error)
     except PgLockError as error:
         return Finished(error=error)
@@ -78,7 +83,7 @@ def finish_transaction(ending: Ending) -> Finished:
 
 def finish_session(ending: Ending) -> Finished:
     """Session mode: record the completion (only while the key is held), then unlock."""
-    held, succeeded, record, describe_error, records_completion = ending
+    held, succeeded, record, describe_error, records_completion, _ = ending
     commit_error: BaseException | None = None
     lost: str | None = None
     recorded = False

@@ -466,7 +466,14 @@ class LockGuard:
             elif lost is None and self.scope.kind == "resume" and not held.connection.closed:
                 end_deferred_hold(self.scope, held.key, held, self.log)
             if lost is None and commit_error is None and not closed_inside:
-                ending = Ending(held, exc_type is None, record, self._describe_error, self._records_completion)
+                ending = Ending(
+                    held,
+                    exc_type is None,
+                    record,
+                    self._describe_error,
+                    self._records_completion,
+                    self.database.transaction_status,
+                )
                 lost, commit_error, note = finish(ending)
         except BaseException as interrupted:  # an asynchronous exception during the clean-up
             self._abandon()
@@ -480,7 +487,8 @@ class LockGuard:
         held_for = held.held_seconds
         if lost is not None:
             # In transaction mode the lock's transaction is gone with it: nothing the work wrote
-            # on its connection was committed, so even on_lost="warn" cannot report success.
+            # on its connection was committed (or, at a COMMIT whose answer was lost, that is not
+            # known), so even on_lost="warn" cannot report success.
             transaction = held.scope == "transaction"
             if self.policy.on_lost == "fail" or transaction:
                 self._report("lost", detail=lost, held=held_for)

@@ -204,18 +204,46 @@ def unlock_failed_after_completion(reason: str) -> str:
     )
 
 
-def found_at_commit(reason: str) -> str:
-    return f"found at commit: {reason}"
+#: How a transaction lock's COMMIT whose answer never came is reported (:func:`commit_unknown`).
+COMMIT_UNKNOWN = "found at commit: the session ended while its COMMIT ran"
+
+
+def commit_unknown(reason: str, server_says: str | None) -> str:
+    """A transaction lock's checked COMMIT was sent, and the session ended before its answer came
+    back: the server may have committed (the check passed: the key was held to the COMMIT) or not.
+
+    :param reason: why the session ended.
+    :param server_says: ``txid_status()`` of the lock's transaction as a side connection read it
+        afterwards (``committed``, ``aborted``, ``in progress``), or None when it could not be read.
+        The side connection may reach another server (a failover behind the same address) whose
+        transaction of that id is not the lock's: said, never acted upon.
+    """
+    said = (
+        f"; afterwards the database the lock's connection settings lead to said that transaction is {server_says!r} "
+        "(the lock's server, unless a failover moved that address)"
+        if server_says
+        else ""
+    )
+    return f"{COMMIT_UNKNOWN} ({reason}): whether it committed is unknown{said}"
 
 
 def lost_message(key: str, reason: str, *, transaction: bool) -> str:
     """The message of the LockLostError that fails the run."""
     if forks.is_forked_reason(reason):  # held all along, by the parent: no other worker can have it
         return f"{key} is not held in this process: {reason}"
-    rolled_back = " (transaction mode: nothing written on the lock's connection was committed)"
+    suffix = ""
+    if transaction and reason.startswith(COMMIT_UNKNOWN):
+        suffix = (
+            " (transaction mode: the work's writes on the lock's connection may have been committed, under the lock, "
+            "or not: check them before the work runs again)"
+        )
+    elif transaction and reason == ENDED_BY_WORK:
+        suffix = " (transaction mode: what the work committed itself stays committed; the guard committed nothing)"
+    elif transaction:
+        suffix = " (transaction mode: nothing written on the lock's connection was committed)"
     return (
         f"lost {key} while the task ran: {reason}. Another worker may now run the same "
-        "work; this run is marked failed instead of successful" + (rolled_back if transaction else "")
+        "work; this run is marked failed instead of successful" + suffix
     )
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn, TypeVar
 
@@ -27,7 +28,7 @@ from airflow_pglock.holder import LockHolder
 from airflow_pglock.identity import hook_application_name
 from airflow_pglock.keys import LockKey
 from airflow_pglock.liveness import Liveness
-from airflow_pglock.pg import scopes
+from airflow_pglock.pg import scopes, statements
 from airflow_pglock.pg import settings as connection_settings
 from airflow_pglock.pg.held import HeldLock
 from airflow_pglock.pg.holders import read_holders
@@ -42,6 +43,9 @@ from airflow_pglock.server_rules import Scope, ServerInfo
 DEFAULT_CONNECT_TIMEOUT = 10
 #: application_name of the short sessions that only read who holds a key.
 INSPECT_APPLICATION_NAME = "pglock inspect"
+#: After a transaction lock's COMMIT whose answer was lost: how long the server is given to settle
+#: the transaction (end the session, finish the commit) before what it says is taken as it is.
+COMMIT_SETTLE_SECONDS = 2.0
 
 
 class LockDatabase:
@@ -166,6 +170,22 @@ class LockDatabase:
             "connect_timeout": connect_timeout,
         }
         return _left_to_the_parent_in_a_fork(psycopg.Connection.connect(autocommit=True, **kwargs))
+
+    def transaction_status(self, xact_id: int, settle_seconds: float = COMMIT_SETTLE_SECONDS) -> str | None:
+        """What the server says of transaction ``xact_id`` (``txid_status``: ``committed``,
+        ``aborted`` or ``in progress``), asked on a :meth:`side_connection`; for at most
+        ``settle_seconds`` while it is in progress (a session whose end the server has not yet
+        taken in). None when it cannot be asked (unreachable, an id it does not know)."""
+        deadline = time.monotonic() + settle_seconds
+        try:
+            with self.side_connection() as conn:
+                while True:
+                    status = statements.transaction_status(conn, xact_id)
+                    if status != "in progress" or time.monotonic() >= deadline:
+                        return status
+                    time.sleep(0.05)
+        except (psycopg.Error, PgLockError):
+            return None
 
     def server_start(self) -> loss.ServerStart | None:
         """The server's start (its time, and the uptime on its own clock) and its address, asked

@@ -270,6 +270,13 @@ def commit(conn: psycopg.Connection[Any]) -> None:
         )
 
 
+def transaction_status(conn: psycopg.Connection[Any], xact_id: int) -> str | None:
+    """``txid_status(xact_id)`` on ``conn``: ``committed``, ``aborted``, ``in progress``, or None
+    (too old to tell)."""
+    row = conn.execute("SELECT txid_status(%s::bigint)", [xact_id]).fetchone()
+    return None if row is None else row[0]
+
+
 def is_held(conn: psycopg.Connection[Any], key: LockKey, shared: bool = False, xact_id: int | None = None) -> bool:
     """Whether this very session holds the key now (reads ``pg_locks``, takes nothing).
 

@@ -204,3 +204,47 @@ def test_what_is_written_to_last_waits_for_the_standby(standby_down: Cluster) ->
         ran = _run(standby_down, work, until_a_wait=True)
         assert not ran.finished and ran.waits, case
         assert all(statement in query for query in ran.waits.values()), (case, ran.waits)
+
+
+def test_a_commit_whose_answer_is_lost_is_never_reported_as_not_committed(standby_down: Cluster) -> None:
+    """A transaction lock's work wrote; its COMMIT waits for the standby, and an operator ends the
+    session there (``pg_terminate_backend``): PostgreSQL has committed locally, and the client
+    never gets the COMMIT's answer. The block fails (the client cannot know the outcome), but says
+    that whether it committed is unknown, and what the server says now: it used to say that nothing
+    written on the lock's connection was committed, inviting a retry that writes it twice."""
+    from airflow_pglock.exceptions import LockLostError
+
+    local = "-c synchronous_commit=local"
+    with psycopg.connect(standby_down.dsn, autocommit=True, options=local) as admin:
+        admin.execute("DROP TABLE IF EXISTS sync_rep_lost_answer; CREATE TABLE sync_rep_lost_answer (v text)")
+    hook = AdvisoryLockHook(dsn=standby_down.dsn)
+    failure: list[BaseException] = []
+
+    def guarded() -> None:
+        try:
+            with hook.lock("sync-rep/lost-answer", mode="transaction", application_name="sync-rep test") as handle:
+                assert handle is not None and handle.connection is not None
+                handle.connection.execute("INSERT INTO sync_rep_lost_answer VALUES ('the work')")
+        except BaseException as error:  # checked below, in the test's thread
+            failure.append(error)
+
+    thread = threading.Thread(target=guarded, daemon=True)
+    with psycopg.connect(standby_down.dsn, autocommit=True, options=local) as admin:
+        assert not _sync_rep_waits(admin)
+        thread.start()
+        deadline = time.monotonic() + HANG
+        while not (waits := _sync_rep_waits(admin)):
+            assert time.monotonic() < deadline and thread.is_alive(), "the work's commit did not wait"
+            time.sleep(0.05)
+        assert len(waits) == 1 and "COMMIT" in next(iter(waits.values()))
+        admin.execute("SELECT pg_terminate_backend(%s)", [next(iter(waits))])
+        thread.join(HANG)
+        assert not thread.is_alive()
+        committed = admin.execute("SELECT v FROM sync_rep_lost_answer").fetchall()
+        admin.execute("DROP TABLE sync_rep_lost_answer")
+    assert committed == [("the work",)]  # locally, as PostgreSQL warns when it ends such a wait
+    assert len(failure) == 1 and isinstance(failure[0], LockLostError), failure
+    message = str(failure[0])
+    assert "whether it committed is unknown" in message, message
+    assert "that transaction is 'committed'" in message, message
+    assert "nothing written on the lock's connection was committed" not in message, message
