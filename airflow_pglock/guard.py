@@ -450,9 +450,9 @@ class LockGuard:
             if lost is None and self._handle is not None and not held.connection.closed:
                 self._handle.release_all()  # free now; the closed session would free them only when its backend ends
                 if held.scope == "transaction" and self._handle.holds_sub_keys():
-                    # Sub-keys are session locks: ending the transaction (COMMIT or ROLLBACK) would hand
-                    # the server session, with them, to a pooler's next client. Closing inside the
-                    # transaction makes the pooler drop that session (and the server roll it back).
+                    # Sub-keys are session locks: ending the transaction (COMMIT or ROLLBACK) would leave
+                    # them held (through a session pooler, on the server session it keeps). Closing inside
+                    # the transaction ends them with the session (a pooler drops it; the server rolls back).
                     self._abandon()
                     closed_inside = True
                     if exc_type is None:  # else the work's own error is the failure to see

@@ -43,7 +43,8 @@ NOT_HELD_AT_FENCING = (
 SUB_KEYS_NOT_RELEASED = (
     "the sub-keys taken on the lock's connection could not be released in its transaction (an error of the "
     "work aborted it, and an aborted transaction runs no unlock): the connection was closed inside the "
-    "transaction, so that no pooled server session keeps them; nothing was committed"
+    "transaction, which ends them with the session (a pooler drops that server session rather than passing it on); "
+    "nothing was committed"
 )
 
 NOT_HELD_AT_COMPLETION = "found at completion: the session no longer held the key (nothing recorded)"

@@ -206,6 +206,24 @@ def session_lock_behind_pooler(info: ServerInfo, scope: Scope, pool_mode: str | 
     )
 
 
+def sub_keys_behind_pooler(info: ServerInfo, pool_mode: str | None) -> Violation | None:
+    """Sub-keys (session locks) beside a transaction lock, through a pooler not declared to run
+    session pooling: the work's own COMMIT would end the transaction that pins the server session,
+    and hand it, with them, to the pooler's next client before the guard could unlock them."""
+    if not info.behind_pooler or pool_mode == "session":
+        return None
+    return Violation(
+        "pooler",
+        f"sub-keys are session-level advisory locks, and a connection pooler is in between (it reported "
+        f"backend pid {info.reported_pid}, the server says {info.backend_pid}): under transaction pooling "
+        "they would belong to the server session lent for the lock's transaction, and a COMMIT in the work "
+        "would hand that session, with them, to the pooler's next client",
+        "to take sub-keys, connect the lock connection directly to PostgreSQL (or, if the pooler really runs "
+        'in session pooling, set the connection extra {"pool_mode": "session"}); or lock each key in a task '
+        "of its own (e.g. mapped tasks with mode='transaction')",
+    )
+
+
 #: Every rule, in the order a lock connection checks them.
 RULES: tuple[Rule, ...] = (not_postgresql, too_old, no_idle_session_timeout, hot_standby, session_lock_behind_pooler)
 #: The rules the handshake alone can judge (checked before any statement runs).

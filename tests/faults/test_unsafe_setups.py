@@ -4,6 +4,7 @@ not PostgreSQL. And through PgBouncer, transaction-level locks work and exclude.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -204,14 +205,21 @@ def test_frozen_holder_through_pgbouncer_loses_its_lock_within_the_lease(
 
 
 @pytest.mark.parametrize("work_error", ["caught by the work", "raised by the work"])
-def test_transaction_mode_sub_keys_never_stay_on_a_pooled_server_session(
-    bouncer: PgBouncer, fault_server: FaultServer, fault_admin: Any, work_error: str
+def test_transaction_mode_sub_keys_never_outlive_an_aborted_transaction(
+    session_bouncer: PgBouncer,
+    fault_server: FaultServer,
+    fault_admin: Any,
+    work_error: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """In transaction mode the sub-keys are session locks on the server session PgBouncer lent for
-    the transaction: ending the transaction with them held hands them, with the session, to the
-    next client. A transaction the work's own SQL error aborted cannot unlock them (every statement
-    but its end is refused there): the guard must close the connection inside it instead."""
-    hook = AdvisoryLockHook(dsn=bouncer.dsn_for(FAULT_DATABASE), liveness=Liveness(3))
+    """In transaction mode the sub-keys are session locks: ending the transaction leaves them held
+    (through a session pooler, on the server session it keeps). A transaction the work's own SQL
+    error aborted cannot unlock them (every statement but its end is refused there): the guard
+    closes the connection inside it instead, and they end with the session."""
+    declared = {"conn_type": "postgres", "host": "127.0.0.1", "port": session_bouncer.port, "login": "postgres"}
+    declared |= {"schema": FAULT_DATABASE, "extra": {"pool_mode": "session"}}
+    monkeypatch.setenv("AIRFLOW_CONN_PGLOCK_BOUNCER_SUB_KEYS", json.dumps(declared))
+    hook = AdvisoryLockHook("pglock_bouncer_sub_keys", liveness=Liveness(3))
     sub_key = LockKey.from_name("bouncer-sub-key")
     guard = LockGuard(hook.database, LockKey.from_name("bouncer-tx"), LockPolicy(mode="transaction"))
     # A work that raised fails with its own error; one that caught it, with the guard's.
@@ -233,3 +241,40 @@ def test_transaction_mode_sub_keys_never_stay_on_a_pooled_server_session(
     ).fetchone() != (0,):
         assert time.monotonic() < deadline, "the sub-key stayed held by a pooled server session"
         time.sleep(0.1)
+
+
+def test_transaction_mode_sub_keys_are_refused_through_a_transaction_pooler(
+    bouncer: PgBouncer, fault_server: FaultServer, fault_admin: Any
+) -> None:
+    """A sub-key is a session lock. Through a transaction pooler it belongs to the server session
+    PgBouncer lent for the lock's transaction; a COMMIT in the work (documented misuse, reported
+    lost) hands that session back to the pool, with the sub-key, before the guard could unlock it,
+    and another client may be given it at once: the sub-key then stays held by a pooled session
+    nobody owns, until PgBouncer closes it. Sub-keys are refused there, before anything is taken
+    (the scenario runs on if one is granted, to show the leak)."""
+    hook = AdvisoryLockHook(dsn=bouncer.dsn_for(FAULT_DATABASE), liveness=Liveness(3))
+    sub_key = LockKey.from_name("bouncer-committed-sub-key")
+    guard = LockGuard(hook.database, LockKey.from_name("bouncer-tx-commit"), LockPolicy(mode="transaction"))
+    refusals: list[UnsafeSetupError] = []
+    with contextlib.ExitStack() as stack:
+        other = stack.enter_context(psycopg.connect(bouncer.dsn_for(FAULT_DATABASE), autocommit=True))
+        with pytest.raises(PgLockError), guard as handle:
+            assert handle.connection is not None
+            for take in (lambda: handle.try_lock(sub_key).__enter__(), lambda: handle.try_lock_many([sub_key])):
+                try:
+                    take()
+                except UnsafeSetupError as refused:
+                    refusals.append(refused)
+            # The work commits: its server session (with any sub-key) goes back to the pool, where
+            # another client's transaction is given it at once (PgBouncer reuses the last one freed).
+            handle.connection.execute("COMMIT")
+            stack.enter_context(other.transaction())
+            other.execute("SELECT 1")
+        assert guard.outcome == "lost"
+    held = fault_admin.execute(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = %s::bigint::oid",
+        [sub_key.pg_locks[1]],
+    ).fetchone()
+    assert held == (0,), "the sub-key stayed held by a pooled server session"
+    assert len(refusals) == 2
+    assert "sub-keys" in str(refusals[0]) and "pool_mode" in str(refusals[0])
