@@ -61,20 +61,21 @@ def finish(ending: Ending) -> Finished:
 def finish_transaction(ending: Ending) -> Finished:
     """Transaction mode: commits only if the work succeeded and the session is still in the
     lock's transaction, holding the key; ``record()`` runs first, inside it."""
-    held, succeeded, record, describe_error, _, commit_status = ending
+    held = ending.held
     if not held.transaction_open:
         return Finished(lost=loss.ENDED_BY_WORK)
-    if not succeeded:
+    if not ending.succeeded:
         held.roll_back()  # the work is undone and the key free before the outcome is reported
         return Finished()
     try:
-        if not held.commit_if_held(record):
+        if not held.commit_if_held(ending.record):
             return Finished(lost=loss.ENDED_BY_WORK)
     except psycopg.Error as error:
         if held.connection.closed or not loss.is_ordinary_error(getattr(error, "sqlstate", None)):
             # The session ended during the checked COMMIT: it may have run. Never "nothing committed".
-            said = commit_status(held.xact_id) if commit_status is not None and held.xact_id is not None else None
-            return Finished(lost=loss.commit_unknown(describe_error(error), said))
+            status_of = ending.commit_status
+            said = status_of(held.xact_id) if status_of is not None and held.xact_id is not None else None
+            return Finished(lost=loss.commit_unknown(ending.describe_error(error), said))
         return Finished(error=error)
     except PgLockError as error:
         return Finished(error=error)
@@ -83,13 +84,13 @@ def finish_transaction(ending: Ending) -> Finished:
 
 def finish_session(ending: Ending) -> Finished:
     """Session mode: record the completion (only while the key is held), then unlock."""
-    held, succeeded, record, describe_error, records_completion, _ = ending
+    held, records_completion, describe_error = ending.held, ending.records_completion, ending.describe_error
     commit_error: BaseException | None = None
     lost: str | None = None
     recorded = False
-    if succeeded:
+    if ending.succeeded:
         try:
-            held_at_completion = record()
+            held_at_completion = ending.record()
             if records_completion and not held_at_completion:
                 lost = loss.NOT_HELD_AT_COMPLETION
             # Committed, not just written: a session in a transaction would roll the record back.

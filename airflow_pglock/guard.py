@@ -468,11 +468,11 @@ class LockGuard:
             if lost is None and commit_error is None and not closed_inside:
                 ending = Ending(
                     held,
-                    exc_type is None,
-                    record,
-                    self._describe_error,
-                    self._records_completion,
-                    self.database.transaction_status,
+                    succeeded=exc_type is None,
+                    record=record,
+                    describe_error=self._describe_error,
+                    records_completion=self._records_completion,
+                    commit_status=self.database.transaction_status,
                 )
                 lost, commit_error, note = finish(ending)
         except BaseException as interrupted:  # an asynchronous exception during the clean-up

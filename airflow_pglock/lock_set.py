@@ -224,9 +224,7 @@ class LockSet:
             reason = self.lost
             if not subs:
                 if reason is not None:  # dropped with the session: never a quiet False
-                    first = locks[0] if locks else None
-                    key = first.key if isinstance(first, SubLock) else None if first is None else LockKey.coerce(first)
-                    raise LockLostError(f"the lock session was lost: {reason}", key, reason)
+                    raise LockLostError(f"the lock session was lost: {reason}", _first_key(locks), reason)
                 return False
             for sub in subs:
                 sub.given_back = True
@@ -315,7 +313,7 @@ class LockSet:
                     elif seeing:
                         *got, live = statements.try_lock_seeing_scopes(self.connection, wanted, shared=shared)
                     elif len(wanted) == 1:
-                        got = [statements.try_lock(self._cursor, wanted[0], shared=shared)]
+                        got = [statements.try_lock(self.connection, wanted[0], shared=shared, cursor=self._cursor)]
                     else:
                         got = statements.try_lock_many(self.connection, wanted, shared=shared)
                     if live and any(got):
@@ -405,6 +403,14 @@ class LockSet:
         self._ended = self._ended or f"the session ended ({type(error).__name__}: {detail})"
         self._held.clear()
         self._unsettled.clear()
+
+
+def _first_key(locks: tuple[SubLock | AnyKey, ...]) -> LockKey | None:
+    """The key of the first of ``locks`` (for an error about them), or None if there is none."""
+    if not locks:
+        return None
+    first = locks[0]
+    return first.key if isinstance(first, SubLock) else LockKey.coerce(first)
 
 
 class _SessionErrors:

@@ -36,11 +36,19 @@ def check_wait_timeout(timeout: object) -> None:
 
 
 def try_lock(
-    conn: psycopg.Connection[Any] | psycopg.Cursor[Any], key: LockKey, *, shared: bool = False, scope: Scope = "session"
+    conn: psycopg.Connection[Any],
+    key: LockKey,
+    *,
+    shared: bool = False,
+    scope: Scope = "session",
+    cursor: psycopg.Cursor[Any] | None = None,
 ) -> bool:
-    """One ``pg_try_advisory[_xact]_lock[_shared]`` on ``conn`` (or a cursor of it, kept by a
-    caller that takes keys in a tight loop); True if taken."""
-    row = conn.execute(call_text(lock_function("try", shared=shared, scope=scope), key.is_pair), key.numbers).fetchone()
+    """One ``pg_try_advisory[_xact]_lock[_shared]`` on ``conn``; True if taken.
+
+    :param cursor: a cursor of ``conn`` to run it on, kept by a caller that takes keys in a tight loop.
+    """
+    statement = call_text(lock_function("try", shared=shared, scope=scope), key.is_pair)
+    row = (conn if cursor is None else cursor).execute(statement, key.numbers).fetchone()
     return bool(row and row[0])
 
 
