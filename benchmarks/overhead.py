@@ -304,62 +304,71 @@ def decompose(servers: Servers, rounds: int) -> dict[str, list[float]]:
 
 
 _TRY = "pg_try_advisory_lock(%(k)s::bigint)"
-_MARKER = "CASE WHEN pg_try_advisory_lock(%(m)s::bigint) THEN pg_advisory_unlock(%(m)s::bigint) END"
-_MARKED_TRY = (  # pg.pools.PLAIN_CHECK
-    f"CASE WHEN pg_try_advisory_lock(%(k)s::bigint) THEN (CASE WHEN {_MARKER} THEN 1 ELSE 2 END)"
-    f" ELSE (CASE WHEN {_MARKER} THEN 0 ELSE -2 END) END"
-)
-_REGISTRY = ", CASE WHEN to_regnamespace('pglock') IS NULL THEN 'absent' ELSE 'present' END"
-#: The first lock statement of a named key, built up part by part (the last is what pg.take sends).
-FIRST_STATEMENT_PARTS: tuple[tuple[str, str], ...] = (
-    ("the try alone (the floor's statement)", f"SELECT {_TRY}"),
-    (
-        "+ only on the session that answered the handshake (pooler check)",
-        f"SELECT CASE WHEN pg_backend_pid() = %(p)s THEN {_TRY} END, pg_backend_pid()",
-    ),
-    (
-        "+ only on a primary (`pg_is_in_recovery()`)",
-        f"SELECT CASE WHEN NOT pg_is_in_recovery() AND pg_backend_pid() = %(p)s THEN {_TRY} END, pg_backend_pid(),"
-        " pg_is_in_recovery()",
-    ),
-    (
-        "+ the key-name registry's state (`to_regnamespace`)",
-        f"SELECT CASE WHEN NOT pg_is_in_recovery() AND pg_backend_pid() = %(p)s THEN {_TRY} END, pg_backend_pid(),"
-        f" pg_is_in_recovery(){_REGISTRY}",
-    ),
-    (
-        "+ a pool of the name's presence marker (today's statement)",
-        f"SELECT CASE WHEN NOT pg_is_in_recovery() AND pg_backend_pid() = %(p)s THEN {_MARKED_TRY} END,"
-        f" pg_backend_pid(), pg_is_in_recovery(){_REGISTRY}",
-    ),
-    (
-        "+ the server's start time (the statement before; now asked only after a loss)",
-        f"SELECT CASE WHEN NOT pg_is_in_recovery() AND pg_backend_pid() = %(p)s THEN {_MARKED_TRY} END,"
-        f" pg_backend_pid(), pg_is_in_recovery(){_REGISTRY}, pg_postmaster_start_time()",
-    ),
-)
+_WHERE = "NOT pg_is_in_recovery() AND pg_backend_pid() = %(p)s"
+_SCHEMA = ", CASE WHEN to_regnamespace('pglock') IS NULL THEN 'absent' ELSE 'present' END"
 
 
-def first_statement_parts(servers: Servers, rounds: int) -> dict[str, list[float]]:
+def first_statement_parts() -> tuple[tuple[str, str], ...]:
+    """The first lock statement of a named key, built up part by part: the last two rows are the
+    product's own text (``pg.take``), as a guarded task sends it, then with what it no longer asks."""
+    from airflow_pglock.pg.key_names import REGISTRY_STATE
+    from airflow_pglock.pg.take import _first_try_statement, _Shape
+
+    shape = _Shape("pg_try_advisory_lock", False, True, False, "session", True, False)
+    today = _first_try_statement(shape).as_string(None)
+    registry = ", " + REGISTRY_STATE.as_string(None)
+    return (
+        ("the try alone (the floor's statement)", f"SELECT {_TRY}"),
+        (
+            "+ only on the session that answered the handshake (pooler check)",
+            f"SELECT CASE WHEN pg_backend_pid() = %(p)s THEN {_TRY} END, pg_backend_pid()",
+        ),
+        (
+            "+ only on a primary (`pg_is_in_recovery()`)",
+            f"SELECT CASE WHEN {_WHERE} THEN {_TRY} END, pg_backend_pid(), pg_is_in_recovery()",
+        ),
+        (
+            "+ whether the key-name registry's schema is there (`to_regnamespace`)",
+            f"SELECT CASE WHEN {_WHERE} THEN {_TRY} END, pg_backend_pid(), pg_is_in_recovery(){_SCHEMA}",
+        ),
+        (
+            "+ the rest of the registry's state (schema privilege, lock scopes' horizon)",
+            f"SELECT CASE WHEN {_WHERE} THEN {_TRY} END, pg_backend_pid(), pg_is_in_recovery(){registry}",
+        ),
+        ("+ a pool of the name's presence marker (today's statement, as `pg.take` sends it)", today),
+        (
+            "+ the server's start time (the statement before; now asked only after a loss)",
+            today + ", pg_postmaster_start_time()",
+        ),
+    )
+
+
+def first_statement_parts_timed(servers: Servers, rounds: int) -> dict[str, list[float]]:
     """The first statement on a fresh connection, part by part, the variants round-robin."""
     from airflow_pglock.keys import LockKey, pool_presence_marker
+    from airflow_pglock.pg.pools import pool_params
+    from airflow_pglock.pg.sql import key_params
 
     key = LockKey.from_name(KEY_NAME)
-    params = {"k": key.int64, "m": pool_presence_marker(key).int64}
+    # The bench's own parts name k, m and p; the product's text its own names (the same values).
+    params = {"k": key.int64, "m": pool_presence_marker(key).int64, "pooled": False}
+    params |= {**pool_params(key, 1), **key_params(key)}
 
     def variant(statement: str) -> Callable[[], float]:
         def run() -> float:
             with psycopg.connect(servers.dsn, autocommit=True) as conn:
                 started = time.perf_counter()
-                conn.execute(statement, {**params, "p": conn.info.backend_pid}).fetchone()  # type: ignore[arg-type]
+                pid = conn.info.backend_pid
+                conn.execute(statement, {**params, "p": pid, "reported_pid": pid}).fetchone()  # type: ignore[arg-type]
                 took = time.perf_counter() - started
                 conn.execute("SELECT pg_advisory_unlock_all()")
             return took
 
         return run
 
-    took: dict[str, list[float]] = {label: [] for label, _ in FIRST_STATEMENT_PARTS}
-    runs = {label: variant(statement) for label, statement in FIRST_STATEMENT_PARTS}
+    parts = first_statement_parts()
+    took: dict[str, list[float]] = {label: [] for label, _ in parts}
+    runs = {label: variant(statement) for label, statement in parts}
     for round_number in range(rounds):
         order = list(runs.items())
         shift = round_number % len(order)
@@ -385,7 +394,7 @@ def run_overhead(servers: Servers, rounds: int, profile_runs: int) -> OverheadRe
         samples = interleaved({**variants, "_round_trip": round_trip, "_connect": connect_close}, rounds)
         profile, total = profile_guard(variants["LockGuard"], profile_runs)
         steps = decompose(servers, rounds)
-        statement_parts = first_statement_parts(servers, rounds)
+        statement_parts = first_statement_parts_timed(servers, rounds)
     finally:
         probe.close()
         close()
