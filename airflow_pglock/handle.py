@@ -24,6 +24,10 @@ from airflow_pglock.server_rules import Scope, Violation, sub_keys_behind_pooler
 class LockHandle:
     """What the protected work sees of its lock.
 
+    Its sub-keys (:meth:`try_lock`, :meth:`lock`, :meth:`try_lock_many`) are session locks, also
+    beside a transaction lock: through a transaction pooler, where the lock itself is a transaction
+    lock, those calls raise :class:`~airflow_pglock.exceptions.UnsafeSetupError` before taking anything.
+
     :ivar key: the key held.
     :ivar connection: in transaction mode, the connection whose open transaction holds
         the lock (do the protected database work on it); None in session mode.
