@@ -200,8 +200,8 @@ def session_lock_behind_pooler(info: ServerInfo, scope: Scope, pool_mode: str | 
         f"a connection pooler is in between (it reported backend pid {info.reported_pid}, the server says "
         f"{info.backend_pid}): a session-level advisory lock is unsafe under transaction pooling (PgBouncer's "
         "pool_mode=transaction), where the next statement may run on another server session",
-        "use mode='transaction' (transaction-level locks work through PgBouncer), connect directly to "
-        "PostgreSQL, or, if the pooler really runs in session pooling, set the connection extra "
+        "use mode='transaction' (transaction-level locks work through PgBouncer; sub-keys beside them do not), "
+        "connect directly to PostgreSQL, or, if the pooler really runs in session pooling, set the connection extra "
         '{"pool_mode": "session"}',
     )
 
