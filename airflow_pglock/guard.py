@@ -441,31 +441,22 @@ class LockGuard:
         commit_error: BaseException | None = None
         note: str | None = None
         handed: str | None = None
-        closed_inside = False
         try:
             self.interruption.disarm_absorbing()
             self._stop_heartbeat()
             lost = self.lost
             record = lambda: self._record(held)  # noqa: E731
             if lost is None and self._handle is not None and not held.connection.closed:
-                self._handle.release_all()  # free now; the closed session would free them only when its backend ends
-                if held.scope == "transaction" and self._handle.holds_sub_keys():
-                    # Sub-keys are session locks: ending the transaction (COMMIT or ROLLBACK) would leave
-                    # them held (through a session pooler, on the server session it keeps). Closing inside
-                    # the transaction ends them with the session (a pooler drops it; the server rolls back).
-                    self._abandon()
-                    closed_inside = True
-                    if exc_type is None:  # else the work's own error is the failure to see
-                        commit_error = PgLockError(loss.SUB_KEYS_NOT_RELEASED)
-                    else:
-                        self.log.warning("pglock: %s", loss.SUB_KEYS_NOT_RELEASED)
-            if lost is None and not closed_inside and self.scope.kind == "member" and not held.connection.closed:
+                # Session locks: free now (the closed session would free them only when its backend
+                # ends). Transaction locks: announced, to end with the transaction's commit or rollback.
+                self._handle.release_all()
+            if lost is None and self.scope.kind == "member" and not held.connection.closed:
                 end_member_task(self.scope, held.key, held, self.log)  # before the release: the next task's gap
             if lost is None and self._hand_over is not None:
                 lost, commit_error, handed = self._pass_to_triggerer(held)
             elif lost is None and self.scope.kind == "resume" and not held.connection.closed:
                 end_deferred_hold(self.scope, held.key, held, self.log)
-            if lost is None and commit_error is None and not closed_inside:
+            if lost is None and commit_error is None:
                 ending = Ending(
                     held,
                     succeeded=exc_type is None,

@@ -18,15 +18,15 @@ from airflow_pglock.keys import AnyKey, LockKey
 from airflow_pglock.lock_set import LockSet, SubLock
 from airflow_pglock.pg.held import HeldLock
 from airflow_pglock.pg.key_names import scopes_installed
-from airflow_pglock.server_rules import Scope, Violation, sub_keys_behind_pooler
+from airflow_pglock.server_rules import Scope
 
 
 class LockHandle:
     """What the protected work sees of its lock.
 
-    Its sub-keys (:meth:`try_lock`, :meth:`lock`, :meth:`try_lock_many`) are session locks, also
-    beside a transaction lock: through a transaction pooler, where the lock itself is a transaction
-    lock, those calls raise :class:`~airflow_pglock.exceptions.UnsafeSetupError` before taking anything.
+    Its sub-keys (:meth:`try_lock`, :meth:`lock`, :meth:`try_lock_many`) are locks of the task's
+    mode: session locks in session mode; in transaction mode transaction locks, which end with the
+    lock's transaction (a sub-key given back stays busy to others until it commits).
 
     :ivar key: the key held.
     :ivar connection: in transaction mode, the connection whose open transaction holds
@@ -61,34 +61,28 @@ class LockHandle:
         # The guard's lock statement already said whether the scopes' tables are there (named keys only).
         known = None if held.registry is None else scopes_installed(held.registry)
         self._keys = LockSet(
-            held.connection, lost_reason, reserved=held.key, can_wait=held.scope == "session", scopes=known
+            held.connection,
+            lost_reason,
+            reserved=held.key,
+            can_wait=held.scope == "session",
+            scopes=known,
+            scope=held.scope,
         )
-        # A session lock (as the task's own key in session mode) was refused through such a pooler already.
-        self._refusal: Violation | None = (
-            sub_keys_behind_pooler(held.server, held.pool_mode) if held.scope == "transaction" else None
-        )
-
-    def _check_sub_keys_allowed(self) -> None:
-        if self._refusal is not None:
-            raise self._refusal.error()
 
     # Sub-keys on the task's own connection, covered by its heartbeat (see lock_set.LockSet).
 
     def try_lock(self, key: AnyKey, shared: bool = False) -> contextlib.AbstractContextManager[SubLock | None]:
         """Try once to take another key (e.g. a tenant) for a ``with`` block; None when busy."""
-        self._check_sub_keys_allowed()
         return self._keys.try_lock(key, shared)
 
     def lock(
         self, key: AnyKey, *, timeout: float, shared: bool = False
     ) -> contextlib.AbstractContextManager[SubLock | None]:
         """Wait at most ``timeout`` seconds (server-side) for another key; None if it ran out."""
-        self._check_sub_keys_allowed()
         return self._keys.lock(key, timeout=timeout, shared=shared)
 
     def try_lock_many(self, keys: Iterable[AnyKey], shared: bool = False) -> list[SubLock]:
         """Try many keys in one round trip; the ones taken (held until released or the task ends)."""
-        self._check_sub_keys_allowed()
         return self._keys.try_lock_many(keys, shared)
 
     def release(self, *locks: SubLock | AnyKey) -> bool:

@@ -3,8 +3,10 @@
 PostgreSQL counts advisory locks per session: ``pg_try_advisory_lock`` succeeds again for a
 key the session already holds. A :class:`LockSet` therefore tracks what its session holds
 and answers "busy" for such a key, and runs its operations one at a time under its own
-lock: two threads sharing it never both hold one key. Its locks are session locks; they end
-when released, or with the session.
+lock: two threads sharing it never both hold one key. Its locks are session locks, which end
+when released or with the session; beside a transaction lock (``mode="transaction"``) they
+are transaction locks, which end with the lock's transaction: given back, a key stays busy to
+others until then, so what was written under it is committed before anyone else can take it.
 
 :class:`LockSession` is a set on a dedicated connection of its own, with the lease and the
 heartbeat every lock has (``AdvisoryLockHook.lock_session``). Inside a guarded task the ``lock`` handle
@@ -114,6 +116,9 @@ class LockSet:
     :param can_wait: whether :meth:`lock` may wait (not on a connection inside a transaction).
     :param scopes: whether the lock scopes' tables are there (None: asked at the first named key).
         A named key that another run's lock scope holds between its tasks is busy here too.
+    :param scope: ``"session"``: session locks; ``"transaction"``: transaction locks, on a
+        connection whose open transaction holds a transaction lock (they end with it; nothing
+        can free them sooner, neither a release nor the work's ``pg_advisory_unlock_all()``).
     """
 
     def __init__(
@@ -124,8 +129,13 @@ class LockSet:
         reserved: LockKey | None = None,
         can_wait: bool = True,
         scopes: bool | None = None,
+        scope: Scope = "session",
     ) -> None:
         self._scopes = scopes
+        self._scope: Scope = scope
+        # Transaction locks given back (or refused as a lock scope's): held until the transaction
+        # ends, announced to waiting triggers by release_all(), to be sent as the transaction commits.
+        self._to_announce: dict[tuple[int, ...], LockKey] = {}
         self.connection = connection
         self._statement_cursor: psycopg.Cursor[Any] | None = None
         self._lost_reason = lost_reason
@@ -228,6 +238,12 @@ class LockSet:
                 return False
             for sub in subs:
                 sub.given_back = True
+            if self._scope == "transaction" and reason is None:
+                # No statement frees a transaction lock: it ends with the transaction.
+                for sub in subs:
+                    self._held.pop(sub.key.numbers, None)
+                    self._to_announce[sub.key.numbers] = sub.key
+                return len(subs) == len(locks) and not self.connection.closed
             if reason is not None or self.connection.closed:
                 for sub in subs:
                     self._held.pop(sub.key.numbers, None)
@@ -248,7 +264,11 @@ class LockSet:
     def release_all(self) -> bool:
         """Release every key this set holds, and those a failed statement may have left, best
         effort (before its session closes: closing frees them too, but only once the server has
-        ended the backend). Whether all were held."""
+        ended the backend). Whether all were held. Transaction locks are given back, and every
+        one taken is announced to waiting triggers, in a notification sent as the transaction
+        commits, when they end."""
+        if self._scope == "transaction":
+            return self._give_back_transaction_locks()
         held = self.held()
         try:
             with self._mutex:
@@ -256,6 +276,28 @@ class LockSet:
             return self.release(*held) if held else True
         except (PgLockError, psycopg.Error):  # the session is gone, or the release will be settled
             return False
+
+    def _give_back_transaction_locks(self) -> bool:
+        with self._mutex:
+            if self.lost is not None:
+                return False
+            subs = list(self._held.values())
+            for sub in subs:
+                sub.given_back = True
+                self._to_announce[sub.key.numbers] = sub.key
+            self._held.clear()
+            keys = list(self._to_announce.values())
+            self._to_announce.clear()
+            if not keys or self.connection.closed:
+                return not self.connection.closed
+            if self.connection.info.transaction_status != psycopg.pq.TransactionStatus.INTRANS:
+                return True  # aborted (a rollback drops any announcement) or ended by the work: nothing to send
+            try:
+                with self._session_errors(keys[0]):
+                    statements.announce_released(self.connection, keys)
+            except (PgLockError, psycopg.Error) as error:  # waiters see them free at their next poll
+                log.warning("pglock could not announce %d sub-keys to waiting triggers: %s", len(keys), error)
+            return True
 
     def holds_any(self) -> bool:
         """Whether the session may still hold keys of this set (held, or left by a failed statement)."""
@@ -308,14 +350,17 @@ class LockSet:
                         self._scopes = statements.scopes_installed(self.connection)
                     seeing = seeing and bool(self._scopes)
                     live = seeing
+                    conn, scope = self.connection, self._scope
                     if timeout is not None:  # a wait: any scope may have begun meanwhile
                         got = [statements.wait_lock(self.connection, wanted[0], timeout, shared=shared)]
                     elif seeing:
-                        *got, live = statements.try_lock_seeing_scopes(self.connection, wanted, shared=shared)
+                        *got, live = statements.try_lock_seeing_scopes(
+                            self.connection, wanted, shared=shared, scope=scope
+                        )
                     elif len(wanted) == 1:
-                        got = [statements.try_lock(self.connection, wanted[0], shared=shared, cursor=self._cursor)]
+                        got = [statements.try_lock(conn, wanted[0], shared=shared, scope=scope, cursor=self._cursor)]
                     else:
-                        got = statements.try_lock_many(self.connection, wanted, shared=shared)
+                        got = statements.try_lock_many(self.connection, wanted, shared=shared, scope=scope)
                     if live and any(got):
                         got = self._outside_scopes(wanted, got, shared)
             except BaseException as error:  # it may have taken some of them before the error (or the interrupt)
@@ -332,7 +377,12 @@ class LockSet:
         if not scoped:
             return got
         refused = [key for key in named if key.numbers in scoped]
-        statements.unlock_many(self.connection, refused, shared=shared)
+        if self._scope == "transaction":
+            # A transaction lock cannot be given back: busy here, it stays taken until the
+            # transaction ends (the scope's next task finds the key busy until then).
+            self._to_announce.update((key.numbers, key) for key in refused)
+        else:
+            statements.unlock_many(self.connection, refused, shared=shared)
         return [ok and key.numbers not in scoped for key, ok in zip(wanted, got, strict=True)]
 
     def _unlock(self, subs: list[SubLock]) -> list[SubLock]:
@@ -370,6 +420,8 @@ class LockSet:
         now if the connection can run a statement, else at the next operation."""
         if self.lost is not None or self.connection.closed:
             return  # the session is gone, its keys with it
+        if self._scope == "transaction":
+            return  # the error aborted the transaction (or its savepoint), whose rollback ends them
         self._unsettled.update((key.numbers, (key, shared)) for key, shared in keys)
         self._settle()
 

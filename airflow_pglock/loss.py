@@ -40,13 +40,6 @@ NOT_HELD_AT_FENCING = (
     "issued and the work did not run (a later holder's token stays the newest)"
 )
 
-SUB_KEYS_NOT_RELEASED = (
-    "the sub-keys taken on the lock's connection could not be released in its transaction (an error of the "
-    "work aborted it, and an aborted transaction runs no unlock): the connection was closed inside the "
-    "transaction, which ends them with the session (a pooler drops that server session rather than passing it on); "
-    "nothing was committed"
-)
-
 NOT_HELD_AT_COMPLETION = "found at completion: the session no longer held the key (nothing recorded)"
 
 

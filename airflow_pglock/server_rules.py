@@ -200,27 +200,9 @@ def session_lock_behind_pooler(info: ServerInfo, scope: Scope, pool_mode: str | 
         f"a connection pooler is in between (it reported backend pid {info.reported_pid}, the server says "
         f"{info.backend_pid}): a session-level advisory lock is unsafe under transaction pooling (PgBouncer's "
         "pool_mode=transaction), where the next statement may run on another server session",
-        "use mode='transaction' (transaction-level locks work through PgBouncer; sub-keys beside them do not), "
-        "connect directly to PostgreSQL, or, if the pooler really runs in session pooling, set the connection extra "
+        "use mode='transaction' (transaction-level locks work through PgBouncer), connect directly to "
+        "PostgreSQL, or, if the pooler really runs in session pooling, set the connection extra "
         '{"pool_mode": "session"}',
-    )
-
-
-def sub_keys_behind_pooler(info: ServerInfo, pool_mode: str | None) -> Violation | None:
-    """Sub-keys (session locks) beside a transaction lock, through a pooler not declared to run
-    session pooling: the work's own COMMIT would end the transaction that pins the server session,
-    and hand it, with them, to the pooler's next client before the guard could unlock them."""
-    if not info.behind_pooler or pool_mode == "session":
-        return None
-    return Violation(
-        "pooler",
-        f"sub-keys are session-level advisory locks, and a connection pooler is in between (it reported "
-        f"backend pid {info.reported_pid}, the server says {info.backend_pid}): under transaction pooling "
-        "they would belong to the server session lent for the lock's transaction, and a COMMIT in the work "
-        "would hand that session, with them, to the pooler's next client",
-        "to take sub-keys, connect the lock connection directly to PostgreSQL (or, if the pooler really runs "
-        'in session pooling, set the connection extra {"pool_mode": "session"}); or lock each key in a task '
-        "of its own (e.g. mapped tasks with mode='transaction')",
     )
 
 

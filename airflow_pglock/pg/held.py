@@ -49,7 +49,6 @@ class HeldLock:
     :param markers: session scope, a pool's slot: the pool's markers held in shared mode
         (:func:`~airflow_pglock.pg.pools.pool_markers`), given back by the unlock.
     :param slot: a pool's slot: its number (1 to the pool's size); None for a plain key.
-    :param pool_mode: the connection's declared ``pool_mode`` (connection extra), else None.
     """
 
     key: LockKey
@@ -66,7 +65,6 @@ class HeldLock:
     at_release: WriteAtRelease | None = None
     markers: tuple[LockKey, ...] = ()
     slot: int | None = None
-    pool_mode: str | None = None
 
     def is_held(self) -> bool:
         """Ask the server whether this session still holds the key (a round trip).

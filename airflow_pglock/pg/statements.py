@@ -21,6 +21,7 @@ from psycopg import sql
 from airflow_pglock.exceptions import LockConfigurationError
 from airflow_pglock.holder import EXCLUSIVE_MODE, SHARED_MODE
 from airflow_pglock.keys import LockKey
+from airflow_pglock.pg import wakeups
 from airflow_pglock.pg.sql import HORIZON_LIVE, call, call_text, held_condition, held_params, lock_function
 from airflow_pglock.policy import lock_timeout_ms, longest_wait_text, wait_timeout_problem
 from airflow_pglock.server_rules import Scope
@@ -173,10 +174,12 @@ def _for_each_key(conn: psycopg.Connection[Any], function: str, keys: list[LockK
     return answers
 
 
-def try_lock_many(conn: psycopg.Connection[Any], keys: list[LockKey], *, shared: bool = False) -> list[bool]:
-    """``pg_try_advisory_lock[_shared]`` for each key, in one round trip per
+def try_lock_many(
+    conn: psycopg.Connection[Any], keys: list[LockKey], *, shared: bool = False, scope: Scope = "session"
+) -> list[bool]:
+    """``pg_try_advisory[_xact]_lock[_shared]`` for each key, in one round trip per
     :data:`MANY_KEYS_PER_STATEMENT` keys; whether each was taken, in order."""
-    return _for_each_key(conn, lock_function("try", shared=shared), keys)
+    return _for_each_key(conn, lock_function("try", shared=shared, scope=scope), keys)
 
 
 def scopes_installed(conn: psycopg.Connection[Any]) -> bool:
@@ -188,7 +191,9 @@ def scopes_installed(conn: psycopg.Connection[Any]) -> bool:
 _HORIZON_COLUMN = sql.SQL(", " + HORIZON_LIVE)
 
 
-def try_lock_seeing_scopes(conn: psycopg.Connection[Any], keys: list[LockKey], *, shared: bool = False) -> list[bool]:
+def try_lock_seeing_scopes(
+    conn: psycopg.Connection[Any], keys: list[LockKey], *, shared: bool = False, scope: Scope = "session"
+) -> list[bool]:
     """:func:`try_lock_many` that also says, after taking them, whether some lock scope may be
     live (the horizon, read in the same statement after the tries): a last element."""
     answers: list[bool] = []
@@ -197,11 +202,20 @@ def try_lock_seeing_scopes(conn: psycopg.Connection[Any], keys: list[LockKey], *
         chunk = keys[start : start + MANY_KEYS_PER_STATEMENT]
         wholes = [key.int64 for key in chunk]
         pairs = [key.numbers if key.is_pair else (None, None) for key in chunk]
-        statement = _each_key(lock_function("try", shared=shared), _HORIZON_COLUMN)
+        statement = _each_key(lock_function("try", shared=shared, scope=scope), _HORIZON_COLUMN)
         rows = conn.execute(statement, [wholes, [p[0] for p in pairs], [p[-1] for p in pairs]]).fetchall()
         answers += [bool(row[0]) for row in rows]
         live = live or any(bool(row[1]) for row in rows)
     return [*answers, live]
+
+
+def announce_released(conn: psycopg.Connection[Any], keys: list[LockKey]) -> None:
+    """Announce ``keys`` released to waiting triggers (:mod:`~airflow_pglock.pg.wakeups`), in one
+    statement. In a transaction the notifications are sent when it commits: transaction locks
+    given back inside it are announced as they end (a rollback drops both the announcement and
+    the locks; waiters then see them free at their next poll)."""
+    payloads = [wakeups.payload(key) for key in keys]
+    conn.execute(f"SELECT pg_notify('{wakeups.RELEASED_CHANNEL}', p) FROM unnest(%s::text[]) AS p", [payloads])
 
 
 def unlock_many(conn: psycopg.Connection[Any], keys: list[LockKey], *, shared: bool = False) -> list[bool]:

@@ -286,5 +286,4 @@ def take(
         registry=registry,
         markers=pool_markers(key, slots) if scope == "session" else (),
         slot=pool.index(held_key) + 1 if slots > 1 else None,
-        pool_mode=pool_mode,
     )

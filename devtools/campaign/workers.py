@@ -18,7 +18,8 @@ The kinds (every public way to hold a lock, see docs/safety.md):
   ``lock(key, timeout=...)`` or a single ``try_lock(key)`` (of a hot key or the numeric key), and
   an early ``release``;
 * ``guard-sub-keys``: a guard's own key plus sub-keys through its ``lock`` handle (a batch, or a
-  single ``try_lock`` block of a hot key or the numeric key);
+  single ``try_lock`` block of a hot key or the numeric key), in session mode or, a third of the
+  time, in transaction mode (the sub-keys are then transaction locks, ended by the commit);
 * ``pool``: a pool of slots (``slots=2``);
 * ``scope``: a lock scope (``advisory_lock_scope``: docs/scopes.md) as its setup, tasks and
   teardown run it, with a fencing token per scope: it believes it holds the key from its setup
@@ -282,7 +283,8 @@ class Worker:
             self._work(run, held)
 
         own = LockKey.from_name(f"campaign/owner/{self.config.index}")
-        LockGuard(self.hook.database, own, LockPolicy(), application_name=self.name).run(work)
+        policy = LockPolicy(mode="transaction" if self.rng.random() < 1 / 3 else "session")
+        LockGuard(self.hook.database, own, policy, application_name=self.name).run(work)
 
     def _scope(self, run: str, key: str) -> None:
         """A scope's setup, 2-3 tasks with gaps between them, and its teardown (whatever happened).

@@ -27,7 +27,8 @@ each round:
 * no lost hold reported as success: a worker whose session was terminated before it left a
   section does not succeed (a lock session's block raises LockLostError);
 * nothing is left held: between its steps, a live session holds no advisory lock it does not
-  track; at the end of the round no session and no advisory lock remain.
+  track (in transaction mode, the sub-keys given back stay until the transaction ends); at the
+  end of the round no session and no advisory lock remain.
 
 The seed is printed; replay with ``PGLOCK_RACE_SEED=<seed>`` (each round's plan follows from
 it, its kind and its number: ``PGLOCK_RACE_FIRST_ROUND=<n>`` starts at round n) and
@@ -163,9 +164,10 @@ def _plan_keys(rng: random.Random, tag: str) -> list[Plan]:
         if fault == "cancel" and not any(step.op == "many" for step in steps):
             steps.insert(rng.randrange(len(steps) + 1), _plan_step(rng, tenants, mode, op="many"))
         if fault == "unlock" and (kind == "session" or mode == "transaction"):
-            # Nothing probes these keys (a lock session, sub-keys beside a transaction lock, which
-            # pg_advisory_unlock_all leaves alone): an unlock behind the holder's back shows in the
-            # answer of the release, so every step is a batch released by the worker itself.
+            # Nothing probes a lock session's keys: an unlock behind the holder's back shows in the
+            # answer of the release, so every step is a batch released by the worker itself. Beside a
+            # transaction lock, pg_advisory_unlock_all leaves the task's key and its sub-keys alone
+            # (transaction locks): their releases must answer that they were held.
             steps = [_plan_step(rng, tenants, mode, op="many") for _ in steps]
             for step in steps:
                 step.keep = False
@@ -294,6 +296,8 @@ class Worker:
     fault: Fault | None = None
     unlocked: bool = False
     untracked_seen: bool = False
+    #: Transaction mode: sub-keys given back, which stay the session's until its transaction ends.
+    given_back: list[LockKey] = field(default_factory=list)
 
     def note(self, text: str) -> None:
         self.round.notes.setdefault(self.plan.worker, []).append(text)
@@ -335,6 +339,7 @@ class Worker:
                     name = step.keys[0]
                     with self._single(holder, step, name) as sub:
                         if sub is not None:
+                            self.given_back.append(sub.key)
                             hold = self.effects.enter([(name, 1)])
                             try:
                                 self.work(step)
@@ -365,6 +370,7 @@ class Worker:
             if self.fault is not None and self.plan.fault == "cancel":
                 self.fault.stop()  # one batch is cancelled (or not, if it ended before the cancel came)
         sections = [(sub.key.name, 1) for sub in subs if sub.key.name in step.keys]
+        self.given_back += [sub.key for sub in subs]
         hold = self.effects.enter(sections)
         if step.keep:
             kept.append((hold, sections))
@@ -387,7 +393,8 @@ class Worker:
             and self.connection.info.transaction_status == psycopg.pq.TransactionStatus.INERROR
         ):
             return  # nothing runs on an aborted transaction (no key is granted twice); the task's end closes it
-        untracked = untracked_locks(self.side, pid, holder.held(), reserved)
+        tracked = holder.held() + (self.given_back if self.plan.mode == "transaction" else [])
+        untracked = untracked_locks(self.side, pid, tracked, reserved)
         if untracked and holder.lost is None:
             self.untracked_seen = True
             self.round.untracked.append(

@@ -11,7 +11,7 @@ import pytest
 
 from airflow_pglock.exceptions import UnsafeSetupError
 from airflow_pglock.options import TEMPLATED, FunctionLockOptions, LockOptions, LockSpec, declared
-from airflow_pglock.server_rules import RULES, ServerInfo, check_server, sub_keys_behind_pooler, violations
+from airflow_pglock.server_rules import RULES, ServerInfo, check_server, violations
 
 PRIMARY = ServerInfo(
     backend_pid=7,
@@ -83,18 +83,6 @@ def test_rules_pass_a_primary_and_what_is_safe() -> None:
     assert violations(behind_pooler, "transaction", None) == []  # transaction locks work through PgBouncer
     assert violations(behind_pooler, "session", "session") == []  # declared session pooling
     assert violations(dataclasses.replace(PRIMARY, version_num=130010), "transaction", None) == []
-
-
-def test_sub_keys_are_refused_only_through_an_undeclared_pooler() -> None:
-    behind_pooler = dataclasses.replace(PRIMARY, reported_pid=99)
-    assert sub_keys_behind_pooler(PRIMARY, None) is None
-    assert sub_keys_behind_pooler(behind_pooler, "session") is None
-    refusal = sub_keys_behind_pooler(behind_pooler, None)
-    assert refusal is not None and refusal.check == "pooler"
-    message = str(refusal.error())
-    assert "sub-keys" in message and "reported backend pid 99" in message and "the server says 7" in message
-    assert '{"pool_mode": "session"}' in message
-    assert sub_keys_behind_pooler(behind_pooler, "transaction") is not None
 
 
 @pytest.mark.parametrize(

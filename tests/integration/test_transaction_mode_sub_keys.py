@@ -1,0 +1,149 @@
+"""Sub-keys beside a transaction lock (``mode="transaction"``) are transaction locks too: what the
+work wrote under one is committed before anyone else can take it, and nothing the work does to
+session locks, or to the server session behind a pooler, can keep one past the transaction.
+
+With session locks (as before), a sub-key released inside the work, and every sub-key kept to the
+end (released just before the lock's COMMIT), could be taken by another job that then read the
+lock database without this task's writes; the work's ``pg_advisory_unlock_all()`` freed them
+while the task went on as if it held them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from airflow_pglock.guard import LockGuard
+from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+from airflow_pglock.keys import LockKey
+from airflow_pglock.pg.held import HeldLock
+from airflow_pglock.policy import LockPolicy
+
+MAIN = LockKey.from_name("txn-sub-keys/main")
+SUB = LockKey.from_name("txn-sub-keys/tenant")
+
+
+@pytest.fixture
+def table(admin: Any) -> Iterator[str]:
+    admin.execute("DROP TABLE IF EXISTS txn_sub_keys")
+    admin.execute("CREATE TABLE txn_sub_keys (tenant text)")
+    yield "txn_sub_keys"
+    admin.execute("DROP TABLE txn_sub_keys")
+
+
+def _another_job(admin: Any) -> tuple[bool, int]:
+    """Whether another job could take the sub-key now, and how many of the work's rows it reads."""
+    taken = admin.execute("SELECT pg_try_advisory_lock(%s)", [SUB.int64]).fetchone()[0]
+    if taken:
+        admin.execute("SELECT pg_advisory_unlock(%s)", [SUB.int64])
+    return bool(taken), int(admin.execute("SELECT count(*) FROM txn_sub_keys").fetchone()[0])
+
+
+def _guard(hook: AdvisoryLockHook) -> LockGuard:
+    return LockGuard(hook.database, MAIN, LockPolicy(mode="transaction"))
+
+
+@pytest.mark.parametrize("how", ["with-block", "release", "release_all"])
+def test_a_sub_key_given_back_stays_busy_until_the_transaction_commits(
+    how: str, hook: AdvisoryLockHook, admin: Any, table: str
+) -> None:
+    guard = _guard(hook)
+    with guard as handle:
+        assert handle.connection is not None
+        if how == "with-block":
+            with handle.try_lock(SUB) as sub:
+                assert sub is not None
+                handle.connection.execute("INSERT INTO txn_sub_keys VALUES ('acme')")
+        else:
+            [sub] = handle.try_lock_many([SUB])
+            handle.connection.execute("INSERT INTO txn_sub_keys VALUES ('acme')")
+            assert (handle.release(sub) if how == "release" else handle.release_all()) is True
+        assert handle.held() == []
+        assert _another_job(admin) == (False, 0), "another job took the sub-key before the work's row was committed"
+    assert guard.outcome == "completed"
+    assert _another_job(admin) == (True, 1)
+
+
+def test_a_sub_key_kept_to_the_end_is_free_only_once_the_work_is_committed(
+    hook: AdvisoryLockHook, admin: Any, table: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[tuple[bool, int]] = []
+    commit = HeldLock.commit_if_held
+
+    def look_just_before_the_commit(self: HeldLock, record: Callable[[], bool]) -> bool:
+        seen.append(_another_job(admin))
+        return commit(self, record)
+
+    monkeypatch.setattr(HeldLock, "commit_if_held", look_just_before_the_commit)
+    guard = _guard(hook)
+    with guard as handle:
+        assert handle.connection is not None
+        assert [sub.key for sub in handle.try_lock_many([SUB])] == [SUB]
+        handle.connection.execute("INSERT INTO txn_sub_keys VALUES ('acme')")
+    assert seen == [(False, 0)], "the sub-key was free before the lock's COMMIT"
+    assert guard.outcome == "completed"
+    assert _another_job(admin) == (True, 1)
+
+
+def test_the_works_unlock_all_leaves_the_sub_keys_held(hook: AdvisoryLockHook, admin: Any, table: str) -> None:
+    guard = _guard(hook)
+    with guard as handle:
+        assert handle.connection is not None
+        with handle.try_lock(SUB) as sub:
+            assert sub is not None
+            handle.connection.execute("SELECT pg_advisory_unlock_all()")  # session locks only
+            assert _another_job(admin) == (False, 0)
+            handle.connection.execute("INSERT INTO txn_sub_keys VALUES ('acme')")
+    assert guard.outcome == "completed"
+    assert _another_job(admin) == (True, 1)
+
+
+def test_a_failed_work_frees_its_sub_keys_with_the_rollback(hook: AdvisoryLockHook, admin: Any, table: str) -> None:
+    guard = _guard(hook)
+    with pytest.raises(psycopg.errors.DivisionByZero), guard as handle:
+        assert handle.connection is not None
+        assert len(handle.try_lock_many([SUB])) == 1
+        handle.connection.execute("INSERT INTO txn_sub_keys VALUES ('acme')")
+        handle.connection.execute("SELECT 1 / 0")
+    assert guard.outcome == "failed"
+    assert _another_job(admin) == (True, 0)
+
+
+def test_a_sub_key_is_taken_once_per_task_even_after_it_was_given_back(
+    hook: AdvisoryLockHook, admin: Any, table: str
+) -> None:
+    """Given back, a transaction lock stays the session's until the commit: taking it again in
+    the same task is allowed (nobody else can hold it meanwhile), and the task's own key never is."""
+    with _guard(hook) as handle:
+        with handle.try_lock(SUB) as first:
+            assert first is not None
+            with handle.try_lock(SUB) as twice:
+                assert twice is None  # held by this task now: busy, as in session mode
+        with handle.try_lock(SUB) as again:
+            assert again is not None
+        assert handle.try_lock_many([MAIN]) == []
+    assert _another_job(admin)[0] is True
+
+
+def test_waiting_triggers_hear_of_the_sub_keys_as_the_transaction_commits(
+    hook: AdvisoryLockHook, dsn: str, admin: Any
+) -> None:
+    from airflow_pglock.pg.wakeups import RELEASED_CHANNEL, payload
+
+    other = LockKey.from_name("txn-sub-keys/kept")
+    with psycopg.connect(dsn, autocommit=True) as listener:
+        listener.execute(f"LISTEN {RELEASED_CHANNEL}")
+
+        def heard() -> set[str]:
+            listener.execute("SELECT 1")  # reads what arrived meanwhile
+            return {note.payload for note in listener.notifies(timeout=0.2, stop_after=10)}
+
+        with _guard(hook) as handle:
+            with handle.try_lock(SUB) as sub:
+                assert sub is not None
+            assert len(handle.try_lock_many([other])) == 1
+            assert heard() == set(), "announced before the transaction ended the sub-keys"
+        assert heard() >= {payload(SUB), payload(other)}
