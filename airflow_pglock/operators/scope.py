@@ -99,18 +99,24 @@ class ScopeSpec:
         """once_per or min_interval: checked by the setup, recorded by the teardown."""
         return self.enter.templated.get("once_per") is not None or self.enter.min_interval is not None
 
-    def member_spec(self, *, record_rules: bool = False, teardown: bool = False) -> LockSpec:
+    def member_spec(self, *, record_rules: bool = False) -> LockSpec:
         """The lock options of a task of the scope (and of its teardown): wait briefly, then fail.
 
+        Neither ever turns an error into a skip (``on_error="fail"``, whatever the setup's): a
+        task skipped after the scope's earlier tasks started external work would let the
+        teardown free the scope while that work goes on, silently; a skipped teardown would
+        leave the scope held until its lease ends.
+
         :param record_rules: keep once_per / min_interval (the teardown, when every task succeeded).
-        :param teardown: the teardown never turns an error into a skip (``on_error="fail"``): a
-            skipped teardown would leave the scope held until its lease ends, silently.
         """
         policy = dataclasses.replace(
-            self.enter.policy, on_busy="wait", wait_timeout=self.member_wait, on_wait_timeout="fail", defer_after=0.0
+            self.enter.policy,
+            on_busy="wait",
+            wait_timeout=self.member_wait,
+            on_wait_timeout="fail",
+            defer_after=0.0,
+            on_error="fail",
         )
-        if teardown:
-            policy = dataclasses.replace(policy, on_error="fail")
         if record_rules:
             return dataclasses.replace(self.enter, policy=policy)
         templated = {**self.enter.templated, "once_per": None}
@@ -216,14 +222,14 @@ def _run_scope_task(
     members: tuple[str, ...] = (),
 ) -> dict[str, Any] | None:
     task = rendered_task(context)
-    lock_spec = spec.enter
+    lock_spec = spec.enter if kind == "enter" else spec.member_spec()  # the teardown's errors never skip
     try:
         role = spec.role(kind, context)
         if kind == "leave":
             record, period = (False, None)
             if spec.has_run_rules:
                 record, period = _completion_to_record(spec, members, role, context, task.log)
-            lock_spec = spec.member_spec(record_rules=record, teardown=True)
+            lock_spec = spec.member_spec(record_rules=record)
         rendered = render_lock_options(lock_spec, context)
         if kind == "leave" and rendered.get("once_per") is not None:
             rendered["once_per"] = period  # the period the setup checked, not one rendered again now

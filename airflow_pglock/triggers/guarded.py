@@ -171,15 +171,18 @@ class GuardedTrigger(BaseTrigger):
                 yield TriggerEvent({"pglock": ERROR, "error": error, "resume": self.resume})
                 return
             event = fired.result()
-            held_back = self.deferred_at + RESUME_HOLD_SECONDS - time.time()
+            if type(event) is not TriggerEvent:  # a task-end event: the task ends here, no worker resumes
+                if not await hub.end(hold):
+                    yield await self._lost(hold.reason)
+                    return
+                yield event
+                return
+            held_back = resume_held_back(self.deferred_at, time.time())
             if held_back > 0:
                 await asyncio.sleep(held_back)
             if not await hub.hand_back(hold):
                 yield await self._lost(hold.reason)
                 return
-        if type(event) is not TriggerEvent:  # e.g. a task-end event: the task ends in the triggerer
-            yield event
-            return
         yield TriggerEvent({"pglock": HELD, "event": event.payload, "resume": self.resume})
 
     async def _lost(self, reason: str | None) -> TriggerEvent:
@@ -187,3 +190,11 @@ class GuardedTrigger(BaseTrigger):
         message = f"lost the hold of {self.key.describe()} while task {self.task_label} was deferred: {reason}"
         await _log(self.log.error, "pglock: %s", message)
         return TriggerEvent({"pglock": LOST, "reason": reason, "message": message, "resume": self.resume})
+
+
+def resume_held_back(deferred_at: float, now: float) -> float:
+    """Seconds an event waits, so that the task resumes no sooner than ``RESUME_HOLD_SECONDS``
+    after its deferral (apache/airflow#72716). ``deferred_at`` is the worker's clock, ``now`` the
+    triggerer's: never more than ``RESUME_HOLD_SECONDS``, however far ahead the worker's clock is.
+    """
+    return min(RESUME_HOLD_SECONDS, deferred_at + RESUME_HOLD_SECONDS - now)

@@ -148,6 +148,17 @@ class HoldHub:
 
         :returns: False when the hold was lost meanwhile (``hold.reason`` says why).
         """
+        return await self._let_go(hold, self._renew_for_resume)
+
+    async def end(self, hold: DeferredHold) -> bool:
+        """The task ended in the triggerer (its operator's trigger finished it there): no worker
+        resumes to free the hold, so its row is deleted under the key, then the key released.
+
+        :returns: False when the hold was lost meanwhile (``hold.reason`` says why).
+        """
+        return await self._let_go(hold, self._free_row)
+
+    async def _let_go(self, hold: DeferredHold, last_write: Callable[[DeferredHold, SubLock], str | None]) -> bool:
         while True:
             while hold.state == "taking":  # the session is being replaced: a pass takes the key back
                 if self._task is None or self._task.done():  # no pass will come: the hub stopped
@@ -158,7 +169,7 @@ class HoldHub:
             if hold.state != "held" or sub is None:
                 return False
             try:
-                renewed = await self._in_thread(self._renew, hold, sub, scopes.resuming_task(hold.task))
+                renewed = await self._in_thread(last_write, hold, sub)
             except (PgLockError, psycopg.Error) as error:
                 renewed = f"the hold could not be renewed for the hand-over ({type(error).__name__}: {error})"
             if renewed is _REPLACED:
@@ -313,6 +324,22 @@ class HoldHub:
             return f"the row of the hold of {hold.key.describe()} was deleted while the triggerer held the key"
         if session.lost is not None:  # the session ended around the statement: the key may be gone
             raise PgLockError(f"the lock session ended during the renewal: {session.lost}")
+        return None
+
+    def _renew_for_resume(self, hold: DeferredHold, sub: SubLock) -> str | None:
+        return self._renew(hold, sub, scopes.resuming_task(hold.task))
+
+    def _free_row(self, hold: DeferredHold, sub: SubLock) -> str | None:
+        """Delete the hold's row under ``sub``, its key (as :meth:`_renew`: why the hold is lost,
+        None when freed, :data:`_REPLACED`)."""
+        session = self.session
+        if hold.sub is not sub or hold.state != "held":
+            return _REPLACED
+        if session is None or session.lost is not None:
+            raise PgLockError("the lock session ended before the row was freed")
+        if scopes.leave(session.connection, hold.key, hold.holder) is None:
+            self._release_quietly(sub)
+            return f"the row of the hold of {hold.key.describe()} was deleted while the triggerer held the key"
         return None
 
     def _release_quietly(self, sub: SubLock | None) -> None:

@@ -384,9 +384,77 @@ def test_the_teardown_waits_for_every_task_that_runs_and_never_skips_on_error() 
         ]
     assert scope.scope_members(tasks) == ("work", "emits", "calls_back")
     spec = scope._scope_spec("g.", {"key": "k", "on_error": "skip"})
-    assert spec.enter.policy.on_error == "skip" and spec.member_spec().policy.on_error == "skip"
-    assert spec.member_spec(teardown=True).policy.on_error == "fail"
+    assert spec.enter.policy.on_error == "skip" and spec.member_spec().policy.on_error == "fail"
+    assert spec.member_spec(record_rules=True).policy.on_error == "fail"
     assert dag.dag_id == "scope_members"
+
+
+class _TaskInstance:
+    """What a task of the scope reads of its task instance: the setup's XCom."""
+
+    dag_id, run_id, map_index, hostname = "scoped", "manual__1", -1, "worker-1"
+
+    def __init__(self, task_id: str, setup_xcom: dict[str, Any] | None) -> None:
+        self.task_id = task_id
+        self._setup_xcom = setup_xcom
+
+    def xcom_pull(self, task_ids: Any = None, key: Any = None) -> Any:
+        return self._setup_xcom
+
+    def xcom_push(self, key: Any = None, value: Any = None) -> None:
+        raise AssertionError("a task of the scope other than its setup stores nothing here")
+
+
+class _Task:
+    def __init__(self, task_id: str) -> None:
+        import logging
+
+        self.task_id = task_id
+        self.log = logging.getLogger("tests.scope")
+        self.ran = False
+
+    def get_template_env(self) -> Any:
+        import jinja2
+
+        return jinja2.Environment()
+
+    def execute(self, context: Any) -> None:
+        self.ran = True
+
+
+def test_a_task_of_the_scope_never_skips_on_an_error_whatever_on_error_says(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A scope's task skipped on a lock-database error, after an earlier task of the scope started
+    external work, would let the teardown free the scope while that work goes on: it fails (and
+    retries, if given retries) instead, as the teardown does. The lock database is unreachable
+    (nothing listens on port 1)."""
+    from airflow_pglock.compat import AirflowSkipException
+    from airflow_pglock.operators import scope
+
+    monkeypatch.setenv("AIRFLOW_CONN_PGLOCK_SCOPE_DOWN", "postgres://postgres@127.0.0.1:1/nowhere")
+    spec = scope._scope_spec("g.", {"key": "scope-down", "on_error": "skip", "postgres_conn_id": "pglock_scope_down"})
+    task = _Task("g.wait_for_refresh")
+    context = {"ti": _TaskInstance(task.task_id, {"holder": uuid.uuid4().hex}), "task": task}
+    with pytest.raises(Exception) as raised:
+        scope.ScopeMemberGuard(spec).execute(context)
+    assert not isinstance(raised.value, AirflowSkipException), raised.value
+    assert "cannot connect" in str(raised.value) and not task.ran
+
+
+@pytest.mark.parametrize("setup_xcom", [{"holder": "0" * 32, "slot": 2}, None], ids=["slot-of-a-pool", "no-holder"])
+def test_the_teardown_never_skips_on_a_configuration_error(setup_xcom: dict[str, Any] | None) -> None:
+    """The teardown's role cannot be built (the setup's XCom names slot 2 of a pool while the scope
+    now says slots=1, or holds no holder id): it fails, whatever the setup's ``on_error``."""
+    from airflow_pglock.compat import AirflowFailException, AirflowSkipException
+    from airflow_pglock.operators import scope
+
+    spec = scope._scope_spec("g.", {"key": "scope-misconfigured", "on_error": "skip"})
+    task = _Task("g.pglock_scope_exit")
+    context = {"ti": _TaskInstance(task.task_id, setup_xcom), "task": task}
+    with pytest.raises(AirflowFailException) as raised:
+        scope._run_scope_task(spec, "leave", context)
+    assert not isinstance(raised.value, AirflowSkipException)
 
 
 POOL_DAG = """

@@ -271,3 +271,89 @@ def test_a_trigger_that_fires_after_its_hub_stopped_is_lost_at_once(hook: Any, s
     scopes_db.execute("DELETE FROM pglock.scopes WHERE holder = %s", [holder])
     assert _sessions(scopes_db) == 0
     assert advisory_locks_left(scopes_db) == 0
+
+
+def test_a_task_that_ends_in_the_triggerer_frees_its_hold_at_once(hook: Any, scopes_db: Any) -> None:
+    """An operator's trigger that ends the task in the triggerer (a task-end event): no worker
+    resumes to free the hold, so the hub deletes its row under the key and releases the key; a
+    hand-back would renew the row for a resume that never comes, keeping the key busy for the
+    whole deferral lease."""
+    holder = _hand_over(hook, KEYS[0])
+
+    async def body() -> None:
+        hub = _hub(hook)
+        hold = DeferredHold(KEYS[0], holder, "dag.op run", 30.0)
+        async with hub.holding(hold):
+            await asyncio.wait_for(hold.settled.wait(), 15)
+            assert hold.state == "held"
+            assert await hub.end(hold)
+            assert hold.state == "ended"
+
+    _run(body)
+    assert scopes.read(scopes_db, KEYS[0]) is None
+    LockGuard(hook.database, KEYS[0], LockPolicy()).run(lambda handle: None)  # free for anyone at once
+    assert advisory_locks_left(scopes_db) == 0
+
+
+def test_the_resume_is_held_back_from_the_deferral_never_longer_than_the_hold_however_the_clocks_differ() -> None:
+    from airflow_pglock.triggers.advisory_lock import RESUME_HOLD_SECONDS
+    from airflow_pglock.triggers.guarded import resume_held_back
+
+    now = 1_000_000.0
+    assert resume_held_back(now - 1.0, now) == pytest.approx(RESUME_HOLD_SECONDS - 1.0)
+    assert resume_held_back(now - 60.0, now) < 0  # an old deferral: at once
+    # The worker's clock an hour ahead of the triggerer's: the hold, not an hour.
+    assert resume_held_back(now + 3600.0, now) == RESUME_HOLD_SECONDS
+
+
+class EndsTheTaskHere:
+    """An operator's trigger that ends its task in the triggerer (imported by its class path)."""
+
+    def __new__(cls, **kwargs: Any) -> Any:
+        from airflow.triggers.base import BaseTrigger, TaskSuccessEvent
+
+        class _EndsTheTaskHere(BaseTrigger):
+            def serialize(self) -> tuple[str, dict[str, Any]]:
+                return f"{__name__}.EndsTheTaskHere", {}
+
+            async def run(self) -> Any:
+                yield TaskSuccessEvent()
+
+        return _EndsTheTaskHere()
+
+
+def test_a_guarded_trigger_whose_task_ends_in_the_triggerer_frees_the_hold(
+    hook: Any, scopes_db: Any, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+
+    from airflow.triggers.base import TaskSuccessEvent
+    from psycopg.conninfo import conninfo_to_dict
+
+    from airflow_pglock.triggers.guarded import GuardedTrigger
+
+    parts = conninfo_to_dict(dsn)
+    connection = {"conn_type": "postgres", "host": parts.get("host"), "port": int(parts.get("port") or 5432)}
+    connection |= {"login": parts.get("user"), "schema": parts.get("dbname")}
+    monkeypatch.setenv("AIRFLOW_CONN_PGLOCK_TEST_ENDS_HERE", json.dumps(connection))
+    holder = _hand_over(hook, KEYS[0])
+    trigger = GuardedTrigger(
+        trigger_classpath=f"{__name__}.EndsTheTaskHere",
+        trigger_kwargs={},
+        key_name=str(KEYS[0].name),
+        key_numbers=list(KEYS[0].numbers),
+        postgres_conn_id="pglock_test_ends_here",
+        holder=holder,
+        task="dag.op run",
+        lease=30.0,
+        deferred_at=time.time(),
+    )
+
+    async def body() -> list[Any]:
+        return [event async for event in trigger.run()]
+
+    events = asyncio.run(body())
+    assert len(events) == 1 and isinstance(events[0], TaskSuccessEvent), events
+    assert scopes.read(scopes_db, KEYS[0]) is None, "the hold's row was left for a resume that never comes"
+    LockGuard(hook.database, KEYS[0], LockPolicy()).run(lambda handle: None)
+    assert advisory_locks_left(scopes_db) == 0
