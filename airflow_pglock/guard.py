@@ -448,8 +448,11 @@ class LockGuard:
             record = lambda: self._record(held)  # noqa: E731
             if lost is None and self._handle is not None and not held.connection.closed:
                 # Session locks: free now (the closed session would free them only when its backend
-                # ends). Transaction locks: announced, to end with the transaction's commit or rollback.
-                self._handle.release_all()
+                # ends). Transaction locks: checked and announced, to end with the commit or rollback.
+                all_held = self._handle.release_all()
+                in_transaction = held.connection.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+                if not all_held and held.scope == "transaction" and in_transaction:
+                    lost = loss.SUB_KEY_ENDED_IN_TRANSACTION  # else the commit tells what ended the transaction
             if lost is None and self.scope.kind == "member" and not held.connection.closed:
                 end_member_task(self.scope, held.key, held, self.log)  # before the release: the next task's gap
             if lost is None and self._hand_over is not None:

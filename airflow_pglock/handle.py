@@ -97,10 +97,6 @@ class LockHandle:
         """Release every sub-key held now (one round trip; the task's own key stays held)."""
         return self._keys.release_all()
 
-    def holds_sub_keys(self) -> bool:
-        """Whether the lock's session may still hold sub-keys (e.g. after :meth:`release_all` failed)."""
-        return self._keys.holds_any()
-
     @property
     def lost(self) -> str | None:
         """Why the lock was lost, or None while it is held (as of the last heartbeat)."""

@@ -107,7 +107,7 @@ class HoldForBlock:
 
 
 class LockSet:
-    """Session locks on one connection, tracked, one operation at a time (thread-safe).
+    """Advisory locks on one connection, tracked, one operation at a time (thread-safe).
 
     :param connection: the connection whose session holds the keys.
     :param lost_reason: why that session was lost, or None while it lives.
@@ -117,8 +117,10 @@ class LockSet:
     :param scopes: whether the lock scopes' tables are there (None: asked at the first named key).
         A named key that another run's lock scope holds between its tasks is busy here too.
     :param scope: ``"session"``: session locks; ``"transaction"``: transaction locks, on a
-        connection whose open transaction holds a transaction lock (they end with it; nothing
-        can free them sooner, neither a release nor the work's ``pg_advisory_unlock_all()``).
+        connection whose open transaction holds a transaction lock. They end with it: a release
+        only checks that the transaction still holds them (a ``ROLLBACK TO SAVEPOINT`` ends those
+        taken after the savepoint, an error that aborts the transaction every one), and announces
+        them; the work's ``pg_advisory_unlock_all()`` leaves them alone.
     """
 
     def __init__(
@@ -133,9 +135,6 @@ class LockSet:
     ) -> None:
         self._scopes = scopes
         self._scope: Scope = scope
-        # Transaction locks given back (or refused as a lock scope's): held until the transaction
-        # ends, announced to waiting triggers by release_all(), to be sent as the transaction commits.
-        self._to_announce: dict[tuple[int, ...], LockKey] = {}
         self.connection = connection
         self._statement_cursor: psycopg.Cursor[Any] | None = None
         self._lost_reason = lost_reason
@@ -238,12 +237,6 @@ class LockSet:
                 return False
             for sub in subs:
                 sub.given_back = True
-            if self._scope == "transaction" and reason is None:
-                # No statement frees a transaction lock: it ends with the transaction.
-                for sub in subs:
-                    self._held.pop(sub.key.numbers, None)
-                    self._to_announce[sub.key.numbers] = sub.key
-                return len(subs) == len(locks) and not self.connection.closed
             if reason is not None or self.connection.closed:
                 for sub in subs:
                     self._held.pop(sub.key.numbers, None)
@@ -264,11 +257,7 @@ class LockSet:
     def release_all(self) -> bool:
         """Release every key this set holds, and those a failed statement may have left, best
         effort (before its session closes: closing frees them too, but only once the server has
-        ended the backend). Whether all were held. Transaction locks are given back, and every
-        one taken is announced to waiting triggers, in a notification sent as the transaction
-        commits, when they end."""
-        if self._scope == "transaction":
-            return self._give_back_transaction_locks()
+        ended the backend). Whether all were held (transaction locks: until now, see :meth:`release`)."""
         held = self.held()
         try:
             with self._mutex:
@@ -276,33 +265,6 @@ class LockSet:
             return self.release(*held) if held else True
         except (PgLockError, psycopg.Error):  # the session is gone, or the release will be settled
             return False
-
-    def _give_back_transaction_locks(self) -> bool:
-        with self._mutex:
-            if self.lost is not None:
-                return False
-            subs = list(self._held.values())
-            for sub in subs:
-                sub.given_back = True
-                self._to_announce[sub.key.numbers] = sub.key
-            self._held.clear()
-            keys = list(self._to_announce.values())
-            self._to_announce.clear()
-            if not keys or self.connection.closed:
-                return not self.connection.closed
-            if self.connection.info.transaction_status != psycopg.pq.TransactionStatus.INTRANS:
-                return True  # aborted (a rollback drops any announcement) or ended by the work: nothing to send
-            try:
-                with self._session_errors(keys[0]):
-                    statements.announce_released(self.connection, keys)
-            except (PgLockError, psycopg.Error) as error:  # waiters see them free at their next poll
-                log.warning("pglock could not announce %d sub-keys to waiting triggers: %s", len(keys), error)
-            return True
-
-    def holds_any(self) -> bool:
-        """Whether the session may still hold keys of this set (held, or left by a failed statement)."""
-        with self._mutex:
-            return bool(self._held or self._unsettled) and self.lost is None
 
     def _end_of_block(self, sub: SubLock | None, failed: bool) -> None:
         """What the end of a ``with`` block of :meth:`try_lock` or :meth:`lock` does with its key."""
@@ -319,9 +281,13 @@ class LockSet:
             reason = self.lost or "the lock session was closed while the block ran"
             raise LockLostError(f"lost {sub.key.describe()}: {reason}", sub.key, reason)
         if not self.release(sub) and self.lost is None:
-            # The session lives but no longer held the key (an unlock on its connection): the block
-            # ran at least partly without it.
-            reason = loss.found_at_release(f"the session no longer held {sub.key.describe()}")
+            # The session lives but no longer held the key (an unlock on its connection; a transaction
+            # lock: a savepoint's rollback, an error or the work's own COMMIT): the block ran at least
+            # partly without it.
+            if self._scope == "transaction":
+                reason = loss.found_at_release(f"the lock's transaction no longer held {sub.key.describe()} ({_ENDED})")
+            else:
+                reason = loss.found_at_release(f"the session no longer held {sub.key.describe()}")
             raise LockLostError(f"lost {sub.key.describe()}: {reason}", sub.key, reason)
 
     def _take(
@@ -380,13 +346,20 @@ class LockSet:
         if self._scope == "transaction":
             # A transaction lock cannot be given back: busy here, it stays taken until the
             # transaction ends (the scope's next task finds the key busy until then).
-            self._to_announce.update((key.numbers, key) for key in refused)
+            log.warning(
+                "pglock: %d sub-key(s) held by another run's lock scope were taken by this transaction and "
+                "stay taken, unused, until it ends, e.g. %s",
+                len(refused),
+                refused[0].describe(),
+            )
         else:
             statements.unlock_many(self.connection, refused, shared=shared)
         return [ok and key.numbers not in scoped for key, ok in zip(wanted, got, strict=True)]
 
     def _unlock(self, subs: list[SubLock]) -> list[SubLock]:
         """Unlock ``subs`` (one statement per mode); those the session no longer held."""
+        if self._scope == "transaction":
+            return self._give_back(subs)
         if len(subs) == 1:
             sub = subs[0]
             with self._session_errors(sub.key):
@@ -402,6 +375,22 @@ class LockSet:
                 else:
                     continue
                 gone += [sub for sub, held in zip(group, answers, strict=True) if not held]
+        return gone
+
+    def _give_back(self, subs: list[SubLock]) -> list[SubLock]:
+        """Transaction locks: no statement ends one before its transaction does. Check that the
+        transaction still held each (one statement per mode, which announces them too); those it
+        no longer held. In a transaction aborted or ended already, every one (an error that aborts
+        it ends its locks at once)."""
+        if self.connection.info.transaction_status != psycopg.pq.TransactionStatus.INTRANS:
+            return list(subs)
+        gone: list[SubLock] = []
+        with self._session_errors(subs[0].key):
+            for shared in (False, True):
+                group = [sub for sub in subs if sub.shared is shared]
+                if group:
+                    answers = statements.given_back(self.connection, [sub.key for sub in group], shared=shared)
+                    gone += [sub for sub, held in zip(group, answers, strict=True) if not held]
         return gone
 
     def _unsettle_after(self, error: BaseException, keys: list[tuple[LockKey, bool]]) -> None:
@@ -455,6 +444,12 @@ class LockSet:
         self._ended = self._ended or f"the session ended ({type(error).__name__}: {detail})"
         self._held.clear()
         self._unsettled.clear()
+
+
+_ENDED = (
+    "a ROLLBACK TO SAVEPOINT ends a sub-key taken after the savepoint; an error that aborts the transaction, "
+    "or its end, ends them all"
+)
 
 
 def _first_key(locks: tuple[SubLock | AnyKey, ...]) -> LockKey | None:

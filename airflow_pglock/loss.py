@@ -40,6 +40,11 @@ NOT_HELD_AT_FENCING = (
     "issued and the work did not run (a later holder's token stays the newest)"
 )
 
+SUB_KEY_ENDED_IN_TRANSACTION = (
+    "found at release: the lock's transaction no longer held a sub-key the task still held (a ROLLBACK TO "
+    "SAVEPOINT ends a sub-key taken after the savepoint), so the work went on without it"
+)
+
 NOT_HELD_AT_COMPLETION = "found at completion: the session no longer held the key (nothing recorded)"
 
 

@@ -209,13 +209,24 @@ def try_lock_seeing_scopes(
     return [*answers, live]
 
 
-def announce_released(conn: psycopg.Connection[Any], keys: list[LockKey]) -> None:
-    """Announce ``keys`` released to waiting triggers (:mod:`~airflow_pglock.pg.wakeups`), in one
-    statement. In a transaction the notifications are sent when it commits: transaction locks
-    given back inside it are announced as they end (a rollback drops both the announcement and
-    the locks; waiters then see them free at their next poll)."""
-    payloads = [wakeups.payload(key) for key in keys]
-    conn.execute(f"SELECT pg_notify('{wakeups.RELEASED_CHANNEL}', p) FROM unnest(%s::text[]) AS p", [payloads])
+# Transaction locks given back: their release announced (sent as the transaction commits, which
+# ends them) and what this session still holds in one mode, in one row whatever happens.
+_GIVEN_BACK = (
+    f"SELECT (SELECT count(pg_notify('{wakeups.RELEASED_CHANNEL}', p)) FROM unnest(%s::text[]) AS p),"
+    " ARRAY(SELECT ARRAY[classid::bigint, objid::bigint, objsubid::bigint] FROM pg_locks"
+    " WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted AND mode = %s)"
+)
+
+
+def given_back(conn: psycopg.Connection[Any], keys: list[LockKey], *, shared: bool = False) -> list[bool]:
+    """Transaction locks given back before their transaction ends (no statement can end one
+    sooner): whether this session still holds each (``pg_locks``: a ``ROLLBACK TO SAVEPOINT`` ends
+    one taken after the savepoint), and their release announced to waiting triggers (``pg_notify``,
+    sent as the transaction commits, when they end). One statement."""
+    mode = SHARED_MODE if shared else EXCLUSIVE_MODE
+    row = conn.execute(_GIVEN_BACK, [[wakeups.payload(key) for key in keys], mode]).fetchone()
+    held = {tuple(coordinates) for coordinates in (row[1] if row else [])}
+    return [key.pg_locks in held for key in keys]
 
 
 def unlock_many(conn: psycopg.Connection[Any], keys: list[LockKey], *, shared: bool = False) -> list[bool]:

@@ -147,3 +147,90 @@ def test_waiting_triggers_hear_of_the_sub_keys_as_the_transaction_commits(
             assert len(handle.try_lock_many([other])) == 1
             assert heard() == set(), "announced before the transaction ended the sub-keys"
         assert heard() >= {payload(SUB), payload(other)}
+
+
+def test_a_sub_key_that_a_savepoint_rollback_ended_is_a_loss_at_its_release(
+    hook: AdvisoryLockHook, admin: Any, table: str
+) -> None:
+    """A transaction lock taken inside a savepoint ends with ``ROLLBACK TO SAVEPOINT`` (psycopg's
+    nested ``conn.transaction()`` block that raises): the task would believe it still holds it
+    while another job may take it. Its with block ends with LockLostError."""
+    from airflow_pglock.exceptions import LockLostError
+
+    guard = _guard(hook)
+    with pytest.raises(LockLostError, match="no longer held"), guard as handle:
+        conn = handle.connection
+        assert conn is not None
+        hold = handle.try_lock(SUB)
+        with conn.transaction():
+            assert hold.__enter__() is not None
+            raise psycopg.Rollback()  # the savepoint is rolled back, the key with it
+        assert _another_job(admin) == (True, 0), "the server no longer held the sub-key"
+        conn.execute("INSERT INTO txn_sub_keys VALUES ('acme')")
+        hold.__exit__(None, None, None)
+    assert guard.outcome in ("failed", "lost")
+    assert _another_job(admin) == (True, 0), "nothing was committed"
+
+
+def test_a_kept_sub_key_that_a_savepoint_rollback_ended_fails_the_task_as_lost(
+    hook: AdvisoryLockHook, admin: Any, table: str
+) -> None:
+    """Kept to the end (``try_lock_many``), a sub-key that a savepoint's rollback ended is found
+    at the task's end: lost, nothing committed."""
+    from airflow_pglock.exceptions import LockLostError
+
+    guard = _guard(hook)
+    with pytest.raises(LockLostError, match="no longer held a sub-key"), guard as handle:
+        conn = handle.connection
+        assert conn is not None
+        with conn.transaction():
+            assert len(handle.try_lock_many([SUB])) == 1
+            raise psycopg.Rollback()
+        assert handle.held() == [SUB]  # as far as the task knows
+        conn.execute("INSERT INTO txn_sub_keys VALUES ('acme')")
+    assert guard.outcome == "lost"
+    assert _another_job(admin) == (True, 0), "nothing was committed"
+
+
+def test_a_sub_key_taken_before_a_savepoint_outlives_its_rollback(
+    hook: AdvisoryLockHook, admin: Any, table: str
+) -> None:
+    """The usual nesting: a savepoint per tenant inside the tenant's block; its rollback undoes the
+    tenant's writes and leaves the key held (it belongs to the enclosing transaction)."""
+    guard = _guard(hook)
+    with guard as handle:
+        conn = handle.connection
+        assert conn is not None
+        with handle.try_lock(SUB) as sub:
+            assert sub is not None
+            with conn.transaction():
+                conn.execute("INSERT INTO txn_sub_keys VALUES ('dropped')")
+                raise psycopg.Rollback()
+            assert _another_job(admin) == (False, 0)
+            conn.execute("INSERT INTO txn_sub_keys VALUES ('acme')")
+    assert guard.outcome == "completed"
+    assert _another_job(admin) == (True, 1)
+
+
+@pytest.mark.parametrize("ending", ["an error the work caught", "the work's own COMMIT"])
+def test_a_sub_key_block_that_ends_after_its_transaction_ended_or_aborted_is_a_loss(
+    ending: str, hook: AdvisoryLockHook, admin: Any, table: str
+) -> None:
+    """An error that aborts the transaction ends its locks at once (not at the ROLLBACK), and the
+    work's own COMMIT ends them too: a block that goes on and ends normally ran without its key."""
+    from airflow_pglock.exceptions import LockLostError
+
+    guard = _guard(hook)
+    # The task ends lost (its own key ended with the COMMIT) or failed (its transaction aborted).
+    with pytest.raises((LockLostError, psycopg.Error)), guard as handle:
+        conn = handle.connection
+        assert conn is not None
+        with pytest.raises(LockLostError, match="transaction no longer held"), handle.try_lock(SUB) as sub:
+            assert sub is not None
+            if ending == "the work's own COMMIT":
+                conn.execute("COMMIT")
+            else:
+                with pytest.raises(psycopg.errors.DivisionByZero):
+                    conn.execute("SELECT 1 / 0")
+            assert _another_job(admin) == (True, 0), "the server ended the sub-key already"
+    assert guard.outcome in ("failed", "lost")
