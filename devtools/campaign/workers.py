@@ -19,7 +19,9 @@ The kinds (every public way to hold a lock, see docs/safety.md):
   an early ``release``;
 * ``guard-sub-keys``: a guard's own key plus sub-keys through its ``lock`` handle (a batch, or a
   single ``try_lock`` block of a hot key or the numeric key), in session mode or, a third of the
-  time, in transaction mode (the sub-keys are then transaction locks, ended by the commit);
+  time, in transaction mode (the sub-keys are then transaction locks, ended by the commit; now
+  and then the batch is taken inside a savepoint of the work's own that is rolled back at once,
+  which ends its keys while the work goes on with them: the run must end lost);
 * ``pool``: a pool of slots (``slots=2``);
 * ``scope``: a lock scope (``advisory_lock_scope``: docs/scopes.md) as its setup, tasks and
   teardown run it, with a fencing token per scope: it believes it holds the key from its setup
@@ -272,7 +274,16 @@ class Worker:
                     self.history.emit("acquired", run=run, key=label, token=None, backend=handle.backend_pid, at=at)
                     self._work(run, {label: None})
                 return
-            subs = handle.try_lock_many(keys)
+            if handle.connection is not None and self.rng.random() < 0.15:
+                # The work's own savepoint, rolled back after the batch: it ends the batch's
+                # transaction locks, the work goes on believing it holds them (the run must end lost).
+                import psycopg
+
+                with handle.connection.transaction():
+                    subs = handle.try_lock_many(keys)
+                    raise psycopg.Rollback()
+            else:
+                subs = handle.try_lock_many(keys)
             if not subs:
                 return
             held: dict[str, int | None] = {}
