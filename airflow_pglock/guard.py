@@ -449,10 +449,11 @@ class LockGuard:
             if lost is None and self._handle is not None and not held.connection.closed:
                 # Session locks: free now (the closed session would free them only when its backend
                 # ends). Transaction locks: checked and announced, to end with the commit or rollback.
-                all_held = self._handle.release_all()
+                self._handle.release_all()
                 in_transaction = held.connection.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
-                if not all_held and held.scope == "transaction" and in_transaction:
-                    lost = loss.SUB_KEY_ENDED_IN_TRANSACTION  # else the commit tells what ended the transaction
+                ended = self._handle.sub_key_ended_early
+                if ended is not None and held.scope == "transaction" and in_transaction:
+                    lost = loss.sub_key_ended(ended.describe())  # else the commit tells what ended the transaction
             if lost is None and self.scope.kind == "member" and not held.connection.closed:
                 end_member_task(self.scope, held.key, held, self.log)  # before the release: the next task's gap
             if lost is None and self._hand_over is not None:

@@ -98,6 +98,13 @@ class LockHandle:
         return self._keys.release_all()
 
     @property
+    def sub_key_ended_early(self) -> LockKey | None:
+        """Transaction mode: the first sub-key found ended before the lock's transaction when it
+        was given back (a ``ROLLBACK TO SAVEPOINT``, an error, the work's own ``COMMIT``), else
+        None. The task then ends lost, even if the work caught the ``LockLostError``."""
+        return self._keys.ended_early
+
+    @property
     def lost(self) -> str | None:
         """Why the lock was lost, or None while it is held (as of the last heartbeat)."""
         return self._lost_reason()

@@ -135,6 +135,10 @@ class LockSet:
     ) -> None:
         self._scopes = scopes
         self._scope: Scope = scope
+        #: Transaction locks: the first key found ended before its transaction (a savepoint's
+        #: rollback, an error, the work's own COMMIT) when it was given back, or None. It stays
+        #: set, so that the task ends lost even when the work caught the error or ignored the answer.
+        self.ended_early: LockKey | None = None
         self.connection = connection
         self._statement_cursor: psycopg.Cursor[Any] | None = None
         self._lost_reason = lost_reason
@@ -382,15 +386,20 @@ class LockSet:
         transaction still held each (one statement per mode, which announces them too); those it
         no longer held. In a transaction aborted or ended already, every one (an error that aborts
         it ends its locks at once)."""
-        if self.connection.info.transaction_status != psycopg.pq.TransactionStatus.INTRANS:
-            return list(subs)
+        with self.connection.lock:  # not while another thread's statement runs (a heartbeat's probe)
+            status = self.connection.info.transaction_status
         gone: list[SubLock] = []
-        with self._session_errors(subs[0].key):
-            for shared in (False, True):
-                group = [sub for sub in subs if sub.shared is shared]
-                if group:
-                    answers = statements.given_back(self.connection, [sub.key for sub in group], shared=shared)
-                    gone += [sub for sub, held in zip(group, answers, strict=True) if not held]
+        if status != psycopg.pq.TransactionStatus.INTRANS:
+            gone = list(subs)
+        else:
+            with self._session_errors(subs[0].key):
+                for shared in (False, True):
+                    group = [sub for sub in subs if sub.shared is shared]
+                    if group:
+                        answers = statements.given_back(self.connection, [sub.key for sub in group], shared=shared)
+                        gone += [sub for sub, held in zip(group, answers, strict=True) if not held]
+        if gone and self.ended_early is None:
+            self.ended_early = gone[0].key
         return gone
 
     def _unsettle_after(self, error: BaseException, keys: list[tuple[LockKey, bool]]) -> None:

@@ -40,10 +40,18 @@ NOT_HELD_AT_FENCING = (
     "issued and the work did not run (a later holder's token stays the newest)"
 )
 
-SUB_KEY_ENDED_IN_TRANSACTION = (
-    "found at release: the lock's transaction no longer held a sub-key the task still held (a ROLLBACK TO "
-    "SAVEPOINT ends a sub-key taken after the savepoint), so the work went on without it"
-)
+SUB_KEY_ENDED = "found at release: the lock's transaction no longer held"
+
+
+def sub_key_ended(key: str) -> str:
+    """A transaction-mode sub-key was found ended before the lock's transaction (``key``: described)."""
+    return (
+        f"{SUB_KEY_ENDED} {key}, one of its sub-keys (a ROLLBACK TO SAVEPOINT ends a sub-key taken after the "
+        "savepoint; an error "
+        "that aborts the transaction, or the work's own COMMIT or ROLLBACK, ends them all), so the work went on "
+        "without it"
+    )
+
 
 NOT_HELD_AT_COMPLETION = "found at completion: the session no longer held the key (nothing recorded)"
 
@@ -236,7 +244,7 @@ def lost_message(key: str, reason: str, *, transaction: bool) -> str:
             " (transaction mode: the work's writes on the lock's connection may have been committed, under the lock, "
             "or not: check them before the work runs again)"
         )
-    elif transaction and reason == ENDED_BY_WORK:
+    elif transaction and (reason == ENDED_BY_WORK or reason.startswith(SUB_KEY_ENDED)):
         suffix = " (transaction mode: what the work committed itself stays committed; the guard committed nothing)"
     elif transaction:
         suffix = " (transaction mode: nothing written on the lock's connection was committed)"

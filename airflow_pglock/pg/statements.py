@@ -210,11 +210,13 @@ def try_lock_seeing_scopes(
 
 
 # Transaction locks given back: their release announced (sent as the transaction commits, which
-# ends them) and what this session still holds in one mode, in one row whatever happens.
+# ends them) and the positions of those this session still holds in one mode, in one row whatever
+# happens. The session's locks are read once (a hashed subplan), not once per key.
 _GIVEN_BACK = (
     f"SELECT (SELECT count(pg_notify('{wakeups.RELEASED_CHANNEL}', p)) FROM unnest(%s::text[]) AS p),"
-    " ARRAY(SELECT ARRAY[classid::bigint, objid::bigint, objsubid::bigint] FROM pg_locks"
-    " WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted AND mode = %s)"
+    " ARRAY(SELECT k.n FROM unnest(%s::bigint[], %s::bigint[], %s::integer[]) WITH ORDINALITY AS k(c, o, s, n)"
+    " WHERE (k.c, k.o, k.s) IN (SELECT classid::bigint, objid::bigint, objsubid::integer FROM pg_locks"
+    " WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted AND mode = %s))"
 )
 
 
@@ -224,9 +226,11 @@ def given_back(conn: psycopg.Connection[Any], keys: list[LockKey], *, shared: bo
     one taken after the savepoint), and their release announced to waiting triggers (``pg_notify``,
     sent as the transaction commits, when they end). One statement."""
     mode = SHARED_MODE if shared else EXCLUSIVE_MODE
-    row = conn.execute(_GIVEN_BACK, [[wakeups.payload(key) for key in keys], mode]).fetchone()
-    held = {tuple(coordinates) for coordinates in (row[1] if row else [])}
-    return [key.pg_locks in held for key in keys]
+    coordinates = [key.pg_locks for key in keys]
+    params = [[wakeups.payload(key) for key in keys], *([c[i] for c in coordinates] for i in range(3)), mode]
+    row = conn.execute(_GIVEN_BACK, params).fetchone()
+    held = set(row[1]) if row else set()
+    return [position in held for position in range(1, len(keys) + 1)]
 
 
 def unlock_many(conn: psycopg.Connection[Any], keys: list[LockKey], *, shared: bool = False) -> list[bool]:

@@ -282,6 +282,10 @@ class Worker:
                 with handle.connection.transaction():
                     subs = handle.try_lock_many(keys)
                     raise psycopg.Rollback()
+                if subs:
+                    now = time.time()
+                    pids = [os.getpid()]
+                    self.history.emit("fault", kind="savepoint-rollback", start=now, end=now, target=run, pids=pids)
             else:
                 subs = handle.try_lock_many(keys)
             if not subs:

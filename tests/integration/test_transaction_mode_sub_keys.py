@@ -180,7 +180,7 @@ def test_a_kept_sub_key_that_a_savepoint_rollback_ended_fails_the_task_as_lost(
     from airflow_pglock.exceptions import LockLostError
 
     guard = _guard(hook)
-    with pytest.raises(LockLostError, match="no longer held a sub-key"), guard as handle:
+    with pytest.raises(LockLostError, match="no longer held key 'txn-sub-keys/tenant'.*one of its sub-keys"), guard as handle:
         conn = handle.connection
         assert conn is not None
         with conn.transaction():
@@ -234,3 +234,59 @@ def test_a_sub_key_block_that_ends_after_its_transaction_ended_or_aborted_is_a_l
                     conn.execute("SELECT 1 / 0")
             assert _another_job(admin) == (True, 0), "the server ended the sub-key already"
     assert guard.outcome in ("failed", "lost")
+
+
+@pytest.mark.parametrize("how", ["the block's LockLostError caught", "release() answering False, ignored"])
+def test_a_sub_key_ended_early_makes_the_task_lost_whatever_the_work_does_with_the_news(
+    how: str, hook: AdvisoryLockHook, admin: Any, table: str
+) -> None:
+    from airflow_pglock.exceptions import LockLostError
+
+    guard = _guard(hook)
+    with pytest.raises(LockLostError, match="no longer held key 'txn-sub-keys/tenant'.*one of its sub-keys"), guard as handle:
+        conn = handle.connection
+        assert conn is not None
+        if how.startswith("the block's"):
+            hold = handle.try_lock(SUB)
+            with conn.transaction():
+                assert hold.__enter__() is not None
+                raise psycopg.Rollback()
+            conn.execute("INSERT INTO txn_sub_keys VALUES ('acme')")
+            with pytest.raises(LockLostError):
+                hold.__exit__(None, None, None)  # caught by the work, which goes on
+        else:
+            with conn.transaction():
+                [sub] = handle.try_lock_many([SUB])
+                raise psycopg.Rollback()
+            conn.execute("INSERT INTO txn_sub_keys VALUES ('acme')")
+            assert handle.release(sub) is False  # and ignored
+        assert handle.sub_key_ended_early == SUB
+    assert guard.outcome == "lost"
+    assert _another_job(admin) == (True, 0), "nothing was committed"
+
+
+def test_giving_back_checks_each_key_in_its_own_mode_and_form(hook: AdvisoryLockHook, admin: Any, table: str) -> None:
+    """Shared and exclusive, an int64, a pair and a name, in one release: each found as held, and
+    each one a savepoint's rollback ended found gone."""
+    from airflow_pglock.exceptions import LockLostError
+
+    pair, number, shared_name = LockKey.from_pair(7, 8), LockKey.from_int(424242), LockKey.from_name("txn-sub/s")
+    guard = _guard(hook)
+    with pytest.raises(LockLostError, match="one of its sub-keys"), guard as handle:
+        conn = handle.connection
+        assert conn is not None
+        kept = handle.try_lock_many([SUB, pair]) + handle.try_lock_many([shared_name, number], shared=True)
+        assert len(kept) == 4
+        assert handle.release(*kept) is True
+        with conn.transaction():
+            again = handle.try_lock_many([pair]) + handle.try_lock_many([number], shared=True)
+            assert len(again) == 2  # given back, taken again (the same transaction's)
+            raise psycopg.Rollback()  # ends the second takes only: the first still hold them
+        assert handle.release(*again) is True
+        with conn.transaction():
+            fresh = handle.try_lock_many([LockKey.from_pair(9, 9)]) + handle.try_lock_many(
+                [LockKey.from_int(77)], shared=True
+            )
+            raise psycopg.Rollback()
+        assert handle.release(*fresh) is False
+        assert handle.sub_key_ended_early == LockKey.from_pair(9, 9)  # and the task ends lost

@@ -143,3 +143,20 @@ def test_a_period_recorded_once_passes_and_one_run_again_or_recorded_twice_fails
     assert any("ran again" in v for v in check(again, [], lease=LEASE).violations)
     twice = [*_scope_run("b", 2, 11.05, 12, "p1", recorded=True), *_scope_run("d", 1, 12.1, 13, "p1", recorded=True)]
     assert any("recorded 2 times" in v for v in check(twice, [], lease=LEASE).violations)
+
+
+def test_a_savepoint_rollback_of_the_workers_own_explains_an_overlap_of_its_run_only_if_the_run_ends_lost() -> None:
+    """The worker writes it itself (its target is the run): the keys it ended are found only at
+    their release, so the overlap may last until then, but never with a run reported completed."""
+    rollback = {"t": 10.5, "event": "fault", "kind": "savepoint-rollback", "start": 10.5, "end": 10.5}
+    rollback |= {"target": "a", "pids": [1], "pid": 1, "worker": 1}
+    lost = [*_run("a", 1, "k", 10, 19, "lost", lost=True), *_run("b", 2, "k", 11, 12, "completed"), rollback]
+    report = check(lost, [], lease=LEASE)
+    assert report.passed, report.violations
+    assert report.figures["faults"]["savepoint-rollback"] == 1
+    completed = [*_run("a", 1, "k", 10, 19, "completed"), *_run("b", 2, "k", 11, 12, "completed"), rollback]
+    assert any("completed older holder" in v for v in check(completed, [], lease=LEASE).violations)
+    # Another run of the same worker process is not explained by it.
+    other = {**rollback, "target": "c"}
+    unexplained = [*_run("a", 1, "k", 10, 19, "lost", lost=True), *_run("b", 2, "k", 11, 12, "completed"), other]
+    assert any("unexplained overlap" in v for v in check(unexplained, [], lease=LEASE).violations)
