@@ -119,8 +119,9 @@ class LockSet:
     :param scope: ``"session"``: session locks; ``"transaction"``: transaction locks, on a
         connection whose open transaction holds a transaction lock. They end with it: a release
         only checks that the transaction still holds them (a ``ROLLBACK TO SAVEPOINT`` ends those
-        taken after the savepoint, an error that aborts the transaction every one), and announces
-        them; the work's ``pg_advisory_unlock_all()`` leaves them alone.
+        taken after the savepoint, an error that aborts the transaction every one; in a failed
+        transaction it raises InFailedSqlTransaction), and announces them; the work's
+        ``pg_advisory_unlock_all()`` leaves them alone.
     """
 
     def __init__(
@@ -384,12 +385,13 @@ class LockSet:
     def _give_back(self, subs: list[SubLock]) -> list[SubLock]:
         """Transaction locks: no statement ends one before its transaction does. Check that the
         transaction still held each (one statement per mode, which announces them too); those it
-        no longer held. In a transaction aborted or ended already, every one (an error that aborts
-        it ends its locks at once)."""
+        no longer held. After the work ended the transaction, every one. In a failed transaction
+        the statement raises InFailedSqlTransaction: whether a key is held then cannot be told (an
+        error in a savepoint ends only the keys taken inside it), and the caller sees that error."""
         with self.connection.lock:  # not while another thread's statement runs (a heartbeat's probe)
             status = self.connection.info.transaction_status
         gone: list[SubLock] = []
-        if status != psycopg.pq.TransactionStatus.INTRANS:
+        if status == psycopg.pq.TransactionStatus.IDLE:
             gone = list(subs)
         else:
             with self._session_errors(subs[0].key):

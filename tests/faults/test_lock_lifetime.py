@@ -647,13 +647,13 @@ def test_a_release_cancelled_part_way_leaves_no_key_held_and_forgotten(
         assert _held_by(fault_admin, pid) == set()
 
 
-def test_a_release_refused_by_an_aborted_transaction_is_finished_later(
+def test_a_release_in_an_aborted_savepoint_raises_and_the_key_stays_the_transactions(
     fault_server: FaultServer, fault_admin: Any
 ) -> None:
     """Transaction mode: the work's statement failed inside a savepoint, so the sub-key's release
-    is refused (InFailedSqlTransaction) and unlocks nothing. Forgotten, the key was granted
-    again after ROLLBACK TO SAVEPOINT and stayed held after that block: it must be released
-    at the next chance instead."""
+    cannot check the key (InFailedSqlTransaction, raised to the work). The key was taken before the
+    savepoint, so it is still the transaction's after ROLLBACK TO SAVEPOINT: taken again in a block,
+    given back, held until the commit, and the task completes (no false loss)."""
     key = LockKey.from_name("aborted-release")
     with _guard(fault_server, "aborted-release-owner", mode="transaction") as lock:
         assert lock.connection is not None
@@ -667,5 +667,6 @@ def test_a_release_refused_by_an_aborted_transaction_is_finished_later(
         lock.connection.execute("ROLLBACK TO SAVEPOINT work")
         with lock.try_lock(key) as again:
             assert again is not None
-        assert key.pg_locks not in _held_by(fault_admin, lock.backend_pid)
+        assert key.pg_locks in _held_by(fault_admin, lock.backend_pid)  # a transaction lock: until the commit
         assert LockKey.from_name("aborted-release-owner").pg_locks in _held_by(fault_admin, lock.backend_pid)
+        assert lock.sub_key_ended_early is None
