@@ -171,7 +171,7 @@ class HoldHub:
             try:
                 renewed = await self._in_thread(last_write, hold, sub)
             except (PgLockError, psycopg.Error) as error:
-                renewed = f"the hold could not be renewed for the hand-over ({type(error).__name__}: {error})"
+                renewed = f"the hold's row could not be written as its trigger fired ({type(error).__name__}: {error})"
             if renewed is _REPLACED:
                 continue  # its key was taken back on a new session meanwhile: renew it there
             if renewed is not None:
