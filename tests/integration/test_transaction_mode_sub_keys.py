@@ -301,3 +301,38 @@ def test_giving_back_checks_each_key_in_its_own_mode_and_form(hook: AdvisoryLock
             raise psycopg.Rollback()
         assert handle.release(*fresh) is False
         assert handle.sub_key_ended_early == LockKey.from_pair(9, 9)  # and the task ends lost
+
+
+def test_a_sub_key_that_a_lock_scope_holds_is_busy_and_not_kept_by_the_transaction(
+    hook: AdvisoryLockHook, scopes_db: Any
+) -> None:
+    """Another run's lock scope holds its key by a row between its tasks: a sub-key of that name is
+    busy here. A transaction lock cannot be given back, so it is taken inside a savepoint that is
+    rolled back: the scope's next task can take the key at once, not only after this transaction.
+    The free keys of the same batch stay taken."""
+    from airflow_pglock.pg import scopes
+    from tests.helpers import advisory_locks_left
+
+    scoped = LockKey.from_name("txn-sub-keys/scoped")
+    taken, _ = scopes.enter(scopes_db, scoped, "f" * 32, "dep: the scope's run", 300)
+    assert taken
+
+    def free_to_others(key: LockKey) -> bool:
+        got = scopes_db.execute("SELECT pg_try_advisory_xact_lock(%s)", [key.int64]).fetchone()[0]
+        return bool(got)  # autocommit: the statement's transaction ends it at once
+
+    guard = _guard(hook)
+    with guard as handle:
+        with handle.try_lock(scoped) as sub:
+            assert sub is None, "the scope holds it: busy"
+        assert free_to_others(scoped), "the refused sub-key stayed taken by the transaction"
+        assert [sub.key for sub in handle.try_lock_many([scoped, SUB])] == [SUB]
+        assert free_to_others(scoped), "the refused sub-key of a batch stayed taken by the transaction"
+        assert not free_to_others(SUB), "the free key of the batch is held"
+        conn = handle.connection
+        assert conn is not None
+        with pytest.raises(psycopg.errors.InvalidSavepointSpecification), conn.transaction():
+            conn.execute("RELEASE SAVEPOINT pglock_take")  # none left open behind the takes
+        assert handle.held() == [SUB]
+    assert guard.outcome == "completed"
+    assert advisory_locks_left(scopes_db) == 0
