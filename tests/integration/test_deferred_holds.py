@@ -11,9 +11,10 @@ tests/airflow/test_deferrable_guard.py (dag.test) and tests/e2e/test_deferrable_
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -43,6 +44,17 @@ def _hand_over(hook: Any, key: LockKey, lease: float = 30.0) -> str:
 
 def _hub(hook: Any) -> HoldHub:
     return HoldHub(lambda: hook.open_lock_session(application_name=HUB))
+
+
+@contextlib.asynccontextmanager
+async def _one_held(hook: Any, holder: str) -> AsyncIterator[tuple[HoldHub, DeferredHold]]:
+    """A hub of its own holding ``holder``'s hold of the first key, once it is held."""
+    hub = _hub(hook)
+    hold = DeferredHold(KEYS[0], holder, "dag.op run", 30.0)
+    async with hub.holding(hold):
+        await asyncio.wait_for(hold.settled.wait(), 15)
+        assert hold.state == "held"
+        yield hub, hold
 
 
 def _holders(admin: Any, key: LockKey) -> list[str]:
@@ -255,11 +267,8 @@ def test_a_trigger_that_fires_after_its_hub_stopped_is_lost_at_once(hook: Any, s
     holder = _hand_over(hook, KEYS[0])
 
     async def body() -> None:
-        hub = _hub(hook)
-        hold = DeferredHold(KEYS[0], holder, "dag.op run", 30.0)
-        async with hub.holding(hold):
-            await asyncio.wait_for(hold.settled.wait(), 15)
-            assert hold.state == "held" and hub._task is not None
+        async with _one_held(hook, holder) as (hub, hold):
+            assert hub._task is not None
             hub._task.cancel()  # it closes its session and retires
             with pytest.raises(asyncio.CancelledError):
                 await hub._task
@@ -281,11 +290,7 @@ def test_a_task_that_ends_in_the_triggerer_frees_its_hold_at_once(hook: Any, sco
     holder = _hand_over(hook, KEYS[0])
 
     async def body() -> None:
-        hub = _hub(hook)
-        hold = DeferredHold(KEYS[0], holder, "dag.op run", 30.0)
-        async with hub.holding(hold):
-            await asyncio.wait_for(hold.settled.wait(), 15)
-            assert hold.state == "held"
+        async with _one_held(hook, holder) as (hub, hold):
             assert await hub.end(hold)
             assert hold.state == "ended"
 
