@@ -11,6 +11,7 @@ heartbeat). :meth:`~AdvisoryLockHook.holders` says who holds a key.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -31,7 +32,7 @@ from airflow_pglock.pg.database import DEFAULT_CONNECT_TIMEOUT, INSPECT_APPLICAT
 from airflow_pglock.pg.held import HeldLock
 from airflow_pglock.pg.holders import aread_holders
 from airflow_pglock.pg.scopes import ScopeRow, live_scope, live_scopes_of
-from airflow_pglock.pg.settings import ConnectionSettings, from_dsn
+from airflow_pglock.pg.settings import POOL_MODES, ConnectionSettings, from_dsn
 from airflow_pglock.pg.statements import check_wait_timeout
 from airflow_pglock.policy import LockPolicy, OnBusy, OnLost, check_slots
 from airflow_pglock.registry import record_acquisition
@@ -56,6 +57,9 @@ class AdvisoryLockHook(BaseHook):
     :param connect_timeout: seconds to wait for a connection (default 10; the
         connection's own ``connect_timeout`` extra wins).
     :param liveness: lease-derived liveness settings (default: a 30 s lease).
+    :param pool_mode: the pooling mode of a pooler between this hook and PostgreSQL
+        (``"session"``, ``"transaction"`` or ``"statement"``), as the connection extra
+        ``pool_mode`` declares it; given here, it wins over the extra (a ``dsn`` has none).
     """
 
     conn_name_attr = "postgres_conn_id"
@@ -70,10 +74,17 @@ class AdvisoryLockHook(BaseHook):
         dsn: str | None = None,
         connect_timeout: int = DEFAULT_CONNECT_TIMEOUT,
         liveness: Liveness | None = None,
+        pool_mode: str | None = None,
     ) -> None:
         super().__init__()
         if dsn is None and (not isinstance(postgres_conn_id, str) or not postgres_conn_id.strip()):
             raise LockConfigurationError(f"postgres_conn_id must be a non-empty string, got {postgres_conn_id!r}")
+        if pool_mode is not None and pool_mode not in POOL_MODES:
+            raise LockConfigurationError(
+                f"pool_mode must be one of {', '.join(map(repr, POOL_MODES))} (a pooler's pooling mode) or None, "
+                f"got {pool_mode!r}"
+            )
+        self.pool_mode = pool_mode
         self.postgres_conn_id = postgres_conn_id
         self.dsn = dsn
         self._settings: ConnectionSettings | None = None
@@ -104,6 +115,8 @@ class AdvisoryLockHook(BaseHook):
             settings = from_dsn(self.dsn)
         else:
             settings = connection.from_airflow(self.postgres_conn_id, self.get_connection)
+        if self.pool_mode is not None:
+            settings = dataclasses.replace(settings, pool_mode=self.pool_mode)
         if settings.reusable:
             self._settings = settings
         return settings

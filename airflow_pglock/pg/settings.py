@@ -35,6 +35,10 @@ def redact(text: str) -> str:
     return _KEYWORD_PASSWORD.sub(r"\1***", _URI_PASSWORD.sub(r"\1***@", text))
 
 
+#: The pooling modes a pooler may be declared with (PgBouncer's names); only ``"session"`` keeps session locks safe.
+POOL_MODES = ("session", "transaction", "statement")
+
+
 @dataclass(frozen=True)
 class ConnectionSettings:
     """The lock database's connection, resolved once.

@@ -112,6 +112,21 @@ def test_session_pooling_declared_in_the_connection_extra_is_accepted(
         os.environ.pop("AIRFLOW_CONN_PGLOCK_BOUNCER_SESSION")
 
 
+def test_session_pooling_declared_to_a_dsn_hook_is_accepted(
+    session_bouncer: PgBouncer, fault_server: FaultServer
+) -> None:
+    """A hook made from a DSN has no connection extra: ``pool_mode=`` declares the pooler instead."""
+    dsn = session_bouncer.dsn_for(FAULT_DATABASE)
+    key = LockKey.from_name("bouncer-session-dsn")
+    with pytest.raises(UnsafeSetupError, match="connection pooler"), _guard(dsn, "bouncer-session-dsn"):
+        raise AssertionError("must not run")
+    declared = AdvisoryLockHook(dsn=dsn, liveness=Liveness(3), pool_mode="session")
+    with LockGuard(declared.database, key, LockPolicy()) as handle:
+        assert handle.backend_pid > 0
+        with pytest.raises(LockBusyError), _guard(fault_server.dsn, "bouncer-session-dsn"):
+            raise AssertionError("a direct contender must be refused while the pooled session holds the key")
+
+
 def _bouncer_racer(bouncer_dsn: str, direct_dsn: str, worker: int, seconds: float) -> None:
     """Transaction-mode guards through PgBouncer; records each protected section directly."""
     rng = random.Random(worker)

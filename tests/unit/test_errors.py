@@ -24,6 +24,22 @@ def test_a_bad_key_is_a_pglock_error_and_a_value_error() -> None:
         LockKey.from_int(2**63)
 
 
+@pytest.mark.parametrize("pool_mode", ["sesion", "", "Session", 1])
+def test_a_bad_pool_mode_is_refused_naming_the_value_before_any_connection(pool_mode: object) -> None:
+    from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+
+    with pytest.raises(LockConfigurationError, match=f"pool_mode must be .*got {pool_mode!r}"):
+        AdvisoryLockHook(dsn="host=nowhere.invalid", pool_mode=pool_mode)  # type: ignore[arg-type]
+
+
+def test_a_pool_mode_declared_to_a_dsn_hook_is_in_its_settings() -> None:
+    from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+
+    assert AdvisoryLockHook(dsn="host=nowhere.invalid").resolve_settings().pool_mode is None
+    hook = AdvisoryLockHook(dsn="host=nowhere.invalid", pool_mode="session")
+    assert hook.resolve_settings().pool_mode == "session"
+
+
 @pytest.mark.parametrize("lease", [0, 1, float("nan"), "30", True])
 def test_a_bad_lease_is_a_pglock_error_naming_the_value(lease: object) -> None:
     with pytest.raises(LockConfigurationError, match="lease must be") as error:
