@@ -328,11 +328,24 @@ def one_transaction(conn: psycopg.Connection[Any]) -> Iterator[None]:
 def _read_committed(conn: psycopg.Connection[Any], savepoint: str) -> Iterator[None]:
     """A transaction (a savepoint inside one) whose every statement sees what was committed
     before it began, whatever the database's default isolation."""
-    in_transaction = conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
-    with conn.transaction(savepoint_name=savepoint if in_transaction else None):
-        if not in_transaction:
-            conn.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
-        yield
+    with conn.lock:  # a lock session's heartbeat probe in flight holds it (the status would read ACTIVE)
+        in_transaction = conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
+    if in_transaction:
+        with conn.transaction(savepoint_name=savepoint):
+            yield
+        return
+    # The isolation goes in psycopg's BEGIN: a probe run between a plain BEGIN and a SET TRANSACTION
+    # would be the transaction's first statement, and under a REPEATABLE READ default its snapshot
+    # would be taken before the locks that the statements here wait for.
+    previous = conn.isolation_level
+    conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+    try:
+        with conn.transaction():
+            yield
+    finally:
+        if not conn.closed:
+            with contextlib.suppress(psycopg.Error):
+                conn.isolation_level = previous
 
 
 @contextlib.contextmanager

@@ -174,14 +174,15 @@ class HoldHub:
                 renewed = f"the hold's row could not be written as its trigger fired ({type(error).__name__}: {error})"
             if renewed is _REPLACED:
                 continue  # its key was taken back on a new session meanwhile: renew it there
-            if renewed is not None:
+            if renewed is None:
+                hold.sub, hold.state = None, "ended"
+            else:
                 hold.lose(renewed)
                 self._wake.set()
-                return False
-            hold.sub, hold.state = None, "ended"
             # Shielded: a trigger cancelled now must still give its key back (nothing tracks it any more).
-            await asyncio.shield(self._in_thread(self._release_quietly, sub))
-            return True
+            with contextlib.suppress(PgLockError):  # a retired hub's session took its keys with it
+                await asyncio.shield(self._in_thread(self._release_quietly, sub))
+            return renewed is None
 
     # ------------------------------------------------------------------ the hub's passes
 
@@ -337,9 +338,15 @@ class HoldHub:
             return _REPLACED
         if session is None or session.lost is not None:
             raise PgLockError("the lock session ended before the row was freed")
-        if scopes.leave(session.connection, hold.key, hold.holder) is None:
-            self._release_quietly(sub)
+        if scopes.leave(session.connection, hold.key, hold.holder, lower=False) is None:
             return f"the row of the hold of {hold.key.describe()} was deleted while the triggerer held the key"
+        try:
+            scopes.lower_horizon(session.connection)
+        except (
+            PgLockError,
+            psycopg.Error,
+        ) as error:  # the row is gone: a horizon left high only makes guards read rows
+            log.warning("pglock: the lock scopes' horizon was not lowered after %s ended: %s", hold.task, error)
         return None
 
     def _release_quietly(self, sub: SubLock | None) -> None:

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
+import psycopg
 import pytest
 
 from airflow_pglock.exceptions import LockBusyError
@@ -361,4 +363,90 @@ def test_a_guarded_trigger_whose_task_ends_in_the_triggerer_frees_the_hold(
     assert len(events) == 1 and isinstance(events[0], TaskSuccessEvent), events
     assert scopes.read(scopes_db, KEYS[0]) is None, "the hold's row was left for a resume that never comes"
     LockGuard(hook.database, KEYS[0], LockPolicy()).run(lambda handle: None)
+    assert advisory_locks_left(scopes_db) == 0
+
+
+def _impatient_hub(hook: Any) -> HoldHub:
+    """A hub whose session waits at most 0.5 s for a lock (``lock_timeout``), as a role may set."""
+
+    def open_session() -> Any:
+        session = hook.open_lock_session(application_name=HUB)
+        session.connection.execute("SET lock_timeout = '500ms'")
+        return session
+
+    return HoldHub(open_session)
+
+
+@contextlib.contextmanager
+def _horizon_locked(dsn: str) -> Iterator[None]:
+    """Another writer holds the scope horizon's lock (a scope being written elsewhere)."""
+    with psycopg.connect(dsn, autocommit=True) as writer:
+        writer.execute("BEGIN")
+        writer.execute("SELECT pg_advisory_xact_lock(%s)", [scopes.HORIZON_LOCK_KEY.int64])
+        yield
+        writer.execute("ROLLBACK")
+
+
+@pytest.mark.parametrize("last_write", ["end", "hand_back"])
+def test_a_hold_whose_last_write_fails_gives_its_key_back_while_the_hub_lives_on(
+    last_write: str, hook: Any, scopes_db: Any, dsn: str
+) -> None:
+    """The hub's last write for a hold (the row's deletion when the task ended in the triggerer,
+    its renewal for the resume) fails: the key is given back at once, not kept by the hub's session
+    for as long as other holds keep the hub alive. A deletion that was made ends the task even
+    when the horizon could not be lowered (a horizon left high only makes guards read the rows)."""
+    holders = [_hand_over(hook, key) for key in KEYS]
+
+    async def body() -> None:
+        hub = _impatient_hub(hook)
+        holds = [DeferredHold(key, holder, "dag.op run", 30.0) for key, holder in zip(KEYS, holders, strict=True)]
+        async with hub.holding(holds[1]):  # keeps the hub and its session alive
+            await asyncio.wait_for(holds[1].settled.wait(), 15)
+            async with hub.holding(holds[0]):
+                await asyncio.wait_for(holds[0].settled.wait(), 15)
+                with _horizon_locked(dsn):
+                    done = await (hub.end(holds[0]) if last_write == "end" else hub.hand_back(holds[0]))
+                if last_write == "end":
+                    assert done and holds[0].state == "ended", holds[0].reason
+                    assert scopes.read(scopes_db, KEYS[0]) is None
+                else:
+                    assert not done and holds[0].state == "lost"
+                    assert "could not be written" in str(holds[0].reason)
+                assert await _until(lambda: _holders(scopes_db, KEYS[0]) == []), "the hub's session kept the key"
+            assert holds[1].state == "held"
+
+    _run(body)
+    scopes_db.execute("DELETE FROM pglock.scopes")
+    assert advisory_locks_left(scopes_db) == 0
+
+
+def test_the_horizon_is_lowered_under_its_lock_whatever_the_default_isolation_and_a_probe_in_flight(
+    hook: Any, scopes_db: Any, dsn: str
+) -> None:
+    """``lower_horizon`` on a lock session whose heartbeat probe is running a statement (the
+    connection reads ACTIVE), with REPEATABLE READ as the session's default: its transaction must
+    still read committed rows after the horizon's lock, or it lowers the horizon below a scope
+    that another run committed meanwhile, and a plain guard of that key runs inside the scope."""
+    other = LockKey.from_name("deferred/other-runs-scope")
+    session = hook.open_lock_session(application_name=HUB)
+    try:
+        session.connection.execute("SET default_transaction_isolation = 'repeatable read'")
+        with psycopg.connect(dsn, autocommit=True) as writer:
+            writer.execute("SELECT pg_advisory_lock(%s)", [other.int64])
+            with writer.transaction():
+                taken, _ = scopes.enter(writer, other, uuid.uuid4().hex, "dep: the other run", 60)
+                assert taken  # its row and the raised horizon, not committed yet
+                probe = threading.Thread(target=lambda: session.connection.execute("SELECT pg_sleep(0.3)"))
+                probe.start()
+                time.sleep(0.05)
+                lowering = threading.Thread(target=lambda: scopes.lower_horizon(session.connection))
+                lowering.start()
+                time.sleep(0.6)  # lower_horizon waits for the horizon's lock
+            writer.execute("SELECT pg_advisory_unlock(%s)", [other.int64])
+        lowering.join(10)
+        probe.join(10)
+    finally:
+        session.close()
+    with pytest.raises(LockBusyError):  # the other run's scope holds the key
+        LockGuard(hook.database, other, LockPolicy()).run(lambda handle: None)
     assert advisory_locks_left(scopes_db) == 0
