@@ -35,9 +35,11 @@ The kinds (every public way to hold a lock, see docs/safety.md):
   own, as a triggerer runs it), works while the hub holds the key (the operator's external job
   while the task is deferred; it goes on while the hub takes the key back after its session was
   lost, under the row, and stops once the hub says the hold is lost), has the hub hand the hold
-  back, and resumes as a guard that re-enters the hold and works again. It believes it holds the
-  key from the first acquisition to its last work, the hand-overs included (the lease row holds
-  it there).
+  back, and resumes as a guard that re-enters the hold and works again. A quarter of its runs end
+  in the triggerer instead (an operator's trigger that finishes the task there: the hub deletes
+  the row under the key, lowers the scopes' horizon and releases the key; no resume). It believes
+  it holds the key from the first acquisition to its last work, the hand-overs included (the
+  lease row holds it there).
 """
 
 from __future__ import annotations
@@ -419,7 +421,8 @@ class Worker:
                 self.history.emit("done", run=run)
             raise
         try:
-            self._in_triggerer(run, lock_key, holder, token[0], lease)
+            if self._in_triggerer(run, lock_key, holder, token[0], lease):
+                return  # the task ended in the triggerer
             resume = LockGuard(
                 self.hook.database,
                 lock_key,
@@ -437,8 +440,9 @@ class Worker:
             self.history.emit("done", run=run)  # the first done ends the hold; a later one changes nothing
             raise
 
-    def _in_triggerer(self, run: str, key: Any, holder: str, token: int | None, lease: float) -> None:
-        """The triggerer's part: the hub takes the hold; the external job works while it is held."""
+    def _in_triggerer(self, run: str, key: Any, holder: str, token: int | None, lease: float) -> bool:
+        """The triggerer's part: the hub takes the hold; the external job works while it is held.
+        Whether the task ended there (else the hub handed the hold back for a resume)."""
         import asyncio
 
         from airflow_pglock.triggers.holds import DeferredHold, HoldHub
@@ -459,11 +463,15 @@ class Worker:
                         raise _Lost(str(hold.reason))
                     await asyncio.to_thread(self._write, run, str(key.name), token)
                     await asyncio.sleep(STEP)
-                if not await hub.hand_back(hold):
+                if ends_there:
+                    self.history.emit("done", run=run)  # the job stops using the key before the hub frees it
+                if not await (hub.end(hold) if ends_there else hub.hand_back(hold)):
                     self.history.emit("lost", run=run)
                     raise _Lost(str(hold.reason))
 
+        ends_there = self.rng.random() < 0.25
         asyncio.run(deferred())
+        return ends_there
 
     # ----------------------------------------------------------------- the loop
 
