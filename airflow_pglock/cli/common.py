@@ -43,17 +43,18 @@ def hook_from_args(args: argparse.Namespace, lease: float | None = None) -> Any:
             liveness = Liveness(lease)
         except ValueError as error:
             raise CliError(f"--lease: {error}", EXIT_CONFIG) from None
-    if args.dsn is not None:
-        if not args.dsn.strip():
-            raise CliError("--dsn is empty; give a libpq connection string or URI", EXIT_CONFIG)
-        hook = AdvisoryLockHook(dsn=args.dsn, liveness=liveness)
-    else:
-        use_server_connections()  # like `airflow connections get`: read the metadata database too
-        conn_id = args.conn_id or os.environ.get("PGLOCK_CONN_ID") or DEFAULT_CONN_ID
-        try:
-            hook = AdvisoryLockHook(conn_id, liveness=liveness)
-        except LockConfigurationError as error:
-            raise CliError(str(error), EXIT_CONFIG) from None
+    pool_mode = getattr(args, "pool_mode", None)
+    try:
+        if args.dsn is not None:
+            if not args.dsn.strip():
+                raise CliError("--dsn is empty; give a libpq connection string or URI", EXIT_CONFIG)
+            hook = AdvisoryLockHook(dsn=args.dsn, liveness=liveness, pool_mode=pool_mode)
+        else:
+            use_server_connections()  # like `airflow connections get`: read the metadata database too
+            conn_id = args.conn_id or os.environ.get("PGLOCK_CONN_ID") or DEFAULT_CONN_ID
+            hook = AdvisoryLockHook(conn_id, liveness=liveness, pool_mode=pool_mode)
+    except LockConfigurationError as error:
+        raise CliError(str(error), EXIT_CONFIG) from None
     try:
         hook.resolve_settings()  # a bad DSN or an unknown conn id fails here, before any work
     except LockConfigurationError as error:

@@ -99,6 +99,15 @@ ARGS: dict[str, ArgSpec] = {
         ("--lease",),
         {"help": "the lease the tasks use, in seconds (default 30)", "default": None, "metavar": "SECONDS"},
     ),
+    "pool_mode": (
+        ("--pool-mode",),
+        {
+            "help": "a pooler between here and PostgreSQL and its pooling mode (session, transaction, statement), "
+            "as the connection extra pool_mode declares it (for --dsn, which has none)",
+            "metavar": "MODE",
+            "default": None,
+        },
+    ),
     "strict": (("--strict",), {"help": "exit 1 on warnings too (notes never fail)", "action": "store_true"}),
     "grant": (
         ("--grant",),
@@ -125,7 +134,7 @@ COMMANDS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "doctor": (
         "connect as a task would and check server, standby, pooler, liveness, privileges, capacity, registry",
-        ("lease", "strict"),
+        ("lease", "pool_mode", "strict"),
     ),
     "init-db": (
         "create or upgrade airflow-pglock's schema 'pglock' (key-name registry); idempotent",

@@ -75,6 +75,26 @@ def test_doctor_flags_pgbouncer_in_transaction_pooling(primary: Cluster, capsys:
         bouncer.stop()
 
 
+def test_doctor_accepts_session_pooling_declared_with_pool_mode(primary: Cluster, capsys: Any) -> None:
+    """A DSN has no connection extra: ``--pool-mode session`` declares a session pooler, as the
+    extra ``pool_mode`` does; a bad value is a configuration error naming it."""
+    try:
+        bouncer = PgBouncer(primary.port, pool_mode="session").start()
+    except PgBouncerUnavailableError as error:
+        pytest.skip(f"PgBouncer is not available here: {error}")
+    try:
+        dsn = bouncer.dsn_for("doctor_db")
+        undeclared = run_cli("doctor", "--dsn", dsn, "--output", "json", capsys=capsys)
+        assert undeclared.code == 1 and _checks(undeclared)["pooler"]["status"] == "problem"
+        declared = run_cli("doctor", "--dsn", dsn, "--pool-mode", "session", "--output", "json", capsys=capsys)
+        pooler = _checks(declared)["pooler"]
+        assert pooler["status"] == "warning" and "declares pool_mode=session" in pooler["summary"], declared.out
+        bad = run_cli("doctor", "--dsn", dsn, "--pool-mode", "sesion", capsys=capsys)
+        assert bad.code == 3 and "'sesion'" in bad.err
+    finally:
+        bouncer.stop()
+
+
 def _issue_a_token(dsn: str) -> None:
     from airflow_pglock.guard import LockGuard
     from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
