@@ -310,7 +310,11 @@ class LockSet:
                     and key.numbers not in self._unsettled
                     and key.numbers != self._reserved
                 ):
-                    fresh.setdefault(key.numbers, key)
+                    # A key given twice is taken once, as its named copy if any: a name is what
+                    # lock scopes hold, and the number alone reads no scope row.
+                    known = fresh.get(key.numbers)
+                    if known is None or (known.name is None and key.name is not None):
+                        fresh[key.numbers] = key
             wanted = list(fresh.values())
             if not wanted:
                 return []
@@ -324,10 +328,10 @@ class LockSet:
                     conn, scope = self.connection, self._scope
                     if timeout is not None:  # a wait: any scope may have begun meanwhile
                         got = [statements.wait_lock(self.connection, wanted[0], timeout, shared=shared)]
-                    elif seeing and scope == "transaction":
-                        got, live = self._take_in_savepoint(wanted, shared), False
                     elif seeing:
-                        *got, live = statements.try_lock_seeing_scopes(self.connection, wanted, shared=shared)
+                        *got, live = statements.try_lock_seeing_scopes(
+                            self.connection, wanted, shared=shared, scope=scope
+                        )
                     elif len(wanted) == 1:
                         got = [statements.try_lock(conn, wanted[0], shared=shared, scope=scope, cursor=self._cursor)]
                     else:
@@ -342,35 +346,24 @@ class LockSet:
             return taken
 
     def _outside_scopes(self, wanted: list[LockKey], got: list[bool], shared: bool) -> list[bool]:
-        """Give back the session locks just taken that another run's lock scope holds (busy, as a
-        guard finds them)."""
+        """Give back the keys just taken that another run's lock scope holds (busy, as a guard finds them)."""
         named = [key for key, ok in zip(wanted, got, strict=True) if ok and key.name is not None]
         scoped = scopes.live_among(self.connection, named) if named else set()
         if not scoped:
             return got
-        statements.unlock_many(self.connection, [key for key in named if key.numbers in scoped], shared=shared)
-        return [ok and key.numbers not in scoped for key, ok in zip(wanted, got, strict=True)]
-
-    def _take_in_savepoint(self, wanted: list[LockKey], shared: bool) -> list[bool]:
-        """Transaction locks, which no statement can give back: taken in a savepoint, rolled back
-        when another run's lock scope holds some of them (busy, as a guard finds them, and free to
-        that scope's next task at once); the others are then tried again in a new one."""
-        answers = dict.fromkeys((key.numbers for key in wanted), False)
-        trying = wanted
-        while trying:  # each pass after the first tries fewer keys
-            *got, live = statements.try_lock_seeing_scopes(
-                self.connection, trying, shared=shared, scope="transaction", savepoint=statements.TAKE_SAVEPOINT
+        refused = [key for key in named if key.numbers in scoped]
+        if self._scope == "transaction":
+            # A transaction lock cannot be given back: busy here, it stays taken until the
+            # transaction ends (the scope's next task finds the key busy until then).
+            log.warning(
+                "pglock: %d sub-key(s) held by another run's lock scope were taken by this transaction and "
+                "stay taken, unused, until it ends, e.g. %s",
+                len(refused),
+                refused[0].describe(),
             )
-            taken = [key for key, ok in zip(trying, got, strict=True) if ok]
-            named = [key for key in taken if key.name is not None]
-            scoped = scopes.live_among(self.connection, named) if live and named else set()
-            if not scoped:
-                statements.release_savepoint(self.connection, statements.TAKE_SAVEPOINT)
-                answers.update((key.numbers, True) for key in taken)
-                break
-            statements.roll_back_to_savepoint(self.connection, statements.TAKE_SAVEPOINT)
-            trying = [key for key in taken if key.numbers not in scoped]
-        return [answers[key.numbers] for key in wanted]
+        else:
+            statements.unlock_many(self.connection, refused, shared=shared)
+        return [ok and key.numbers not in scoped for key, ok in zip(wanted, got, strict=True)]
 
     def _unlock(self, subs: list[SubLock]) -> list[SubLock]:
         """Unlock ``subs`` (one statement per mode); those the session no longer held."""

@@ -191,24 +191,11 @@ def scopes_installed(conn: psycopg.Connection[Any]) -> bool:
 _HORIZON_COLUMN = sql.SQL(", " + HORIZON_LIVE)
 
 
-#: The savepoint that transaction locks are taken in where a lock scope may refuse some of them.
-TAKE_SAVEPOINT = "pglock_take"
-
-
 def try_lock_seeing_scopes(
-    conn: psycopg.Connection[Any],
-    keys: list[LockKey],
-    *,
-    shared: bool = False,
-    scope: Scope = "session",
-    savepoint: str | None = None,
+    conn: psycopg.Connection[Any], keys: list[LockKey], *, shared: bool = False, scope: Scope = "session"
 ) -> list[bool]:
     """:func:`try_lock_many` that also says, after taking them, whether some lock scope may be
-    live (the horizon, read in the same statement after the tries): a last element.
-
-    :param savepoint: opened in the same round trip, before the first try (transaction locks,
-        which only a rollback can end before their transaction does).
-    """
+    live (the horizon, read in the same statement after the tries): a last element."""
     answers: list[bool] = []
     live = False
     for start in range(0, len(keys), MANY_KEYS_PER_STATEMENT):
@@ -216,28 +203,10 @@ def try_lock_seeing_scopes(
         wholes = [key.int64 for key in chunk]
         pairs = [key.numbers if key.is_pair else (None, None) for key in chunk]
         statement = _each_key(lock_function("try", shared=shared, scope=scope), _HORIZON_COLUMN)
-        params = [wholes, [p[0] for p in pairs], [p[-1] for p in pairs]]
-        if savepoint is not None and start == 0:
-            # Two statements in one simple query take no parameters: psycopg binds them client-side.
-            inlined = sql.SQL(psycopg.ClientCursor(conn).mogrify(statement, params))
-            cursor = conn.execute(sql.SQL("SAVEPOINT {}; {}").format(sql.Identifier(savepoint), inlined))
-            cursor.nextset()  # the tries' rows follow the savepoint's result
-            rows = cursor.fetchall()
-        else:
-            rows = conn.execute(statement, params).fetchall()
+        rows = conn.execute(statement, [wholes, [p[0] for p in pairs], [p[-1] for p in pairs]]).fetchall()
         answers += [bool(row[0]) for row in rows]
         live = live or any(bool(row[1]) for row in rows)
     return [*answers, live]
-
-
-def release_savepoint(conn: psycopg.Connection[Any], savepoint: str) -> None:
-    """Keep what was done since ``savepoint`` (its transaction locks pass to the enclosing transaction)."""
-    conn.execute(sql.SQL("RELEASE SAVEPOINT {}").format(sql.Identifier(savepoint)))
-
-
-def roll_back_to_savepoint(conn: psycopg.Connection[Any], savepoint: str) -> None:
-    """Undo what was done since ``savepoint``, the transaction locks it took too, and end it: one round trip."""
-    conn.execute(sql.SQL("ROLLBACK TO SAVEPOINT {0}; RELEASE SAVEPOINT {0}").format(sql.Identifier(savepoint)))
 
 
 # Transaction locks given back: their release announced (sent as the transaction commits, which

@@ -312,6 +312,17 @@ def test_lock_sessions_and_sub_keys_find_a_scopes_key_busy(hook: Any, scopes_db:
     assert advisory_locks_left(scopes_db) == 0
 
 
+@pytest.mark.parametrize("mode", ["session", "transaction"])
+def test_a_batch_naming_a_scopes_key_also_by_its_number_finds_it_busy(hook: Any, scopes_db: Any, mode: str) -> None:
+    """The same key twice in one batch, first by its number (which reads no scope row), then by its
+    name: it is taken once, and as the named key, which another run's scope holds: busy."""
+    _enter(hook, uuid.uuid4().hex)
+    with LockGuard(hook.database, LockKey.from_name("scopes/owner"), LockPolicy(mode=mode)) as handle:
+        assert handle.try_lock_many([LockKey.from_int(KEY.int64), KEY]) == []
+        assert handle.held() == []
+    assert advisory_locks_left(scopes_db) == 0
+
+
 def test_a_renewal_whose_horizon_raise_fails_is_rolled_back(scopes_db: Any, dsn: str) -> None:
     """The row and the horizon it raises are one transaction: never a live lease beyond the horizon."""
     import psycopg
