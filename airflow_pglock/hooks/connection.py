@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from airflow_pglock.exceptions import LockConfigurationError
-from airflow_pglock.pg.settings import ConnectionSettings
+from airflow_pglock.pg.settings import POOL_MODES, ConnectionSettings
 
 POSTGRES_CONN_TYPES = frozenset({"postgres", "postgresql"})
 # PostgresHook extras that are not libpq parameters (it drops these too).
@@ -54,10 +54,16 @@ def from_airflow(conn_id: str, get_connection: Callable[[str], Any]) -> Connecti
             "this apache-airflow-providers-postgres is too old for airflow-pglock (PostgresHook has no "
             "_create_connection); upgrade it to 6.8 or newer"
         )
+    pool_mode = airflow_conn.extra_dejson.get("pool_mode")
+    if pool_mode is not None and pool_mode not in POOL_MODES:  # a typo would read as "no pooler declared"
+        raise LockConfigurationError(
+            f"Airflow connection {conn_id!r} has extra pool_mode {pool_mode!r}; expected one of "
+            f"{', '.join(map(repr, POOL_MODES))} (the pooler's pooling mode), or no pool_mode without a pooler"
+        )
     return ConnectionSettings(
         params={k: v for k, v in captured.items() if v is not None and k not in _NON_LIBPQ_EXTRAS},
         source=f"conn id {conn_id!r}",
-        pool_mode=airflow_conn.extra_dejson.get("pool_mode"),
+        pool_mode=pool_mode,
         # PostgresHook fetches an IAM token when the extra is truthy (a string "false" too): it expires.
         reusable=not airflow_conn.extra_dejson.get("iam", False),
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -233,3 +234,18 @@ def test_bad_tenant_values_fail_without_retries(airflow_db: Any, admin: Any, cap
     assert "tenant of task 'export_one' rendered to an empty value" in log
     assert "{'id': 1} (dict)" in log
     assert advisory_locks(admin) == []
+
+
+@pytest.mark.parametrize("pool_mode", ["Session", "sesion", ""])
+def test_a_connection_extra_pool_mode_that_is_no_pooling_mode_is_refused_naming_it(
+    pool_mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A typo in the extra would read as "no pooler declared": refused, naming it, before connecting."""
+    from airflow_pglock.exceptions import LockConfigurationError
+    from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+
+    extra = {"pool_mode": pool_mode}
+    conn = {"conn_type": "postgres", "host": "nowhere.invalid", "login": "postgres", "extra": extra}
+    monkeypatch.setenv("AIRFLOW_CONN_PGLOCK_BAD_POOL_MODE", json.dumps(conn))
+    with pytest.raises(LockConfigurationError, match=f"extra pool_mode {pool_mode!r}"):
+        AdvisoryLockHook("pglock_bad_pool_mode").resolve_settings()
