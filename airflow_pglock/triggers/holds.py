@@ -342,10 +342,8 @@ class HoldHub:
             return f"the row of the hold of {hold.key.describe()} was deleted while the triggerer held the key"
         try:
             scopes.lower_horizon(session.connection)
-        except (
-            PgLockError,
-            psycopg.Error,
-        ) as error:  # the row is gone: a horizon left high only makes guards read rows
+        except (PgLockError, psycopg.Error) as error:
+            # The row is gone: a horizon left high only makes guards read the rows.
             log.warning("pglock: the lock scopes' horizon was not lowered after %s ended: %s", hold.task, error)
         return None
 
