@@ -450,6 +450,8 @@ class Worker:
         def open_session() -> Any:
             return self.hook.open_lock_session(application_name=f"{self.name} holds")
 
+        ends_there = self.rng.random() < 0.25
+
         async def deferred() -> None:
             hub = HoldHub(open_session)
             hold = DeferredHold(key, holder, f"{self.name} {run}", lease)
@@ -469,7 +471,6 @@ class Worker:
                     self.history.emit("lost", run=run)
                     raise _Lost(str(hold.reason))
 
-        ends_there = self.rng.random() < 0.25
         asyncio.run(deferred())
         return ends_there
 
