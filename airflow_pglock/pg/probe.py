@@ -20,6 +20,11 @@ from airflow_pglock.pg.sql import held_condition, held_params
 #: What a heartbeat found: the key is held; it is not; the protected work is using the
 #: connection (transaction mode: the session is busy, hence not idle); no answer in time.
 ProbeResult = Literal["held", "not held", "busy", "no answer"]
+#: Seconds a question sent after the probe's deadline still waits for its answer (at most the
+#: probe's timeout): its thread stalled between taking the connection and sending (a C call
+#: holding the GIL, CPU starvation), so no answer can be in the socket yet. The heartbeat's
+#: grace for a holder that stalled past its deadline is the same second.
+LATE_SEND_WAIT = 1.0
 
 
 def probe(
@@ -47,7 +52,8 @@ def probe(
     :param key: the key it should hold; None: only whether the session is alive (a lock
         session: its locks can only end with it or by its own unlock), ``"held"`` if so.
     :param shared: whether it holds the key in shared mode.
-    :param timeout: seconds to wait for the connection and the answer together.
+    :param timeout: seconds to wait for the connection and the answer together (a question
+        sent later than that, its thread stalled, waits up to :data:`LATE_SEND_WAIT` more).
     :param xact_id: transaction scope: the lock's transaction (see :func:`~airflow_pglock.pg.statements.is_held`).
     :param before_giving_up: called when there is no answer, before the connection is
         closed (closing lets the server release the lock: interrupt the work first).
@@ -70,7 +76,7 @@ def probe(
                 params.append(str(xact_id))
             statement = "SELECT " + held_condition(None, ("$1", "$2", "$3", "$4"), None if xact_id is None else "$5")
         pgconn.send_query_params(statement.encode(), [value.encode() for value in params])
-        results = results_before(pgconn, deadline)
+        results = results_before(pgconn, max(deadline, time.monotonic() + min(timeout, LATE_SEND_WAIT)))
         if results is None:
             if before_giving_up is not None:
                 before_giving_up()
