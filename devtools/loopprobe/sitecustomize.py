@@ -8,15 +8,17 @@ forks: its async thread is the one Airflow's watchdog times). Standard library o
 Written to the file, one JSON object a line:
 
 * ``slow_callback``: one callback that ran longer than ``PGLOCK_LOOP_PROBE_CALLBACK_MS``
-  (default 50): wall, main-thread CPU and GC seconds, its group (``trigger dag/task`` for
-  a trigger's task, else the coroutine's name) and where its task waits after it;
+  (default 50): wall, loop-thread CPU and GC seconds, ``cpu_wait`` (seconds the loop
+  thread was ready to run but the OS ran other processes: its run-queue wait, from
+  ``/proc/thread-self/schedstat``), its group (``trigger dag/task`` for a trigger's task,
+  else the coroutine's name) and where its task waits after it;
 * ``slow_iteration``: one turn of the loop whose callbacks ran longer than
   ``PGLOCK_LOOP_PROBE_MS`` (default 150) in total: wall, main-thread CPU and GC seconds,
-  the number of callbacks, per group [group, callbacks, wall, GC], the slowest ones, and
+  the number of callbacks, per group [group, callbacks, wall, GC, cpu_wait], the slowest ones, and
   the main thread's stacks sampled meanwhile (a thread samples them every 5 ms; it gets
   the GIL when the main thread lets go of it, so blocking calls are over-represented);
 * ``stall``: a 0.1 s sleep that ended late, as Airflow's ``block_watchdog`` measures it
-  (wall, main-thread CPU, whole-process CPU, load average): CPU near the wall means work
+  (wall, main-thread CPU and run-queue wait, whole-process CPU, load average): CPU near the wall means work
   on the loop; CPU far below it means the process was not running (other processes
   had the cores) or the loop waited in a blocking call;
 * ``gc``: a garbage collection longer than 20 ms (generation, seconds).
@@ -24,8 +26,8 @@ Written to the file, one JSON object a line:
 ``PGLOCK_LOOP_PROBE_FREEZE=1`` also calls ``gc.freeze()`` when the loop starts (after the
 runner's imports), the experiment for a triggerer that froze its start-up heap.
 
-The CPU numbers tell the two causes apart: code on the loop costs main-thread CPU,
-a busy machine costs wall time only.
+The CPU numbers tell the causes apart: code on the loop costs loop-thread CPU, a busy
+machine costs run-queue wait, a blocking call costs wall time only.
 """
 
 from __future__ import annotations
@@ -45,6 +47,21 @@ SAMPLE_EVERY = 0.005
 STALL = 0.2
 CALLBACK = float(os.environ.get("PGLOCK_LOOP_PROBE_CALLBACK_MS", "50")) / 1000
 TICK = 0.1
+
+
+class RunQueueClock:
+    """The calling thread's run-queue wait so far (seconds), from its ``schedstat``; 0.0 where Linux has none."""
+
+    def __init__(self) -> None:
+        try:
+            self.fd: int | None = os.open(f"/proc/self/task/{threading.get_native_id()}/schedstat", os.O_RDONLY)
+        except OSError:
+            self.fd = None
+
+    def read(self) -> float:
+        if self.fd is None:
+            return 0.0
+        return int(os.pread(self.fd, 128, 0).split()[1]) / 1e9
 
 
 def _write(record: dict) -> None:
@@ -101,7 +118,8 @@ class Probe:
         self.pid = os.getpid()
         self.main = threading.main_thread().ident
         self.samples: collections.deque[tuple[float, tuple[str, ...]]] = collections.deque(maxlen=4000)
-        self.iteration: list[tuple[float, float, float, tuple[str, str]]] = []
+        self.iteration: list[tuple[float, float, float, float, tuple[str, str]]] = []
+        self.run_queue = RunQueueClock()  # created on the loop's thread
         self.iteration_start = time.monotonic()
         self.gc_start = 0.0
         self.gc_total = 0.0
@@ -143,29 +161,32 @@ class Probe:
         start, end = self.iteration_start, time.monotonic()
         groups: dict[str, list[float]] = {}
         slowest = sorted(handles, key=lambda h: h[0], reverse=True)[:6]
-        for wall, _cpu, collected, (group, _) in handles:
-            count_wall_gc = groups.setdefault(group, [0, 0.0, 0.0])
-            count_wall_gc[0] += 1
-            count_wall_gc[1] += wall
-            count_wall_gc[2] += collected
+        for wall, _cpu, collected, waited, (group, _) in handles:
+            count_wall_gc_wait = groups.setdefault(group, [0, 0.0, 0.0, 0.0])
+            count_wall_gc_wait[0] += 1
+            count_wall_gc_wait[1] += wall
+            count_wall_gc_wait[2] += collected
+            count_wall_gc_wait[3] += waited
         _write(
             {
                 "kind": "slow_iteration",
                 "busy_wall": round(busy, 3),
                 "busy_cpu": round(sum(handle[1] for handle in handles), 3),
                 "gc": round(sum(handle[2] for handle in handles), 3),
+                "cpu_wait": round(sum(handle[3] for handle in handles), 3),
                 "callbacks": len(handles),
                 "by_group": sorted(
-                    ([g, int(n), round(w, 4), round(c, 4)] for g, (n, w, c) in groups.items()), key=lambda r: -r[2]
+                    ([g, int(n), round(w, 4), round(c, 4), round(q, 4)] for g, (n, w, c, q) in groups.items()),
+                    key=lambda r: -r[2],
                 )[:8],
-                "slowest": [(round(w, 4), round(c, 4), round(g, 4), d[0]) for w, c, g, d in slowest],
+                "slowest": [(round(w, 4), round(c, 4), round(g, 4), round(q, 4), d[0]) for w, c, g, q, d in slowest],
                 "stacks": self.stacks(start, end),
             }
         )
 
     async def tick(self) -> None:
         while True:
-            wall, cpu, process = time.monotonic(), time.thread_time(), os.times()
+            wall, cpu, process, waited = time.monotonic(), time.thread_time(), os.times(), self.run_queue.read()
             await asyncio.sleep(TICK)
             elapsed = time.monotonic() - wall
             if elapsed > STALL:
@@ -175,6 +196,7 @@ class Probe:
                         "kind": "stall",
                         "wall": round(elapsed, 3),
                         "main_thread_cpu": round(time.thread_time() - cpu, 3),
+                        "main_thread_cpu_wait": round(self.run_queue.read() - waited, 3),
                         "process_cpu": round((now.user + now.system) - (process.user + process.system), 3),
                         "loadavg": os.getloadavg(),
                         "tasks": len(asyncio.all_tasks()),
@@ -205,12 +227,12 @@ def _install() -> None:
         if _PROBE is None or _PROBE.pid != os.getpid():
             return handle_run(handle)
         before = _describe(handle, False)
-        wall, cpu, collected = time.perf_counter(), time.thread_time(), _PROBE.gc_total
+        wall, cpu, collected, waited = time.perf_counter(), time.thread_time(), _PROBE.gc_total, _PROBE.run_queue.read()
         try:
             return handle_run(handle)
         finally:
             took = time.perf_counter() - wall
-            spent = (took, time.thread_time() - cpu, _PROBE.gc_total - collected)
+            spent = (took, time.thread_time() - cpu, _PROBE.gc_total - collected, _PROBE.run_queue.read() - waited)
             _PROBE.iteration.append((*spent, before))
             if took > CALLBACK:
                 _write(
@@ -219,6 +241,7 @@ def _install() -> None:
                         "wall": round(spent[0], 4),
                         "cpu": round(spent[1], 4),
                         "gc": round(spent[2], 4),
+                        "cpu_wait": round(spent[3], 4),
                         "group": before[0],
                         "now": _describe(handle, True)[1],  # where its task waits after the step
                     }
