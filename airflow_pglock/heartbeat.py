@@ -54,7 +54,9 @@ class KeptAlive(Protocol):
     def acquired_monotonic(self) -> float:
         """``time.monotonic()`` when the session last answered before the heartbeat started."""
 
-    def probe(self, timeout: float, before_giving_up: Callable[[], None] | None = None) -> ProbeResult: ...
+    def probe(
+        self, timeout: float, before_giving_up: Callable[[], None] | None = None, answer_by: float | None = None
+    ) -> ProbeResult: ...
 
     def seen_from_aside(self, side: psycopg.Connection[Any]) -> bool:
         """Whether it still holds (lives), asked on another session ``side``."""
@@ -260,13 +262,13 @@ class Heartbeat:
 
     def _beat(self) -> None:
         """A probe must be answered within ``2 * lease / 3`` s of the last confirmed one (or
-        within a short grace when this process itself stalled past that), so the holder
-        gives its lock up for lost before the server can release it (``lease`` s of silence).
+        within a short grace when this process itself stalled past that, never past the
+        answer cutoff), so the holder gives its lock up for lost before the server can
+        release it (``lease`` s of silence). See :meth:`Liveness.probe_budget`.
         """
         held = self.held
         liveness = self.database.liveness
         interval = liveness.heartbeat_interval
-        grace = min(interval, 1.0)
         confirmed = held.acquired_monotonic  # the lock statement was answered: the session is not idle before
 
         def no_answer() -> str:
@@ -280,11 +282,11 @@ class Heartbeat:
                 self._report(*self.describe_error(error))
                 return
             started = time.monotonic()
-            budget = max(confirmed + liveness.loss_deadline - started, grace)
             try:
                 result = held.probe(
-                    budget,
+                    liveness.probe_budget(started - confirmed),
                     before_giving_up=lambda: self.first_alarm(no_answer()),  # interrupt, then close
+                    answer_by=confirmed + liveness.answer_cutoff,
                 )
             except psycopg.Error as error:
                 if not held.connection.closed and loss.is_ordinary_error(getattr(error, "sqlstate", None)):

@@ -8,7 +8,10 @@ Pure module. One number, the *lease* ``L`` (seconds, default 30, at least 3), se
   statement every ``L / 3`` s, so its session is never idle that long;
 * **holder side, loss detection**: a heartbeat that has no answer ``2L / 3`` s after the
   last confirmed one makes the holder consider its lock lost (and interrupt the protected
-  work) a full heartbeat interval *before* the server may release it;
+  work) a full heartbeat interval *before* the server may release it. When the holder's own
+  process stalled (a GC pause, a C call holding the GIL, CPU starvation), a probe that starts
+  or sends its question late still waits up to a second for a live server's answer, never
+  past ``L`` less :data:`ANSWER_CUTOFF_MARGIN` (:meth:`Liveness.probe_budget`);
 * **TCP, belt and braces**: keepalives probe a silent peer after ``L / 3`` s, every ``L / 9``
   s, at most 3 times (so a dead peer is noticed within ``L``), ``tcp_user_timeout`` drops a
   connection whose sent data stays unacknowledged for ``L`` s, on both ends; and
@@ -39,6 +42,13 @@ MAX_SETTING_MS = 2**31 - 1
 #: The longest lease: its keepalive idle time (``lease / 3``) is the first setting to reach a
 #: limit, ``MAX_TCP_KEEPALIVE_SECONDS`` (98301 s, about 27.3 hours).
 MAX_LEASE_SECONDS = min(3 * MAX_TCP_KEEPALIVE_SECONDS, MAX_SETTING_MS // 1000)
+#: Seconds before the server may end a silent lock session (``lease`` after the last confirmed
+#: heartbeat) by which a holder whose process stalled has stopped waiting for an answer: the
+#: time for its alarm to interrupt the work.
+ANSWER_CUTOFF_MARGIN = 0.25
+#: The most a probe that starts or sends its question late (its process stalled) waits for a
+#: live server's answer: a second, less where the lease leaves less.
+LATE_PROBE_GRACE = 1.0
 #: ``idle_session_timeout`` and ``client_connection_check_interval`` appeared in PostgreSQL 14.
 IDLE_SESSION_TIMEOUT_VERSION = 140000
 
@@ -73,6 +83,20 @@ class Liveness:
         """Seconds after the last confirmed heartbeat at which the holder gives its lock up
         for lost when no newer heartbeat was answered (``2 * lease / 3``)."""
         return 2 * self.heartbeat_interval
+
+    @property
+    def answer_cutoff(self) -> float:
+        """Seconds after the last confirmed heartbeat past which the holder waits for no answer
+        at all, however late its process let the probe run (``lease`` less :data:`ANSWER_CUTOFF_MARGIN`)."""
+        return self.lease - ANSWER_CUTOFF_MARGIN
+
+    def probe_budget(self, since_confirmed: float) -> float:
+        """Seconds a probe started ``since_confirmed`` s after the last confirmed one may wait for
+        its answer: until :attr:`loss_deadline`; one that starts later (the process stalled) gets
+        up to :data:`LATE_PROBE_GRACE` to hear a live server, never past :attr:`answer_cutoff`
+        (0: the question is sent, and only an answer already there counts)."""
+        late = min(LATE_PROBE_GRACE, self.answer_cutoff - since_confirmed)
+        return max(self.loss_deadline - since_confirmed, late, 0.0)
 
     @property
     def lease_ms(self) -> int:

@@ -509,8 +509,10 @@ class _SessionKeptAlive:
     key: LockKey | None = None
     scope: Scope = "session"
 
-    def probe(self, timeout: float, before_giving_up: Callable[[], None] | None = None) -> ProbeResult:
-        return probe(self.connection, None, False, timeout, before_giving_up=before_giving_up)
+    def probe(
+        self, timeout: float, before_giving_up: Callable[[], None] | None = None, answer_by: float | None = None
+    ) -> ProbeResult:
+        return probe(self.connection, None, False, timeout, before_giving_up=before_giving_up, answer_by=answer_by)
 
     def seen_from_aside(self, side: psycopg.Connection[Any]) -> bool:
         return statements.session_alive_seen_from_aside(side, self.server.backend_pid)

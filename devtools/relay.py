@@ -120,6 +120,8 @@ class Relay:
         self._listener.close()
         for flow in self._flows:
             for end in (flow.client, flow.upstream):
+                with contextlib.suppress(OSError):
+                    end.shutdown(socket.SHUT_RDWR)  # a pump blocked in recv() keeps a merely closed socket open
                 end.close()
 
 

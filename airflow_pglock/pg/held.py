@@ -166,10 +166,18 @@ class HeldLock:
         if not commit_if_held(self.connection, self.key, self.shared, self.xact_id, self._take_at_release()):
             raise ended
 
-    def probe(self, timeout: float, before_giving_up: Callable[[], None] | None = None) -> ProbeResult:
+    def probe(
+        self, timeout: float, before_giving_up: Callable[[], None] | None = None, answer_by: float | None = None
+    ) -> ProbeResult:
         """The heartbeat's bounded check of this lock (see :func:`~airflow_pglock.pg.probe.probe`)."""
         return probe(
-            self.connection, self.key, self.shared, timeout, xact_id=self.xact_id, before_giving_up=before_giving_up
+            self.connection,
+            self.key,
+            self.shared,
+            timeout,
+            xact_id=self.xact_id,
+            before_giving_up=before_giving_up,
+            answer_by=answer_by,
         )
 
     def seen_from_aside(self, side: psycopg.Connection[Any]) -> bool:

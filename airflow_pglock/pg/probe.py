@@ -1,7 +1,8 @@
 """The heartbeat's check of a lock session, bounded in time whatever the network does.
 
 :func:`probe` asks whether the session still holds its key (or only lives) and never
-blocks much past its budget: no answer in time closes the connection and says so.
+blocks much past its budget (a question its stalled thread sent late: its ``answer_by``): no
+answer in time closes the connection and says so.
 :func:`results_before` reads a query's results by a deadline, from the socket.
 """
 
@@ -15,16 +16,12 @@ from typing import Any, Literal
 import psycopg
 
 from airflow_pglock.keys import LockKey
+from airflow_pglock.liveness import LATE_PROBE_GRACE
 from airflow_pglock.pg.sql import held_condition, held_params
 
 #: What a heartbeat found: the key is held; it is not; the protected work is using the
 #: connection (transaction mode: the session is busy, hence not idle); no answer in time.
 ProbeResult = Literal["held", "not held", "busy", "no answer"]
-#: Seconds a question sent after the probe's deadline still waits for its answer (at most the
-#: probe's timeout): its thread stalled between taking the connection and sending (a C call
-#: holding the GIL, CPU starvation), so no answer can be in the socket yet. The heartbeat's
-#: grace for a holder that stalled past its deadline is the same second.
-LATE_SEND_WAIT = 1.0
 
 
 def probe(
@@ -35,8 +32,9 @@ def probe(
     *,
     xact_id: int | None = None,
     before_giving_up: Callable[[], None] | None = None,
+    answer_by: float | None = None,
 ) -> ProbeResult:
-    """The heartbeat: does this session still hold ``key``? Never blocks much longer than ``timeout``.
+    """The heartbeat: does this session still hold ``key``? Never blocks much past ``timeout`` (or ``answer_by``).
 
     Unlike :func:`~airflow_pglock.pg.statements.is_held`, it cannot hang on a dead network or a frozen server: when no
     answer has arrived after ``timeout`` seconds, it closes the connection (so the server
@@ -52,11 +50,15 @@ def probe(
     :param key: the key it should hold; None: only whether the session is alive (a lock
         session: its locks can only end with it or by its own unlock), ``"held"`` if so.
     :param shared: whether it holds the key in shared mode.
-    :param timeout: seconds to wait for the connection and the answer together (a question
-        sent later than that, its thread stalled, waits up to :data:`LATE_SEND_WAIT` more).
+    :param timeout: seconds to wait for the connection and the answer together.
     :param xact_id: transaction scope: the lock's transaction (see :func:`~airflow_pglock.pg.statements.is_held`).
     :param before_giving_up: called when there is no answer, before the connection is
         closed (closing lets the server release the lock: interrupt the work first).
+    :param answer_by: ``time.monotonic()`` past which no answer is waited for. A question sent
+        after ``timeout`` (the thread stalled between taking the connection and sending: a C
+        call holding the GIL, CPU starvation) cannot have its answer in the socket yet: it
+        waits up to :data:`~airflow_pglock.liveness.LATE_PROBE_GRACE`, never past ``answer_by``.
+        None: it does not wait.
     """
     deadline = time.monotonic() + max(0.0, timeout)
     lock = conn.lock  # psycopg serialises the use of a connection with this lock
@@ -76,7 +78,10 @@ def probe(
                 params.append(str(xact_id))
             statement = "SELECT " + held_condition(None, ("$1", "$2", "$3", "$4"), None if xact_id is None else "$5")
         pgconn.send_query_params(statement.encode(), [value.encode() for value in params])
-        results = results_before(pgconn, max(deadline, time.monotonic() + min(timeout, LATE_SEND_WAIT)))
+        sent = time.monotonic()
+        if answer_by is not None and sent > deadline:
+            deadline = max(deadline, min(sent + LATE_PROBE_GRACE, answer_by))
+        results = results_before(pgconn, deadline)
         if results is None:
             if before_giving_up is not None:
                 before_giving_up()

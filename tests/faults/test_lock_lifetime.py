@@ -33,6 +33,7 @@ from airflow_pglock.pg.probe import probe, results_before
 from airflow_pglock.policy import LockPolicy
 from airflow_pglock.run_rules import RunRules
 from tests.faults.conftest import FaultServer, assert_nothing_left
+from tests.helpers import relayed
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
@@ -366,16 +367,41 @@ def test_a_probe_sent_after_its_deadline_still_waits_for_the_answer(
 ) -> None:
     """A heartbeat stalled between taking the connection and sending its question: the answer
     cannot be in the socket yet, and giving up at once would close a healthy lock session
-    (CI's run of 1.8 s GIL-holding calls lost its lock this way). The answer gets its own time
-    after a late send."""
+    (the likely way CI's run of 1.8 s GIL-holding calls lost its lock). The answer gets up to
+    LATE_SEND_WAIT after a late send, within the heartbeat's ``answer_by``."""
     with psycopg.connect(fault_server.dsn, autocommit=True) as conn:
         conn.lock = _StallAfterAcquire(conn.lock, stall=0.6)  # type: ignore[assignment]
-        assert probe(conn, None, False, timeout=0.3) == "held"
+        assert probe(conn, None, False, timeout=0.3, answer_by=time.monotonic() + 5) == "held"
         assert not conn.closed
 
 
+@pytest.mark.parametrize("answer_by", [1.2, 0.4])
+def test_a_late_probe_on_a_silent_network_gives_up_by_its_answer_by(
+    fault_server: FaultServer, fault_admin: Any, answer_by: float
+) -> None:
+    """The wait after a late send never passes ``answer_by`` (the heartbeat's: before the server
+    may end the silent session): a silent network is given up at ``answer_by``, and a question
+    sent after it is given up at once, as before."""
+    with relayed(fault_server.dsn) as (relay, dsn), psycopg.connect(dsn, autocommit=True) as conn:
+        relay.delay = 60.0  # from now on nothing passes: a silent network
+        conn.lock = _StallAfterAcquire(conn.lock, stall=0.6)  # type: ignore[assignment]
+        alarms: list[float] = []
+        started = time.monotonic()
+        result = probe(
+            conn,
+            None,
+            False,
+            timeout=0.3,
+            answer_by=started + answer_by,
+            before_giving_up=lambda: alarms.append(time.monotonic() - started),
+        )
+        assert result == "no answer" and conn.closed
+        assert len(alarms) == 1
+        assert max(answer_by, 0.6) <= alarms[0] < max(answer_by, 0.6) + 0.25, alarms
+
+
 _GIL_STALLS = """
-import ctypes, sys
+import ctypes, sys, threading, time
 from airflow_pglock.guard import LockGuard
 from airflow_pglock.policy import LockPolicy
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
@@ -384,7 +410,30 @@ from airflow_pglock.liveness import Liveness
 
 libc = ctypes.PyDLL(None)  # PyDLL: the GIL stays held during the call
 
+class Preempted:
+    # The lock connection's lock: the heartbeat thread loses the GIL right after it took it.
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def acquire(self, blocking=True, timeout=-1):
+        got = self.inner.acquire(blocking, timeout)
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.01)  # the work's next 1.8 s call takes the GIL meanwhile
+        return got
+
+    def release(self):
+        self.inner.release()
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+
 def work(lock):
+    if sys.argv[2] == "preempted":
+        lock._held.connection.lock = Preempted(lock._held.connection.lock)
     for _ in range(4):
         libc.usleep(1_800_000)
     return lock.lost
@@ -395,17 +444,20 @@ print("lost:", guard.run(work), "outcome:", guard.outcome)
 """
 
 
-def test_gil_holding_stalls_shorter_than_the_lease_are_not_a_loss(fault_server: FaultServer, fault_admin: Any) -> None:
+@pytest.mark.parametrize("heartbeat", ["on time", "preempted"])
+def test_gil_holding_stalls_shorter_than_the_lease_are_not_a_loss(
+    fault_server: FaultServer, fault_admin: Any, heartbeat: str
+) -> None:
     """C calls that hold the GIL for 1.8 s each, back to back, on a 6 s lease (heartbeat 2 s,
     holder deadline 4 s): the session stays alive on the server, so the lock is not lost.
 
     Run in a fresh interpreter: in the whole suite's process the heartbeat may lose GIL turns
-    to earlier tests' threads and garbage. CI's run failed it in a fresh interpreter too: the
-    heartbeat thread gets 5 ms (the switch interval) between two calls to take the connection
-    and send its probe; descheduled by the OS in between, it sent only after its deadline and
-    gave up at once (test_a_probe_sent_after_its_deadline_still_waits_for_the_answer)."""
+    to earlier tests' threads and garbage. ``preempted``: the heartbeat thread loses the GIL
+    right after it took the connection (the OS took its core within the 5 ms it has between
+    two calls), so its question leaves one 1.8 s call later, after its deadline; it used to
+    give up at once (the likely cause of CI's failure of this test in a fresh interpreter)."""
     run = subprocess.run(
-        [sys.executable, "-c", _GIL_STALLS, fault_server.dsn],
+        [sys.executable, "-c", _GIL_STALLS, fault_server.dsn, heartbeat],
         capture_output=True,
         text=True,
         timeout=120,

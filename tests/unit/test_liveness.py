@@ -67,3 +67,20 @@ def test_session_locks_need_idle_session_timeout() -> None:
         server_rules.check_server(pg13, "session", None)
     assert "mode='transaction'" in str(error.value) and "130010" in str(error.value)
     server_rules.check_server(pg13, "transaction", None)  # bounded by idle_in_transaction_session_timeout
+
+
+@pytest.mark.parametrize("lease", [3, 4, 6, 30])
+def test_a_probe_waits_until_the_loss_deadline_and_a_late_one_never_past_the_answer_cutoff(lease: float) -> None:
+    """On time: until 2L/3. Late (the process stalled): a grace of up to 1 s to hear a live
+    server, never past L less the margin, and nothing past that (only an answer already there)."""
+    live = Liveness(lease)
+    assert live.loss_deadline < live.answer_cutoff < live.lease
+    interval = live.heartbeat_interval
+    assert live.probe_budget(interval) == pytest.approx(live.loss_deadline - interval)
+    for since in (live.loss_deadline - 0.5, live.loss_deadline, live.loss_deadline + 0.5, live.answer_cutoff, 99.0):
+        budget = live.probe_budget(since)
+        assert 0 <= budget <= max(live.loss_deadline - since, 1.0)
+        assert since + budget <= max(live.answer_cutoff, since)  # never past the cutoff
+    assert live.probe_budget(live.answer_cutoff) == 0 and live.probe_budget(99.0) == 0
+    # A probe late by a stall that ends well before the cutoff still gets its whole grace.
+    assert live.probe_budget(live.answer_cutoff - 1.0) == pytest.approx(1.0)
