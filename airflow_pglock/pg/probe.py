@@ -54,15 +54,19 @@ def probe(
     :param xact_id: transaction scope: the lock's transaction (see :func:`~airflow_pglock.pg.statements.is_held`).
     :param before_giving_up: called when there is no answer, before the connection is
         closed (closing lets the server release the lock: interrupt the work first).
-    :param answer_by: ``time.monotonic()`` past which no answer is waited for. A question sent
-        after ``timeout`` (the thread stalled between taking the connection and sending: a C
-        call holding the GIL, CPU starvation) cannot have its answer in the socket yet: it
-        waits up to :data:`~airflow_pglock.liveness.LATE_PROBE_GRACE`, never past ``answer_by``.
-        None: it does not wait.
+    :param answer_by: ``time.monotonic()`` past which no answer is waited for, whatever
+        ``timeout`` says (a thread stalled past it gives up as soon as it runs again, unless
+        the answer is already there). Before it, the question gets up to
+        :data:`~airflow_pglock.liveness.LATE_PROBE_GRACE` for its answer however late it
+        left (its thread stalled between taking the connection and sending: a C call holding
+        the GIL, CPU starvation; or the work held the connection until then). None: neither.
     """
-    deadline = time.monotonic() + max(0.0, timeout)
+    now = time.monotonic()
+    deadline = now + max(0.0, timeout)
+    if answer_by is not None:
+        deadline = min(deadline, max(answer_by, now))
     lock = conn.lock  # psycopg serialises the use of a connection with this lock
-    if not lock.acquire(timeout=max(0.0, timeout)):
+    if not lock.acquire(timeout=max(0.0, deadline - now)):
         return "busy"
     try:
         if conn.closed:
@@ -78,9 +82,8 @@ def probe(
                 params.append(str(xact_id))
             statement = "SELECT " + held_condition(None, ("$1", "$2", "$3", "$4"), None if xact_id is None else "$5")
         pgconn.send_query_params(statement.encode(), [value.encode() for value in params])
-        sent = time.monotonic()
-        if answer_by is not None and sent > deadline:
-            deadline = max(deadline, min(sent + LATE_PROBE_GRACE, answer_by))
+        if answer_by is not None:
+            deadline = max(deadline, min(time.monotonic() + LATE_PROBE_GRACE, answer_by))
         results = results_before(pgconn, deadline)
         if results is None:
             if before_giving_up is not None:

@@ -9,8 +9,8 @@ Written to the file, one JSON object a line:
 
 * ``slow_callback``: one callback that ran longer than ``PGLOCK_LOOP_PROBE_CALLBACK_MS``
   (default 50): wall, loop-thread CPU and GC seconds, ``cpu_wait`` (seconds the loop
-  thread was ready to run but the OS ran other processes: its run-queue wait, from
-  ``/proc/thread-self/schedstat``), its group (``trigger dag/task`` for a trigger's task,
+  thread was ready to run but the OS ran other processes, outside garbage collections: its
+  run-queue wait, from ``/proc/self/task/<tid>/schedstat``), its group (``trigger dag/task`` for a trigger's task,
   else the coroutine's name) and where its task waits after it;
 * ``slow_iteration``: one turn of the loop whose callbacks ran longer than
   ``PGLOCK_LOOP_PROBE_MS`` (default 150) in total: wall, main-thread CPU and GC seconds,
@@ -50,18 +50,33 @@ TICK = 0.1
 
 
 class RunQueueClock:
-    """The calling thread's run-queue wait so far (seconds), from its ``schedstat``; 0.0 where Linux has none."""
+    """Per thread: its run-queue wait so far (seconds, from its ``schedstat``; 0.0 where Linux
+    has none), and the part of it inside garbage collections (their wall time counts it already)."""
 
     def __init__(self) -> None:
-        try:
-            self.fd: int | None = os.open(f"/proc/self/task/{threading.get_native_id()}/schedstat", os.O_RDONLY)
-        except OSError:
-            self.fd = None
+        self._threads = threading.local()
 
     def read(self) -> float:
-        if self.fd is None:
+        fd = getattr(self._threads, "fd", None)
+        try:
+            if fd is None:
+                fd = self._threads.fd = os.open(f"/proc/self/task/{threading.get_native_id()}/schedstat", os.O_RDONLY)
+            return int(os.pread(fd, 128, 0).split()[1]) / 1e9 if fd >= 0 else 0.0
+        except (OSError, IndexError, ValueError):
+            self._threads.fd = -1
             return 0.0
-        return int(os.pread(self.fd, 128, 0).split()[1]) / 1e9
+
+    def outside_gc(self) -> float:
+        return self.read() - getattr(self._threads, "in_gc", 0.0)
+
+    def gc_started(self) -> None:
+        self._threads.gc_from = self.read()
+
+    def gc_ended(self) -> None:
+        start = getattr(self._threads, "gc_from", None)
+        if start is not None:
+            self._threads.in_gc = getattr(self._threads, "in_gc", 0.0) + self.read() - start
+            self._threads.gc_from = None
 
 
 def _write(record: dict) -> None:
@@ -119,7 +134,7 @@ class Probe:
         self.main = threading.main_thread().ident
         self.samples: collections.deque[tuple[float, tuple[str, ...]]] = collections.deque(maxlen=4000)
         self.iteration: list[tuple[float, float, float, float, tuple[str, str]]] = []
-        self.run_queue = RunQueueClock()  # created on the loop's thread
+        self.run_queue = RunQueueClock()
         self.iteration_start = time.monotonic()
         self.gc_start = 0.0
         self.gc_total = 0.0
@@ -139,7 +154,9 @@ class Probe:
     def _gc(self, phase: str, info: dict) -> None:
         if phase == "start":
             self.gc_start = time.perf_counter()
+            self.run_queue.gc_started()
         elif self.gc_start:
+            self.run_queue.gc_ended()
             took = time.perf_counter() - self.gc_start
             self.gc_total += took
             if took > 0.02:
@@ -227,12 +244,14 @@ def _install() -> None:
         if _PROBE is None or _PROBE.pid != os.getpid():
             return handle_run(handle)
         before = _describe(handle, False)
-        wall, cpu, collected, waited = time.perf_counter(), time.thread_time(), _PROBE.gc_total, _PROBE.run_queue.read()
+        wall, cpu, collected = time.perf_counter(), time.thread_time(), _PROBE.gc_total
+        waited = _PROBE.run_queue.outside_gc()
         try:
             return handle_run(handle)
         finally:
             took = time.perf_counter() - wall
-            spent = (took, time.thread_time() - cpu, _PROBE.gc_total - collected, _PROBE.run_queue.read() - waited)
+            waited = _PROBE.run_queue.outside_gc() - waited
+            spent = (took, time.thread_time() - cpu, _PROBE.gc_total - collected, waited)
             _PROBE.iteration.append((*spent, before))
             if took > CALLBACK:
                 _write(
