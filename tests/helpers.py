@@ -72,6 +72,16 @@ def advisory_locks(conn: Any) -> list[tuple[int, int, int, int, bool]]:
     return [tuple(row) for row in rows]
 
 
+def advisory_locks_once_exited(conn: Any, timeout: float = 10.0) -> list[tuple[int, int, int, int, bool]]:
+    """:func:`advisory_locks` once closed sessions' backends have exited: a guard that skips or is
+    refused after it took a key closes its connection without an unlock, and the backend drops
+    its locks a moment after the close (polls until none is left, up to ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while (left := advisory_locks(conn)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
 def advisory_locks_left(conn: Any, timeout: float = 10.0) -> int:
     """How many advisory locks remain once closed sessions' backends have exited (a moment after the close)."""
     deadline = time.monotonic() + timeout

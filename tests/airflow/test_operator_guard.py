@@ -20,7 +20,7 @@ from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 from airflow_pglock.keys import LockKey
 from airflow_pglock.liveness import Liveness
 from devtools.pgcluster import free_port
-from tests.helpers import advisory_locks, assert_unknown_param_reported, run_dag
+from tests.helpers import advisory_locks, advisory_locks_once_exited, assert_unknown_param_reported, run_dag
 
 pytestmark = pytest.mark.airflow
 
@@ -308,4 +308,4 @@ def test_run_rules_reach_guarded_operators_and_the_composable_decorator(
     }
     assert "already done for period '2026-11-30'" in log and "less than min_interval=3600 s" in log
     assert tokens()["rules/fenced"] > first_tokens["rules/fenced"]
-    assert advisory_locks(ledger) == []
+    assert advisory_locks_once_exited(ledger) == []  # a skip after the take closes without an unlock

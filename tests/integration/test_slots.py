@@ -513,6 +513,7 @@ def test_a_pool_of_another_size_is_refused_before_any_slot_is_taken(
     finally:
         for guard in holders:
             guard.__exit__(None, None, None)
+    assert _advisory_pids(admin, set()) == set(), "the refused and busy guards' backends have exited"
     with _enter_context(hook, "sized-exports", mode, 5) as handle:  # nobody holds the 3 any more: 5 is fine now
         assert handle.key.name == "sized-exports"
 
@@ -559,6 +560,9 @@ def test_a_plain_key_and_a_pool_of_its_name_refuse_each_other(hook: AdvisoryLock
             waiting.__enter__()
     finally:
         second.__exit__(None, None, None)
+    assert _advisory_pids(admin, set()) == set(), (
+        "the refused guards' backends have exited (they took the key, then closed)"
+    )
     with _enter_context(hook, "mixed-exports", mode, 1) as handle:  # no pool any more: the plain key is free
         assert handle.key.name == "mixed-exports"
 
