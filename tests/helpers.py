@@ -12,15 +12,16 @@ import sys
 import textwrap
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from devtools.relay import Relay
 
 TEST_CONN_ID = "pglock_test"
+T = TypeVar("T")
 
 
 @contextlib.contextmanager
@@ -72,34 +73,31 @@ def advisory_locks(conn: Any) -> list[tuple[int, int, int, int, bool]]:
     return [tuple(row) for row in rows]
 
 
+def once_exited(read: Callable[[], T], timeout: float) -> T:
+    """``read()`` once it finds nothing (0, an empty list), or when ``timeout`` passed: what a
+    closed session held goes a moment after its close, when its backend exits (polled)."""
+    deadline = time.monotonic() + timeout
+    while (found := read()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return found
+
+
 def advisory_locks_once_exited(conn: Any, timeout: float = 10.0) -> list[tuple[int, int, int, int, bool]]:
     """:func:`advisory_locks` once closed sessions' backends have exited: a guard that skips or is
-    refused after it took a key closes its connection without an unlock, and the backend drops
-    its locks a moment after the close (polls until none is left, up to ``timeout``)."""
-    deadline = time.monotonic() + timeout
-    while (left := advisory_locks(conn)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return left
+    refused after it took a key closes its connection without an unlock."""
+    return once_exited(lambda: advisory_locks(conn), timeout)
 
 
 def advisory_locks_left(conn: Any, timeout: float = 10.0) -> int:
     """How many advisory locks remain once closed sessions' backends have exited (a moment after the close)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        count = int(conn.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'").fetchone()[0])
-        if count == 0 or time.monotonic() > deadline:
-            return count
-        time.sleep(0.05)
+    return once_exited(
+        lambda: int(conn.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'").fetchone()[0]), timeout
+    )
 
 
 def wait_until_no_sessions(conn: Any, timeout: float = 5.0) -> list[tuple[int, str]]:
     """Poll until no other session remains (a closed client's backend exits asynchronously)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        left = other_sessions(conn)
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.05)
+    return once_exited(lambda: other_sessions(conn), timeout)
 
 
 @dataclass

@@ -28,7 +28,7 @@ from airflow_pglock.pg import scopes
 from airflow_pglock.policy import LockPolicy
 from airflow_pglock.scope_rules import HandOver, ScopeRole
 from airflow_pglock.triggers.holds import DeferredHold, HoldHub
-from tests.helpers import advisory_locks_left
+from tests.helpers import advisory_locks_left, once_exited
 
 pytestmark = pytest.mark.airflow  # the hub reads its connection through the Airflow hook
 
@@ -73,13 +73,10 @@ def _sessions(admin: Any) -> int:
     return int(admin.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = %s", [HUB]).fetchone()[0])
 
 
-def _sessions_left(admin: Any, timeout: float = 10.0) -> int:
+def _sessions_left(admin: Any) -> int:
     """Hub sessions still listed once closed ones' backends have exited: a backend stays in
     ``pg_stat_activity`` for a moment after its client closed (and after its locks went)."""
-    deadline = time.monotonic() + timeout
-    while (left := _sessions(admin)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return left
+    return once_exited(lambda: _sessions(admin), 10.0)
 
 
 async def _until(check: Callable[[], Any], timeout: float = 15.0) -> Any:
