@@ -6,7 +6,9 @@
 Starts its own PostgreSQL cluster, Redis server and (as root) network namespace, and
 stops them at the end. ``--sections`` picks a subset: overhead, imports, contention,
 recovery, scale, e2e, capacity, round_trips, wakeups, triggerer (section 10: a real
-deployment's resumes next to Airflow's own deferrable sensor's), many_keys (a lock session per
+deployment's resumes next to Airflow's own deferrable sensor's, and wake-ups at once after
+a deferral of both; with LocalExecutor, then, where network namespaces and redis-server
+are available, with CeleryExecutor), many_keys (a lock session per
 key, and batches). What the run does not measure
 stays in the document it rewrites: the section of ``benchmarks.slots``, the 200-task herd of
 section 9 (``benchmarks.triggerer --herd``), and any section left out.
@@ -96,6 +98,9 @@ class Settings:
     wakeup_waiters: int = 200
     wakeup_steady: float = 20.0
     triggerer_resumes: int = 10
+    triggerer_prompts: int = 10
+    #: Also the section-10 run with CeleryExecutor (needs network namespaces and redis-server).
+    triggerer_celery: bool = True
     many_keys_rounds: int = 2000
     many_keys_batch: int = 1000
     many_keys_repeats: int = 20
@@ -132,6 +137,7 @@ QUICK = Settings(
     wakeup_waiters=10,
     wakeup_steady=1.0,
     triggerer_resumes=2,
+    triggerer_prompts=2,
     many_keys_rounds=20,
     many_keys_batch=100,
     many_keys_repeats=2,
@@ -261,7 +267,8 @@ def headline(results: dict[str, Any]) -> str:
     if "many_keys" in results:
         rows.append(many_keys.headline_row(results["many_keys"].samples))
     if "triggerer" in results:
-        rows.append(triggerer.headline_row(results["triggerer"]))
+        for run_result in results["triggerer"]:
+            rows += triggerer.headline_rows(run_result)
     return table(["measure", "target", "result", ""], rows)
 
 
@@ -379,8 +386,20 @@ def run(
                 srv.dsn, srv.cluster.port, client, s.many_keys_rounds, s.many_keys_batch, s.many_keys_repeats
             )
     if "triggerer" in sections:  # a whole deployment of its own
-        progress(f"triggerer: {s.triggerer_resumes} provider resumes, each with one of Airflow's own")
-        results["triggerer"] = triggerer.run_side_by_side(s.triggerer_resumes)
+        runs = ["local"]
+        if s.triggerer_celery:
+            reason = triggerer.celery_unavailable()
+            if reason:
+                progress(f"triggerer: no CeleryExecutor run: {reason}")
+            else:
+                runs.append("celery")
+        results["triggerer"] = []
+        for executor in runs:
+            progress(
+                f"triggerer ({executor}): {s.triggerer_resumes} provider resumes, each with one of Airflow's own; "
+                f"{s.triggerer_prompts} wake-ups at once of each"
+            )
+            results["triggerer"].append(triggerer.run_side_by_side(s.triggerer_resumes, executor, s.triggerer_prompts))
     return results, facts
 
 

@@ -1,11 +1,14 @@
 """Deferred tasks in a real Airflow 3 deployment: resume latency, and many waiting tasks in one triggerer.
 
     .venv/bin/python -m benchmarks.triggerer --out /tmp/t.md [--write docs/benchmarks.md] [--tuned]
-        [--resumes 20] [--herd 200 [--herd-airflow] [--probe]]
+        [--resumes 20 [--airflow-baseline]] [--prompts 10] [--executor local|celery]
+        [--herd 200 [--herd-airflow] [--probe]]
 
 One deployment (api-server, scheduler with LocalExecutor, dag-processor, ``airflow
 triggerer``; Airflow 3) on a throwaway PostgreSQL cluster: its metadata database and the
-lock database. The DAGs are in ``benchmarks/triggerer_dags``.
+lock database. ``--executor celery``: the deployment of tests/celery instead (CeleryExecutor,
+a Redis broker, one Celery worker in a network namespace of its own; needs root and
+redis-server). The DAGs are in ``benchmarks/triggerer_dags``.
 
 * **Resume latency** (``bench_resume``): ``--resumes`` mapped tasks defer on keys the
   benchmark holds with ``AdvisoryLockHook`` (a provider release, announced). The keys are
@@ -17,6 +20,10 @@ lock database. The DAGs are in ``benchmarks/triggerer_dags``.
   (a row it inserts, ``clock_timestamp()``). All on one machine's clock. Between two
   samples the benchmark sleeps 1-2 s at random, so the releases fall at any phase of the
   triggerer's and the scheduler's once-a-second loops.
+* **Prompt wake-ups** (``--prompts``): keys freed the moment their tasks deferred, next to
+  Airflow's own sensor woken as early as it can be (``benchmarks/prompt_resumes.py``): how
+  long after the deferral each woke, and how many resumed attempts failed
+  (apache/airflow#72716).
 * **Many waiting tasks** (``--herd``): the same number of mapped tasks wait in the
   triggerer twice: on airflow-pglock keys that one plain session holds and then releases
   at once (``bench_herd_pglock``), and on Airflow's own ``DateTimeSensorAsync`` all
@@ -39,6 +46,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -55,6 +63,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from airflow_pglock.triggers.advisory_lock import RESUME_HOLD_SECONDS  # noqa: E402
+from benchmarks import prompt_resumes  # noqa: E402
 from benchmarks.stats import percentile  # noqa: E402
 from devtools.pgcluster import Cluster, free_port  # noqa: E402
 from tests.e2e.deployment import Deployment  # noqa: E402
@@ -63,6 +72,8 @@ DAGS = Path(__file__).parent / "triggerer_dags"
 PROBE_DIR = ROOT / "devtools" / "loopprobe"
 BLOCKED = "async thread was blocked"
 TUNED = {"AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "0.1"}
+#: --executor: the executor's name as the report says it.
+EXECUTORS = {"local": "LocalExecutor", "celery": "CeleryExecutor"}
 
 
 def _gap(a: float | None, b: float | None) -> float | None:
@@ -323,52 +334,139 @@ def measure_herd(d: Deployment, locks_dsn: str, count: int, trigger: str, probe:
     return Herd(trigger, count, defer_all, done, blocked, _probe_records(_read_from(probe, probe_at)))
 
 
+#: The Celery worker's network namespace (devtools/netns.py leaves 231..250 to explicit users).
+CELERY_NAMESPACE = 238
+
+
+def _create_databases(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for name in ("bench_meta", "bench_locks"):
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+
+
+def _create_started_table(locks_dsn: str) -> None:
+    with psycopg.connect(locks_dsn, autocommit=True) as conn:
+        conn.execute(
+            "CREATE TABLE bench_started (dag_id text, map_index int, at timestamptz DEFAULT clock_timestamp())"
+        )
+
+
+def celery_unavailable() -> str | None:
+    """Why a Celery deployment cannot run here (network namespaces, ``unshare``, redis-server), or None."""
+    from devtools import redisserver
+    from devtools.netns import NetNamespace
+
+    reason = NetNamespace.unavailable_reason()
+    if reason:
+        return reason
+    if shutil.which("unshare") is None:
+        return "util-linux's `unshare` is not installed (the worker's own host name needs it)"
+    return redisserver.unavailable_reason(install=True)
+
+
 @contextlib.contextmanager
-def deployment(tuned: bool, resumes: int, herd: int, probe: Path | None) -> Iterator[tuple[Deployment, str]]:
-    with Cluster() as cluster:
-        with psycopg.connect(cluster.dsn, autocommit=True) as conn:
-            for name in ("bench_meta", "bench_locks"):
-                conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-        locks_dsn = cluster.dsn_for("bench_locks")
-        with psycopg.connect(locks_dsn, autocommit=True) as conn:
-            conn.execute(
-                "CREATE TABLE bench_started (dag_id text, map_index int, at timestamptz DEFAULT clock_timestamp())"
+def _celery(env: dict[str, str], home: Path) -> Iterator[tuple[Deployment, str]]:
+    """The deployment of tests/celery (CeleryExecutor, Redis) with one worker in a network namespace."""
+    from devtools import redisserver
+    from devtools.netns import NetNamespace
+    from tests.celery.deployment import CeleryDeployment, Worker
+
+    reason = celery_unavailable()
+    if reason:
+        raise RuntimeError(f"a Celery deployment needs network namespaces and redis-server: {reason}")
+    namespace = NetNamespace(CELERY_NAMESPACE)
+    namespace.signal_all(signal.SIGKILL)  # a worker of an earlier run that was killed
+    namespace.create()
+    redis: redisserver.RedisServer | None = None
+    d: CeleryDeployment | None = None
+    try:
+        with Cluster(
+            {"listen_addresses": f"'127.0.0.1,{namespace.host_addr}'"}, trusted_subnets=[namespace.subnet]
+        ) as cluster:
+            _create_databases(cluster.dsn)
+            locks_dsn = cluster.dsn_for("bench_locks")
+            _create_started_table(locks_dsn)
+            redis = redisserver.RedisServer.start(("127.0.0.1", namespace.host_addr))
+            worker = Worker("bench", namespace)
+            d = CeleryDeployment(
+                "bench",
+                home,
+                cluster.dsn_for("bench_meta"),
+                free_port(),
+                DAGS,
+                {**env, "AIRFLOW__OPERATORS__DEFAULT_QUEUE": worker.name},
+                broker_port=redis.port,
+                pg_port=cluster.port,
+                metadata_db="bench_meta",
+                lock_db="bench_locks",
             )
-        env = {
-            "AIRFLOW_CONN_POSTGRES_DEFAULT": locks_dsn,
-            "PGLOCK_BENCH_DSN": locks_dsn,
-            "PGLOCK_BENCH_RESUMES": str(resumes),
-            "PGLOCK_BENCH_HERD": str(herd),
-            **(TUNED if tuned else {}),
-        }
-        if probe is not None:
-            env["PYTHONPATH"] = os.pathsep.join([str(PROBE_DIR), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-            env["PGLOCK_LOOP_PROBE"] = str(probe)
-            if os.environ.get("PGLOCK_LOOP_PROBE_FREEZE"):
-                env["PGLOCK_LOOP_PROBE_FREEZE"] = "1"
-        home = Path(tempfile.mkdtemp(prefix="pglock-bench-triggerer-"))
-        d = Deployment("bench", home, cluster.dsn_for("bench_meta"), free_port(), DAGS, env)
+            migrated = d.airflow("db", "migrate")
+            assert migrated.returncode == 0, migrated.stderr[-3000:]
+            d.start([worker])
+            d.wait_for_workers()
+            yield d, locks_dsn
+    finally:
+        if d is not None:
+            d.stop()
+        if redis is not None:
+            redis.stop()
+        namespace.destroy()
+
+
+@contextlib.contextmanager
+def _local(env: dict[str, str], home: Path) -> Iterator[tuple[Deployment, str]]:
+    """api-server, scheduler with LocalExecutor, dag-processor and triggerer on one throwaway cluster."""
+    with Cluster() as cluster:
+        _create_databases(cluster.dsn)
+        locks_dsn = cluster.dsn_for("bench_locks")
+        _create_started_table(locks_dsn)
+        local_env = {**env, "AIRFLOW_CONN_POSTGRES_DEFAULT": locks_dsn, "PGLOCK_BENCH_DSN": locks_dsn}
+        d = Deployment("bench", home, cluster.dsn_for("bench_meta"), free_port(), DAGS, local_env)
         migrated = d.airflow("db", "migrate")
         assert migrated.returncode == 0, migrated.stderr[-3000:]
         try:
             d.start_api_server()
             d.start_scheduling()
             d.start_triggerer()
-            _wait("DAGs parsed", lambda: len(d.query("SELECT dag_id FROM dag")) >= 3, 180, d)
             yield d, locks_dsn
         finally:
             d.stop()
-            if os.environ.get("PGLOCK_BENCH_KEEP"):
-                print(f"kept {home}")
-            else:
-                shutil.rmtree(home, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def deployment(
+    tuned: bool, resumes: int, herd: int, probe: Path | None, executor: str = "local", prompts: int = 0
+) -> Iterator[tuple[Deployment, str]]:
+    env = {
+        "PGLOCK_BENCH_RESUMES": str(resumes),
+        "PGLOCK_BENCH_HERD": str(herd),
+        "PGLOCK_BENCH_PROMPTS": str(prompts),
+        **(TUNED if tuned else {}),
+    }
+    if probe is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(PROBE_DIR), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        env["PGLOCK_LOOP_PROBE"] = str(probe)
+        if os.environ.get("PGLOCK_LOOP_PROBE_FREEZE"):
+            env["PGLOCK_LOOP_PROBE_FREEZE"] = "1"
+    home = Path(tempfile.mkdtemp(prefix="pglock-bench-triggerer-"))
+    start = _celery if executor == "celery" else _local
+    try:
+        with start(env, home) as (d, locks_dsn):
+            dag_files = len(list(DAGS.glob("bench_*.py")))
+            _wait("DAGs parsed", lambda: len(d.query("SELECT dag_id FROM dag")) >= dag_files, 180, d)
+            yield d, locks_dsn
+    finally:
+        if os.environ.get("PGLOCK_BENCH_KEEP"):
+            print(f"kept {home}")
+        else:
+            shutil.rmtree(home, ignore_errors=True)
 
 
 def _p95(values: list[float]) -> float:
     return percentile(values, 95) if values else float("nan")
 
 
-def comparison(ours: list[Sample], theirs: list[AirflowSample]) -> str:
+def comparison(ours: list[Sample], theirs: list[AirflowSample], executor: str = "LocalExecutor") -> str:
     """Ours next to Airflow's own deferrable sensor, measured alternately in the same deployment and run."""
     valid = [t for t in theirs if t.event is not None]  # the sensor deferred before its moment
     our_start = [v for s in ours if (v := s.parts()["release -> function starts"]) is not None]
@@ -398,30 +496,45 @@ def comparison(ours: list[Sample], theirs: list[AirflowSample]) -> str:
             "",
             f"Resumed attempts failed (the executor's stale report of the deferring process, apache/airflow#72716, "
             f"or anything else): airflow-pglock {failed_ours} of {len(ours)}, Airflow's sensor {failed_theirs} of "
-            f"{len(theirs)} (LocalExecutor).",
+            f"{len(theirs)} ({executor}).",
         ]
     )
 
 
 @dataclass
 class SideBySide:
-    """The provider's resumes and Airflow's own, alternating in one deployment (``dev.py bench``)."""
+    """The provider's resumes and Airflow's own, alternating in one deployment, and (``prompts``) the
+    wake-ups at once after a deferral of both (``dev.py bench``)."""
 
     ours: list[Sample]
     theirs: list[AirflowSample]
     airflow: str
     seconds: float
+    executor: str = "local"
+    prompts: prompt_resumes.PromptResult | None = None
+
+    @property
+    def executor_name(self) -> str:
+        return EXECUTORS[self.executor]
 
 
-def run_side_by_side(resumes: int) -> SideBySide:
-    """``resumes`` provider releases, each followed by one of Airflow's own sensor resumes."""
+def run_side_by_side(resumes: int, executor: str = "local", prompts: int = 0) -> SideBySide:
+    """``resumes`` provider releases, each followed by one of Airflow's own sensor resumes; then
+    ``prompts`` wake-ups at once of each (benchmarks/prompt_resumes.py)."""
     import airflow
 
     started = time.monotonic()
     theirs: list[AirflowSample] = []
-    with deployment(False, resumes, 0, None) as (d, locks_dsn):
+    prompted = None
+    with deployment(False, resumes, 0, None, executor, prompts) as (d, locks_dsn):
         ours = measure_resumes(d, locks_dsn, resumes, lambda i: theirs.append(measure_airflow_resume(d, locks_dsn, i)))
-    return SideBySide(ours, theirs, airflow.__version__, time.monotonic() - started)
+        if prompts:
+            prompted = prompt_resumes.PromptResult(
+                EXECUTORS[executor],
+                prompt_resumes.measure_ours(d, locks_dsn, prompts),
+                prompt_resumes.measure_theirs(d, locks_dsn, prompts),
+            )
+    return SideBySide(ours, theirs, airflow.__version__, time.monotonic() - started, executor, prompted)
 
 
 def _their_resumed(theirs: list[AirflowSample]) -> list[float]:
@@ -432,51 +545,73 @@ def _their_resumed(theirs: list[AirflowSample]) -> list[float]:
     ]
 
 
-def headline_row(result: SideBySide) -> list[str]:
+def headline_rows(result: SideBySide) -> list[list[str]]:
     ours = [v for s in result.ours if (v := s.parts()["release -> function starts"]) is not None]
     theirs = _their_resumed(result.theirs)
     gap = _p95(ours) - _p95(theirs)
-    return [
-        "Deferred task resumed, real deployment (p95: a provider release -> the function starts; Airflow's own "
-        "`DateTimeSensorAsync`: its trigger's event -> its resumed method starts; alternating in one run, section 10)",
-        "<= Airflow's + 0.1 s",
-        f"{_p95(ours):.2f} s vs Airflow's {_p95(theirs):.2f} s ({gap:+.2f} s)",
-        "met" if gap <= 0.1 else "**missed**",
-    ]
-
-
-def render_side_by_side(result: SideBySide) -> str:
-    return "\n".join(
+    rows = [
         [
-            "## 10. A deferred task resumed, next to Airflow's own deferrable sensor (real deployment)",
-            "",
-            f"One Airflow {result.airflow} deployment on this machine (api-server, scheduler with LocalExecutor, "
-            "dag-processor, `airflow triggerer`; its metadata and lock databases on one throwaway PostgreSQL "
-            f"cluster), Airflow's defaults; {result.seconds / 60:.1f} min. {len(result.ours)} provider releases "
-            '(`bench_resume`: tasks deferred with `on_busy="defer", defer_after=0`, released one at a time, '
-            "each past the trigger's hold), each followed by one run of `bench_resume_airflow` (Airflow's "
-            f"`DateTimeSensorAsync` deferred until a moment {AIRFLOW_LEAD:g} s ahead, then its downstream task). "
-            "`benchmarks/triggerer.py` says what each column is.",
-            "",
-            "The provider's resumes:",
-            "",
-            resume_table(result.ours),
-            "",
-            "Airflow's own, alternating with them:",
-            "",
-            comparison(result.ours, result.theirs),
-            "",
-            "Both wait for the same loops: the triggerer hands a fired event on once per pass of its runner and "
-            "of its supervisor (about 1 s each), then the scheduler queues the task and a worker starts it. The "
-            "provider's trigger sees a release in milliseconds (section 9), and its event is inside its figure; "
-            "Airflow's is counted from its trigger's event (its `DateTimeTrigger` may fire after its moment: the "
-            "first row). The two differ in `trigger event -> scheduled`: `DateTimeTrigger` checks its moment once a "
-            "second, in step with the triggerer's once-a-second pass, so its event lands just before a pass; a "
-            "release lands at any moment of the pass, and its event waits for the next (half a pass on average). "
-            "Closing that gap takes a triggerer that hands an event on as it fires (Airflow's loop), not a faster "
-            "trigger.",
+            f"Deferred task resumed, real deployment, {result.executor_name} (p95: a provider release -> the "
+            "function starts; Airflow's own `DateTimeSensorAsync`: its trigger's event -> its resumed method "
+            "starts; alternating in one run, section 10)",
+            "<= Airflow's + 0.1 s",
+            f"{_p95(ours):.2f} s vs Airflow's {_p95(theirs):.2f} s ({gap:+.2f} s)",
+            "met" if gap <= 0.1 else "**missed**",
         ]
+    ]
+    if result.prompts is not None:
+        rows.append(prompt_resumes.headline_row(result.prompts))
+    return rows
+
+
+def render_side_by_side(results: list[SideBySide] | SideBySide) -> str:
+    runs = results if isinstance(results, list) else [results]
+    parts = [
+        "## 10. A deferred task resumed, next to Airflow's own deferrable sensor (real deployment)",
+        "",
+        "Both wait for the same loops: the triggerer hands a fired event on once per pass of its runner and "
+        "of its supervisor (about 1 s each), then the scheduler queues the task and a worker starts it. The "
+        "provider's trigger sees a release in milliseconds (section 9), and its event is inside its figure; "
+        "Airflow's is counted from its trigger's event (its `DateTimeTrigger` may fire after its moment). "
+        "The two differ in `trigger event -> scheduled`: `DateTimeTrigger` checks its moment once a "
+        "second, in step with the triggerer's once-a-second pass, so its event lands just before a pass; a "
+        "release lands at any moment of the pass, and its event waits for the next (half a pass on average). "
+        "Closing that gap takes a triggerer that hands an event on as it fires (Airflow's loop), not a faster "
+        "trigger.",
+    ]
+    for result in runs:
+        parts += ["", render_run(result)]
+    return "\n".join(parts)
+
+
+def render_run(result: SideBySide) -> str:
+    where = (
+        "scheduler with LocalExecutor"
+        if result.executor == "local"
+        else "scheduler with CeleryExecutor, one Celery worker in a network namespace of its own, Redis as the broker"
     )
+    lines = [
+        f"### {result.executor_name}",
+        "",
+        f"One Airflow {result.airflow} deployment on this machine (api-server, {where}, "
+        "dag-processor, `airflow triggerer`; its metadata and lock databases on one throwaway PostgreSQL "
+        f"cluster), Airflow's defaults; {result.seconds / 60:.1f} min. {len(result.ours)} provider releases "
+        '(`bench_resume`: tasks deferred with `on_busy="defer", defer_after=0`, released one at a time, '
+        "each past the trigger's hold), each followed by one run of `bench_resume_airflow` (Airflow's "
+        f"`DateTimeSensorAsync` deferred until a moment {AIRFLOW_LEAD:g} s ahead, then its downstream task). "
+        "`benchmarks/triggerer.py` says what each column is.",
+        "",
+        "The provider's resumes:",
+        "",
+        resume_table(result.ours),
+        "",
+        "Airflow's own, alternating with them:",
+        "",
+        comparison(result.ours, result.theirs, result.executor_name),
+    ]
+    if result.prompts is not None:
+        lines += ["", prompt_resumes.render(result.prompts), "", prompt_resumes.READING]
+    return "\n".join(lines)
 
 
 def resume_table(samples: list[Sample]) -> str:
@@ -572,7 +707,15 @@ def main() -> None:
     parser.add_argument("--herd", type=int, default=0)
     parser.add_argument("--herd-airflow", action="store_true", help="also the DateTimeSensorAsync baseline")
     parser.add_argument("--probe", action="store_true", help="run the triggerer under devtools/loopprobe")
+    parser.add_argument(
+        "--executor", choices=EXECUTORS, default="local", help="celery: tests/celery's deployment, one worker"
+    )
+    parser.add_argument(
+        "--prompts", type=int, default=0, help="this many prompt wake-ups of each kind (benchmarks/prompt_resumes.py)"
+    )
     args = parser.parse_args()
+    if args.executor == "celery" and args.herd:
+        parser.error("--herd restarts the triggerer of a LocalExecutor deployment: not with --executor celery")
     probe = Path(tempfile.mkdtemp(prefix="pglock-probe-")) / "probe.jsonl" if args.probe else None
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     out: list[str] = [
@@ -580,7 +723,7 @@ def main() -> None:
         f"load average {os.getloadavg()[0]:.2f} at start",
     ]
     raw: list[str] = []
-    with deployment(args.tuned, args.resumes, args.herd, probe) as (d, locks_dsn):
+    with deployment(args.tuned, args.resumes, args.herd, probe, args.executor, args.prompts) as (d, locks_dsn):
         if args.resumes:
             theirs: list[AirflowSample] = []
 
@@ -597,9 +740,21 @@ def main() -> None:
                     "",
                     "Airflow's own deferrable sensor, alternating with the samples above:",
                     "",
-                    comparison(samples, theirs),
+                    comparison(samples, theirs, EXECUTORS[args.executor]),
                 ]
                 raw.append(json.dumps([t.__dict__ for t in theirs]))
+        if args.prompts:
+            prompted = prompt_resumes.PromptResult(
+                EXECUTORS[args.executor],
+                prompt_resumes.measure_ours(d, locks_dsn, args.prompts),
+                prompt_resumes.measure_theirs(d, locks_dsn, args.prompts),
+            )
+            out += ["", prompt_resumes.render(prompted)]
+            raw.append(
+                json.dumps(
+                    {k: [s.__dict__ for s in v] for k, v in (("ours", prompted.ours), ("theirs", prompted.theirs))}
+                )
+            )
         herds = []
         if args.herd:
             herds.append(measure_herd(d, locks_dsn, args.herd, "pglock", probe or Path("/nonexistent"), 0))

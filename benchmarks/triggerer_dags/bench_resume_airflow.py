@@ -17,7 +17,8 @@ import psycopg
 from airflow.providers.standard.sensors.date_time import DateTimeSensorAsync
 from airflow.sdk import dag, task
 
-LOCK_DSN = os.environ.get("PGLOCK_BENCH_DSN", "")
+# A Celery worker reaches the lock database at an address of its own (tests/celery/deployment.py).
+LOCK_DSN = os.environ.get("PGLOCK_CELERY_LOCK_DSN") or os.environ.get("PGLOCK_BENCH_DSN", "")
 
 
 def _record(dag_id: str, index: int) -> None:
@@ -26,7 +27,12 @@ def _record(dag_id: str, index: int) -> None:
 
 
 class TimedDateTimeSensorAsync(DateTimeSensorAsync):
-    """Records when its resumed method starts (the moment a resumed task's own code runs)."""
+    """Records when it is about to defer, and when its resumed method starts (the moment a resumed task's own
+    code runs)."""
+
+    def execute(self, context: Any) -> Any:
+        _record("bench_resume_airflow_deferring", int(context["dag_run"].conf["index"]))
+        return super().execute(context)
 
     def execute_complete(self, context: Any, event: Any = None) -> None:
         _record("bench_resume_airflow", int(context["dag_run"].conf["index"]))

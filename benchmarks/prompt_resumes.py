@@ -1,0 +1,208 @@
+"""Prompt wake-ups: a trigger that fires a moment after its task deferred (apache/airflow#72716).
+
+When a trigger fires right after its task deferred, the scheduler may take the executor's
+report of the process that deferred ("success") only after the resumed attempt started, and
+fail that attempt. The provider's trigger holds such an event until the deferral is
+``RESUME_HOLD_SECONDS`` old. This measures, in a real deployment, how often a resumed attempt
+fails when the wake-up comes at once:
+
+* **airflow-pglock** (``bench_prompt``): ``count`` mapped tasks defer on keys the benchmark
+  holds; each key is released as soon as its task instance is ``deferred`` (polled every
+  20 ms). Recorded per task: when it was seen deferred, the trigger's event, when the resumed
+  function started, its final state.
+* **Airflow's own ``DateTimeSensorAsync``** (``bench_resume_airflow``, which has no such hold):
+  runs one after the other, each with its moment already past when the run is triggered.
+  The sensor defers all the same (its ``execute`` always does), and its trigger fires as
+  soon as the triggerer runs it: the earliest wake-up Airflow's own deferrable sensors
+  make. Recorded per run: when the sensor was about to defer (a row its ``execute`` writes
+  first), its trigger's event, its resumed method, its final state.
+
+A failed resumed attempt is counted whatever the cause; the report lists the sensor's and the
+task's states.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import random
+import time
+from dataclasses import dataclass
+
+import psycopg
+
+from airflow_pglock.triggers.advisory_lock import RESUME_HOLD_SECONDS
+from benchmarks.stats import percentile
+from tests.e2e.deployment import Deployment
+
+
+@dataclass
+class PromptSample:
+    """One prompt wake-up: when the task deferred, its trigger's event, its resumed code, its state."""
+
+    deferred: float | None
+    event: float | None
+    started: float | None
+    state: str | None
+
+    @property
+    def event_after_deferral(self) -> float | None:
+        return None if self.deferred is None or self.event is None else self.event - self.deferred
+
+    @property
+    def start_after_deferral(self) -> float | None:
+        return None if self.deferred is None or self.started is None else self.started - self.deferred
+
+
+@dataclass
+class PromptResult:
+    executor: str
+    ours: list[PromptSample]
+    theirs: list[PromptSample]
+
+
+def measure_ours(d: Deployment, locks_dsn: str, count: int) -> list[PromptSample]:
+    """``count`` keys held, then each released as soon as its task instance is deferred."""
+    from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+    from airflow_pglock.liveness import Liveness
+    from benchmarks.triggerer import _fired_at, _states, _wait
+
+    hook = AdvisoryLockHook(dsn=locks_dsn, liveness=Liveness(lease=600))
+    held = {}
+    for index in range(count):
+        lock = hook.acquire(f"bench/prompt/{index}", application_name="bench holder")
+        assert lock is not None
+        held[index] = lock
+    triggered = d.airflow("dags", "trigger", "bench_prompt", timeout=120)
+    assert triggered.returncode == 0, triggered.stderr[-2000:]
+    deferred: dict[int, float] = {}
+    deadline = time.monotonic() + 120 + 10 * count
+    while held:
+        for index, state in _states(d, "bench_prompt", "prompt").items():
+            if state == "deferred" and index in held:
+                deferred[index] = time.time()
+                held.pop(index).release()
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not deferred after {120 + 10 * count} s: {sorted(held)}\n{d.logs('scheduler')}")
+        d.check_alive()
+        time.sleep(0.02)
+    finished = ("success", "failed", "up_for_retry", "upstream_failed")
+    _wait(
+        f"{count} prompt tasks finished",
+        lambda: all(state in finished for state in _states(d, "bench_prompt", "prompt").values()),
+        120 + 10 * count,
+        d,
+    )
+    with psycopg.connect(locks_dsn, autocommit=True) as conn:
+        started: dict[int, float] = dict(
+            conn.execute(
+                "SELECT map_index, min(extract(epoch from at)::float8) FROM bench_started"
+                " WHERE dag_id = 'bench_prompt' GROUP BY map_index"
+            ).fetchall()
+        )
+    states = _states(d, "bench_prompt", "prompt")
+    return [
+        PromptSample(deferred.get(i), _fired_at(d, "bench_prompt", i), started.get(i), states.get(i))
+        for i in range(count)
+    ]
+
+
+def measure_theirs(d: Deployment, locks_dsn: str, count: int) -> list[PromptSample]:
+    """``count`` runs of Airflow's own sensor, each moment past before the sensor defers."""
+    from benchmarks.triggerer import _fired_in, _wait
+
+    samples: list[PromptSample] = []
+    for index in range(count):
+        # indexes of their own: bench_started also holds the side-by-side samples' rows
+        number = 1000 + index
+        target = time.time()
+        run_id = f"bench_prompt_airflow_{index}_{int(target)}"
+        moment = dt.datetime.fromtimestamp(target, dt.timezone.utc).isoformat()
+        conf = json.dumps({"target": moment, "index": number})
+        triggered = d.airflow("dags", "trigger", "bench_resume_airflow", "--run-id", run_id, "--conf", conf)
+        assert triggered.returncode == 0, triggered.stderr[-2000:]
+
+        def run_state(run_id: str = run_id) -> str | None:
+            rows = d.query("SELECT state FROM dag_run WHERE dag_id = 'bench_resume_airflow' AND run_id = %s", [run_id])
+            return rows[0][0] if rows else None
+
+        _wait(f"airflow prompt sample {index}", lambda: run_state() in ("success", "failed"), 180, d)
+        with psycopg.connect(locks_dsn, autocommit=True) as conn:
+            rows: dict[str, float] = dict(
+                conn.execute(
+                    "SELECT dag_id, min(extract(epoch from at)::float8) FROM bench_started"
+                    " WHERE dag_id IN ('bench_resume_airflow_deferring', 'bench_resume_airflow') AND map_index = %s"
+                    " GROUP BY dag_id",
+                    [number],
+                ).fetchall()
+            )
+        [(state,)] = d.query(
+            "SELECT state FROM task_instance"
+            " WHERE dag_id = 'bench_resume_airflow' AND run_id = %s AND task_id = 'wait'",
+            [run_id],
+        )
+        samples.append(
+            PromptSample(
+                rows.get("bench_resume_airflow_deferring"),
+                _fired_in(d, "bench_resume_airflow", run_id, "wait"),
+                rows.get("bench_resume_airflow"),
+                state,
+            )
+        )
+        print(f"airflow prompt {index}: {samples[-1]}", flush=True)
+        time.sleep(1 + random.random())
+    return samples
+
+
+def _row(name: str, samples: list[PromptSample]) -> str:
+    gaps = [v for s in samples if (v := s.event_after_deferral) is not None]
+    starts = [v for s in samples if (v := s.start_after_deferral) is not None]
+    failed = sum(1 for s in samples if s.state != "success")
+    states = ", ".join(sorted({str(s.state) for s in samples}))
+
+    def spread(values: list[float]) -> str:
+        if not values:
+            return "-"
+        return f"{percentile(values, 50):.2f} s ({min(values):.2f}-{max(values):.2f} s)"
+
+    return f"| {name} | {len(samples)} | {spread(gaps)} | {spread(starts)} | {failed} | {states} |"
+
+
+def render(result: PromptResult) -> str:
+    return "\n".join(
+        [
+            f"Prompt wake-ups ({result.executor}; `benchmarks/prompt_resumes.py` says how each is made):",
+            "",
+            "| wake-up at once after the deferral | n | deferral -> trigger event: median (min-max) "
+            "| deferral -> resumed code starts: median (min-max) | resumed attempts failed | final states |",
+            "|---|---|---|---|---|---|",
+            _row("airflow-pglock: key released as its task is seen deferred", result.ours),
+            _row("Airflow's `DateTimeSensorAsync`: moment past at its deferral", result.theirs),
+        ]
+    )
+
+
+READING = (
+    "Reading: the provider's trigger holds an event that comes sooner than "
+    f"{RESUME_HOLD_SECONDS:g} s after the trigger started (it starts after the deferral) until then: that hold is "
+    "the first column's difference, and the price of the protection. Airflow's own sensor has no hold: its "
+    "trigger fires as soon as the triggerer runs it, which is as early as a deferrable task can be woken. A "
+    "resumed attempt that failed (apache/airflow#72716, or anything else) is counted in the fifth column."
+)
+
+
+def headline_row(result: PromptResult) -> list[str]:
+    def said(samples: list[PromptSample]) -> str:
+        failed = sum(1 for s in samples if s.state != "success")
+        gaps = [v for s in samples if (v := s.event_after_deferral) is not None]
+        event = f", event {percentile(gaps, 50):.1f} s after the deferral (median)" if gaps else ""
+        return f"{failed} of {len(samples)}{event}"
+
+    ours_failed = sum(1 for s in result.ours if s.state != "success")
+    return [
+        f"Resumed attempts failed after a wake-up at once after the deferral (apache/airflow#72716), "
+        f"{result.executor} (section 10)",
+        "0 (Airflow's own sensor alongside)",
+        f"airflow-pglock {said(result.ours)}; Airflow's `DateTimeSensorAsync` {said(result.theirs)}",
+        "met" if ours_failed == 0 and result.ours else "**missed**",
+    ]
