@@ -23,11 +23,13 @@ task's states.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import random
+import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import psycopg
 
@@ -206,3 +208,117 @@ def headline_row(result: PromptResult) -> list[str]:
         f"airflow-pglock {said(result.ours)}; Airflow's `DateTimeSensorAsync` {said(result.theirs)}",
         "met" if ours_failed == 0 and result.ours else "**missed**",
     ]
+
+
+@dataclass
+class PromptHerd:
+    """Many tasks woken at once after their deferral: how many resumed attempts failed."""
+
+    trigger: str
+    executor: str
+    tasks: int
+    states: dict[str, int]
+    seconds: float
+    #: Per task: seconds from its deferral to the scheduler's first "Received executor event" for it
+    #: (the report of the process that deferred), from the task's log and the scheduler's.
+    report_delays: list[float] = field(default_factory=list)
+
+    @property
+    def failed(self) -> int:
+        return sum(count for state, count in self.states.items() if state != "success")
+
+
+def measure_herd(d: Deployment, locks_dsn: str, count: int, trigger: str, executor: str) -> PromptHerd:
+    """``count`` mapped tasks (``bench_herd_pglock`` or ``bench_herd_airflow``) woken at once after
+    their deferral: each airflow-pglock key is released the moment its task is seen deferred; Airflow's
+    sensors all wait for a moment already past when the run is triggered."""
+    from airflow_pglock.keys import LockKey
+    from benchmarks.triggerer import _states, _wait
+
+    dag_id = f"bench_herd_{trigger}"
+    started = time.monotonic()
+    with psycopg.connect(locks_dsn, autocommit=True, application_name="bench foreign holder") as holder:
+        numbers = [LockKey.from_name(f"bench/herd/{index}").numbers[0] for index in range(count)]
+        if trigger == "pglock":
+            for number in numbers:
+                holder.execute("SELECT pg_advisory_lock(%s)", [number])
+            triggered = d.airflow("dags", "trigger", dag_id, timeout=120)
+        else:
+            past = dt.datetime.now(dt.timezone.utc).isoformat()
+            triggered = d.airflow("dags", "trigger", dag_id, "--conf", json.dumps({"release_at": past}), timeout=120)
+        assert triggered.returncode == 0, triggered.stderr[-2000:]
+        finished = ("success", "failed", "up_for_retry", "upstream_failed")
+        deadline = time.monotonic() + 300 + 5 * count
+        held = set(range(count)) if trigger == "pglock" else set()
+        while True:
+            states = _states(d, dag_id, "wait")
+            for index in sorted(held):
+                if states.get(index) == "deferred":
+                    holder.execute("SELECT pg_advisory_unlock(%s)", [numbers[index]])
+                    held.discard(index)
+            if len(states) == count and all(state in finished for state in states.values()):
+                break
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{dag_id}: not finished after {300 + 5 * count} s: {states}")
+            d.check_alive()
+            time.sleep(0.02)
+    _wait(
+        f"{dag_id} run finished",
+        lambda: bool(d.query("SELECT 1 FROM dag_run WHERE dag_id = %s AND state IN ('success', 'failed')", [dag_id])),
+        120,
+        d,
+    )
+    by_state: dict[str, int] = {}
+    for state in _states(d, dag_id, "wait").values():
+        by_state[str(state)] = by_state.get(str(state), 0) + 1
+    return PromptHerd(trigger, executor, count, by_state, time.monotonic() - started, report_delays(d, dag_id))
+
+
+def _stamp(text: str) -> float:
+    return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def report_delays(d: Deployment, dag_id: str) -> list[float]:
+    """For each mapped ``wait`` of ``dag_id``: from its deferral ("Pausing task as DEFERRED" in its first
+    attempt's log) to the scheduler's first "Received executor event" for it (the deferring process's report)."""
+    received: dict[int, float] = {}
+    log = d.home / "scheduler.log"
+    for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
+        if "Received executor event" in line and f"dag_id='{dag_id}'" in line:
+            found = re.search(r"map_index=(\d+)", line)
+            if found is not None:
+                received.setdefault(int(found.group(1)), _stamp(line.split()[0]))
+    delays = []
+    for index, at in received.items():
+        for path in (d.home / "logs" / f"dag_id={dag_id}").glob(
+            f"run_id=*/task_id=wait/map_index={index}/attempt=1.log"
+        ):
+            for line in path.read_text(errors="replace").splitlines():
+                if "Pausing task as DEFERRED" in line:
+                    with contextlib.suppress(ValueError, KeyError):
+                        delays.append(at - _stamp(json.loads(line)["timestamp"]))
+                    break
+    return sorted(delays)
+
+
+def render_herds(herds: list[PromptHerd]) -> str:
+    rows = [
+        "| woken at once after the deferral | executor | tasks | resumed attempts failed | final states "
+        "| the deferring process's report: seconds after the deferral, median / p90 / max (n) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for h in herds:
+        who = (
+            "airflow-pglock: each key released as its task is seen deferred"
+            if h.trigger == "pglock"
+            else "Airflow's `DateTimeSensorAsync`: one moment, already past"
+        )
+        states = ", ".join(f"{state} {n}" for state, n in sorted(h.states.items()))
+        delays = h.report_delays
+        seen = (
+            f"{percentile(delays, 50):.2f} / {percentile(delays, 90):.2f} / {max(delays):.2f} ({len(delays)})"
+            if delays
+            else "-"
+        )
+        rows.append(f"| {who} | {h.executor} | {h.tasks} | {h.failed} | {states} | {seen} |")
+    return "\n".join(rows)

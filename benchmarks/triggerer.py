@@ -377,8 +377,6 @@ def _celery(env: dict[str, str], home: Path) -> Iterator[tuple[Deployment, str]]
     namespace = NetNamespace(CELERY_NAMESPACE)
     namespace.signal_all(signal.SIGKILL)  # a worker of an earlier run that was killed
     namespace.create()
-    redis: redisserver.RedisServer | None = None
-    d: CeleryDeployment | None = None
     try:
         with Cluster(
             {"listen_addresses": f"'127.0.0.1,{namespace.host_addr}'"}, trusted_subnets=[namespace.subnet]
@@ -400,16 +398,16 @@ def _celery(env: dict[str, str], home: Path) -> Iterator[tuple[Deployment, str]]
                 metadata_db="bench_meta",
                 lock_db="bench_locks",
             )
-            migrated = d.airflow("db", "migrate")
-            assert migrated.returncode == 0, migrated.stderr[-3000:]
-            d.start([worker])
-            d.wait_for_workers()
-            yield d, locks_dsn
+            try:  # Airflow's processes and the worker stop before the broker and the cluster
+                migrated = d.airflow("db", "migrate")
+                assert migrated.returncode == 0, migrated.stderr[-3000:]
+                d.start([worker])
+                d.wait_for_workers()
+                yield d, locks_dsn
+            finally:
+                d.stop()
+                redis.stop()
     finally:
-        if d is not None:
-            d.stop()
-        if redis is not None:
-            redis.stop()
         namespace.destroy()
 
 
@@ -713,9 +711,17 @@ def main() -> None:
     parser.add_argument(
         "--prompts", type=int, default=0, help="this many prompt wake-ups of each kind (benchmarks/prompt_resumes.py)"
     )
+    parser.add_argument(
+        "--prompt-herd",
+        type=int,
+        default=0,
+        help="this many mapped tasks of each kind woken at once after their deferral (not with --herd)",
+    )
     args = parser.parse_args()
     if args.executor == "celery" and args.herd:
         parser.error("--herd restarts the triggerer of a LocalExecutor deployment: not with --executor celery")
+    if args.herd and args.prompt_herd:
+        parser.error("--herd and --prompt-herd use the same DAGs: one at a time")
     probe = Path(tempfile.mkdtemp(prefix="pglock-probe-")) / "probe.jsonl" if args.probe else None
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     out: list[str] = [
@@ -723,7 +729,8 @@ def main() -> None:
         f"load average {os.getloadavg()[0]:.2f} at start",
     ]
     raw: list[str] = []
-    with deployment(args.tuned, args.resumes, args.herd, probe, args.executor, args.prompts) as (d, locks_dsn):
+    herd_size = args.herd or args.prompt_herd
+    with deployment(args.tuned, args.resumes, herd_size, probe, args.executor, args.prompts) as (d, locks_dsn):
         if args.resumes:
             theirs: list[AirflowSample] = []
 
@@ -755,6 +762,13 @@ def main() -> None:
                     {k: [s.__dict__ for s in v] for k, v in (("ours", prompted.ours), ("theirs", prompted.theirs))}
                 )
             )
+        if args.prompt_herd:
+            prompt_herds = [
+                prompt_resumes.measure_herd(d, locks_dsn, args.prompt_herd, trigger, EXECUTORS[args.executor])
+                for trigger in ("pglock", "airflow")
+            ]
+            out += ["", "Many tasks woken at once after their deferral:", "", prompt_resumes.render_herds(prompt_herds)]
+            raw.append(json.dumps([h.__dict__ for h in prompt_herds]))
         herds = []
         if args.herd:
             herds.append(measure_herd(d, locks_dsn, args.herd, "pglock", probe or Path("/nonexistent"), 0))
@@ -767,6 +781,8 @@ def main() -> None:
     args.out.write_text("\n".join(out) + "\n\n" + "\n".join(raw) + "\n")
     if args.write:
         tag = ("tuned" if args.tuned else "default") + ("" if args.herd else " resume")
+        if args.prompt_herd:
+            tag = f"prompt herd {args.executor}"
         write_block(args.write, tag, "\n".join(out))
     print("\n".join(out) + "\n\n" + "\n".join(raw))
 

@@ -12,7 +12,8 @@ import pendulum
 import psycopg
 from airflow.sdk import dag, task
 
-LOCK_DSN = os.environ.get("PGLOCK_BENCH_DSN", "")
+# A Celery worker reaches the lock database at an address of its own (tests/celery/deployment.py).
+LOCK_DSN = os.environ.get("PGLOCK_CELERY_LOCK_DSN") or os.environ.get("PGLOCK_BENCH_DSN", "")
 WAITERS = int(os.environ.get("PGLOCK_BENCH_HERD", "200"))
 
 
