@@ -36,8 +36,11 @@ CONNECT_TIMEOUT = 10
 #: Airflow 3's scheduler fails a resumed attempt when it takes the executor's report of the process
 #: that deferred only after that attempt started (apache/airflow#72716), and a release announced a
 #: moment after the deferral would resume the task within that window. The trigger starts after the
-#: deferral, on the triggerer's own clock.
-RESUME_HOLD_SECONDS = 5.0
+#: deferral, on the triggerer's own clock. The task's supervisor may notice its process's exit only
+#: after ``[workers] min_heartbeat_interval`` (5 s by default); with the executor and a scheduler loop,
+#: the report came up to 6.4 s after the deferral under load (docs/benchmarks.md, section 10). A
+#: 5 s hold let 6 of 600 such wake-ups fail there; with this one, 0 of 600 did.
+RESUME_HOLD_SECONDS = 8.0
 
 
 class AdvisoryLockTrigger(BaseTrigger):

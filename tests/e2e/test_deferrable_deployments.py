@@ -121,7 +121,7 @@ class Setup:
 
         Airflow 3's scheduler fails a resumed try when the executor's report of the process that
         deferred arrives after that try was queued (apache/airflow#72716). The trigger fires no
-        sooner than 5 s after the deferral; on a loaded machine (the whole suite runs two pytest
+        sooner than 8 s after the deferral; on a loaded machine (the whole suite runs two pytest
         processes at once) that report took 6 s once (the lock database restarting meanwhile), so
         the file comes 10 s after the test found the task deferred.
         """
