@@ -17,8 +17,12 @@ fails when the wake-up comes at once:
   make. Recorded per run: when the sensor was about to defer (a row its ``execute`` writes
   first), its trigger's event, its resumed method, its final state.
 
-A failed resumed attempt is counted whatever the cause; the report lists the sensor's and the
-task's states.
+* **Many at once** (``benchmarks/triggerer.py --prompt-herd N``, :func:`measure_herd`): N mapped
+  tasks of each kind (``bench_herd_pglock``, keys released as each task is seen deferred;
+  ``bench_herd_airflow``, one moment already past), with, per task, when the scheduler took
+  the report of the process that deferred (:func:`report_delays`).
+
+A failed resumed attempt is counted whatever the cause; the report lists the final states.
 """
 
 from __future__ import annotations
@@ -186,10 +190,11 @@ def render(result: PromptResult) -> str:
 
 READING = (
     "Reading: the provider's trigger holds an event that comes sooner than "
-    f"{RESUME_HOLD_SECONDS:g} s after the trigger started (it starts after the deferral) until then: that hold is "
-    "the first column's difference, and the price of the protection. Airflow's own sensor has no hold: its "
-    "trigger fires as soon as the triggerer runs it, which is as early as a deferrable task can be woken. A "
-    "resumed attempt that failed (apache/airflow#72716, or anything else) is counted in the fifth column."
+    f"{RESUME_HOLD_SECONDS:g} s after the trigger started (it starts after the deferral) until then: that "
+    "hold is the difference in the 'deferral -> trigger event' column, and the price of the protection. "
+    "Airflow's own sensor has no hold: its trigger fires as soon as the triggerer runs it, which is as early "
+    "as a deferrable task can be woken. A resumed attempt that failed (apache/airflow#72716, or anything "
+    "else) is counted in the fifth column."
 )
 
 
