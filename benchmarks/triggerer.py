@@ -353,15 +353,9 @@ def _create_started_table(locks_dsn: str) -> None:
 
 def celery_unavailable() -> str | None:
     """Why a Celery deployment cannot run here (network namespaces, ``unshare``, redis-server), or None."""
-    from devtools import redisserver
-    from devtools.netns import NetNamespace
+    from tests.celery.deployment import unavailable_reason
 
-    reason = NetNamespace.unavailable_reason()
-    if reason:
-        return reason
-    if shutil.which("unshare") is None:
-        return "util-linux's `unshare` is not installed (the worker's own host name needs it)"
-    return redisserver.unavailable_reason(install=True)
+    return unavailable_reason()
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,6 +34,20 @@ HOST_ROLES: dict[str, tuple[str, ...]] = {
     "dag-processor": ("dag-processor",),
     "triggerer": ("triggerer",),
 }
+
+
+def unavailable_reason() -> str | None:
+    """Why a Celery deployment with namespaced workers cannot run here, or None: network namespaces
+    (root, iproute2), util-linux's ``unshare`` (a worker's own host name) and redis-server (installed
+    from Debian when missing and possible)."""
+    from devtools import redisserver
+
+    reason = NetNamespace.unavailable_reason()
+    if reason:
+        return reason
+    if shutil.which("unshare") is None:
+        return "util-linux's `unshare` is not installed (a worker's own host name needs it)"
+    return redisserver.unavailable_reason(install=True)
 
 
 @dataclass

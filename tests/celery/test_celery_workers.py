@@ -44,7 +44,7 @@ pytest.importorskip("airflow.providers.celery", reason="apache-airflow-providers
 
 from airflow_pglock.keys import LockKey  # noqa: E402
 from devtools import redisserver  # noqa: E402
-from tests.celery.deployment import CeleryDeployment, Worker  # noqa: E402
+from tests.celery.deployment import CeleryDeployment, Worker, unavailable_reason  # noqa: E402
 
 DAGS = Path(__file__).parent / "dags"
 LEASE = 6.0  # the DAGs' lease (celery_pglock.LEASE)
@@ -150,18 +150,9 @@ class Celery:
         )
 
 
-def _unavailable() -> str | None:
-    reason = NetNamespace.unavailable_reason()
-    if reason:
-        return reason
-    if shutil.which("unshare") is None:
-        return "util-linux's `unshare` is not installed (a worker's own host name needs it)"
-    return redisserver.unavailable_reason(install=True)
-
-
 @pytest.fixture(scope="module")
 def celery() -> Iterator[Celery]:
-    reason = _unavailable()
+    reason = unavailable_reason()
     if reason:
         pytest.skip(f"the Celery suite needs network namespaces and redis-server: {reason}")
     namespaces: list[NetNamespace] = []
