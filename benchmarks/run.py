@@ -1,6 +1,6 @@
 """Run every benchmark and write docs/benchmarks.md.
 
-    python3 devtools/dev.py bench                 # the full run (a few minutes on 2 cores)
+    python3 devtools/dev.py bench                 # the full run (about 21 minutes on 2 cores)
     .venv/bin/python -m benchmarks.run --quick --out /tmp/b.md   # a tiny run (the smoke test)
 
 Starts its own PostgreSQL cluster, Redis server and (as root) network namespace, and

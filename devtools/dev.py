@@ -5,7 +5,7 @@
     python3 devtools/dev.py test    # the whole test suite (extra args go to pytest)
     python3 devtools/dev.py matrix  # the entry-point suite (pytest -m matrix) on one Airflow line / Python
     python3 devtools/dev.py lint    # ruff check, ruff format --check, mypy, the import layers (lint-imports)
-    python3 devtools/dev.py bench   # benchmarks -> docs/benchmarks.md (a few minutes; needs redis-server)
+    python3 devtools/dev.py bench   # benchmarks -> docs/benchmarks.md (about 21 minutes on 2 cores; needs redis-server)
     python3 devtools/dev.py constraints   # re-resolve constraints/airflow-<line>[-py<X.Y>].txt in a fresh venv
     python3 devtools/dev.py versions-doc  # matrix-results/*.json -> the table in docs/airflow-versions.md
     python3 devtools/dev.py architecture-doc  # pyproject's import layers + the code -> docs/architecture.md's tables
