@@ -44,6 +44,7 @@ The kinds (every public way to hold a lock, see docs/safety.md):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import time
@@ -143,7 +144,13 @@ class Worker:
         statement = FENCED_WRITE if token is not None else UNFENCED_WRITE
         try:
             row = self._register.execute(statement, {"key": key, "run": run, "token": token}).fetchone()
-        except psycopg.Error:
+        except BaseException as error:
+            if not isinstance(error, psycopg.Error):
+                # The loss's interruption, landed while the write waited: psycopg cancels and drains
+                # a statement only for KeyboardInterrupt and SystemExit. Left in flight, the write
+                # could still land later, and the next write on this connection would fail.
+                with contextlib.suppress(Exception):
+                    self._register.cancel_safe(timeout=1.0)
             self._register.close()
             raise
         accepted, at = bool(row[0]), float(row[1])
@@ -394,6 +401,7 @@ class Worker:
             )
 
         token: list[int | None] = []
+        work_failed: list[bool] = []  # its work failed: done already emitted, before the release
 
         def first(handle: Any) -> HandOver:
             token.append(handle.fencing_token)
@@ -401,7 +409,12 @@ class Worker:
             self.history.emit(
                 "acquired", run=run, key=key, token=handle.fencing_token, backend=handle.backend_pid, at=at
             )
-            self._work(run, {key: handle.fencing_token}, finish=False)
+            try:
+                self._work(run, {key: handle.fencing_token}, finish=False)
+            except BaseException:
+                work_failed.append(True)
+                self.history.emit("done", run=run)  # the work is over, and nothing hands the key over
+                raise
             return HandOver(None)
 
         guard = LockGuard(
@@ -417,7 +430,7 @@ class Worker:
         except BaseException as error:
             if guard.refusal is error:
                 raise _Busy from error
-            if token:  # it worked, then the hand-over failed: its work is over
+            if token and not work_failed:  # it worked, then the hand-over failed: its work is over
                 self.history.emit("done", run=run)
             raise
         try:
