@@ -265,7 +265,7 @@ class LockGuard:
         except BaseException as error:
             if self.scope.kind == "enter" and self.scope_row is not None:
                 self._free_entered_scope()
-            self._abandon()
+            self._abandon(give_back=_gives_back(error))
             if isinstance(error, AlreadyDoneError):
                 self.refusal = error
                 self._report("skipped", detail=f"done: {error}")
@@ -324,7 +324,7 @@ class LockGuard:
                     self.scope, held.key, held, self.application_name, records=self._records_completion
                 )
             except LockBusyError as busy:
-                held.close()
+                held.give_back()
                 if held.slot is not None and self.scope.kind in ("outside", "enter"):
                     scoped[held.slot - 1] = busy  # another slot may be free: tried at once
                     continue
@@ -333,8 +333,11 @@ class LockGuard:
                     raise
                 time.sleep(min(SCOPE_POLL_SECONDS, remaining))  # another's scope: its row ends it, not a lock
                 continue
-            except BaseException:
-                held.close()
+            except BaseException as error:
+                if _gives_back(error):
+                    held.give_back()
+                else:
+                    held.close()
                 raise
             if token is not None:
                 self.fencing_token = token
@@ -383,9 +386,12 @@ class LockGuard:
         self.log.error("pglock LOST %s: %s", held_key.describe(), self.lost)
         self.interruption.keep_pending(self._stop)
 
-    def _abandon(self) -> None:
+    def _abandon(self, *, give_back: bool = False) -> None:
         """Stop everything and close the lock connection (ends the session, and a transaction
-        lock's transaction, so the lock goes with it). Safe to call more than once."""
+        lock's transaction, so the lock goes with it). Safe to call more than once.
+
+        :param give_back: before the work: free the key first (see :meth:`HeldLock.give_back`).
+        """
         self._stop.set()
         try:
             try:
@@ -395,7 +401,10 @@ class LockGuard:
                 self.interruption.disarm()
         finally:  # whatever interrupts the steps before (a signal handler's exception), the lock goes
             if self.held is not None:
-                self.held.close()
+                if give_back:
+                    self.held.give_back()
+                else:
+                    self.held.close()
             forks.forget(self)
 
     # ----------------------------------------------------------------- release
@@ -552,6 +561,13 @@ class LockGuard:
         waited = self._wait_seconds if self.held is not None else time.monotonic() - self._started
         server = self.held.server if self.held is not None else None
         self._outcome.report(Reported(outcome, server, waited, detail, held, holders))
+
+
+def _gives_back(error: BaseException) -> bool:
+    """Whether a guard that gave up with ``error`` before its work frees the key before its close:
+    for a skip, a refusal or a failed check, not for an interruption (Ctrl-C, Airflow's timeout:
+    no statement then) or a broken connection (the close is all there is to do)."""
+    return isinstance(error, Exception) and not isinstance(error, psycopg.OperationalError)
 
 
 protect_clean_up(LockGuard.__exit__, LockGuard._abandon, finish, finish_transaction, finish_session)

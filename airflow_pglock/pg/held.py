@@ -25,6 +25,8 @@ from airflow_pglock.server_rules import Scope, ServerInfo
 
 log = logging.getLogger("airflow_pglock")
 
+_IN_A_TRANSACTION = (psycopg.pq.TransactionStatus.INTRANS, psycopg.pq.TransactionStatus.INERROR)
+
 
 @dataclass
 class HeldLock:
@@ -201,6 +203,28 @@ class HeldLock:
         exited). Waits at most :data:`~airflow_pglock.pg.release.ROLLBACK_WAIT_SECONDS` for the
         answer; False when there was none (the connection is closed after that anyway)."""
         return roll_back_within(self.connection)
+
+    def give_back(self) -> None:
+        """Its holder gave up before its work (a skip, a refusal, a check that failed): free the key
+        on the server now, then close. A close alone frees it only once the server has read the
+        close and the backend has exited, a moment later: a run that tries the key at once could
+        still find it busy. Nothing is written at release (there was no work). Best effort: when
+        the statement cannot run (a broken connection, a statement still in flight), the close
+        frees the key."""
+        if self.released:
+            return
+        self.at_release = None
+        try:
+            closed = self.connection.closed
+            status = psycopg.pq.TransactionStatus.UNKNOWN if closed else self.connection.info.transaction_status
+            if self.scope == "session" and status == psycopg.pq.TransactionStatus.IDLE:
+                unlock(self.connection, self.key, shared=self.shared, markers=self.markers)
+            elif self.scope == "transaction" and status in _IN_A_TRANSACTION:
+                self.roll_back()
+        except psycopg.Error:
+            pass  # the close frees it
+        finally:
+            self.close()
 
     def close(self) -> None:
         """Close the connection: the session ends, an open transaction rolls back, the lock goes

@@ -69,7 +69,7 @@ def test_once_per_runs_each_tenant_once_a_day(airflow_db: Any, admin: Any) -> No
         assert [again.state("export_tenant", i) for i in range(4)] == ["skipped"] * 4
     finally:
         admin.execute("DROP SCHEMA pglock CASCADE")
-    assert advisory_locks_once_exited(admin) == []  # a once_per skip closes without an unlock
+    assert advisory_locks_once_exited(admin) == []  # a once_per skip gives the key back
 
 
 def test_transaction_mode_with_a_completion_row(airflow_db: Any, admin: Any) -> None:

@@ -308,4 +308,4 @@ def test_run_rules_reach_guarded_operators_and_the_composable_decorator(
     }
     assert "already done for period '2026-11-30'" in log and "less than min_interval=3600 s" in log
     assert tokens()["rules/fenced"] > first_tokens["rules/fenced"]
-    assert advisory_locks_once_exited(ledger) == []  # a skip after the take closes without an unlock
+    assert advisory_locks_once_exited(ledger) == []  # a skip after the take gives the key back

@@ -74,9 +74,7 @@ def test_the_setup_takes_a_lapsed_scope_and_refuses_a_live_one_keeping_its_token
     assert _enter(hook, first, fencing=True) == token, "a setup that runs again for the same holder keeps the token"
     with pytest.raises(LockBusyError, match="is held by the lock scope"):
         _enter(hook, second, fencing=True)
-    assert advisory_locks_left(scopes_db) == 0, (
-        "the refused guard's backend has exited (it took the key, then closed without an unlock)"
-    )
+    assert advisory_locks_left(scopes_db) == 0, "the refused guard took the key, then gave it back"
     scopes_db.execute("UPDATE pglock.scopes SET lease_until = clock_timestamp() - interval '1 second'")
     newer = _enter(hook, second, fencing=True)
     assert newer is not None and newer > token, "a new acquisition gets a newer token"
@@ -97,9 +95,7 @@ def test_members_reenter_with_the_scopes_token_and_fail_as_lost_once_it_lapsed_o
         LockGuard(hook.database, KEY, LockPolicy(), scope=_role("member", stranger)),
     ):
         pytest.fail("a task of another acquisition re-entered")
-    assert advisory_locks_left(scopes_db) == 0, (
-        "the refused guard's backend has exited (it took the key, then closed without an unlock)"
-    )
+    assert advisory_locks_left(scopes_db) == 0, "the refused guard took the key, then gave it back"
     scopes_db.execute("UPDATE pglock.scopes SET lease_until = clock_timestamp() - interval '1 second'")
     with (
         pytest.raises(LockLostError, match=r"its lease ran out at .* another guard of the key may have run in the gap"),
@@ -140,9 +136,7 @@ def test_the_teardown_frees_only_its_own_scope(hook: Any, scopes_db: Any) -> Non
         LockGuard(hook.database, KEY, LockPolicy(), scope=_role("member", holder)),
     ):
         pytest.fail("a task re-entered a freed scope")
-    assert advisory_locks_left(scopes_db) == 0, (
-        "the refused guard's backend has exited (it took the key, then closed without an unlock)"
-    )
+    assert advisory_locks_left(scopes_db) == 0, "the refused guard took the key, then gave it back"
     with LockGuard(hook.database, KEY, LockPolicy()):
         pass  # free for everyone again
 

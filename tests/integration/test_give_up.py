@@ -1,0 +1,88 @@
+"""A guard that gives up after it took the key (a skip, a refusal, a check that failed before
+the work) frees the key before it closes its connection.
+
+A close alone frees the key only once the server has read it and the backend has exited, a
+moment later: a run that tried the key right after a skip could still find it busy, and be
+told it is held by a run that had already given up (the suite met it twice: tests that checked
+``pg_locks`` right after such a close).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from airflow_pglock.exceptions import AlreadyDoneError, LockBusyError, LockConfigurationError
+from airflow_pglock.guard import LockGuard
+from airflow_pglock.keys import LockKey
+from airflow_pglock.policy import LockPolicy
+from airflow_pglock.run_rules import RunRules
+from airflow_pglock.scope_rules import ScopeRole
+from tests.helpers import advisory_locks
+
+KEY = LockKey.from_name("give-up/integration")
+
+
+@pytest.fixture
+def closed_holding(admin: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
+    """The advisory locks each connection still held when it was closed (none: not listed)."""
+    found: list[Any] = []
+    close = psycopg.Connection.close
+
+    def looking_close(self: psycopg.Connection[Any]) -> None:
+        if self is not admin and not self.closed:
+            pid = self.info.backend_pid
+            held = [row for row in advisory_locks(admin) if row[0] == pid and row[4]]
+            if held:
+                found.append(held)
+        close(self)
+
+    monkeypatch.setattr(psycopg.Connection, "close", looking_close)
+    yield found
+
+
+@pytest.mark.parametrize("mode", ["session", "transaction"])
+def test_a_skip_for_a_period_already_done_frees_the_key_before_the_close(
+    hook: Any, scopes_db: Any, closed_holding: list[Any], mode: str
+) -> None:
+    rules = RunRules(period="2026-12-05")
+    with LockGuard(hook.database, KEY, LockPolicy(mode=mode), rules=rules):  # type: ignore[arg-type]
+        pass
+    assert closed_holding == []
+    with (
+        pytest.raises(AlreadyDoneError),
+        LockGuard(hook.database, KEY, LockPolicy(mode=mode), rules=rules),  # type: ignore[arg-type]
+    ):
+        pytest.fail("ran twice in one period")
+    assert closed_holding == []
+
+
+@pytest.mark.parametrize("mode", ["session", "transaction"])
+def test_a_refusal_by_a_live_scope_frees_the_key_before_the_close(
+    hook: Any, scopes_db: Any, closed_holding: list[Any], mode: str
+) -> None:
+    role = ScopeRole(kind="enter", holder=uuid.uuid4().hex, run="dep: dag run", task="setup", lease=300.0)
+    with LockGuard(hook.database, KEY, LockPolicy(), scope=role):
+        pass
+    with (
+        pytest.raises(LockBusyError, match="is held by the lock scope"),
+        LockGuard(hook.database, KEY, LockPolicy(mode=mode)),  # type: ignore[arg-type]
+    ):
+        pytest.fail("ran inside another run's scope")
+    assert closed_holding == []
+
+
+def test_a_check_that_fails_before_the_work_frees_the_key_before_the_close(
+    hook: Any, admin: Any, closed_holding: list[Any]
+) -> None:
+    admin.execute("DROP SCHEMA IF EXISTS pglock CASCADE")  # fencing needs init-db: refused once the key is held
+    with (
+        pytest.raises(LockConfigurationError, match="init-db"),
+        LockGuard(hook.database, KEY, LockPolicy(), rules=RunRules(fencing=True)),
+    ):
+        pytest.fail("fenced without a ledger")
+    assert closed_holding == []
