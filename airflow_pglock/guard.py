@@ -241,6 +241,9 @@ class LockGuard:
         except Exception as error:  # a database error, a refused set-up, or a bug: one outcome line all the same
             self._report("failed", detail=f"{type(error).__name__}: {error}")
             raise
+        except BaseException as interrupted:  # Ctrl-C, Airflow's timeout: during a wait, or a give-back
+            self._report("failed", detail=f"interrupted while taking the lock: {type(interrupted).__name__}")
+            raise
         # From here on the lock is held: one try, so that nothing (an error, Airflow's task
         # timeout, Ctrl-C) can leave the lock connection open with no outcome line.
         try:
@@ -265,7 +268,11 @@ class LockGuard:
         except BaseException as error:
             if self.scope.kind == "enter" and self.scope_row is not None:
                 self._free_entered_scope()
-            self._abandon(give_back=_gives_back(error))
+            try:
+                self._abandon(give_back=_gives_back(error))
+            except BaseException as late:  # e.g. Airflow's timeout while the key was given back
+                self._report("failed", detail=f"giving the key back was interrupted: {type(late).__name__}")
+                raise
             if isinstance(error, AlreadyDoneError):
                 self.refusal = error
                 self._report("skipped", detail=f"done: {error}")

@@ -19,7 +19,7 @@ import psycopg
 from airflow_pglock.keys import LockKey
 from airflow_pglock.loss import held_clock
 from airflow_pglock.pg.probe import ProbeResult, probe
-from airflow_pglock.pg.release import WriteAtRelease, commit_if_held, roll_back_within, unlock
+from airflow_pglock.pg.release import WriteAtRelease, commit_if_held, roll_back_within, unlock, unlock_within
 from airflow_pglock.pg.statements import commit, held_seen_from_aside, is_held
 from airflow_pglock.server_rules import Scope, ServerInfo
 
@@ -208,9 +208,10 @@ class HeldLock:
         """Its holder gave up before its work (a skip, a refusal, a check that failed): free the key
         on the server now, then close. A close alone frees it only once the server has read the
         close and the backend has exited, a moment later: a run that tries the key at once could
-        still find it busy. Nothing is written at release (there was no work). Best effort: when
-        the statement cannot run (a broken connection, a statement still in flight), the close
-        frees the key."""
+        still find it busy. Nothing is written at release (there was no work). Best effort, and
+        bounded (:data:`~airflow_pglock.pg.release.ROLLBACK_WAIT_SECONDS`): when the statement
+        cannot run (a broken connection, a statement still in flight) or gets no answer in time,
+        the close frees the key."""
         if self.released:
             return
         self.at_release = None
@@ -218,11 +219,9 @@ class HeldLock:
             closed = self.connection.closed
             status = psycopg.pq.TransactionStatus.UNKNOWN if closed else self.connection.info.transaction_status
             if self.scope == "session" and status == psycopg.pq.TransactionStatus.IDLE:
-                unlock(self.connection, self.key, shared=self.shared, markers=self.markers)
+                unlock_within(self.connection, self.key, shared=self.shared, markers=self.markers)
             elif self.scope == "transaction" and status in _IN_A_TRANSACTION:
                 self.roll_back()
-        except psycopg.Error:
-            pass  # the close frees it
         finally:
             self.close()
 

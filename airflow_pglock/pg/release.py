@@ -162,6 +162,15 @@ def _announced_unlock(function: str, pair: bool) -> str:
     return f"{call_text(function, pair)}, pg_notify('{wakeups.RELEASED_CHANNEL}', %s)"
 
 
+def _unlock_statement(key: LockKey, shared: bool, markers: tuple[LockKey, ...]) -> tuple[str, list[Any]]:
+    statement = _announced_unlock(lock_function("unlock", shared=shared), key.is_pair)
+    params: list[Any] = [*key.numbers, wakeups.payload(key)]
+    for marker in markers:  # a pool's slot: its markers go with it
+        statement += ", pg_advisory_unlock_shared(%s::bigint)"
+        params.append(marker.int64)
+    return statement, params
+
+
 def unlock(
     conn: psycopg.Connection[Any],
     key: LockKey,
@@ -184,11 +193,7 @@ def unlock(
     :param cursor: a cursor of ``conn`` to run the unlock on, kept by a caller that releases
         keys in a tight loop (without ``at_release``).
     """
-    statement = _announced_unlock(lock_function("unlock", shared=shared), key.is_pair)
-    params = [*key.numbers, wakeups.payload(key)]
-    for marker in markers:  # a pool's slot: its markers go with it
-        statement += ", pg_advisory_unlock_shared(%s::bigint)"
-        params.append(marker.int64)
+    statement, params = _unlock_statement(key, shared, markers)
     if at_release is not None and conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
         # A transaction the caller left open on the lock's connection: the write's BEGIN/COMMIT would
         # commit it, after the key is free, where closing the connection rolls it back. Unlock alone;
@@ -246,9 +251,9 @@ def _results_of(conn: psycopg.Connection[Any], query: str) -> list[psycopg.pq.ab
 _NO_CLIENT_DEADLINE = 24 * 3600.0
 
 
-#: The most a transaction lock's rollback waits for its answer before the connection is just
-#: closed (the key then goes when the server hears of the close): a stalled network or proxy
-#: must not hold up the end of a failed work.
+#: The most a transaction lock's rollback, or the unlock of a holder that gave up before its work,
+#: waits for its answer before the connection is just closed (the key then goes when the server
+#: hears of the close): a stalled server, network or proxy must not hold up a failed work's end or a skip.
 ROLLBACK_WAIT_SECONDS = 2.0
 
 
@@ -259,16 +264,39 @@ def roll_back_within(conn: psycopg.Connection[Any], timeout: float = ROLLBACK_WA
     False when it could not be sent (the connection is closed, or busy with a statement the work
     left running) or no answer came in time; the caller closes the connection then.
     """
+    return _answered_within(conn, b"ROLLBACK", psycopg.pq.ExecStatus.COMMAND_OK, timeout)
+
+
+def unlock_within(
+    conn: psycopg.Connection[Any],
+    key: LockKey,
+    *,
+    shared: bool = False,
+    markers: tuple[LockKey, ...] = (),
+    timeout: float = ROLLBACK_WAIT_SECONDS,
+) -> bool:
+    """The announced unlock (:func:`unlock`, with nothing written at release), waiting at most
+    ``timeout`` s for the answer: for a holder that gives up before its work, whose skip a stalled
+    server must not hold up. False as :func:`roll_back_within`; the caller closes the connection."""
+    statement, params = _unlock_statement(key, shared, markers)
+    bound = psycopg.ClientCursor(conn).mogrify(statement, params)
+    return _answered_within(conn, bound.encode(conn.info.encoding), psycopg.pq.ExecStatus.TUPLES_OK, timeout)
+
+
+def _answered_within(
+    conn: psycopg.Connection[Any], query: bytes, status: psycopg.pq.ExecStatus, timeout: float
+) -> bool:
+    """Send a simple query; whether every result came within ``timeout`` s with ``status``."""
     deadline = time.monotonic() + timeout
     if not conn.lock.acquire(timeout=timeout):
         return False
     try:
         if conn.closed or conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.ACTIVE:
             return False
-        conn.pgconn.send_query(b"ROLLBACK")
+        conn.pgconn.send_query(query)
         results = results_before(conn.pgconn, deadline)
     except psycopg.Error:
         return False
     finally:
         conn.lock.release()
-    return results is not None and all(result.status == psycopg.pq.ExecStatus.COMMAND_OK for result in results)
+    return results is not None and all(result.status == status for result in results)

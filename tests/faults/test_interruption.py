@@ -5,6 +5,7 @@ blocks can rely on, and that the interruption cannot escape the guard's own clea
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -21,6 +22,7 @@ from airflow_pglock.interruption import LOST_SIGNAL
 from airflow_pglock.keys import LockKey
 from airflow_pglock.liveness import Liveness
 from airflow_pglock.pg.probe import probe
+from airflow_pglock.pg.release import ROLLBACK_WAIT_SECONDS
 from airflow_pglock.policy import LockPolicy
 from tests.faults.conftest import FaultServer
 
@@ -242,3 +244,23 @@ def test_transaction_mode_loss_fails_even_with_warn(fault_server: FaultServer, f
     assert finished == [True]
     assert fault_admin.execute("SELECT count(*) FROM tx_warn").fetchone() == (0,)
     fault_admin.execute("DROP TABLE tx_warn")
+
+
+def test_a_give_back_on_a_silent_server_is_bounded(fault_server: FaultServer, fault_admin: Any) -> None:
+    """A guard that gives up before its work frees the key with a bounded unlock: a frozen backend
+    (a paused server, a stalled proxy) must not hold up a skip; the close frees the key then."""
+    hook = AdvisoryLockHook(dsn=fault_server.dsn, liveness=Liveness(3))
+    held = hook.acquire(LockKey.from_name("give-back-frozen"))
+    assert held is not None
+    pid = held.server.backend_pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        giving = threading.Thread(target=held.give_back, daemon=True)
+        started = time.monotonic()
+        giving.start()
+        giving.join(timeout=15)
+        took = time.monotonic() - started
+        assert not giving.is_alive(), "the give-back waited on the frozen server"
+        assert took >= ROLLBACK_WAIT_SECONDS * 0.9 and held.connection.closed, took
+    finally:
+        os.kill(pid, signal.SIGCONT)

@@ -8,6 +8,7 @@ promises used to break (issue 19), each failing on the code before its fix.
 
 from __future__ import annotations
 
+import _thread
 import select
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from airflow_pglock.liveness import Liveness
 from airflow_pglock.options import LockOptions, LockSpec
 from airflow_pglock.pg import schema
 from airflow_pglock.pg import statements as lock_statements
+from airflow_pglock.pg.held import HeldLock
 from airflow_pglock.pg.probe import probe, results_before
 from airflow_pglock.policy import LockPolicy
 from airflow_pglock.run_rules import RunRules
@@ -769,3 +771,58 @@ def test_a_release_in_an_aborted_savepoint_raises_and_the_key_stays_the_transact
         assert key.pg_locks in _held_by(fault_admin, lock.backend_pid)  # a transaction lock: until the commit
         assert LockKey.from_name("aborted-release-owner").pg_locks in _held_by(fault_admin, lock.backend_pid)
         assert lock.sub_key_ended_early is None
+
+
+def test_interrupt_while_giving_the_key_back_still_logs_one_outcome(
+    fault_server: FaultServer, ledger: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Airflow's execution_timeout (or Ctrl-C) that lands while a skipping guard gives its key
+    back: the connection is closed and one outcome line says so."""
+    rules = RunRules(period="2026-12-05")
+    _guard(fault_server, "give-back-interrupted", rules=rules).run(lambda lock: None)
+    give_back = HeldLock.give_back
+
+    def interrupted(held: HeldLock) -> None:
+        give_back(held)
+        raise KeyboardInterrupt("arrived while giving the key back")
+
+    monkeypatch.setattr(HeldLock, "give_back", interrupted)
+    logger = _InterruptedLogger("never")
+    guard = LockGuard(
+        _hook(fault_server).database,
+        LockKey.from_name("give-back-interrupted"),
+        LockPolicy(),
+        rules=rules,
+        logger=logger,
+    )
+    with pytest.raises(KeyboardInterrupt):
+        guard.__enter__()
+    assert guard.held is not None and guard.held.connection.closed
+    assert guard.outcome == "failed"
+    outcomes = [line for line in logger.lines if line.startswith("pglock outcome=")]
+    assert len(outcomes) == 1 and "giving the key back was interrupted: KeyboardInterrupt" in outcomes[0], outcomes
+
+
+def test_interrupt_while_waiting_for_the_key_logs_one_outcome(fault_server: FaultServer, fault_admin: Any) -> None:
+    """Ctrl-C (or Airflow's execution_timeout) while the guard waits for a busy key: nothing was
+    held yet, and one outcome line says the wait was interrupted."""
+    holder = _hook(fault_server, lease=30).acquire(LockKey.from_name("wait-interrupted"))
+    assert holder is not None
+    logger = _InterruptedLogger("never")
+    guard = LockGuard(
+        _hook(fault_server).database,
+        LockKey.from_name("wait-interrupted"),
+        LockPolicy(on_busy="wait", wait_timeout=30),
+        logger=logger,
+    )
+    timer = threading.Timer(0.5, _thread.interrupt_main)
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            guard.__enter__()
+    finally:
+        timer.cancel()
+        holder.release()
+    assert guard.held is None and guard.outcome == "failed"
+    outcomes = [line for line in logger.lines if line.startswith("pglock outcome=")]
+    assert len(outcomes) == 1 and "interrupted while taking the lock: KeyboardInterrupt" in outcomes[0], outcomes

@@ -76,13 +76,14 @@ def test_a_refusal_by_a_live_scope_frees_the_key_before_the_close(
     assert closed_holding == []
 
 
+@pytest.mark.parametrize("mode", ["session", "transaction"])
 def test_a_check_that_fails_before_the_work_frees_the_key_before_the_close(
-    hook: Any, admin: Any, closed_holding: list[Any]
+    hook: Any, admin: Any, closed_holding: list[Any], mode: str
 ) -> None:
     admin.execute("DROP SCHEMA IF EXISTS pglock CASCADE")  # fencing needs init-db: refused once the key is held
     with (
         pytest.raises(LockConfigurationError, match="init-db"),
-        LockGuard(hook.database, KEY, LockPolicy(), rules=RunRules(fencing=True)),
+        LockGuard(hook.database, KEY, LockPolicy(mode=mode), rules=RunRules(fencing=True)),  # type: ignore[arg-type]
     ):
         pytest.fail("fenced without a ledger")
     assert closed_holding == []
