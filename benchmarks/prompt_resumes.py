@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import psycopg
 
 from airflow_pglock.triggers.advisory_lock import RESUME_HOLD_SECONDS
+from benchmarks.deployment_steps import fired_at, fired_in, start_herd, task_states, wait_for
 from benchmarks.stats import percentile
 from tests.e2e.deployment import Deployment
 
@@ -71,7 +72,6 @@ def measure_ours(d: Deployment, locks_dsn: str, count: int) -> list[PromptSample
     """``count`` keys held, then each released as soon as its task instance is deferred."""
     from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
     from airflow_pglock.liveness import Liveness
-    from benchmarks.triggerer import _fired_at, _states, _wait
 
     hook = AdvisoryLockHook(dsn=locks_dsn, liveness=Liveness(lease=600))
     held = {}
@@ -84,7 +84,7 @@ def measure_ours(d: Deployment, locks_dsn: str, count: int) -> list[PromptSample
     deferred: dict[int, float] = {}
     deadline = time.monotonic() + 120 + 10 * count
     while held:
-        for index, state in _states(d, "bench_prompt", "prompt").items():
+        for index, state in task_states(d, "bench_prompt", "prompt").items():
             if state == "deferred" and index in held:
                 deferred[index] = time.time()
                 held.pop(index).release()
@@ -93,9 +93,9 @@ def measure_ours(d: Deployment, locks_dsn: str, count: int) -> list[PromptSample
         d.check_alive()
         time.sleep(0.02)
     finished = ("success", "failed", "up_for_retry", "upstream_failed")
-    _wait(
+    wait_for(
         f"{count} prompt tasks finished",
-        lambda: all(state in finished for state in _states(d, "bench_prompt", "prompt").values()),
+        lambda: all(state in finished for state in task_states(d, "bench_prompt", "prompt").values()),
         120 + 10 * count,
         d,
     )
@@ -106,16 +106,15 @@ def measure_ours(d: Deployment, locks_dsn: str, count: int) -> list[PromptSample
                 " WHERE dag_id = 'bench_prompt' GROUP BY map_index"
             ).fetchall()
         )
-    states = _states(d, "bench_prompt", "prompt")
+    states = task_states(d, "bench_prompt", "prompt")
     return [
-        PromptSample(deferred.get(i), _fired_at(d, "bench_prompt", i), started.get(i), states.get(i))
+        PromptSample(deferred.get(i), fired_at(d, "bench_prompt", i), started.get(i), states.get(i))
         for i in range(count)
     ]
 
 
 def measure_theirs(d: Deployment, locks_dsn: str, count: int) -> list[PromptSample]:
     """``count`` runs of Airflow's own sensor, each moment past before the sensor defers."""
-    from benchmarks.triggerer import _fired_in, _wait
 
     samples: list[PromptSample] = []
     for index in range(count):
@@ -132,7 +131,7 @@ def measure_theirs(d: Deployment, locks_dsn: str, count: int) -> list[PromptSamp
             rows = d.query("SELECT state FROM dag_run WHERE dag_id = 'bench_resume_airflow' AND run_id = %s", [run_id])
             return rows[0][0] if rows else None
 
-        _wait(f"airflow prompt sample {index}", lambda: run_state() in ("success", "failed"), 180, d)
+        wait_for(f"airflow prompt sample {index}", lambda: run_state() in ("success", "failed"), 180, d)
         with psycopg.connect(locks_dsn, autocommit=True) as conn:
             rows: dict[str, float] = dict(
                 conn.execute(
@@ -150,7 +149,7 @@ def measure_theirs(d: Deployment, locks_dsn: str, count: int) -> list[PromptSamp
         samples.append(
             PromptSample(
                 rows.get("bench_resume_airflow_deferring"),
-                _fired_in(d, "bench_resume_airflow", run_id, "wait"),
+                fired_in(d, "bench_resume_airflow", run_id, "wait"),
                 rows.get("bench_resume_airflow"),
                 state,
             )
@@ -237,26 +236,15 @@ def measure_herd(d: Deployment, locks_dsn: str, count: int, trigger: str, execut
     """``count`` mapped tasks (``bench_herd_pglock`` or ``bench_herd_airflow``) woken at once after
     their deferral: each airflow-pglock key is released the moment its task is seen deferred; Airflow's
     sensors all wait for a moment already past when the run is triggered."""
-    from airflow_pglock.keys import LockKey
-    from benchmarks.triggerer import _states, _wait
-
     dag_id = f"bench_herd_{trigger}"
     started = time.monotonic()
     with psycopg.connect(locks_dsn, autocommit=True, application_name="bench foreign holder") as holder:
-        numbers = [LockKey.from_name(f"bench/herd/{index}").numbers[0] for index in range(count)]
-        if trigger == "pglock":
-            for number in numbers:
-                holder.execute("SELECT pg_advisory_lock(%s)", [number])
-            triggered = d.airflow("dags", "trigger", dag_id, timeout=120)
-        else:
-            past = dt.datetime.now(dt.timezone.utc).isoformat()
-            triggered = d.airflow("dags", "trigger", dag_id, "--conf", json.dumps({"release_at": past}), timeout=120)
-        assert triggered.returncode == 0, triggered.stderr[-2000:]
+        numbers = start_herd(d, holder, trigger, count, release_at=time.time())  # Airflow's: a moment already past
         finished = ("success", "failed", "up_for_retry", "upstream_failed")
         deadline = time.monotonic() + 300 + 5 * count
         held = set(range(count)) if trigger == "pglock" else set()
         while True:
-            states = _states(d, dag_id, "wait")
+            states = task_states(d, dag_id, "wait")
             for index in sorted(held):
                 if states.get(index) == "deferred":
                     holder.execute("SELECT pg_advisory_unlock(%s)", [numbers[index]])
@@ -267,14 +255,14 @@ def measure_herd(d: Deployment, locks_dsn: str, count: int, trigger: str, execut
                 raise AssertionError(f"{dag_id}: not finished after {300 + 5 * count} s: {states}")
             d.check_alive()
             time.sleep(0.02)
-    _wait(
+    wait_for(
         f"{dag_id} run finished",
         lambda: bool(d.query("SELECT 1 FROM dag_run WHERE dag_id = %s AND state IN ('success', 'failed')", [dag_id])),
         120,
         d,
     )
     by_state: dict[str, int] = {}
-    for state in _states(d, dag_id, "wait").values():
+    for state in task_states(d, dag_id, "wait").values():
         by_state[str(state)] = by_state.get(str(state), 0) + 1
     return PromptHerd(trigger, executor, count, by_state, time.monotonic() - started, report_delays(d, dag_id))
 

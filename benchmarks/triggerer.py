@@ -50,7 +50,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,6 +64,7 @@ if str(ROOT) not in sys.path:
 
 from airflow_pglock.triggers.advisory_lock import RESUME_HOLD_SECONDS  # noqa: E402
 from benchmarks import prompt_resumes  # noqa: E402
+from benchmarks.deployment_steps import fired_at, fired_in, start_herd, task_states, wait_for  # noqa: E402
 from benchmarks.stats import percentile  # noqa: E402
 from devtools.pgcluster import Cluster, free_port  # noqa: E402
 from tests.e2e.deployment import Deployment  # noqa: E402
@@ -109,39 +110,6 @@ class Herd:
     probe: list[dict[str, Any]] = field(default_factory=list)
 
 
-def _wait(what: str, done: Callable[[], bool], timeout: float, d: Deployment) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if done():
-            return
-        d.check_alive()
-        time.sleep(0.1)
-    raise AssertionError(f"{what}: not after {timeout} s\n{d.logs('triggerer')}")
-
-
-def _states(d: Deployment, dag_id: str, task_id: str) -> dict[int, str | None]:
-    rows = d.query("SELECT map_index, state FROM task_instance WHERE dag_id = %s AND task_id = %s", [dag_id, task_id])
-    return {int(row[0]): row[1] for row in rows}
-
-
-def _fired_at(d: Deployment, dag_id: str, map_index: int) -> float | None:
-    """When the triggerer logged "Trigger fired event" for this task (from the task's log)."""
-    return _fired_in_logs((d.home / "logs" / f"dag_id={dag_id}").rglob(f"map_index={map_index}/*.log"))
-
-
-def _fired_in_logs(paths: Iterable[Path]) -> float | None:
-    """The timestamp of the first "Trigger fired event" line in these task logs."""
-    for path in paths:
-        for line in path.read_text(errors="replace").splitlines():
-            if "Trigger fired event" not in line:
-                continue
-            with contextlib.suppress(ValueError):
-                stamp = json.loads(line).get("timestamp")
-                if stamp:
-                    return dt.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
-    return None
-
-
 def _log_size(path: Path) -> int:
     return path.stat().st_size if path.exists() else 0
 
@@ -170,9 +138,9 @@ def measure_resumes(
         held.append(lock)
     triggered = d.airflow("dags", "trigger", "bench_resume", timeout=120)
     assert triggered.returncode == 0, triggered.stderr[-2000:]
-    _wait(
+    wait_for(
         f"{count} deferred",
-        lambda: list(_states(d, "bench_resume", "resume").values()).count("deferred") == count,
+        lambda: list(task_states(d, "bench_resume", "resume").values()).count("deferred") == count,
         60 + 10 * count,
         d,
     )
@@ -182,8 +150,10 @@ def measure_resumes(
     for index, lock in enumerate(held):
         released.append(time.time())
         lock.release()
-        done = functools.partial(lambda i: _states(d, "bench_resume", "resume").get(i) in ("success", "failed"), index)
-        _wait(f"task {index} resumed", done, 120, d)
+        done = functools.partial(
+            lambda i: task_states(d, "bench_resume", "resume").get(i) in ("success", "failed"), index
+        )
+        wait_for(f"task {index} resumed", done, 120, d)
         print(f"resume {index}: done {time.time() - released[-1]:.1f} s after the release", flush=True)
         time.sleep(1 + random.random())  # a random phase against the triggerer's and the scheduler's loops
         if between is not None:
@@ -200,9 +170,9 @@ def measure_resumes(
                 "SELECT map_index, extract(epoch from at)::float8 FROM bench_started WHERE dag_id = 'bench_resume'"
             ).fetchall()
         )
-    states = _states(d, "bench_resume", "resume")
+    states = task_states(d, "bench_resume", "resume")
     return [
-        Sample(released[i], _fired_at(d, "bench_resume", i), times[i][0], times[i][1], started.get(i), states.get(i))
+        Sample(released[i], fired_at(d, "bench_resume", i), times[i][0], times[i][1], started.get(i), states.get(i))
         for i in range(count)
     ]
 
@@ -236,13 +206,6 @@ class AirflowSample:
 AIRFLOW_LEAD = 10.0
 
 
-def _fired_in(d: Deployment, dag_id: str, run_id: str, task_id: str) -> float | None:
-    """When the triggerer logged "Trigger fired event" for this task of this run."""
-    return _fired_in_logs(
-        (d.home / "logs" / f"dag_id={dag_id}" / f"run_id={run_id}" / f"task_id={task_id}").rglob("*.log")
-    )
-
-
 def measure_airflow_resume(d: Deployment, locks_dsn: str, index: int) -> AirflowSample:
     """One run of bench_resume_airflow: its sensor defers until a moment AIRFLOW_LEAD s ahead."""
     target = time.time() + AIRFLOW_LEAD
@@ -256,7 +219,7 @@ def measure_airflow_resume(d: Deployment, locks_dsn: str, index: int) -> Airflow
         rows = d.query("SELECT state FROM dag_run WHERE dag_id = 'bench_resume_airflow' AND run_id = %s", [run_id])
         return rows[0][0] if rows else None
 
-    _wait(f"airflow sample {index}", lambda: run_state() in ("success", "failed"), 120 + AIRFLOW_LEAD, d)
+    wait_for(f"airflow sample {index}", lambda: run_state() in ("success", "failed"), 120 + AIRFLOW_LEAD, d)
     with psycopg.connect(locks_dsn, autocommit=True) as conn:
         started = dict(
             conn.execute(
@@ -272,7 +235,7 @@ def measure_airflow_resume(d: Deployment, locks_dsn: str, index: int) -> Airflow
     )
     return AirflowSample(
         target,
-        _fired_in(d, "bench_resume_airflow", run_id, "wait"),
+        fired_in(d, "bench_resume_airflow", run_id, "wait"),
         started.get("bench_resume_airflow"),
         started.get("bench_resume_airflow_downstream"),
         run_state(),
@@ -292,24 +255,14 @@ def measure_herd(d: Deployment, locks_dsn: str, count: int, trigger: str, probe:
     dag_id = f"bench_herd_{trigger}"
     started = time.monotonic()
     holder = psycopg.connect(locks_dsn, autocommit=True, application_name="bench foreign holder")
-    release_at = 0.0
+    release_at = time.time() + defer_estimate  # Airflow's sensors: a moment past the deferral of all
     try:
-        if trigger == "pglock":
-            from airflow_pglock.keys import LockKey
-
-            for index in range(count):
-                holder.execute("SELECT pg_advisory_lock(%s)", [LockKey.from_name(f"bench/herd/{index}").numbers[0]])
-            triggered = d.airflow("dags", "trigger", dag_id, timeout=120)
-        else:
-            release_at = time.time() + defer_estimate
-            moment = dt.datetime.fromtimestamp(release_at, dt.timezone.utc).isoformat()
-            triggered = d.airflow("dags", "trigger", dag_id, "--conf", json.dumps({"release_at": moment}), timeout=120)
-        assert triggered.returncode == 0, triggered.stderr[-2000:]
+        start_herd(d, holder, trigger, count, release_at)
 
         def deferred() -> int:
-            return list(_states(d, dag_id, "wait").values()).count("deferred")
+            return list(task_states(d, dag_id, "wait").values()).count("deferred")
 
-        _wait(f"{count} {trigger} tasks deferred", lambda: deferred() == count, 60 + 5 * count, d)
+        wait_for(f"{count} {trigger} tasks deferred", lambda: deferred() == count, 60 + 5 * count, d)
         defer_all = time.monotonic() - started
         print(f"herd {trigger}: {count} deferred after {defer_all:.0f} s", flush=True)
         if trigger == "pglock":
@@ -319,9 +272,9 @@ def measure_herd(d: Deployment, locks_dsn: str, count: int, trigger: str, probe:
         else:
             assert time.time() < release_at, f"the moment passed before all {count} deferred: raise the estimate"
             released = time.monotonic() + (release_at - time.time())
-        _wait(
+        wait_for(
             f"{count} {trigger} tasks done",
-            lambda: set(_states(d, dag_id, "wait").values()) == {"success"},
+            lambda: set(task_states(d, dag_id, "wait").values()) == {"success"},
             120 + 5 * count,
             d,
         )
@@ -445,7 +398,7 @@ def deployment(
     try:
         with start(env, home) as (d, locks_dsn):
             dag_files = len(list(DAGS.glob("bench_*.py")))
-            _wait("DAGs parsed", lambda: len(d.query("SELECT dag_id FROM dag")) >= dag_files, 180, d)
+            wait_for("DAGs parsed", lambda: len(d.query("SELECT dag_id FROM dag")) >= dag_files, 180, d)
             yield d, locks_dsn
     finally:
         if os.environ.get("PGLOCK_BENCH_KEEP"):
