@@ -83,9 +83,9 @@ def once_exited(read: Callable[[], T], timeout: float) -> T:
 
 
 def advisory_locks_once_exited(conn: Any, timeout: float = 10.0) -> list[tuple[int, int, int, int, bool]]:
-    """:func:`advisory_locks` once closed sessions' backends have exited: a guard refused for a
-    pool's size, or whose lock was lost, closes its connection without an unlock (one that gives up
-    before its work frees its key first: tests/integration/test_give_up.py)."""
+    """:func:`advisory_locks` once closed sessions' backends have exited: a guard whose lock was
+    lost closes its connection without an unlock (one that gives up before its work, or is refused
+    for a pool's size, frees what it took first: tests/integration/test_give_up.py)."""
     return once_exited(lambda: advisory_locks(conn), timeout)
 
 

@@ -102,7 +102,8 @@ def pool_conflict_error(
 ) -> LockConfigurationError:
     """The refusal of a pool whose size disagrees with another holder's, or of a plain key on a
     pool's name (and the other way round), naming the pool, both sizes and who holds the other.
-    Nothing was taken (the caller closes the session, and with it any marker it took)."""
+    Nothing is held past it: the caller gives back what the statement took (markers, the key) and
+    closes the session."""
     kind, other_size, pid = conflict
     size = "a plain key (slots=1)" if slots == 1 else f"a pool of slots={slots}"
     if kind == "size":

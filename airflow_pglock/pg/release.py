@@ -23,6 +23,7 @@ from airflow_pglock.keys import LockKey
 from airflow_pglock.pg import wakeups
 from airflow_pglock.pg.probe import results_before
 from airflow_pglock.pg.sql import IN_TRANSACTION, call_text, held_condition, held_params, lock_function
+from airflow_pglock.server_rules import Scope
 
 log = logging.getLogger("airflow_pglock")
 
@@ -281,6 +282,18 @@ def unlock_within(
     statement, params = _unlock_statement(key, shared, markers)
     bound = psycopg.ClientCursor(conn).mogrify(statement, params)
     return _answered_within(conn, bound.encode(conn.info.encoding), psycopg.pq.ExecStatus.TUPLES_OK, timeout)
+
+
+def give_back_all(conn: psycopg.Connection[Any], scope: Scope, timeout: float = ROLLBACK_WAIT_SECONDS) -> bool:
+    """Free now what a dedicated lock connection took before its holder was refused (a pool's
+    markers, the key itself): the close alone frees it only once the backend has exited, and
+    meanwhile another try could be refused for it. Session scope: every session-level advisory
+    lock of the session, so only where the server rules were met (a server session of its own,
+    never one a transaction pooler shares); transaction scope: the rollback. Bounded as
+    :func:`roll_back_within`; False when it could not be done (the close frees them then)."""
+    if scope == "transaction":
+        return roll_back_within(conn, timeout)
+    return _answered_within(conn, b"SELECT pg_advisory_unlock_all()", psycopg.pq.ExecStatus.TUPLES_OK, timeout)
 
 
 def _answered_within(

@@ -31,7 +31,7 @@ from airflow_pglock.pg.pools import (
     pool_markers,
     pool_params,
 )
-from airflow_pglock.pg.release import unlock
+from airflow_pglock.pg.release import give_back_all, unlock
 from airflow_pglock.pg.sql import key_params, liveness_statement, lock_function, named_call_text
 from airflow_pglock.pg.statements import first_free, wait_lock, wait_slot
 from airflow_pglock.server_rules import Scope, ServerInfo
@@ -249,7 +249,9 @@ def take(
     server = answer.server
     found = server_rules.violations(server, scope, pool_mode)
     if not found and answer.conflict is not None:
-        raise pool_conflict_error(conn, key, slots, answer.conflict)
+        refusal = pool_conflict_error(conn, key, slots, answer.conflict)
+        give_back_all(conn, scope)  # the markers it took before it looked
+        raise refusal
     if found:
         if answer.taken and scope == "session":  # the statement's condition and the rules disagree
             unlock(conn, pool[int(answer.taken) - 1] if slots > 1 else key, shared=shared)
@@ -272,7 +274,9 @@ def take(
         if timeout is None or not wait_lock(conn, key, timeout, shared=shared, scope=scope):
             return None
         if is_named_key(key) and pool_in_use(conn, key):  # a pool of the name began during the wait
-            raise pool_conflict_error(conn, key, 1, ("pool", 0, 0))
+            refusal = pool_conflict_error(conn, key, 1, ("pool", 0, 0))
+            give_back_all(conn, scope)  # the key it waited for
+            raise refusal
     registry = answer.registry
     if not answer.taken and registry == SCOPES_IDLE:
         registry = SCOPES_LIVE  # the horizon was read before the wait: a scope may have begun since

@@ -9,6 +9,8 @@ told it is held by a run that had already given up (the suite met it twice: test
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -18,7 +20,7 @@ import pytest
 
 from airflow_pglock.exceptions import AlreadyDoneError, LockBusyError, LockConfigurationError
 from airflow_pglock.guard import LockGuard
-from airflow_pglock.keys import LockKey
+from airflow_pglock.keys import LockKey, pool_presence_marker
 from airflow_pglock.policy import LockPolicy
 from airflow_pglock.run_rules import RunRules
 from airflow_pglock.scope_rules import ScopeRole
@@ -86,4 +88,52 @@ def test_a_check_that_fails_before_the_work_frees_the_key_before_the_close(
         LockGuard(hook.database, KEY, LockPolicy(mode=mode), rules=RunRules(fencing=True)),  # type: ignore[arg-type]
     ):
         pytest.fail("fenced without a ledger")
+    assert closed_holding == []
+
+
+@pytest.mark.parametrize("mode", ["session", "transaction"])
+def test_a_pool_refused_for_its_size_gives_back_its_markers_before_the_close(
+    hook: Any, admin: Any, closed_holding: list[Any], mode: str
+) -> None:
+    with LockGuard(hook.database, KEY, LockPolicy(mode=mode, slots=2)):  # type: ignore[arg-type]
+        with (
+            pytest.raises(LockConfigurationError, match="refused a pool of slots=3"),
+            LockGuard(hook.database, KEY, LockPolicy(mode=mode, slots=3)),  # type: ignore[arg-type]
+        ):
+            pytest.fail("two sizes of one pool")
+        with (
+            pytest.raises(LockConfigurationError, match="refused a plain key"),
+            LockGuard(hook.database, KEY, LockPolicy(mode=mode)),  # type: ignore[arg-type]
+        ):
+            pytest.fail("a plain key inside a pool of its name")
+    assert closed_holding == []
+
+
+@pytest.mark.parametrize("mode", ["session", "transaction"])
+def test_a_plain_key_refused_after_its_wait_gives_it_back_before_the_close(
+    hook: Any, dsn: str, admin: Any, closed_holding: list[Any], mode: str
+) -> None:
+    """The plain key was busy; a pool of its name began while the guard waited (its presence
+    marker, held in shared mode, is what a pool's holder shows); the wait took the key, then found
+    the pool: refused, holding the key it waited for."""
+    presence = pool_presence_marker(KEY)
+    with psycopg.connect(dsn, autocommit=True) as plain, psycopg.connect(dsn, autocommit=True) as pool:
+        plain.execute("SELECT pg_advisory_lock(%s)", [KEY.int64])
+
+        def pool_begins_then_plain_frees() -> None:
+            time.sleep(0.5)  # the guard is waiting for the plain key
+            pool.execute("SELECT pg_advisory_lock_shared(%s)", [presence.int64])
+            plain.execute("SELECT pg_advisory_unlock(%s)", [KEY.int64])
+
+        helper = threading.Thread(target=pool_begins_then_plain_frees)
+        helper.start()
+        try:
+            with (
+                pytest.raises(LockConfigurationError, match="refused a plain key"),
+                LockGuard(hook.database, KEY, LockPolicy(mode=mode, on_busy="wait", wait_timeout=10)),  # type: ignore[arg-type]
+            ):
+                pytest.fail("a plain key inside a pool of its name")
+        finally:
+            helper.join()
+            pool.execute("SELECT pg_advisory_unlock_all()")
     assert closed_holding == []

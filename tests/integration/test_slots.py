@@ -535,8 +535,8 @@ def test_a_plain_key_and_a_pool_of_its_name_refuse_each_other(hook: AdvisoryLock
                 LockConfigurationError, match=rf"refused a pool of slots={slots} .*plain key of that name"
             ):
                 _enter(hook, "mixed-exports", mode, slots)
-            # The refused guard closes its session without an unlock: its size marker goes with its
-            # backend, a moment later. Until then the next pool is refused for that marker instead.
+            # The refused guard gives its size marker back before it closes (it once left it to the
+            # close, and the next pool was refused for that marker, a moment later, instead).
             assert _advisory_pids(admin, {pid}) == {pid}
         with pytest.raises(LockBusyError):  # another plain holder of the name: busy, as ever
             _enter(hook, "mixed-exports", mode)
