@@ -273,11 +273,12 @@ def _stamp(text: str) -> float:
 
 def report_delays(d: Deployment, dag_id: str) -> list[float]:
     """For each mapped ``wait`` of ``dag_id``: from its deferral ("Pausing task as DEFERRED" in its first
-    attempt's log) to the scheduler's first "Received executor event" for it (the deferring process's report)."""
+    attempt's log) to the scheduler's first "Received executor event" for it with the process's end (the
+    deferring process's report; CeleryExecutor also reports each task's "queued", before it runs)."""
     received: dict[int, float] = {}
     log = d.home / "scheduler.log"
     for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
-        if "Received executor event" in line and f"dag_id='{dag_id}'" in line:
+        if "Received executor event" in line and "with state queued" not in line and f"dag_id='{dag_id}'" in line:
             found = re.search(r"map_index=(\d+)", line)
             if found is not None:
                 received.setdefault(int(found.group(1)), _stamp(line.split()[0]))
