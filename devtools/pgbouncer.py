@@ -62,13 +62,23 @@ class PgBouncer:
     :param upstream_port: port of the PostgreSQL server on 127.0.0.1.
     :param pool_mode: ``"transaction"`` (default), ``"session"`` or ``"statement"``.
     :param pool_size: server connections per database/user pair.
+    :param server_reset_query: what a server session runs when its client leaves (session pooling);
+        empty: nothing, so the session keeps what the client held (some setups turn it off).
     """
 
-    def __init__(self, upstream_port: int, *, pool_mode: str = "transaction", pool_size: int = 4) -> None:
+    def __init__(
+        self,
+        upstream_port: int,
+        *,
+        pool_mode: str = "transaction",
+        pool_size: int = 4,
+        server_reset_query: str = "DISCARD ALL",
+    ) -> None:
         self.binary = find_pgbouncer()
         self.upstream_port = upstream_port
         self.pool_mode = pool_mode
         self.pool_size = pool_size
+        self.server_reset_query = server_reset_query
         self.port = free_port()
         self.base_dir = Path(tempfile.mkdtemp(prefix="pglock-pgbouncer-"))
         self.log_file = self.base_dir / "pgbouncer.log"
@@ -94,7 +104,7 @@ class PgBouncer:
             f"pool_mode = {self.pool_mode}\n"
             f"default_pool_size = {self.pool_size}\n"
             "max_client_conn = 200\n"
-            "server_reset_query = DISCARD ALL\n"
+            f"server_reset_query = {self.server_reset_query}\n"
             "ignore_startup_parameters = extra_float_digits\n"
             f"logfile = {self.log_file}\n"
         )

@@ -4,7 +4,13 @@ the work) frees the key before it closes its connection.
 A close alone frees the key only once the server has read it and the backend has exited, a
 moment later: a run that tried the key right after a skip could still find it busy, and be
 told it is held by a run that had already given up (the suite met it twice: tests that checked
-``pg_locks`` right after such a close).
+``pg_locks`` right after such a close). Through a session pooler that does not reset its server
+sessions, the key was not freed at all.
+
+Every lock here is taken on real PostgreSQL. ``closed_holding`` only looks: when a connection is
+closed, it reads ``pg_locks`` from another session first (a close frees the key a moment later,
+so what stays held after it cannot be told apart from what is freed late); the PgBouncer test
+needs no such look.
 """
 
 from __future__ import annotations
@@ -137,3 +143,31 @@ def test_a_plain_key_refused_after_its_wait_gives_it_back_before_the_close(
             helper.join()
             pool.execute("SELECT pg_advisory_unlock_all()")
     assert closed_holding == []
+
+
+def test_through_a_session_pooler_that_keeps_its_sessions_a_skip_leaves_the_key_free(
+    pg_server: str, dsn: str, scopes_db: Any
+) -> None:
+    """PgBouncer in session pooling with no reset query: a client's close hands its server session,
+    with whatever it holds, back to the pool. A skip that closed without an unlock left the key held
+    there for good."""
+    from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+    from devtools.pgbouncer import PgBouncer, PgBouncerUnavailableError
+
+    port = psycopg.conninfo.conninfo_to_dict(pg_server).get("port") or 5432
+    try:
+        bouncer = PgBouncer(int(port), pool_mode="session", server_reset_query="").start()
+    except PgBouncerUnavailableError as error:
+        pytest.skip(f"PgBouncer is not available here: {error}")
+    try:
+        pooled = AdvisoryLockHook(
+            dsn=bouncer.dsn_for(str(psycopg.conninfo.conninfo_to_dict(dsn)["dbname"])), pool_mode="session"
+        )
+        rules = RunRules(period="2026-12-05")
+        with LockGuard(pooled.database, KEY, LockPolicy(), rules=rules):
+            pass
+        with pytest.raises(AlreadyDoneError), LockGuard(pooled.database, KEY, LockPolicy(), rules=rules):
+            pytest.fail("ran twice in one period")
+        assert [row for row in advisory_locks(scopes_db) if row[4]] == []
+    finally:
+        bouncer.stop()
