@@ -137,6 +137,19 @@ DEPLOYMENT_OPTION = ("pglock", "deployment")
 INSTANCE_NAME_OPTION = ("api", "instance_name") if AIRFLOW_V_3_PLUS else ("webserver", "instance_name")
 
 
+def task_supervisor_wait() -> float | None:
+    """Seconds the Task SDK's supervisor may wait before it notices that its task process exited
+    (``[workers] min_heartbeat_interval``, the longest wait of its loop); None on Airflow 2 (no
+    supervisor) or when it cannot be read. Read on the worker, which shares its supervisor's config."""
+    if not AIRFLOW_V_3_PLUS:
+        return None
+    try:
+        value = conf.getfloat("workers", "min_heartbeat_interval", fallback=None)
+    except Exception:  # a broken value: the supervisor itself would not start with it
+        return None
+    return value if isinstance(value, float) and value >= 0 else None
+
+
 def deployment_name() -> str | None:
     """This deployment's name, for the holder identity of its lock sessions; None: unnamed.
 
@@ -234,5 +247,6 @@ __all__ = [
     "rendered_task",
     "run_task_states",
     "task_decorator_factory",
+    "task_supervisor_wait",
     "use_server_connections",
 ]

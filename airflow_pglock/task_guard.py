@@ -200,18 +200,18 @@ def run_guarded(
 
 def defer_until_released(spec: LockSpec, key: LockKey, busy: LockBusyError, deadline: float, logger: Any) -> NoReturn:
     """Defer the task to the triggerer until ``key`` is released (or the deadline); it resumes with a new try."""
-    from airflow_pglock.triggers.advisory_lock import DEFAULT_POLL_INTERVAL, RESUME_HOLD_SECONDS, AdvisoryLockTrigger
+    from airflow_pglock.triggers.advisory_lock import DEFAULT_POLL_INTERVAL, AdvisoryLockTrigger, worker_resume_hold
 
     logger.info(
         "pglock deferred: %s; waiting in the triggerer (no worker slot) until it is released, at most %.0f s more",
         busy,
         max(0.0, deadline - time.time()),
     )
-    hold = {}
+    hold = worker_resume_hold()
     if busy.retry_after is not None:
         # Another run's lock scope, between its tasks: the key is free, its row holds it. The
         # trigger would fire at once; it fires no sooner than the lease's end, or a recheck.
-        hold = {"resume_hold": min(SCOPE_RECHECK_SECONDS, max(RESUME_HOLD_SECONDS, busy.retry_after))}
+        hold = max(hold, min(SCOPE_RECHECK_SECONDS, busy.retry_after))
     trigger = AdvisoryLockTrigger.for_key(
         key,
         postgres_conn_id=spec.postgres_conn_id,
@@ -219,7 +219,7 @@ def defer_until_released(spec: LockSpec, key: LockKey, busy: LockBusyError, dead
         deadline=deadline,
         shared=spec.policy.shared,
         slots=spec.policy.slots,
-        **hold,
+        resume_hold=hold,
     )
     # What task.defer() raises. No Airflow deferral timeout: it would fail the task; the
     # trigger's deadline ends the wait instead.

@@ -224,6 +224,7 @@ class OperatorGuard:
         if not isinstance(result, HandOver):
             return result
         from airflow_pglock.task_guard import resolve_key
+        from airflow_pglock.triggers.advisory_lock import worker_resume_hold
         from airflow_pglock.triggers.guarded import GuardedTrigger
 
         deferral = result.deferral
@@ -250,6 +251,7 @@ class OperatorGuard:
             lease=role.lease,
             deferred_at=time.time(),
             resume=resume,
+            resume_hold=worker_resume_hold(),
         )
         task.log.info(
             "pglock: %s deferred to %s; the triggerer holds %s until it fires (lease %g s)",

@@ -192,7 +192,7 @@ class AdvisoryLockSensor(BaseSensorOperator):
     def _defer_behind_scope(self, key: LockKey, lease_until: dt.datetime, event: dict[str, Any]) -> None:
         """The key is free but a lock scope holds it: wait again, rechecking at the lease's end at the latest."""
         from airflow_pglock.task_guard import SCOPE_RECHECK_SECONDS
-        from airflow_pglock.triggers.advisory_lock import RESUME_HOLD_SECONDS, AdvisoryLockTrigger
+        from airflow_pglock.triggers.advisory_lock import AdvisoryLockTrigger, worker_resume_hold
 
         deadline = event.get("deadline")
         deadline = float(deadline) if isinstance(deadline, int | float) else time.time() + self.timeout
@@ -203,9 +203,9 @@ class AdvisoryLockSensor(BaseSensorOperator):
             deadline=deadline,
             shared=self.shared,
             slots=self.slots,
-            resume_hold=min(
-                SCOPE_RECHECK_SECONDS,
-                max(RESUME_HOLD_SECONDS, (lease_until - dt.datetime.now(dt.timezone.utc)).total_seconds()),
+            resume_hold=max(
+                worker_resume_hold(),
+                min(SCOPE_RECHECK_SECONDS, (lease_until - dt.datetime.now(dt.timezone.utc)).total_seconds()),
             ),
         )
         self.defer(trigger=trigger, method_name="execute_complete")

@@ -22,7 +22,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from airflow_pglock.compat import BaseTrigger, TriggerEvent
+from airflow_pglock.compat import BaseTrigger, TriggerEvent, task_supervisor_wait
 from airflow_pglock.exceptions import InvalidLockKeyError, LockConfigurationError
 from airflow_pglock.keys import LockKey, slot_keys
 
@@ -39,8 +39,34 @@ CONNECT_TIMEOUT = 10
 #: deferral, on the triggerer's own clock. The task's supervisor may notice its process's exit only
 #: after ``[workers] min_heartbeat_interval`` (5 s by default); with the executor and a scheduler loop,
 #: the report came up to 6.4 s after the deferral under load (docs/benchmarks.md, section 10). A
-#: 5 s hold let 6 of 600 such wake-ups fail there; with this one, 0 of 600 did.
+#: 5 s hold let 6 of 600 such wake-ups fail there; with this one, 0 of 600 did. A worker with a
+#: longer interval asks for a longer hold (:func:`worker_resume_hold`).
 RESUME_HOLD_SECONDS = 8.0
+#: The supervisor's wait (``[workers] min_heartbeat_interval``) that ``RESUME_HOLD_SECONDS`` was measured with.
+RESUME_HOLD_MEASURED_WAIT = 5.0
+#: The longest hold a trigger takes.
+MAX_RESUME_HOLD = 3600.0
+
+
+def resume_hold_for(supervisor_wait: float | None) -> float:
+    """The hold of a deferral whose task supervisor may wait ``supervisor_wait`` s before it notices
+    its task process exited (None: not known, or no supervisor). ``RESUME_HOLD_SECONDS`` at least;
+    a longer wait gets as much beyond it as the measured default one did (3 s), up to an hour."""
+    if supervisor_wait is None or not math.isfinite(supervisor_wait) or supervisor_wait <= RESUME_HOLD_MEASURED_WAIT:
+        return RESUME_HOLD_SECONDS
+    return min(MAX_RESUME_HOLD, supervisor_wait + RESUME_HOLD_SECONDS - RESUME_HOLD_MEASURED_WAIT)
+
+
+def checked_resume_hold(value: Any) -> float:
+    """``value`` as a hold in seconds, or a :class:`LockConfigurationError` naming it."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_RESUME_HOLD:
+        raise LockConfigurationError(f"resume_hold must be from 0 to {MAX_RESUME_HOLD:g} seconds, got {value!r}")
+    return float(value)
+
+
+def worker_resume_hold() -> float:
+    """The hold this worker's deferrals ask for: it follows its ``[workers] min_heartbeat_interval``."""
+    return resume_hold_for(task_supervisor_wait())
 
 
 class AdvisoryLockTrigger(BaseTrigger):
@@ -61,7 +87,8 @@ class AdvisoryLockTrigger(BaseTrigger):
     :param connect_timeout: seconds to wait for each connection.
     :param slots: more than one: the key names a pool; fire once any of its slots is free.
     :param resume_hold: seconds after the trigger started before a ``free`` event may fire
-        (:data:`RESUME_HOLD_SECONDS`; 0: at once). Not past the deadline.
+        (:data:`RESUME_HOLD_SECONDS`; 0: at once). Not past the deadline. :meth:`for_key` asks
+        :func:`worker_resume_hold` by default.
     """
 
     def __init__(
@@ -96,9 +123,7 @@ class AdvisoryLockTrigger(BaseTrigger):
         self.connect_timeout = connect_timeout
         self.slots = slots
         self.slot_keys = slot_keys(self.key, slots)
-        if isinstance(resume_hold, bool) or not isinstance(resume_hold, int | float) or not 0 <= resume_hold <= 3600:
-            raise LockConfigurationError(f"resume_hold must be from 0 to 3600 seconds, got {resume_hold!r}")
-        self.resume_hold = float(resume_hold)
+        self.resume_hold = checked_resume_hold(resume_hold)
 
     @classmethod
     def for_key(
@@ -110,7 +135,7 @@ class AdvisoryLockTrigger(BaseTrigger):
         deadline: float | None,
         shared: bool = False,
         slots: int = 1,
-        resume_hold: float = RESUME_HOLD_SECONDS,
+        resume_hold: float | None = None,
     ) -> AdvisoryLockTrigger:
         """The trigger that waits for ``key``.
 
@@ -119,6 +144,7 @@ class AdvisoryLockTrigger(BaseTrigger):
         :param poll_interval: seconds between two reads.
         :param deadline: UNIX time of the deadline, or None.
         :param shared: wait only for exclusive holders to go.
+        :param resume_hold: the hold; None: :func:`worker_resume_hold` (read on the deferring worker).
         """
         return cls(
             key_name=key.name,
@@ -128,7 +154,7 @@ class AdvisoryLockTrigger(BaseTrigger):
             deadline=deadline,
             shared=shared,
             slots=slots,
-            resume_hold=resume_hold,
+            resume_hold=worker_resume_hold() if resume_hold is None else resume_hold,
         )
 
     def serialize(self) -> tuple[str, dict[str, Any]]:

@@ -24,7 +24,7 @@ from typing import Any
 
 from airflow_pglock.compat import BaseTrigger, TriggerEvent
 from airflow_pglock.keys import LockKey
-from airflow_pglock.triggers.advisory_lock import CONNECT_TIMEOUT, RESUME_HOLD_SECONDS, _log
+from airflow_pglock.triggers.advisory_lock import CONNECT_TIMEOUT, RESUME_HOLD_SECONDS, _log, checked_resume_hold
 
 #: ``event["pglock"]`` values: the hold goes back to a worker (``error``: with the operator's
 #: trigger's error, which the task raises once it freed its hold), or it was lost.
@@ -45,7 +45,9 @@ class GuardedTrigger(BaseTrigger):
     :param task: the task, for people.
     :param lease: seconds the row keeps the hold when nobody renews it.
     :param deferred_at: UNIX time of the deferral (an event fires no sooner than
-        ``RESUME_HOLD_SECONDS`` after it: apache/airflow#72716).
+        ``resume_hold`` after it: apache/airflow#72716).
+    :param resume_hold: seconds after the deferral before the task may resume
+        (``RESUME_HOLD_SECONDS``; the deferring worker passes its ``worker_resume_hold()``).
     :param resume: what the task resumes with (the hold, the operator's resume method and its
         kwargs), carried in every event too: ``dag.test()`` on Airflow 3 drops a deferral's kwargs.
     :param connect_timeout: seconds to wait for a connection.
@@ -65,6 +67,7 @@ class GuardedTrigger(BaseTrigger):
         deferred_at: float,
         resume: dict[str, Any] | None = None,
         connect_timeout: int = CONNECT_TIMEOUT,
+        resume_hold: float = RESUME_HOLD_SECONDS,
     ) -> None:
         super().__init__()
         self.trigger_classpath = trigger_classpath
@@ -82,11 +85,16 @@ class GuardedTrigger(BaseTrigger):
         self.deferred_at = float(deferred_at)
         self.resume = dict(resume or {})
         self.connect_timeout = connect_timeout
+        self.resume_hold = checked_resume_hold(resume_hold)
         self._operator_trigger: BaseTrigger | None = None
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        """Class path and kwargs: the operator's trigger, the key, the connection *id* (no secret), the hold."""
-        return f"{type(self).__module__}.{type(self).__qualname__}", {
+        """Class path and kwargs: the operator's trigger, the key, the connection *id* (no secret), the hold.
+
+        ``resume_hold`` only when not the default: a triggerer still on an older provider
+        version then runs the trigger a newer worker deferred with.
+        """
+        kwargs: dict[str, Any] = {
             "trigger_classpath": self.trigger_classpath,
             "trigger_kwargs": self.trigger_kwargs,
             "key_name": self.key.name,
@@ -99,6 +107,9 @@ class GuardedTrigger(BaseTrigger):
             "resume": self.resume,
             "connect_timeout": self.connect_timeout,
         }
+        if self.resume_hold != RESUME_HOLD_SECONDS:
+            kwargs["resume_hold"] = self.resume_hold
+        return f"{type(self).__module__}.{type(self).__qualname__}", kwargs
 
     def _inner(self) -> BaseTrigger:
         module, _, name = self.trigger_classpath.rpartition(".")
@@ -177,7 +188,7 @@ class GuardedTrigger(BaseTrigger):
                     return
                 yield event
                 return
-            held_back = resume_held_back(self.deferred_at, time.time())
+            held_back = resume_held_back(self.deferred_at, time.time(), self.resume_hold)
             if held_back > 0:
                 await asyncio.sleep(held_back)
             if not await hub.hand_back(hold):
@@ -192,9 +203,9 @@ class GuardedTrigger(BaseTrigger):
         return TriggerEvent({"pglock": LOST, "reason": reason, "message": message, "resume": self.resume})
 
 
-def resume_held_back(deferred_at: float, now: float) -> float:
-    """Seconds an event waits, so that the task resumes no sooner than ``RESUME_HOLD_SECONDS``
-    after its deferral (apache/airflow#72716). ``deferred_at`` is the worker's clock, ``now`` the
-    triggerer's: never more than ``RESUME_HOLD_SECONDS``, however far ahead the worker's clock is.
+def resume_held_back(deferred_at: float, now: float, hold: float = RESUME_HOLD_SECONDS) -> float:
+    """Seconds an event waits, so that the task resumes no sooner than ``hold`` after its deferral
+    (apache/airflow#72716). ``deferred_at`` is the worker's clock, ``now`` the triggerer's: never
+    more than ``hold``, however far ahead the worker's clock is.
     """
-    return min(RESUME_HOLD_SECONDS, deferred_at + RESUME_HOLD_SECONDS - now)
+    return min(hold, deferred_at + hold - now)

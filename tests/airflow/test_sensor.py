@@ -460,3 +460,25 @@ def test_example_wait_for_maintenance(airflow_db: Any, dsn: str, admin: Any, cap
     skip = next(line for line in log.splitlines() if "outcome=skipped" in line)
     assert "'another load'" in skip and "holding ShareLock" in skip
     assert advisory_locks(admin) == []
+
+
+@pytest.mark.matrix("sensor-deferrable")
+def test_the_wake_up_hold_reads_the_supervisors_own_wait_on_this_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compat module reads the setting the Task SDK's supervisor waits by, on every Airflow 3
+    line; Airflow 2 has no supervisor, and its deferrals keep the measured hold."""
+    from airflow_pglock import compat
+    from airflow_pglock.triggers.advisory_lock import RESUME_HOLD_SECONDS, AdvisoryLockTrigger
+
+    key = LockKey.from_name("sensor/supervisor-wait")
+    monkeypatch.setenv("AIRFLOW__WORKERS__MIN_HEARTBEAT_INTERVAL", "20")
+    trigger = AdvisoryLockTrigger.for_key(key, postgres_conn_id=TEST_CONN_ID, poll_interval=5, deadline=None)
+    if not compat.AIRFLOW_V_3_PLUS:
+        assert compat.task_supervisor_wait() is None
+        assert trigger.resume_hold == RESUME_HOLD_SECONDS
+        return
+    assert compat.task_supervisor_wait() == 20.0
+    assert trigger.resume_hold == 23.0
+    monkeypatch.delenv("AIRFLOW__WORKERS__MIN_HEARTBEAT_INTERVAL")
+    from airflow.sdk.execution_time import supervisor  # the wait it is read for
+
+    assert compat.task_supervisor_wait() == float(supervisor.MIN_HEARTBEAT_INTERVAL)

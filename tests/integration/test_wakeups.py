@@ -415,3 +415,88 @@ def test_the_resume_hold_travels_with_the_trigger_only_when_it_is_not_the_defaul
     assert AdvisoryLockTrigger(**none.serialize()[1]).resume_hold == 0
     with pytest.raises(LockConfigurationError, match="resume_hold must be from 0 to 3600 seconds, got -1"):
         AdvisoryLockTrigger.for_key(key, postgres_conn_id=TEST_CONN_ID, poll_interval=5, deadline=None, resume_hold=-1)
+
+
+@pytest.fixture
+def supervisor_wait(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Set this worker's ``[workers] min_heartbeat_interval`` (Airflow 3: its task supervisor's longest wait)."""
+    from airflow_pglock.compat import AIRFLOW_V_3_PLUS
+
+    if not AIRFLOW_V_3_PLUS:
+        pytest.skip("Airflow 2 has no task supervisor: the hold stays RESUME_HOLD_SECONDS")
+
+    def set_wait(seconds: float) -> None:
+        monkeypatch.setenv("AIRFLOW__WORKERS__MIN_HEARTBEAT_INTERVAL", str(seconds))
+
+    return set_wait
+
+
+def test_the_resume_hold_covers_a_longer_supervisor_wait_by_the_same_margin() -> None:
+    from airflow_pglock.triggers.advisory_lock import MAX_RESUME_HOLD, RESUME_HOLD_SECONDS, resume_hold_for
+
+    assert resume_hold_for(None) == RESUME_HOLD_SECONDS
+    assert resume_hold_for(1) == RESUME_HOLD_SECONDS  # never shorter than the measured one
+    assert resume_hold_for(5) == RESUME_HOLD_SECONDS
+    assert resume_hold_for(20) == 23.0
+    assert resume_hold_for(float("nan")) == RESUME_HOLD_SECONDS
+    assert resume_hold_for(10 * MAX_RESUME_HOLD) == MAX_RESUME_HOLD
+
+
+def test_a_deferral_holds_the_wake_up_for_the_workers_own_supervisor_wait(supervisor_wait: Any) -> None:
+    """A worker whose ``[workers] min_heartbeat_interval`` is 20 s may report the deferring process
+    that much later (apache/airflow#72716): its deferrals hold a prompt wake-up 23 s, not 8 s, and
+    the hold travels to the triggerer with the trigger. Before, every deferral held 8 s."""
+    from airflow_pglock.compat import TaskDeferred
+    from airflow_pglock.exceptions import LockBusyError
+    from airflow_pglock.options import LockOptions, LockSpec
+    from airflow_pglock.task_guard import defer_until_released
+
+    supervisor_wait(20)
+    key = LockKey.from_name("wakeups/supervisor-wait")
+    trigger = AdvisoryLockTrigger.for_key(key, postgres_conn_id=TEST_CONN_ID, poll_interval=5, deadline=None)
+    assert trigger.resume_hold == 23.0
+    assert AdvisoryLockTrigger(**trigger.serialize()[1]).resume_hold == 23.0
+
+    spec = LockSpec.from_options(
+        {"postgres_conn_id": TEST_CONN_ID, "on_busy": "defer", "wait_timeout": 60},
+        declaration=LockOptions,
+        caller="test",
+    )
+    deferrals = []
+    for retry_after in (None, 5.0, 25.0):  # a plain holder; another run's lock scope, its lease ending sooner or later
+        busy = LockBusyError("busy", key, retry_after=retry_after)
+        with pytest.raises(TaskDeferred) as deferred:
+            defer_until_released(spec, key, busy, time.time() + 60, _NullLog())
+        deferrals.append(deferred.value.trigger.resume_hold)
+    assert deferrals == [23.0, 23.0, 25.0]
+
+
+def test_a_deferred_operators_hold_waits_for_the_workers_own_supervisor_wait(supervisor_wait: Any) -> None:
+    from airflow_pglock.triggers.advisory_lock import RESUME_HOLD_SECONDS, worker_resume_hold
+    from airflow_pglock.triggers.guarded import GuardedTrigger, resume_held_back
+
+    supervisor_wait(20)
+    kwargs: dict[str, Any] = {
+        "trigger_classpath": "airflow.triggers.testing.SuccessTrigger",
+        "trigger_kwargs": {},
+        "key_name": "wakeups/guarded-hold",
+        "key_numbers": [1, 2],
+        "postgres_conn_id": TEST_CONN_ID,
+        "holder": "h",
+        "task": "d.t r",
+        "lease": 30.0,
+        "deferred_at": 1_000_000.0,
+    }
+    held = GuardedTrigger(**kwargs, resume_hold=worker_resume_hold())
+    assert GuardedTrigger(**held.serialize()[1]).resume_hold == 23.0
+    assert resume_held_back(1_000_000.0, 1_000_001.0, held.resume_hold) == pytest.approx(22.0)
+    default = GuardedTrigger(**kwargs)
+    assert "resume_hold" not in default.serialize()[1]  # a triggerer on an older version runs it
+    assert default.resume_hold == RESUME_HOLD_SECONDS
+    with pytest.raises(LockConfigurationError, match="resume_hold must be from 0 to 3600 seconds, got 'x'"):
+        GuardedTrigger(**kwargs, resume_hold="x")
+
+
+class _NullLog:
+    def info(self, *args: Any) -> None:
+        pass
