@@ -2,8 +2,9 @@
 
 A *hold* is one key that one run believed it held, from its ``acquired`` event until the
 first of: its ``released`` (a sub-key given back), the run's ``done`` (the work stopped using
-its keys; the release follows), its ``lost`` (it learned the lock was gone), or the death of
-its process (a SIGKILL). Every key is exclusive (a pool's slots are keys of their own).
+its keys, at the event's ``at`` where it has one; the release follows), its ``lost`` (it
+learned the lock was gone), or the death of its process (a SIGKILL). Every key is exclusive
+(a pool's slots are keys of their own).
 
 Each of these is a failure of the run (:attr:`Report.violations`):
 
@@ -21,7 +22,10 @@ Each of these is a failure of the run (:attr:`Report.violations`):
 6. **left behind**: a lock, a session or a process still there when the campaign ended;
 7. **period recorded twice or run again**: a scope with ``once_per`` recorded a key's period
    that another run had recorded, or took the key's scope for a period after another run's
-   ``recorded`` event for it (its setup must have found the period done).
+   ``recorded`` event for it (its setup must have found the period done);
+8. **one pool in two sizes**: holds of a pool's slots (or of the plain key of its name, a size
+   of 1) whose runs said different sizes overlap on different keys, judged as rules 3 and 4
+   judge one key's (the slots of two sizes are partly different keys, which rule 3 alone misses).
 
 Besides, the figures docs/safety.md shows: operations, faults by kind, believed-held overlap
 windows, time to detect and time until the key is free again, by fault kind.
@@ -32,7 +36,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +93,8 @@ class Hold:
     end: float = float("inf")
     period: str | None = None  # a scope with once_per: the period its setup checked
     slot: int | None = None  # a scope over the pool: the slot its setup took
+    pool: str | None = None  # a slot of a pool, or the plain key of a pool's name: the pool's name
+    size: int | None = None  # ... and the size its run said (1: the plain key)
 
 
 @dataclass
@@ -175,6 +181,8 @@ def build(events: Iterable[dict[str, Any]]) -> tuple[dict[str, Run], list[Fault]
                     e.get("backend"),
                     period=e.get("period"),
                     slot=e.get("slot"),
+                    pool=e.get("pool"),
+                    size=e.get("size"),
                 )
             )
         elif kind == "recorded":
@@ -189,8 +197,8 @@ def build(events: Iterable[dict[str, Any]]) -> tuple[dict[str, Run], list[Fault]
         elif kind in ("done", "lost"):
             if kind == "lost" and run.lost_at is None:
                 run.lost_at = e["t"]
-            for hold in run.holds:
-                hold.end = min(hold.end, e["t"])
+            for hold in run.holds:  # ``at``: the work stopped using its keys earlier than the event was written
+                hold.end = min(hold.end, e.get("at", e["t"]))
         elif kind == "outcome":
             run.outcome, run.detail = e["outcome"], e.get("detail", "")
             for hold in run.holds:
@@ -224,10 +232,15 @@ def _affected(fault: Fault, hold: Hold) -> bool:
 
 
 def _check_overlaps(
-    by_key: dict[str, list[Hold]], runs: dict[str, Run], faults: Sequence[Fault], lease: float
+    by_key: dict[str, list[Hold]],
+    runs: dict[str, Run],
+    faults: Sequence[Fault],
+    lease: float,
+    excludes: Callable[[Hold, Hold], bool] = lambda older, newer: True,
 ) -> tuple[list[str], int, dict[str, list[float]]]:
-    """Rules 3 and 4 over every pair of overlapping holds of a key: the violations, how many
-    older holders were reported completed, and the overlaps' lengths by the fault that caused them."""
+    """Rules 3 and 4 over every pair of overlapping holds of a key that ``excludes`` says may not
+    overlap: the violations, how many older holders were reported completed, and the overlaps'
+    lengths by the fault that caused them."""
     violations: list[str] = []
     completed_older = 0
     overlaps: dict[str, list[float]] = defaultdict(list)
@@ -238,7 +251,7 @@ def _check_overlaps(
                 if newer.acquired >= older.end:
                     break
                 start, end = newer.acquired, min(older.end, newer.end)
-                if newer.run == older.run or end <= start:
+                if newer.run == older.run or end <= start or not excludes(older, newer):
                     continue
                 pair = f"{older.run} ({older.kind}, {runs[older.run].outcome}) and {newer.run} ({newer.kind})"
                 where = f"on {key!r} for {end - start:.3f} s from {start:.3f}"
@@ -303,6 +316,20 @@ def check(
     violations += overlap_violations
     reported_success += completed_older
 
+    # 8. one pool's name in one size at a time
+    by_pool: dict[str, list[Hold]] = defaultdict(list)
+    for holds in by_key.values():
+        for hold in holds:
+            if hold.pool is not None:
+                by_pool[f"{hold.pool} (sizes)"].append(hold)
+    size_violations, size_completed, size_overlaps = _check_overlaps(
+        by_pool, runs, faults, lease, excludes=lambda older, newer: older.size != newer.size and older.key != newer.key
+    )  # two holds of one key: rules 3 and 4 judged them already
+    violations += [f"one pool in two sizes: {v}" for v in size_violations]
+    reported_success += size_completed
+    for kind, spans in size_overlaps.items():
+        overlaps[kind] += spans
+
     # 5. fencing tokens only go up, in the order the key was taken
     for key, holds in by_key.items():
         last: tuple[int, str] | None = None
@@ -360,6 +387,7 @@ def check(
         "stale_writes_accepted": stale_accepted,
         "lost_holds_reported_as_success": reported_success,
         "periods_recorded": sum(len(recorded) for recorded in records.values()),
+        "pool_size_refusals": sum(1 for run in runs.values() if run.outcome == "refused"),
         "pool_scopes_completed": sum(
             1 for run in runs.values() if run.outcome == "completed" and any(h.slot is not None for h in run.holds)
         ),

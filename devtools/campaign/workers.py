@@ -22,7 +22,10 @@ The kinds (every public way to hold a lock, see docs/safety.md):
   time, in transaction mode (the sub-keys are then transaction locks, ended by the commit; now
   and then the batch is taken inside a savepoint of the work's own that is rolled back at once,
   which ends its keys while the work goes on with them: the run must end lost);
-* ``pool``: a pool of slots (``slots=2``);
+* ``pool``: a pool of slots (``slots=2``); a tenth of its runs take the pool's name as a pool of
+  ``slots=3``, and a tenth as a plain key (``slots=1``, half of them waiting): each must be
+  refused while a holder of another size holds the name (outcome ``refused``), and hold only
+  while none does;
 * ``scope``: a lock scope (``advisory_lock_scope``: docs/scopes.md) as its setup, tasks and
   teardown run it, with a fencing token per scope: it believes it holds the key from its setup
   to its last task, the gaps between tasks included (the lease row holds it there). Half of
@@ -196,7 +199,19 @@ class Worker:
         assert number is not None  # a name's key is an int64
         return numeric, LockKey.from_int(number)
 
-    def _guard(self, run: str, key: str, *, mode: str = "session", wait: bool = False, slots: int = 1) -> None:
+    def _guard(
+        self,
+        run: str,
+        key: str,
+        *,
+        mode: str = "session",
+        wait: bool = False,
+        slots: int = 1,
+        pool: str | None = None,
+    ) -> None:
+        """A guard's run; ``pool``: ``key`` is that pool's name, taken with ``slots`` (a refusal for
+        another holder's size ends the run ``refused``)."""
+        from airflow_pglock.exceptions import LockConfigurationError
         from airflow_pglock.guard import LockGuard
         from airflow_pglock.keys import LockKey
         from airflow_pglock.policy import LockPolicy
@@ -213,14 +228,19 @@ class Worker:
         def work(handle: Any) -> None:
             name = handle.key.name or str(handle.key.numbers)
             at = handle.acquired_at.timestamp()
+            sizes = {} if pool is None else {"pool": pool, "size": slots}
             self.history.emit(
-                "acquired", run=run, key=name, token=handle.fencing_token, backend=handle.backend_pid, at=at
+                "acquired", run=run, key=name, token=handle.fencing_token, backend=handle.backend_pid, at=at, **sizes
             )
             self._work(run, {name: handle.fencing_token})
 
         guard = LockGuard(self.hook.database, LockKey.from_name(key), policy, application_name=self.name, rules=rules)
         try:
             guard.run(work)
+        except LockConfigurationError as error:
+            if pool is not None and POOL_SIZE_REFUSAL in str(error):
+                raise _Refused from error
+            raise
         except BaseException as error:
             if getattr(guard, "refusal", None) is error:
                 raise _Busy from error
@@ -351,8 +371,9 @@ class Worker:
             if enter.refusal is error:
                 raise _Busy from error
             raise
+        sizes = {"pool": self.config.pool, "size": slots} if pooled else {}
         self.history.emit(
-            "acquired", run=run, key=held_name, token=token, backend=backend, at=at, period=period, slot=slot
+            "acquired", run=run, key=held_name, token=token, backend=backend, at=at, period=period, slot=slot, **sizes
         )
         succeeded = False
         try:
@@ -402,6 +423,7 @@ class Worker:
 
         token: list[int | None] = []
         work_failed: list[bool] = []  # its work failed: done already emitted, before the release
+        work_ended: list[float] = []  # when its first work ended: the hand-over follows
 
         def first(handle: Any) -> HandOver:
             token.append(handle.fencing_token)
@@ -415,6 +437,7 @@ class Worker:
                 work_failed.append(True)
                 self.history.emit("done", run=run)  # the work is over, and nothing hands the key over
                 raise
+            work_ended.append(time.time())
             return HandOver(None)
 
         guard = LockGuard(
@@ -430,8 +453,8 @@ class Worker:
         except BaseException as error:
             if guard.refusal is error:
                 raise _Busy from error
-            if token and not work_failed:  # it worked, then the hand-over failed: its work is over
-                self.history.emit("done", run=run)
+            if work_ended:  # it worked, then the hand-over failed and the guard released: the work was
+                self.history.emit("done", run=run, at=work_ended[0])  # over before the hand-over began
             raise
         try:
             if self._in_triggerer(run, lock_key, holder, token[0], lease):
@@ -508,13 +531,17 @@ class Worker:
             elif kind == "guard-sub-keys":
                 self._guard_sub_keys(run, self.rng.sample(hot, k=self.rng.randint(1, 2)))
             elif kind == "pool":
-                self._guard(run, self.config.pool, slots=self.config.pool_slots)
+                size = self.rng.choices((self.config.pool_slots, self.config.pool_slots + 1, 1), (8, 1, 1))[0]
+                wait = size == 1 and self.rng.random() < 0.5  # a plain key's wait may see a pool begin
+                self._guard(run, self.config.pool, slots=size, wait=wait, pool=self.config.pool)
             elif kind == "scope":
                 self._scope(run, self.rng.choice(hot))
             elif kind == "deferred":
                 self._deferred(run, self.rng.choice(hot))
         except _Busy:
             outcome = "skipped"
+        except _Refused as refused:
+            outcome, detail = "refused", str(refused.__cause__)[:300]
         except (LockLostError, _Lost) as error:
             outcome, detail = "lost", str(error)[:300]
         except Exception as error:
@@ -534,6 +561,14 @@ class Worker:
 
 class _Busy(Exception):  # noqa: N818 - the key (or the pool) was busy: a skip
     pass
+
+
+class _Refused(Exception):  # noqa: N818 - the pool's name was in use in another size
+    pass
+
+
+#: What the refusal of a pool's name in another size says (airflow_pglock.pg.pools.pool_conflict_error).
+POOL_SIZE_REFUSAL = "it is in use right now as"
 
 
 def worker_main(config: WorkerConfig, spawn: int) -> None:

@@ -6,6 +6,8 @@ or an overlap the product never made.
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +16,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from airflow_pglock.exceptions import LockLostError
+from airflow_pglock.exceptions import LockConfigurationError, LockLostError
 from devtools.campaign.servers import Register
 from devtools.campaign.workers import Worker, WorkerConfig
 from tests.faults.conftest import FaultServer
@@ -115,3 +117,54 @@ def test_a_deferred_run_whose_work_failed_ends_its_hold_before_the_release(
         watcher.close()
     assert len(held_at_done) == 1, held_at_done
     assert held_at_done[0], "the key was released before the run's done event"
+
+
+def test_a_deferred_run_whose_hand_over_failed_ends_its_hold_when_its_work_ended(
+    worker: Worker, fault_server: FaultServer, fault_admin: Any
+) -> None:
+    """A ``deferred`` run whose work succeeded but whose hand-over failed learns of it only once
+    the guard gave the key up: its done event may be written after the key is free. It carries the
+    time the work ended (``at``), before the hand-over began, which the checker ends the hold at:
+    else a holder that took the key at once could overlap it in the history, not on the server."""
+    watcher = psycopg.connect(worker.config.lock_dsn, autocommit=True)
+    first_free: list[float] = []
+    stop = threading.Event()
+
+    def watch() -> None:  # when the key is first seen free after it was held
+        seen_held = False
+        with psycopg.connect(worker.config.lock_dsn, autocommit=True) as looker:
+            while not stop.is_set() and not first_free:
+                if advisory_locks(looker):  # this database's: only the run's key
+                    seen_held = True
+                elif seen_held:
+                    first_free.append(time.time())
+                time.sleep(0.002)
+
+    write = worker._write
+    renamed: list[bool] = []
+
+    def write_then_break_the_hand_over(run: str, key: str, token: int | None) -> None:
+        write(run, key, token)
+        if not renamed:  # the work goes on; the hand-over's statement will fail
+            watcher.execute("ALTER TABLE pglock.scopes RENAME TO scopes_gone")
+            renamed.append(True)
+
+    worker._write = write_then_break_the_hand_over  # type: ignore[method-assign]
+    looking = threading.Thread(target=watch, daemon=True)
+    looking.start()
+    try:
+        with pytest.raises(LockConfigurationError, match="pglock.scopes"):
+            worker._deferred("hand-over-fails", "k")
+    finally:
+        looking.join(10)  # the close frees the key once its backend exited, a moment later
+        stop.set()
+        watcher.execute("ALTER TABLE IF EXISTS pglock.scopes_gone RENAME TO scopes")
+        watcher.close()
+    worker.history.close()
+    events = [json.loads(line) for line in worker.config.history.read_text().splitlines()]
+    done = [e for e in events if e["event"] == "done"]
+    assert len(done) == 1, events
+    assert first_free, "the key was never seen free"
+    # The event may be written before or after the key is free (it is freed by the close, when
+    # the backend exits): the hold the checker reads ends when the work ended, before either.
+    assert done[0].get("at") is not None and done[0]["at"] < first_free[0], (done, first_free)

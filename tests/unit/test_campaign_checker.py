@@ -160,3 +160,30 @@ def test_a_savepoint_rollback_of_the_workers_own_explains_an_overlap_of_its_run_
     other = {**rollback, "target": "c"}
     unexplained = [*_run("a", 1, "k", 10, 19, "lost", lost=True), *_run("b", 2, "k", 11, 12, "completed"), other]
     assert any("unexplained overlap" in v for v in check(unexplained, [], lease=LEASE).violations)
+
+
+def _pool_run(run: str, pid: int, slot_key: str, size: int, start: float, end: float, outcome: str) -> list[dict]:
+    events = _run(run, pid, slot_key, start, end, outcome)
+    events[1].update(pool="p", size=size)
+    return events
+
+
+def test_one_pools_name_held_in_two_sizes_at_once_is_a_violation_on_different_slots_too() -> None:
+    """Rule 8: a pool of 2 on its second slot and a pool of 3 on its third hold different keys,
+    so only the size rule sees them overlap; one size at a time, or in turn, passes."""
+    same_size = [*_pool_run("a", 1, "p", 2, 10, 12, "completed"), *_pool_run("b", 2, "p#slot2", 2, 11, 13, "completed")]
+    assert check(same_size, [], lease=LEASE).passed
+    in_turn = [
+        *_pool_run("a", 1, "p#slot2", 2, 10, 11, "completed"),
+        *_pool_run("b", 2, "p#slot3", 3, 11.1, 13, "completed"),
+    ]
+    assert check(in_turn, [], lease=LEASE).passed
+    two_sizes = [
+        *_pool_run("a", 1, "p#slot2", 2, 10, 12, "completed"),
+        *_pool_run("b", 2, "p#slot3", 3, 11, 13, "completed"),
+    ]
+    report = check(two_sizes, [], lease=LEASE)
+    assert any(v.startswith("one pool in two sizes: overlap with a completed older holder") for v in report.violations)
+    assert report.figures["lost_holds_reported_as_success"] == 1
+    plain = [*_pool_run("a", 1, "p#slot2", 2, 10, 12, "failed"), *_pool_run("b", 2, "p", 1, 11, 13, "completed")]
+    assert any("one pool in two sizes: unexplained overlap" in v for v in check(plain, [], lease=LEASE).violations)
