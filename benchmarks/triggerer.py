@@ -425,10 +425,13 @@ def comparison(ours: list[Sample], theirs: list[AirflowSample], executor: str = 
             f"| Airflow's `DateTimeSensorAsync`: {name} | {percentile(values, 50):.2f} s | {_p95(values):.2f} s"
             f" | {max(values, default=float('nan')):.2f} s | {len(values)} |"
         )
+    their_downstream = _their_downstream(theirs)
     failed_ours = sum(1 for s in ours if s.state == "failed")
     failed_theirs = sum(1 for t in theirs if t.state == "failed")
     gap = _p95(our_start) - _p95(their_resumed)
     verdict = "met" if gap <= 0.1 else "missed"
+    downstream_gap = _p95(our_start) - _p95(their_downstream)
+    downstream_verdict = "met" if downstream_gap <= 0.1 else "missed"
     return "\n".join(
         [
             *rows,
@@ -438,6 +441,11 @@ def comparison(ours: list[Sample], theirs: list[AirflowSample], executor: str = 
             f"{_p95(our_start):.2f} s, Airflow's own deferrable sensor {_p95(their_resumed):.2f} s "
             f"({gap:+.2f} s). Target: ours at most Airflow's + 0.1 s: **{verdict}**. "
             f"{len(theirs) - len(valid)} Airflow sample(s) left out (the sensor did not defer before its moment).",
+            "",
+            f"The issue's own measure counts Airflow's to its downstream task's function, the work a sensor "
+            f"guards: {_p95(their_downstream):.2f} s ({downstream_gap:+.2f} s for ours): **{downstream_verdict}**. "
+            "The figure above, to the sensor's own resumed method, leaves out that task's scheduling and is the "
+            "stricter one: both are resumed attempts of a deferred task.",
             "",
             f"Resumed attempts failed (the executor's stale report of the deferring process, apache/airflow#72716, "
             f"or anything else): airflow-pglock {failed_ours} of {len(ours)}, Airflow's sensor {failed_theirs} of "
@@ -490,10 +498,20 @@ def _their_resumed(theirs: list[AirflowSample]) -> list[float]:
     ]
 
 
+def _their_downstream(theirs: list[AirflowSample]) -> list[float]:
+    return [
+        v
+        for t in theirs
+        if t.event is not None and (v := t.parts()["trigger event -> its downstream function starts"]) is not None
+    ]
+
+
 def headline_rows(result: SideBySide) -> list[list[str]]:
     ours = [v for s in result.ours if (v := s.parts()["release -> function starts"]) is not None]
     theirs = _their_resumed(result.theirs)
     gap = _p95(ours) - _p95(theirs)
+    downstream = _their_downstream(result.theirs)
+    downstream_gap = _p95(ours) - _p95(downstream)
     rows = [
         [
             f"Deferred task resumed, real deployment, {result.executor_name} (p95: a provider release -> the "
@@ -502,7 +520,14 @@ def headline_rows(result: SideBySide) -> list[list[str]]:
             "<= Airflow's + 0.1 s",
             f"{_p95(ours):.2f} s vs Airflow's {_p95(theirs):.2f} s ({gap:+.2f} s)",
             "met" if gap <= 0.1 else "**missed**",
-        ]
+        ],
+        [
+            f"The same, {result.executor_name}, by the issue's measure (Airflow's `DateTimeSensorAsync`: its "
+            "trigger's event -> its downstream task's function starts; section 10)",
+            "<= Airflow's + 0.1 s",
+            f"{_p95(ours):.2f} s vs Airflow's {_p95(downstream):.2f} s ({downstream_gap:+.2f} s)",
+            "met" if downstream_gap <= 0.1 else "**missed**",
+        ],
     ]
     if result.prompts is not None:
         rows.append(prompt_resumes.headline_row(result.prompts))
