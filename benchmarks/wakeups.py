@@ -314,7 +314,7 @@ def render(r: WakeupResult) -> str:
             f"within the poll interval ({foreign.poll_interval:g} s) of a foreign release: "
             f"**{'met' if foreign_met else 'missed'}** (max, with 0.5 s for one read on a loaded machine). "
             "These are the trigger's part; the issue's target counts to the resumed task's start, "
-            "which is **missed** in a real deployment (below).",
+            "which section 10 measures in a real deployment, next to Airflow's own deferrable sensor.",
             "",
         ]
     m = r.many

@@ -54,7 +54,7 @@ def render(report: dict[str, Any], command: str, picture: bool) -> str:
         f"{report.get('periods_recorded', '-')} |",
         "| scopes over the pool (slots=2) completed, each in its own slot | "
         f"{report.get('pool_scopes_completed', '-')} |",
-        "| the pool's name taken in another size (slots=3, or a plain key) refused while in use (rule 8) | "
+        "| runs refused: the pool's name asked for in a size other than its holder's (slots=2, 3 or a plain key) | "
         f"{report.get('pool_size_refusals', '-')} |",
         f"| violations of any rule | {len(report['violations'])} |",
         "",

@@ -146,6 +146,7 @@ def test_a_deferred_run_whose_hand_over_failed_ends_its_hold_when_its_work_ended
     def write_then_break_the_hand_over(run: str, key: str, token: int | None) -> None:
         write(run, key, token)
         if not renamed:  # the work goes on; the hand-over's statement will fail
+            watcher.execute("SET lock_timeout = '5s'")  # fails, not hangs, should the guard hold the table
             watcher.execute("ALTER TABLE pglock.scopes RENAME TO scopes_gone")
             renamed.append(True)
 
@@ -153,7 +154,7 @@ def test_a_deferred_run_whose_hand_over_failed_ends_its_hold_when_its_work_ended
     looking = threading.Thread(target=watch, daemon=True)
     looking.start()
     try:
-        with pytest.raises(LockConfigurationError, match="pglock.scopes"):
+        with pytest.raises(LockConfigurationError, match=r"pglock\.scopes"):
             worker._deferred("hand-over-fails", "k")
     finally:
         looking.join(10)  # the close frees the key once its backend exited, a moment later
