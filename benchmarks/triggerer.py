@@ -380,7 +380,13 @@ def _local(env: dict[str, str], home: Path) -> Iterator[tuple[Deployment, str]]:
 
 @contextlib.contextmanager
 def deployment(
-    tuned: bool, resumes: int, herd: int, probe: Path | None, executor: str = "local", prompts: int = 0
+    tuned: bool,
+    resumes: int,
+    herd: int,
+    probe: Path | None,
+    executor: str = "local",
+    prompts: int = 0,
+    heartbeat_interval: float | None = None,
 ) -> Iterator[tuple[Deployment, str]]:
     env = {
         "PGLOCK_BENCH_RESUMES": str(resumes),
@@ -388,6 +394,8 @@ def deployment(
         "PGLOCK_BENCH_PROMPTS": str(prompts),
         **(TUNED if tuned else {}),
     }
+    if heartbeat_interval is not None:  # the task supervisors' longest wait: the provider's hold follows it
+        env["AIRFLOW__WORKERS__MIN_HEARTBEAT_INTERVAL"] = f"{heartbeat_interval:g}"
     if probe is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(PROBE_DIR), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         env["PGLOCK_LOOP_PROBE"] = str(probe)
@@ -693,6 +701,11 @@ def main() -> None:
         default=0,
         help="this many mapped tasks of each kind woken at once after their deferral (not with --herd)",
     )
+    parser.add_argument(
+        "--min-heartbeat-interval",
+        type=float,
+        help="[workers] min_heartbeat_interval of the deployment (Airflow's default: 5 s)",
+    )
     args = parser.parse_args()
     if args.executor == "celery" and args.herd:
         parser.error("--herd restarts the triggerer of a LocalExecutor deployment: not with --executor celery")
@@ -706,7 +719,9 @@ def main() -> None:
     ]
     raw: list[str] = []
     herd_size = args.herd or args.prompt_herd
-    with deployment(args.tuned, args.resumes, herd_size, probe, args.executor, args.prompts) as (d, locks_dsn):
+    with deployment(
+        args.tuned, args.resumes, herd_size, probe, args.executor, args.prompts, args.min_heartbeat_interval
+    ) as (d, locks_dsn):
         if args.resumes:
             theirs: list[AirflowSample] = []
 
