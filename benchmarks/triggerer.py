@@ -423,9 +423,7 @@ def comparison(ours: list[Sample], theirs: list[AirflowSample], executor: str = 
     """Ours next to Airflow's own deferrable sensor, measured alternately in the same deployment and run."""
     valid = [t for t in theirs if t.event is not None]  # the sensor deferred before its moment
     our_start = [v for s in ours if (v := s.parts()["release -> function starts"]) is not None]
-    their_resumed = [
-        v for t in valid if (v := t.parts()["trigger event -> the sensor's resumed method starts"]) is not None
-    ]
+    their_resumed = _their_resumed(theirs)
     rows = ["| part | p50 | p95 | max | n |", "|---|---|---|---|---|"]
     for name in AirflowSample(0.0, None, None, None, None).parts():
         values = [v for t in valid if (v := t.parts()[name]) is not None]
@@ -501,20 +499,17 @@ def run_side_by_side(resumes: int, executor: str = "local", prompts: int = 0) ->
     return SideBySide(ours, theirs, airflow.__version__, time.monotonic() - started, executor, prompted)
 
 
+def _their_part(theirs: list[AirflowSample], part: str) -> list[float]:
+    """One part of Airflow's samples whose sensor deferred before its moment (its event is known)."""
+    return [v for t in theirs if t.event is not None and (v := t.parts()[part]) is not None]
+
+
 def _their_resumed(theirs: list[AirflowSample]) -> list[float]:
-    return [
-        v
-        for t in theirs
-        if t.event is not None and (v := t.parts()["trigger event -> the sensor's resumed method starts"]) is not None
-    ]
+    return _their_part(theirs, "trigger event -> the sensor's resumed method starts")
 
 
 def _their_downstream(theirs: list[AirflowSample]) -> list[float]:
-    return [
-        v
-        for t in theirs
-        if t.event is not None and (v := t.parts()["trigger event -> its downstream function starts"]) is not None
-    ]
+    return _their_part(theirs, "trigger event -> its downstream function starts")
 
 
 def headline_rows(result: SideBySide) -> list[list[str]]:
