@@ -7,10 +7,11 @@ told it is held by a run that had already given up (the suite met it twice: test
 ``pg_locks`` right after such a close). Through a session pooler that does not reset its server
 sessions, the key was not freed at all.
 
-Every lock here is taken on real PostgreSQL. ``closed_holding`` only looks: when a connection is
-closed, it reads ``pg_locks`` from another session first (a close frees the key a moment later,
-so what stays held after it cannot be told apart from what is freed late); the PgBouncer test
-needs no such look.
+Each guard here reaches real PostgreSQL through a real PgBouncer in session pooling with a fixed
+set of server sessions and no reset query, so what a client leaves behind can be looked at after its
+close, with no race against a backend's exit: a session lock not given back stays held by that
+server session, and a client that closes inside its transaction (a transaction lock not given
+back) makes PgBouncer drop that server session for a new one.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
@@ -35,89 +37,146 @@ from tests.helpers import advisory_locks
 KEY = LockKey.from_name("give-up/integration")
 
 
+@dataclass
+class ServerSessions:
+    """Clients of a session pooler with a fixed set of server sessions to hand out (two: a fenced
+    transaction lock's token is committed on a side connection) that resets nothing."""
+
+    dsn: str
+    admin: Any
+    size: int = 2
+    pids: set[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.pids = self.serving_pids()
+        assert len(self.pids) == self.size
+
+    def serving_pids(self) -> set[int]:
+        """The server sessions that serve as many clients at once as the pool has."""
+        clients = [psycopg.connect(self.dsn, autocommit=True) for _ in range(self.size)]
+        try:
+            return {int(client.execute("SELECT pg_backend_pid()").fetchall()[0][0]) for client in clients}
+        finally:
+            for client in clients:
+                client.close()
+
+    @property
+    def database(self) -> Any:
+        from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+
+        return AdvisoryLockHook(dsn=self.dsn, pool_mode="session").database
+
+    def assert_left_clean(self) -> None:
+        """Every client so far closed outside a transaction and left no advisory lock held."""
+        held = [row for row in advisory_locks(self.admin) if row[0] in self.pids and row[4]]
+        assert held == [], f"the server sessions still hold {held} after their clients closed"
+        assert self.serving_pids() == self.pids, (
+            "PgBouncer replaced a server session: a client closed inside a transaction"
+        )
+
+
 @pytest.fixture
-def closed_holding(admin: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
-    """The advisory locks each connection still held when it was closed (none: not listed)."""
-    found: list[Any] = []
-    close = psycopg.Connection.close
+def pooler(pg_server: str, dsn: str, admin: Any) -> Iterator[ServerSessions]:
+    from devtools.pgbouncer import PgBouncer, PgBouncerUnavailableError
 
-    def looking_close(self: psycopg.Connection[Any]) -> None:
-        if self is not admin and not self.closed:
-            pid = self.info.backend_pid
-            held = [row for row in advisory_locks(admin) if row[0] == pid and row[4]]
-            if held:
-                found.append(held)
-        close(self)
+    port = psycopg.conninfo.conninfo_to_dict(pg_server).get("port") or 5432
+    try:
+        bouncer = PgBouncer(
+            int(port), pool_mode="session", pool_size=ServerSessions.size, server_reset_query=""
+        ).start()
+    except PgBouncerUnavailableError as error:
+        pytest.skip(f"PgBouncer is not available here: {error}")
+    try:
+        yield ServerSessions(bouncer.dsn_for(str(psycopg.conninfo.conninfo_to_dict(dsn)["dbname"])), admin)
+    finally:
+        bouncer.stop()
 
-    monkeypatch.setattr(psycopg.Connection, "close", looking_close)
-    yield found
+
+def test_the_pooler_shows_what_a_client_left_behind(pooler: ServerSessions) -> None:
+    """What the tests below rely on: a session lock not given back stays held by the server
+    session, a transaction left open at the close costs the pooler its server session."""
+    with psycopg.connect(pooler.dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_advisory_lock(%s)", [KEY.int64])
+    with pytest.raises(AssertionError, match="still hold"):
+        pooler.assert_left_clean()
+    clients = [psycopg.connect(pooler.dsn, autocommit=True) for _ in range(pooler.size)]
+    for client in clients:  # one on each server session: the lock is given back on whichever holds it
+        client.execute("SELECT pg_advisory_unlock_all()")
+        client.close()
+    pooler.assert_left_clean()
+
+    with psycopg.connect(pooler.dsn) as conn:
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", [KEY.int64])
+        conn.close()  # inside the transaction, as a guard that did not give back its key would
+    with pytest.raises(AssertionError, match="replaced a server session"):
+        pooler.assert_left_clean()
 
 
 @pytest.mark.parametrize("mode", ["session", "transaction"])
 def test_a_skip_for_a_period_already_done_frees_the_key_before_the_close(
-    hook: Any, scopes_db: Any, closed_holding: list[Any], mode: str
+    scopes_db: Any, pooler: ServerSessions, mode: str
 ) -> None:
     rules = RunRules(period="2026-12-05")
-    with LockGuard(hook.database, KEY, LockPolicy(mode=mode), rules=rules):  # type: ignore[arg-type]
+    with LockGuard(pooler.database, KEY, LockPolicy(mode=mode), rules=rules):  # type: ignore[arg-type]
         pass
-    assert closed_holding == []
+    pooler.assert_left_clean()
     with (
         pytest.raises(AlreadyDoneError),
-        LockGuard(hook.database, KEY, LockPolicy(mode=mode), rules=rules),  # type: ignore[arg-type]
+        LockGuard(pooler.database, KEY, LockPolicy(mode=mode), rules=rules),  # type: ignore[arg-type]
     ):
         pytest.fail("ran twice in one period")
-    assert closed_holding == []
+    pooler.assert_left_clean()
 
 
 @pytest.mark.parametrize("mode", ["session", "transaction"])
 def test_a_refusal_by_a_live_scope_frees_the_key_before_the_close(
-    hook: Any, scopes_db: Any, closed_holding: list[Any], mode: str
+    hook: Any, scopes_db: Any, pooler: ServerSessions, mode: str
 ) -> None:
     role = ScopeRole(kind="enter", holder=uuid.uuid4().hex, run="dep: dag run", task="setup", lease=300.0)
     with LockGuard(hook.database, KEY, LockPolicy(), scope=role):
         pass
     with (
         pytest.raises(LockBusyError, match="is held by the lock scope"),
-        LockGuard(hook.database, KEY, LockPolicy(mode=mode)),  # type: ignore[arg-type]
+        LockGuard(pooler.database, KEY, LockPolicy(mode=mode)),  # type: ignore[arg-type]
     ):
         pytest.fail("ran inside another run's scope")
-    assert closed_holding == []
+    pooler.assert_left_clean()
 
 
 @pytest.mark.parametrize("mode", ["session", "transaction"])
 def test_a_check_that_fails_before_the_work_frees_the_key_before_the_close(
-    hook: Any, admin: Any, closed_holding: list[Any], mode: str
+    admin: Any, pooler: ServerSessions, mode: str
 ) -> None:
     admin.execute("DROP SCHEMA IF EXISTS pglock CASCADE")  # fencing needs init-db: refused once the key is held
     with (
         pytest.raises(LockConfigurationError, match="init-db"),
-        LockGuard(hook.database, KEY, LockPolicy(mode=mode), rules=RunRules(fencing=True)),  # type: ignore[arg-type]
+        LockGuard(pooler.database, KEY, LockPolicy(mode=mode), rules=RunRules(fencing=True)),  # type: ignore[arg-type]
     ):
         pytest.fail("fenced without a ledger")
-    assert closed_holding == []
+    pooler.assert_left_clean()
 
 
 @pytest.mark.parametrize("mode", ["session", "transaction"])
 def test_a_pool_refused_for_its_size_gives_back_its_markers_before_the_close(
-    hook: Any, admin: Any, closed_holding: list[Any], mode: str
+    hook: Any, pooler: ServerSessions, mode: str
 ) -> None:
     with LockGuard(hook.database, KEY, LockPolicy(mode=mode, slots=2)):  # type: ignore[arg-type]
         with (
             pytest.raises(LockConfigurationError, match="refused a pool of slots=3"),
-            LockGuard(hook.database, KEY, LockPolicy(mode=mode, slots=3)),  # type: ignore[arg-type]
+            LockGuard(pooler.database, KEY, LockPolicy(mode=mode, slots=3)),  # type: ignore[arg-type]
         ):
             pytest.fail("two sizes of one pool")
         with (
             pytest.raises(LockConfigurationError, match="refused a plain key"),
-            LockGuard(hook.database, KEY, LockPolicy(mode=mode)),  # type: ignore[arg-type]
+            LockGuard(pooler.database, KEY, LockPolicy(mode=mode)),  # type: ignore[arg-type]
         ):
             pytest.fail("a plain key inside a pool of its name")
-    assert closed_holding == []
+    pooler.assert_left_clean()
 
 
 @pytest.mark.parametrize("mode", ["session", "transaction"])
 def test_a_plain_key_refused_after_its_wait_gives_it_back_before_the_close(
-    hook: Any, dsn: str, admin: Any, closed_holding: list[Any], mode: str
+    dsn: str, pooler: ServerSessions, mode: str
 ) -> None:
     """The plain key was busy; a pool of its name began while the guard waited (its presence
     marker, held in shared mode, is what a pool's holder shows); the wait took the key, then found
@@ -136,38 +195,10 @@ def test_a_plain_key_refused_after_its_wait_gives_it_back_before_the_close(
         try:
             with (
                 pytest.raises(LockConfigurationError, match="refused a plain key"),
-                LockGuard(hook.database, KEY, LockPolicy(mode=mode, on_busy="wait", wait_timeout=10)),  # type: ignore[arg-type]
+                LockGuard(pooler.database, KEY, LockPolicy(mode=mode, on_busy="wait", wait_timeout=10)),  # type: ignore[arg-type]
             ):
                 pytest.fail("a plain key inside a pool of its name")
         finally:
             helper.join()
             pool.execute("SELECT pg_advisory_unlock_all()")
-    assert closed_holding == []
-
-
-def test_through_a_session_pooler_that_keeps_its_sessions_a_skip_leaves_the_key_free(
-    pg_server: str, dsn: str, scopes_db: Any
-) -> None:
-    """PgBouncer in session pooling with no reset query: a client's close hands its server session,
-    with whatever it holds, back to the pool. A skip that closed without an unlock left the key held
-    there for good."""
-    from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
-    from devtools.pgbouncer import PgBouncer, PgBouncerUnavailableError
-
-    port = psycopg.conninfo.conninfo_to_dict(pg_server).get("port") or 5432
-    try:
-        bouncer = PgBouncer(int(port), pool_mode="session", server_reset_query="").start()
-    except PgBouncerUnavailableError as error:
-        pytest.skip(f"PgBouncer is not available here: {error}")
-    try:
-        pooled = AdvisoryLockHook(
-            dsn=bouncer.dsn_for(str(psycopg.conninfo.conninfo_to_dict(dsn)["dbname"])), pool_mode="session"
-        )
-        rules = RunRules(period="2026-12-05")
-        with LockGuard(pooled.database, KEY, LockPolicy(), rules=rules):
-            pass
-        with pytest.raises(AlreadyDoneError), LockGuard(pooled.database, KEY, LockPolicy(), rules=rules):
-            pytest.fail("ran twice in one period")
-        assert [row for row in advisory_locks(scopes_db) if row[4]] == []
-    finally:
-        bouncer.stop()
+    pooler.assert_left_clean()
