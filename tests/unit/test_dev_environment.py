@@ -54,13 +54,41 @@ def _pytest_env_of(monkeypatch: pytest.MonkeyPatch, *argv: str) -> dict[str, str
     return runs[0].env
 
 
-def test_the_whole_suite_runs_every_test_directory_once_in_parts(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_whole_suite_runs_every_test_file_once_in_parts(monkeypatch: pytest.MonkeyPatch) -> None:
     assert dev.suite_parts_problem() is None
     runs = _pytest_runs_of(monkeypatch, "test")
     assert [run.env["PGLOCK_SUITE_PART"] for run in runs] == ["1/2", "2/2"]
     assert len({run.env["PGLOCK_TEST_DATABASE"] for run in runs}) == 2  # apart on a shared server
-    paths = [arg for run in runs for arg in run.args if arg.startswith("tests/")]
-    assert sorted(paths) == sorted({f"tests/{p.parent.name}" for p in (ROOT / "tests").glob("*/test_*.py")})
+    every_file = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "tests").glob("*/test_*.py"))
+    ran: list[str] = []
+    for run in runs:
+        ignored = {arg.removeprefix("--ignore=") for arg in run.args if arg.startswith("--ignore=")}
+        for entry in (arg for arg in run.args if arg.startswith("tests/")):
+            files = [entry] if entry.endswith(".py") else [f for f in every_file if f.startswith(entry + "/")]
+            ran += [file for file in files if file not in ignored]
+    assert sorted(ran) == every_file
+
+
+@pytest.mark.parametrize(
+    ("parts", "problem"),
+    [
+        ((("tests/unit",), ("tests/unit",)), "runs twice ['tests/unit/test_"),
+        ((("tests/unit", "tests/nowhere.py"),), "is not a test directory or file ['tests/nowhere.py']"),
+        ((("tests/integration",),), "leaves out ['tests/airflow/"),
+    ],
+)
+def test_suite_parts_that_would_not_run_every_file_once_are_named(
+    monkeypatch: pytest.MonkeyPatch, parts: tuple[tuple[str, ...], ...], problem: str
+) -> None:
+    monkeypatch.setattr(dev, "SUITE_PARTS", parts)
+    assert problem in (dev.suite_parts_problem() or "")
+
+
+def test_a_file_moved_to_another_part_leaves_its_directory_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    moved = "tests/unit/test_dev_environment.py"
+    monkeypatch.setattr(dev, "SUITE_PARTS", (("tests/unit",), (moved,)))
+    assert dev.suite_part_arguments(("tests/unit",)) == ["tests/unit", f"--ignore={moved}"]
+    assert dev.suite_part_arguments((moved,)) == [moved]
 
 
 @pytest.mark.parametrize("argv", [("test",), ("matrix",)])
