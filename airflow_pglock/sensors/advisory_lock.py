@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from airflow_pglock.compat import (
     AirflowFailException,
@@ -196,6 +196,8 @@ class AdvisoryLockSensor(BaseSensorOperator):
 
         deadline = event.get("deadline")
         deadline = float(deadline) if isinstance(deadline, int | float) else time.time() + self.timeout
+        if time.time() >= deadline:  # deferring again would fire at once, again and again
+            self._timed_out(f"{key.describe()} is still held by {self._last_holders} at the sensor's deadline")
         trigger = AdvisoryLockTrigger.for_key(
             key,
             postgres_conn_id=self.postgres_conn_id,
@@ -209,6 +211,13 @@ class AdvisoryLockSensor(BaseSensorOperator):
             ),
         )
         self.defer(trigger=trigger, method_name="execute_complete")
+
+    def _timed_out(self, message: str) -> NoReturn:
+        """The deadline passed with the key held: the timeout, or the skip under ``soft_fail``."""
+        message = f"{message} (timeout {self.timeout:g} s)"
+        if self.soft_fail:
+            raise AirflowSkipException(f"{message} (soft_fail=True)")
+        raise AirflowSensorTimeout(message)
 
     def resume_execution(self, next_method: str, next_kwargs: dict[str, Any] | None, context: Context) -> Any:
         """Resume after the trigger fired; ``execute_complete`` maps the event itself.
@@ -248,10 +257,7 @@ class AdvisoryLockSensor(BaseSensorOperator):
             self.log.info("pglock sensor: %s", message)
             return
         if status == TIMEOUT:
-            message = f"{message} (timeout {self.timeout:g} s)"
-            if self.soft_fail:
-                raise AirflowSkipException(f"{message} (soft_fail=True)")
-            raise AirflowSensorTimeout(message)
+            self._timed_out(message)
         # An error fails the task even with soft_fail (that is for timeouts), as in poke mode.
         default: type[Exception] = LockConnectionError if status == ERROR else PgLockError
         error_class = _ERRORS.get(str(event.get("error_type")), default)

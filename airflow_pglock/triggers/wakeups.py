@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import psycopg
 
-from airflow_pglock.exceptions import LockConfigurationError, PgLockError, UnsafeSetupError
+from airflow_pglock.exceptions import LockConfigurationError, LockConnectionError, PgLockError, UnsafeSetupError
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 from airflow_pglock.keys import LockKey
 from airflow_pglock.pg import wakeups
@@ -59,27 +59,52 @@ class Waiter:
     coordinates: Coordinates
     shared: bool
     poll_interval: float
-    checked: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Seconds a deadline waits for a first read of the key (the hub may be connecting).
+    read_grace: float = RECONNECT_DELAY
+    checked: asyncio.Event = field(default_factory=asyncio.Event)  # read since the hub's connection came up
     free: asyncio.Event = field(default_factory=asyncio.Event)
     woken: asyncio.Event = field(default_factory=asyncio.Event)  # free, or the hub failed
     error: BaseException | None = None
+    unreadable: BaseException | None = None  # why the hub cannot read the key now (its connection went)
 
     async def wait(self, timeout: float | None) -> bool:
-        """True once the key is free; False at ``timeout`` (after at least one check). Raises the hub's error."""
-        await self.checked.wait()
+        """True once the key is free; False at ``timeout`` when the hub's last read, on a
+        connection still up, found it held. Raises the hub's error, and at ``timeout`` when the
+        key could not be read: a deadline is never answered "held" from a read the hub can no
+        longer vouch for (the lock database went away; a stopped server holds nothing)."""
         if not self.woken.is_set() and (timeout is None or timeout > 0):
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.woken.wait(), timeout)
+        if not self.checked.is_set() and self.unreadable is None:
+            with contextlib.suppress(asyncio.TimeoutError):  # a first read may be on its way
+                await asyncio.wait_for(self.checked.wait(), self.read_grace)
         if self.error is not None:
             raise self.error
-        return self.free.is_set()
+        if self.free.is_set():
+            return True
+        if not self.checked.is_set():
+            raise self._unread()
+        return False
+
+    def _unread(self) -> LockConnectionError:
+        if self.unreadable is not None:
+            return LockConnectionError(
+                f"the wake-up connection to the lock database was lost ({self.unreadable}) and is not back"
+            )
+        return LockConnectionError(f"the lock database did not answer a read of the key within {self.read_grace:g} s")
 
     def settle(self, held_exclusively: bool | None) -> None:
         """The hub read the key: None (nobody holds it), True (held exclusively), False (held shared)."""
         if held_exclusively is None or (self.shared and not held_exclusively):
             self.free.set()
             self.woken.set()
+        self.unreadable = None
         self.checked.set()
+
+    def unsettle(self, error: BaseException) -> None:
+        """The hub lost its connection: its last read of the key no longer counts."""
+        self.unreadable = error
+        self.checked.clear()
 
     def fail(self, error: BaseException) -> None:
         """The hub cannot read the key: the trigger reports ``error`` now, checked or not."""
@@ -100,11 +125,14 @@ class WakeupHub:
         self._connected_once = False
         self._checked_all = False  # since the hub (re)started: it read every waiting key once
         self._told_of_foreign = False
+        self._unreadable: BaseException | None = None  # its connection went and is not back yet
 
     @contextlib.asynccontextmanager
     async def watch(self, key: LockKey, *, shared: bool, poll_interval: float) -> AsyncIterator[Waiter]:
         """Register ``key`` while the block runs; the hub checks it at once, then on wake-ups and polls."""
-        waiter = Waiter(key.pg_locks, shared, poll_interval)
+        waiter = Waiter(key.pg_locks, shared, poll_interval, read_grace=self.connect_timeout + RECONNECT_DELAY)
+        if self._unreadable is not None:
+            waiter.unsettle(self._unreadable)
         self.waiters.setdefault(waiter.coordinates, set()).add(waiter)
         self.pending.add(waiter.coordinates)
         if self._task is None or self._task.done():
@@ -132,6 +160,7 @@ class WakeupHub:
                 await self._connect_and_watch()
                 return
             except Exception as error:  # a bug or an input nobody foresaw: restart rather than go silent
+                self._unsettle_all(error)
                 failures = 1 if self._checked_all else failures + 1
                 if failures < FAILURES_REPORTED:
                     await asyncio.to_thread(
@@ -173,6 +202,7 @@ class WakeupHub:
                     self.pending |= set(self.waiters)  # anything released while we were away
                     await self._watch(conn)
             except (psycopg.Error, OSError) as error:
+                self._unsettle_all(error)
                 await asyncio.to_thread(
                     log.warning, "pglock wakeups: lost the lock database connection (%s); reconnecting", error
                 )
@@ -195,6 +225,8 @@ class WakeupHub:
                     if count % WAKE_BATCH == 0:
                         await asyncio.sleep(0)  # the woken triggers run WAKE_BATCH to a turn of the loop
                 self._checked_all = self._checked_all or every_key
+                if every_key:
+                    self._unreadable = None
             try:
                 async for notify in conn.notifies(timeout=LISTEN_SLICE, stop_after=1):
                     await self._read_announcement(notify.payload)
@@ -221,6 +253,12 @@ class WakeupHub:
                 wakeups.RELEASED_CHANNEL,
                 payload,
             )
+
+    def _unsettle_all(self, error: BaseException) -> None:
+        self._unreadable = error
+        for waiters in self.waiters.values():
+            for waiter in waiters:
+                waiter.unsettle(error)
 
     def _fail_all(self, error: BaseException) -> None:
         for waiters in self.waiters.values():

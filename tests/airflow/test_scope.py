@@ -243,6 +243,29 @@ def test_the_sensor_sees_a_scope_between_its_tasks_as_held(
     assert ended
 
 
+@pytest.mark.parametrize("soft_fail", [False, True], ids=["timeout", "soft_fail"])
+def test_a_deferrable_sensor_woken_behind_a_scope_at_its_deadline_times_out_instead_of_deferring_again(
+    airflow_db: Any, scopes_db: Any, soft_fail: bool
+) -> None:
+    """The trigger fires at the sensor's deadline with the key free in pg_locks, a scope's row
+    holding it: deferring again with the deadline passed fired at once, again and again, for as
+    long as the scope lasted (its lease: an hour here)."""
+    import time
+
+    from airflow_pglock.sensors.advisory_lock import AdvisoryLockSensor
+    from airflow_pglock.triggers.advisory_lock import FREE
+
+    _hold_scope_elsewhere(scopes_db, lease=3600)
+    sensor = AdvisoryLockSensor(
+        task_id="s", key="scope-key", postgres_conn_id="pglock_test", deferrable=True, timeout=5, soft_fail=soft_fail
+    )
+    event = {"status": FREE, "message": "key 'scope-key' is free", "deadline": time.time() - 1}
+    expected = compat.AirflowSkipException if soft_fail else compat.AirflowSensorTimeout
+    with pytest.raises(expected, match="still held by the lock scope of deployment-b") as raised:
+        sensor.execute_complete({}, event)  # type: ignore[arg-type]
+    assert "at the sensor's deadline (timeout 5 s)" in str(raised.value)
+
+
 @pytest.mark.parametrize("slots", [1, 2], ids=["one-key", "pool"])
 @pytest.mark.parametrize("error", [RuntimeError, compat.AirflowSkipException], ids=["failed", "skipped"])
 def test_a_setup_that_fails_after_taking_the_scope_frees_it(

@@ -292,6 +292,41 @@ def test_the_hub_reconnects_after_its_connection_is_terminated_and_checks_every_
     assert event["status"] == FREE, event
 
 
+def test_a_deadline_while_the_lock_database_is_gone_is_reported_as_an_error_not_as_held(
+    airflow_db: Any, admin: Any, pg_server: str
+) -> None:
+    """The hub read the first key held; then its connection went and the database refuses every
+    connection. At the first trigger's deadline nobody can say the key is still held (a stopped
+    server holds nothing): it reported "timeout", which a sensor with soft_fail turned into a
+    skip. A trigger that started during the outage waited for the database to come back,
+    past its deadline."""
+    import psycopg
+    from psycopg import sql
+
+    read_before, started_during = LockKey.from_name("wakeups/outage-read"), LockKey.from_name("wakeups/outage-new")
+    database = sql.Identifier(admin.info.dbname)
+    server = psycopg.connect(pg_server, autocommit=True)  # a database may not refuse its own sessions
+    admin.execute("SELECT pg_advisory_lock(%s), pg_advisory_lock(%s)", [read_before.int64, started_during.int64])
+
+    async def outage() -> list[dict[str, Any]]:
+        first = asyncio.create_task(_first_payload(_trigger(read_before, deadline=8)))
+        hub = await asyncio.to_thread(_hub_ready, admin)
+        await asyncio.to_thread(server.execute, sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS false").format(database))
+        await asyncio.to_thread(admin.execute, "SELECT pg_terminate_backend(%s)", [hub])
+        second = asyncio.create_task(_first_payload(_trigger(started_during, deadline=2)))
+        return list(await asyncio.wait_for(asyncio.gather(first, second), 30))
+
+    try:
+        events = asyncio.run(outage())
+    finally:
+        server.execute(sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS true").format(database))
+        server.close()
+        admin.execute("SELECT pg_advisory_unlock_all()")
+    for event in events:
+        assert event["status"] == "error" and event["error_type"] == "LockConnectionError", event
+        assert "wake-up connection to the lock database was lost" in event["message"], event
+
+
 def test_the_hub_listens_before_every_check(
     airflow_db: Any, holder_hook: AdvisoryLockHook, admin: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
