@@ -38,6 +38,9 @@ class Ending(NamedTuple):
         min_interval). Its statement checks that the session holds the key, after the work:
         once it is recorded, the work is known to have run under the lock to its end, and a
         session that ends before the unlock only frees the key sooner.
+    :param seen_aside: transaction mode: whether the session still holds the key in the lock's
+        transaction, asked on a side connection (None: cannot be asked); asked when the work
+        succeeded in a transaction an error aborted.
     """
 
     held: HeldLock
@@ -46,6 +49,7 @@ class Ending(NamedTuple):
     describe_error: Callable[[psycopg.Error], str]
     records_completion: bool = False
     commit_status: Callable[[int], str | None] | None = None
+    seen_aside: Callable[[], bool | None] | None = None
 
 
 def finish(ending: Ending) -> Finished:
@@ -67,6 +71,11 @@ def finish_transaction(ending: Ending) -> Finished:
     if not ending.succeeded:
         held.roll_back()  # the work is undone and the key free before the outcome is reported
         return Finished()
+    if held.transaction_aborted and ending.seen_aside is not None and ending.seen_aside() is False:
+        # An error the work caught, outside a savepoint: the key went at the error (a failed
+        # savepoint keeps it, and the COMMIT below then fails as before).
+        held.roll_back()
+        return Finished(lost=loss.ABORTED_BY_AN_ERROR)
     try:
         if not held.commit_if_held(ending.record):
             return Finished(lost=loss.ENDED_BY_WORK)

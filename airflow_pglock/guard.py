@@ -484,6 +484,7 @@ class LockGuard:
                     describe_error=self._describe_error,
                     records_completion=self._records_completion,
                     commit_status=self.database.transaction_status,
+                    seen_aside=lambda: self.database.holds_seen_aside(held),
                 )
                 lost, commit_error, note = finish(ending)
         except BaseException as interrupted:  # an asynchronous exception during the clean-up

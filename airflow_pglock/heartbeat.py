@@ -27,7 +27,6 @@ from typing import Any, Protocol
 import psycopg
 
 from airflow_pglock import forks, loss
-from airflow_pglock.exceptions import PgLockError
 from airflow_pglock.keys import LockKey
 from airflow_pglock.pg.database import LockDatabase
 from airflow_pglock.pg.probe import ProbeResult
@@ -60,6 +59,10 @@ class KeptAlive(Protocol):
 
     def seen_from_aside(self, side: psycopg.Connection[Any]) -> bool:
         """Whether it still holds (lives), asked on another session ``side``."""
+
+    @property
+    def transaction_aborted(self) -> bool:
+        """Whether its connection is in a failed transaction block (an error not yet rolled back)."""
 
 
 class Heartbeat:
@@ -238,15 +241,6 @@ class Heartbeat:
         finally:
             conn.lock.release()
 
-    def _seen_from_aside(self) -> bool | None:
-        """Whether the session still holds (lives), asked from a side connection; None when the
-        server cannot be reached either."""
-        try:
-            with self.database.side_connection() as side:
-                return self.held.seen_from_aside(side)
-        except (psycopg.OperationalError, PgLockError):
-            return None
-
     def _close_wake(self) -> None:
         with self._wake_lock:
             if self._wake_read >= 0:
@@ -289,28 +283,35 @@ class Heartbeat:
                     answer_by=confirmed + liveness.answer_cutoff,
                 )
             except psycopg.Error as error:
-                if not held.connection.closed and loss.is_ordinary_error(getattr(error, "sqlstate", None)):
-                    confirmed = started  # the session answered (e.g. the work's transaction is aborted): alive
+                if held.connection.closed or not loss.is_ordinary_error(getattr(error, "sqlstate", None)):
+                    self._report(*self.describe_error(error))
+                    return
+                if held.scope == "session":
+                    confirmed = started  # the session answered (its transaction is aborted): its lock outlives that
                     continue
-                self._report(*self.describe_error(error))
-                return
+                # A transaction lock goes with its transaction, which an error outside a savepoint
+                # (the work's, or a cancel of this probe) ends at once: its ROLLBACK comes later.
+                result = "busy"
             except Exception as error:  # never let the heartbeat die silently: a silent heartbeat loses the lock
                 self._report(f"the heartbeat failed ({type(error).__name__}: {error})", False)
                 return
             if result == "busy":
-                # The work is using the connection (a statement, COPY, a stream, a pipeline), and has
-                # been since the last answer, at least one interval ago. A busy connection is no proof
-                # that the session still holds the lock: ask the server from a side connection.
-                seen = self._seen_from_aside()
+                # Or the work is using the connection (a statement, COPY, a stream, a pipeline), and
+                # has been since the last answer, at least one interval ago. Neither is proof that
+                # the session still holds the lock: ask the server from a side connection.
+                seen = self.database.holds_seen_aside(held)
                 if seen is None:  # the server cannot be reached either: silent, as a probe without answer
                     if time.monotonic() - confirmed >= liveness.loss_deadline:
                         self._report(no_answer(), False)
                         return
                     continue
                 if not seen:
-                    self._report(
-                        loss.NOT_HELD_SEEN_ASIDE if held.key is not None else loss.SESSION_GONE_SEEN_ASIDE, True
-                    )
+                    if held.scope == "transaction" and held.transaction_aborted:
+                        self._report(loss.ABORTED_BY_AN_ERROR, False)
+                    else:
+                        self._report(
+                            loss.NOT_HELD_SEEN_ASIDE if held.key is not None else loss.SESSION_GONE_SEEN_ASIDE, True
+                        )
                     return
                 result = "held"
             if result == "held":

@@ -22,6 +22,12 @@ ENDED_BY_WORK = (
     "with it, and what ran afterwards ran without the lock"
 )
 
+ABORTED_BY_AN_ERROR = (
+    "the lock's transaction was aborted by an error on lock.connection, outside a savepoint: PostgreSQL "
+    "releases a transaction's locks at the error, not at its later ROLLBACK, so the key was free from then on "
+    "(seen from a side connection)"
+)
+
 NOT_HELD_SEEN_ASIDE = (
     "the lock session no longer holds the key (seen from a side connection while the work kept "
     "the lock's connection busy: the session was terminated, or its transaction ended)"

@@ -18,7 +18,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, Protocol, TypeVar
 
 import psycopg
 
@@ -46,6 +46,12 @@ INSPECT_APPLICATION_NAME = "pglock inspect"
 #: After a transaction lock's COMMIT whose answer was lost: how long the server is given to settle
 #: the transaction (end the session, finish the commit) before what it says is taken as it is.
 COMMIT_SETTLE_SECONDS = 2.0
+
+
+class SeenFromAside(Protocol):
+    """A held lock (or lock session) that can be looked at from another session."""
+
+    def seen_from_aside(self, side: psycopg.Connection[Any]) -> bool: ...
 
 
 class LockDatabase:
@@ -185,6 +191,16 @@ class LockDatabase:
                         return status
                     time.sleep(0.05)
         except (psycopg.Error, PgLockError):
+            return None
+
+    def holds_seen_aside(self, held: SeenFromAside) -> bool | None:
+        """Whether ``held``'s session still holds its key (transaction scope: in the transaction
+        that took it; a lock session: lives), asked on a :meth:`side_connection`; None when the
+        server cannot be reached."""
+        try:
+            with self.side_connection() as side:
+                return held.seen_from_aside(side)
+        except (psycopg.OperationalError, PgLockError):
             return None
 
     def server_start(self) -> loss.ServerStart | None:

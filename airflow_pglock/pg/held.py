@@ -25,7 +25,8 @@ from airflow_pglock.server_rules import Scope, ServerInfo
 
 log = logging.getLogger("airflow_pglock")
 
-_IN_A_TRANSACTION = (psycopg.pq.TransactionStatus.INTRANS, psycopg.pq.TransactionStatus.INERROR)
+_INERROR = psycopg.pq.TransactionStatus.INERROR
+_IN_A_TRANSACTION = (psycopg.pq.TransactionStatus.INTRANS, _INERROR)
 
 
 @dataclass
@@ -127,6 +128,12 @@ class HeldLock:
     def transaction_open(self) -> bool:
         """Transaction scope: False once the lock's transaction was ended on its connection."""
         return self.connection.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
+
+    @property
+    def transaction_aborted(self) -> bool:
+        """Whether the lock's connection is in a failed transaction block (an error not yet rolled
+        back; in a savepoint or not)."""
+        return not self.connection.closed and self.connection.info.transaction_status == _INERROR
 
     def commit_if_held(self, record: Callable[[], bool]) -> bool:
         """Transaction scope: commit the lock's transaction if the session is still in it and

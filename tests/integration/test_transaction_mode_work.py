@@ -36,7 +36,14 @@ CASES: dict[str, tuple[list[str] | str, str]] = {
     "psycopg-transaction-block": ("transaction block", "done"),
     # Session locks only: the transaction's lock stays.
     "unlock-all-session-locks": (["SELECT pg_advisory_unlock_all()"], "done"),
+    # An error the work catches (!): outside a savepoint it aborts the transaction, whose locks
+    # PostgreSQL releases at the error, not at its later ROLLBACK. It ended as failed.
+    "an-error-caught": (["!SELECT 1/0"], "lost"),
+    "an-error-caught-in-a-savepoint": (["SAVEPOINT a", "!SELECT 1/0", "ROLLBACK TO a"], "done"),
 }
+
+
+_no_suppression = contextlib.nullcontext()
 
 
 def _run_work(conn: psycopg.Connection[Any], steps: list[str] | str) -> None:
@@ -48,7 +55,8 @@ def _run_work(conn: psycopg.Connection[Any], steps: list[str] | str) -> None:
             conn.execute("INSERT INTO txn_work VALUES ('inside')")
     else:
         for statement in steps:
-            conn.execute(statement.format(key=LockKey.from_name(KEY).int64))  # type: ignore[arg-type]
+            with contextlib.suppress(psycopg.errors.DivisionByZero) if statement.startswith("!") else _no_suppression:
+                conn.execute(statement.lstrip("!").format(key=LockKey.from_name(KEY).int64))  # type: ignore[arg-type]
     # The lock connection is autocommit outside the lock's transaction: after a psycopg commit()
     # a statement would commit on its own, so 'after' is written only inside a transaction.
     if conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS:
@@ -127,4 +135,50 @@ def test_a_statement_still_running_when_the_block_ends_is_waited_for_and_checked
     finally:
         for thread in threads:
             thread.join(10)
+        admin.execute("DROP TABLE IF EXISTS txn_work")
+
+
+def test_an_error_the_work_caught_outside_a_savepoint_interrupts_it_as_lost(dsn: str, admin: Any) -> None:
+    """The key is free from the error on (another holder could take it at once); the heartbeat's
+    probe, answered "current transaction is aborted", took that for a live session, and the work
+    went on beside the next holder to its end."""
+    from airflow_pglock.liveness import Liveness
+
+    hook = AdvisoryLockHook(dsn=dsn, liveness=Liveness(lease=3))
+    free_after_the_error: list[bool] = []
+    with pytest.raises(LockLostError, match="aborted by an error"), hook.lock(KEY, mode="transaction") as handle:
+        assert handle is not None and handle.connection is not None
+        with contextlib.suppress(psycopg.errors.DivisionByZero):
+            handle.connection.execute("SELECT 1/0")
+        free_after_the_error.append(advisory_locks(admin) == [])  # another holder could take it now
+        deadline = time.monotonic() + 30  # the heartbeat beats every second
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+        pytest.fail("the work went on after its lock was gone")
+    assert free_after_the_error == [True]
+    assert advisory_locks(admin) == []
+
+
+def test_a_failed_savepoint_keeps_the_lock_across_heartbeats(dsn: str, admin: Any) -> None:
+    """An error inside a savepoint leaves the transaction, and its lock, in place: probes are
+    answered with an error meanwhile, and the side connection's look says the lock is held."""
+    from airflow_pglock.liveness import Liveness
+
+    hook = AdvisoryLockHook(dsn=dsn, liveness=Liveness(lease=3))
+    key = LockKey.from_name(KEY)
+    admin.execute("DROP TABLE IF EXISTS txn_work; CREATE TABLE txn_work (v text)")
+    try:
+        with hook.lock(KEY, mode="transaction") as handle:
+            assert handle is not None and handle.connection is not None
+            conn = handle.connection
+            conn.execute("SAVEPOINT a")
+            with contextlib.suppress(psycopg.errors.DivisionByZero):
+                conn.execute("SELECT 1/0")
+            time.sleep(3.5)  # three heartbeats, each answered by an error
+            assert not admin.execute("SELECT pg_try_advisory_lock(%s)", [key.int64]).fetchone()[0]
+            conn.execute("ROLLBACK TO SAVEPOINT a")
+            conn.execute("INSERT INTO txn_work VALUES ('after')")
+        assert [row[0] for row in admin.execute("SELECT v FROM txn_work").fetchall()] == ["after"]
+        assert advisory_locks(admin) == []
+    finally:
         admin.execute("DROP TABLE IF EXISTS txn_work")
