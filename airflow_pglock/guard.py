@@ -247,6 +247,11 @@ class LockGuard:
         # From here on the lock is held: one try, so that nothing (an error, Airflow's task
         # timeout, Ctrl-C) can leave the lock connection open with no outcome line.
         try:
+            if self.held.slot is not None:  # a slot of a pool: the outcome line names the slot taken
+                self._outcome.context = dataclasses.replace(
+                    self._outcome.context, key=self.held.key, slot=self.held.slot
+                )
+                self.interruption.label = self.held.key.describe()
             self._holder_pid = os.getpid()
             forks.after_fork_in_child(self, LockGuard._forked)
             self._wait_seconds = time.monotonic() - self._started
@@ -349,9 +354,6 @@ class LockGuard:
             if token is not None:
                 self.fencing_token = token
             break
-        if held.slot is not None:  # a slot of a pool: the outcome line names the slot taken
-            self._outcome.context = dataclasses.replace(self._outcome.context, key=held.key, slot=held.slot)
-            self.interruption.label = held.key.describe()
         return held
 
     def _free_entered_scope(self) -> None:

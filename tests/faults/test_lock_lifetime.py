@@ -35,7 +35,7 @@ from airflow_pglock.pg.probe import probe, results_before
 from airflow_pglock.policy import LockPolicy
 from airflow_pglock.run_rules import RunRules
 from tests.faults.conftest import FaultServer, assert_nothing_left
-from tests.helpers import relayed
+from tests.helpers import advisory_locks_once_exited, relayed
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
@@ -547,6 +547,32 @@ def test_interrupt_while_logging_the_acquisition_leaves_nothing(fault_server: Fa
     assert guard.held is not None and guard.held.connection.closed
     assert guard.outcome == "failed"
     assert any(line.startswith("pglock outcome=failed") for line in logger.lines)
+
+
+def test_interrupt_while_naming_the_pool_slot_taken_leaves_nothing(fault_server: FaultServer, fault_admin: Any) -> None:
+    """The last step of taking a pool's slot names it for the outcome line and the interruption's
+    message. An interrupt there left the slot and its markers held by a connection nobody closed
+    (until the exception's frames were freed, or the lease)."""
+    from airflow_pglock.interruption import Interruption
+
+    guard = _guard(fault_server, "slot-leak", lease=30, slots=2)
+
+    class InterruptedWhileNamed(Interruption):
+        @property
+        def label(self) -> str:
+            return str(self.__dict__["label"])
+
+        @label.setter
+        def label(self, value: str) -> None:
+            raise KeyboardInterrupt("arrived while naming the slot taken")
+
+    guard.interruption.__class__ = InterruptedWhileNamed
+    with pytest.raises(KeyboardInterrupt) as raised:
+        guard.__enter__()
+    assert "naming the slot" in str(raised.value)  # the frames stay alive with it meanwhile
+    assert guard.held is not None and guard.held.connection.closed
+    assert guard.outcome == "failed"
+    assert advisory_locks_once_exited(fault_admin) == []
 
 
 def test_interrupt_at_the_start_of_exit_leaves_nothing(fault_server: FaultServer, fault_admin: Any) -> None:
