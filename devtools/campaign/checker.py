@@ -45,12 +45,17 @@ from devtools.campaign.nemesis import FAULT_KINDS, WORKER_FAULTS
 #: What every bound allows for: scheduling and the spacing of the history's events (a
 #: process writes its ``lost`` or ``done`` line a moment after it acted on it).
 JITTER = 1.0
+#: A heartbeat's look from a side connection: a connect and one statement, on the campaign's
+#: loopback (its connect timeout is 2 s; the allowance is for a loaded machine).
+SIDE_LOOK = 1.0
 
 
 #: A worker's own doing, which it writes in the history itself: a savepoint of the work's own
 #: rolled back after it took transaction-mode sub-keys, which ends them while the work goes on
-#: with them. Found only at their release: the overlap lasts until then, and the run must end lost.
-WORKER_OWN_FAULTS = ("savepoint-rollback",)
+#: with them (found only at their release: the overlap lasts until then, and the run must end
+#: lost); an error of the work's own statement caught outside a savepoint in a transaction-mode
+#: guard, which aborts the lock's transaction and so ends its lock (found by the next heartbeat).
+WORKER_OWN_FAULTS = ("savepoint-rollback", "caught-error")
 #: Every kind the report counts.
 REPORTED_KINDS = (*FAULT_KINDS, *WORKER_OWN_FAULTS)
 
@@ -71,6 +76,8 @@ def overlap_bound(kind: str, duration: float, lease: float) -> float:
     overlap last until the fault's end: a transaction-mode holder whose fencing token's commit
     waits for the synchronous standby learns of its loss when that commit returns.)
     """
+    if kind == "caught-error":  # the next heartbeat's probe, then its look from a side connection
+        return lease / 3 + SIDE_LOOK + JITTER
     if kind in WORKER_OWN_FAULTS:
         return math.inf
     if kind == "sigstop-long":

@@ -235,6 +235,15 @@ class Worker:
             self.history.emit(
                 "acquired", run=run, key=name, token=handle.fencing_token, backend=handle.backend_pid, at=at, **sizes
             )
+            if mode == "transaction" and handle.connection is not None and self.rng.random() < 0.1:
+                # An error of the work's own statement, caught outside a savepoint: it aborts the
+                # lock's transaction, whose lock goes at once; the work goes on (it must end lost).
+                import psycopg
+
+                with contextlib.suppress(psycopg.errors.DivisionByZero):
+                    handle.connection.execute("SELECT 1/0")
+                now = time.time()
+                self.history.emit("fault", kind="caught-error", start=now, end=now, target=run, pids=[os.getpid()])
             self._work(run, {name: handle.fencing_token})
 
         guard = LockGuard(self.hook.database, LockKey.from_name(key), policy, application_name=self.name, rules=rules)

@@ -162,6 +162,18 @@ def test_a_savepoint_rollback_of_the_workers_own_explains_an_overlap_of_its_run_
     assert any("unexplained overlap" in v for v in check(unexplained, [], lease=LEASE).violations)
 
 
+def test_an_error_caught_in_a_transaction_mode_guard_explains_an_overlap_until_the_next_heartbeat_only() -> None:
+    """The worker writes it itself: the lock's transaction, aborted by the error, ended its lock
+    at once; the next heartbeat (L/3) looks from a side connection and interrupts the work. An
+    overlap that lasts longer (a work that went on to its end) is a violation, lost or not."""
+    caught = {"t": 10.5, "event": "fault", "kind": "caught-error", "start": 10.5, "end": 10.5}
+    caught |= {"target": "a", "pids": [1], "pid": 1, "worker": 1}
+    interrupted = [*_run("a", 1, "k", 10, 11.6, "lost", lost=True), *_run("b", 2, "k", 10.6, 12, "completed"), caught]
+    assert check(interrupted, [], lease=LEASE).passed
+    went_on = [*_run("a", 1, "k", 10, 19, "failed"), *_run("b", 2, "k", 10.6, 18, "completed"), caught]
+    assert any("overlap longer than its bound" in v for v in check(went_on, [], lease=LEASE).violations)
+
+
 def _pool_run(run: str, pid: int, slot_key: str, size: int, start: float, end: float, outcome: str) -> list[dict]:
     events = _run(run, pid, slot_key, start, end, outcome)
     events[1].update(pool="p", size=size)
