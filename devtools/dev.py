@@ -408,7 +408,10 @@ def suite_parts_problem() -> str | None:
     missing = [file for file, count in runs.items() if count == 0]
     twice = [file for file, count in runs.items() if count > 1]
     if unknown or missing or twice:
-        return f"SUITE_PARTS names what is not a test directory or file {unknown}, leaves out {missing} and runs twice {twice}"
+        return (
+            f"SUITE_PARTS names what is not a test directory or file {unknown}, leaves out {missing}"
+            f" and runs twice {twice}"
+        )
     return None
 
 
