@@ -36,6 +36,12 @@ from airflow_pglock.server_rules import Scope, ServerInfo
 OnLoss = Callable[[str, bool], None]
 
 
+#: Seconds between two looks from a side connection that could not be made, after a probe of a
+#: transaction lock was answered with an error (such a probe does not wait: without a pause the
+#: heartbeat would open connections in a loop).
+SIDE_LOOK_PAUSE = 0.25
+
+
 class KeptAlive(Protocol):
     """What a heartbeat keeps alive: a lock on its session (``HeldLock``), or a lock session."""
 
@@ -276,6 +282,7 @@ class Heartbeat:
                 self._report(*self.describe_error(error))
                 return
             started = time.monotonic()
+            answered_with_error = False
             try:
                 result = held.probe(
                     liveness.probe_budget(started - confirmed),
@@ -291,7 +298,7 @@ class Heartbeat:
                     continue
                 # A transaction lock goes with its transaction, which an error outside a savepoint
                 # (the work's, or a cancel of this probe) ends at once: its ROLLBACK comes later.
-                result = "busy"
+                answered_with_error, result = True, "busy"
             except Exception as error:  # never let the heartbeat die silently: a silent heartbeat loses the lock
                 self._report(f"the heartbeat failed ({type(error).__name__}: {error})", False)
                 return
@@ -301,12 +308,20 @@ class Heartbeat:
                 # the session still holds the lock: ask the server from a side connection.
                 seen = self.database.holds_seen_aside(held)
                 if seen is None:  # the server cannot be reached either: silent, as a probe without answer
-                    if time.monotonic() - confirmed >= liveness.loss_deadline:
-                        self._report(no_answer(), False)
+                    since = time.monotonic() - confirmed
+                    if since >= liveness.loss_deadline:
+                        self._report(loss.unverified_after_error(since) if answered_with_error else no_answer(), False)
                         return
+                    if answered_with_error:  # such a probe is answered at once: look again after a pause
+                        try:
+                            if self._watch(min(SIDE_LOOK_PAUSE, liveness.loss_deadline - since)):
+                                return
+                        except psycopg.Error as error:
+                            self._report(*self.describe_error(error))
+                            return
                     continue
                 if not seen:
-                    if held.scope == "transaction" and held.transaction_aborted:
+                    if answered_with_error:
                         self._report(loss.ABORTED_BY_AN_ERROR, False)
                     else:
                         self._report(

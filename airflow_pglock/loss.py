@@ -28,6 +28,15 @@ ABORTED_BY_AN_ERROR = (
     "(seen from a side connection)"
 )
 
+
+def unverified_after_error(seconds: float) -> str:
+    """A transaction lock's heartbeat was answered with an error and no side look could be made."""
+    return (
+        "the lock's transaction answered the heartbeat with an error (aborted, or in a failed savepoint), and "
+        f"no side connection could tell within {seconds:.1f} s whether it still held the key: given up as lost"
+    )
+
+
 NOT_HELD_SEEN_ASIDE = (
     "the lock session no longer holds the key (seen from a side connection while the work kept "
     "the lock's connection busy: the session was terminated, or its transaction ended)"

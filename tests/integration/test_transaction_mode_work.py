@@ -182,3 +182,36 @@ def test_a_failed_savepoint_keeps_the_lock_across_heartbeats(dsn: str, admin: An
         assert advisory_locks(admin) == []
     finally:
         admin.execute("DROP TABLE IF EXISTS txn_work")
+
+
+def test_a_failed_savepoint_nobody_can_look_at_from_aside_is_given_up_as_unverified(
+    dsn: str, admin: Any, pg_server: str
+) -> None:
+    """The probes are answered with an error (a failed savepoint: the key may still be held) and
+    the database takes no new connection, so the side look cannot tell: the heartbeat gives the
+    lock up at 2L/3, saying so, rather than trusting an answer that proves nothing."""
+    from psycopg import sql
+
+    from airflow_pglock.liveness import Liveness
+
+    hook = AdvisoryLockHook(dsn=dsn, liveness=Liveness(lease=3))
+    server = psycopg.connect(pg_server, autocommit=True)  # a database may not refuse its own sessions
+    database = sql.Identifier(admin.info.dbname)
+    try:
+        with (
+            pytest.raises(LockLostError, match="no side connection could tell"),
+            hook.lock(KEY, mode="transaction") as handle,
+        ):
+            assert handle is not None and handle.connection is not None
+            handle.connection.execute("SAVEPOINT a")
+            with contextlib.suppress(psycopg.errors.DivisionByZero):
+                handle.connection.execute("SELECT 1/0")
+            server.execute(sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS false").format(database))
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                time.sleep(0.05)
+            pytest.fail("the heartbeat went on trusting probes answered with an error")
+    finally:
+        server.execute(sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS true").format(database))
+        server.close()
+    assert advisory_locks(admin) == []
