@@ -227,18 +227,19 @@ class AdvisoryLockTrigger(BaseTrigger):
             yield TriggerEvent(event)
 
     async def _holders_text(self) -> str:
-        """Who holds the key now (for the deadline's message), on a short connection."""
+        """Who holds the key now (for the deadline's message), on a short connection of its own.
+
+        Its error is the trigger's: the hub's last read may be older than a partition or a frozen
+        server it has not noticed yet, and "still held" must come from a server that answered.
+        """
         import datetime as dt
 
         from airflow_pglock.holder import describe_holders
         from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 
-        try:
-            holders = await AdvisoryLockHook(self.postgres_conn_id, connect_timeout=self.connect_timeout).aholders(
-                self.key, slots=self.slots
-            )
-        except Exception as error:  # the deadline passed either way; the names are a courtesy
-            return f"a holder that could not be named ({type(error).__name__})"
+        holders = await AdvisoryLockHook(self.postgres_conn_id, connect_timeout=self.connect_timeout).aholders(
+            self.key, slots=self.slots
+        )
         return describe_holders(holders, dt.datetime.now().astimezone())
 
 

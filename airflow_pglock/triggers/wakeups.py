@@ -69,14 +69,15 @@ class Waiter:
 
     async def wait(self, timeout: float | None) -> bool:
         """True once the key is free; False at ``timeout`` when the hub's last read, on a
-        connection still up, found it held. Raises the hub's error, and at ``timeout`` when the
-        key could not be read: a deadline is never answered "held" from a read the hub can no
-        longer vouch for (the lock database went away; a stopped server holds nothing)."""
+        connection still up, found it held. Raises the hub's error, and when the key could not be
+        read by ``timeout`` plus :attr:`read_grace` (for a connect or reconnect on its way): a
+        deadline is never answered "held" from a read the hub can no longer vouch for (the lock
+        database went away; a stopped server holds nothing)."""
         if not self.woken.is_set() and (timeout is None or timeout > 0):
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.woken.wait(), timeout)
-        if not self.checked.is_set() and self.unreadable is None:
-            with contextlib.suppress(asyncio.TimeoutError):  # a first read may be on its way
+        if not self.checked.is_set():  # a read may be on its way (a connect, a reconnect)
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.checked.wait(), self.read_grace)
         if self.error is not None:
             raise self.error
@@ -131,7 +132,9 @@ class WakeupHub:
     async def watch(self, key: LockKey, *, shared: bool, poll_interval: float) -> AsyncIterator[Waiter]:
         """Register ``key`` while the block runs; the hub checks it at once, then on wake-ups and polls."""
         waiter = Waiter(key.pg_locks, shared, poll_interval, read_grace=self.connect_timeout + RECONNECT_DELAY)
-        if self._unreadable is not None:
+        if self._task is None or self._task.done():
+            self._unreadable = None  # an outage the last waiters left behind says nothing of now
+        elif self._unreadable is not None:
             waiter.unsettle(self._unreadable)
         self.waiters.setdefault(waiter.coordinates, set()).add(waiter)
         self.pending.add(waiter.coordinates)

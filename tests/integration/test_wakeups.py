@@ -299,7 +299,8 @@ def test_a_deadline_while_the_lock_database_is_gone_is_reported_as_an_error_not_
     connection. At the first trigger's deadline nobody can say the key is still held (a stopped
     server holds nothing): it reported "timeout", which a sensor with soft_fail turned into a
     skip. A trigger that started during the outage waited for the database to come back,
-    past its deadline."""
+    past its deadline. Once it is back, the outage the last waiters left says nothing: a
+    trigger that starts then is read as usual."""
     import psycopg
     from psycopg import sql
 
@@ -308,23 +309,59 @@ def test_a_deadline_while_the_lock_database_is_gone_is_reported_as_an_error_not_
     server = psycopg.connect(pg_server, autocommit=True)  # a database may not refuse its own sessions
     admin.execute("SELECT pg_advisory_lock(%s), pg_advisory_lock(%s)", [read_before.int64, started_during.int64])
 
+    def allow_connections(allowed: bool) -> None:
+        server.execute(sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS {}").format(database, sql.Literal(allowed)))
+
     async def outage() -> list[dict[str, Any]]:
         first = asyncio.create_task(_first_payload(_trigger(read_before, deadline=8)))
         hub = await asyncio.to_thread(_hub_ready, admin)
-        await asyncio.to_thread(server.execute, sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS false").format(database))
+        await asyncio.to_thread(allow_connections, False)
         await asyncio.to_thread(admin.execute, "SELECT pg_terminate_backend(%s)", [hub])
         second = asyncio.create_task(_first_payload(_trigger(started_during, deadline=2)))
-        return list(await asyncio.wait_for(asyncio.gather(first, second), 30))
+        events = list(await asyncio.wait_for(asyncio.gather(first, second), 30))
+        await asyncio.to_thread(allow_connections, True)
+        free_key = LockKey.from_name("wakeups/after-the-outage")
+        events.append(await asyncio.wait_for(_first_payload(_trigger(free_key, deadline=-1)), 30))
+        return events
 
     try:
-        events = asyncio.run(outage())
+        *during, after = asyncio.run(outage())
+    finally:
+        allow_connections(True)
+        server.close()
+        admin.execute("SELECT pg_advisory_unlock_all()")
+    for event in during:
+        assert event["status"] == "error" and event["error_type"] == "LockConnectionError", event
+        assert "wake-up connection to the lock database was lost" in event["message"], event
+    assert after["status"] == FREE, after
+
+
+def test_a_deadline_the_hub_reads_as_held_is_told_only_by_a_server_that_answers(
+    airflow_db: Any, admin: Any, pg_server: str
+) -> None:
+    """At the deadline the hub's last read said "held", but the server no longer takes a new
+    connection (the hub's own is still up, as a partition it has not noticed yet leaves it): the
+    deadline's look at the holders fails, and the trigger reports that error. It reported
+    "timeout" with "a holder that could not be named", which a soft_fail sensor skipped on."""
+    import psycopg
+    from psycopg import sql
+
+    key = LockKey.from_name("wakeups/deadline-unanswered")
+    database = sql.Identifier(admin.info.dbname)
+    server = psycopg.connect(pg_server, autocommit=True)
+    admin.execute("SELECT pg_advisory_lock(%s)", [key.int64])
+
+    def refuse_new_connections() -> None:
+        server.execute(sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS false").format(database))
+
+    try:
+        event = asyncio.run(_fires_after(_trigger(key, deadline=3), admin, refuse_new_connections))
     finally:
         server.execute(sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS true").format(database))
         server.close()
         admin.execute("SELECT pg_advisory_unlock_all()")
-    for event in events:
-        assert event["status"] == "error" and event["error_type"] == "LockConnectionError", event
-        assert "wake-up connection to the lock database was lost" in event["message"], event
+    assert event["status"] == "error" and event["error_type"] == "LockConnectionError", event
+    assert "could not read who holds" in event["message"], event
 
 
 def test_the_hub_listens_before_every_check(
