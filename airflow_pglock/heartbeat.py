@@ -66,10 +66,6 @@ class KeptAlive(Protocol):
     def seen_from_aside(self, side: psycopg.Connection[Any]) -> bool:
         """Whether it still holds (lives), asked on another session ``side``."""
 
-    @property
-    def transaction_aborted(self) -> bool:
-        """Whether its connection is in a failed transaction block (an error not yet rolled back)."""
-
 
 class Heartbeat:
     """Probe ``held`` every ``lease / 3`` s until stopped or the lock is found lost.

@@ -517,13 +517,6 @@ class _SessionKeptAlive:
     def seen_from_aside(self, side: psycopg.Connection[Any]) -> bool:
         return statements.session_alive_seen_from_aside(side, self.server.backend_pid)
 
-    @property
-    def transaction_aborted(self) -> bool:
-        return (
-            not self.connection.closed
-            and self.connection.info.transaction_status == psycopg.pq.TransactionStatus.INERROR
-        )
-
 
 class LockSession(LockSet):
     """A :class:`LockSet` on a dedicated connection of its own, kept alive by a heartbeat.

@@ -59,7 +59,7 @@ class Waiter:
     coordinates: Coordinates
     shared: bool
     poll_interval: float
-    #: Seconds a deadline waits for a first read of the key (the hub may be connecting).
+    #: Seconds a deadline waits for a read of the key when none counts (the hub may be (re)connecting).
     read_grace: float = RECONNECT_DELAY
     checked: asyncio.Event = field(default_factory=asyncio.Event)  # read since the hub's connection came up
     free: asyncio.Event = field(default_factory=asyncio.Event)
