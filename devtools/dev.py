@@ -96,7 +96,8 @@ DURATIONS = ("--durations=25",)
 #: directory in the others, and every test file runs in exactly one part (checked before the
 #: run). tests/celery and the lock-scope deployments are in the second to even them out: in a
 #: dry run of .ci/run with them in the first, the first took 1,040 s and the second 768 s (the
-#: scope deployments alone: 134 s).
+#: scope deployments alone: 134 s); with them in the second (and a few new tests there), 985 s
+#: and 1,066 s: the whole suite took as long, within these machines' noise.
 SUITE_PARTS: tuple[tuple[str, ...], ...] = (
     ("tests/airflow", "tests/e2e"),
     (
