@@ -55,6 +55,16 @@ def held_lock(hook: Any, key: Any, *, mode: str = "session", **options: Any) -> 
             held.close()
 
 
+def allow_connections(server: Any, database: str, allowed: bool) -> None:
+    """Let ``database`` take new connections or refuse every one, superusers' too (its sessions
+    stay); ``server`` is a connection to another database: none may refuse its own."""
+    from psycopg import sql
+
+    server.execute(
+        sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS {}").format(sql.Identifier(database), sql.Literal(allowed))
+    )
+
+
 def other_sessions(conn: Any) -> list[tuple[int, str]]:
     """Client sessions on this database other than ``conn``'s own."""
     rows = conn.execute(

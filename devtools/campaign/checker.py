@@ -45,8 +45,8 @@ from devtools.campaign.nemesis import FAULT_KINDS, WORKER_FAULTS
 #: What every bound allows for: scheduling and the spacing of the history's events (a
 #: process writes its ``lost`` or ``done`` line a moment after it acted on it).
 JITTER = 1.0
-#: A heartbeat's look from a side connection: a connect and one statement, on the campaign's
-#: loopback (its connect timeout is 2 s; the allowance is for a loaded machine).
+#: A heartbeat's look from a side connection: a connect and one statement, milliseconds on the
+#: campaign's loopback; the second is for a loaded machine (a connect that fails waits up to 2 s).
 SIDE_LOOK = 1.0
 
 

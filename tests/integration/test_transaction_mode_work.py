@@ -19,7 +19,7 @@ import pytest
 from airflow_pglock.exceptions import LockLostError
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 from airflow_pglock.keys import LockKey
-from tests.helpers import advisory_locks
+from tests.helpers import advisory_locks, allow_connections
 
 KEY = "txn-work"
 
@@ -190,13 +190,10 @@ def test_a_failed_savepoint_nobody_can_look_at_from_aside_is_given_up_as_unverif
     """The probes are answered with an error (a failed savepoint: the key may still be held) and
     the database takes no new connection, so the side look cannot tell: the heartbeat gives the
     lock up at 2L/3, saying so, rather than trusting an answer that proves nothing."""
-    from psycopg import sql
-
     from airflow_pglock.liveness import Liveness
 
     hook = AdvisoryLockHook(dsn=dsn, liveness=Liveness(lease=3))
-    server = psycopg.connect(pg_server, autocommit=True)  # a database may not refuse its own sessions
-    database = sql.Identifier(admin.info.dbname)
+    server = psycopg.connect(pg_server, autocommit=True)
     try:
         with (
             pytest.raises(LockLostError, match="no side connection could tell"),
@@ -206,12 +203,12 @@ def test_a_failed_savepoint_nobody_can_look_at_from_aside_is_given_up_as_unverif
             handle.connection.execute("SAVEPOINT a")
             with contextlib.suppress(psycopg.errors.DivisionByZero):
                 handle.connection.execute("SELECT 1/0")
-            server.execute(sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS false").format(database))
+            allow_connections(server, admin.info.dbname, False)
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
                 time.sleep(0.05)
             pytest.fail("the heartbeat went on trusting probes answered with an error")
     finally:
-        server.execute(sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS true").format(database))
+        allow_connections(server, admin.info.dbname, True)
         server.close()
     assert advisory_locks(admin) == []

@@ -16,7 +16,7 @@ from airflow_pglock.keys import LockKey
 from airflow_pglock.pg import statements, wakeups
 from airflow_pglock.pg.release import unlock
 from airflow_pglock.triggers.advisory_lock import FREE, AdvisoryLockTrigger
-from tests.helpers import TEST_CONN_ID
+from tests.helpers import TEST_CONN_ID, allow_connections
 
 WAITERS = 200
 
@@ -302,24 +302,20 @@ def test_a_deadline_while_the_lock_database_is_gone_is_reported_as_an_error_not_
     past its deadline. Once it is back, the outage the last waiters left says nothing: a
     trigger that starts then is read as usual."""
     import psycopg
-    from psycopg import sql
 
     read_before, started_during = LockKey.from_name("wakeups/outage-read"), LockKey.from_name("wakeups/outage-new")
-    database = sql.Identifier(admin.info.dbname)
-    server = psycopg.connect(pg_server, autocommit=True)  # a database may not refuse its own sessions
+    server = psycopg.connect(pg_server, autocommit=True)
+    database = admin.info.dbname
     admin.execute("SELECT pg_advisory_lock(%s), pg_advisory_lock(%s)", [read_before.int64, started_during.int64])
-
-    def allow_connections(allowed: bool) -> None:
-        server.execute(sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS {}").format(database, sql.Literal(allowed)))
 
     async def outage() -> list[dict[str, Any]]:
         first = asyncio.create_task(_first_payload(_trigger(read_before, deadline=8)))
         hub = await asyncio.to_thread(_hub_ready, admin)
-        await asyncio.to_thread(allow_connections, False)
+        await asyncio.to_thread(allow_connections, server, database, False)
         await asyncio.to_thread(admin.execute, "SELECT pg_terminate_backend(%s)", [hub])
         second = asyncio.create_task(_first_payload(_trigger(started_during, deadline=2)))
         events = list(await asyncio.wait_for(asyncio.gather(first, second), 30))
-        await asyncio.to_thread(allow_connections, True)
+        await asyncio.to_thread(allow_connections, server, database, True)
         free_key = LockKey.from_name("wakeups/after-the-outage")
         events.append(await asyncio.wait_for(_first_payload(_trigger(free_key, deadline=-1)), 30))
         return events
@@ -327,7 +323,7 @@ def test_a_deadline_while_the_lock_database_is_gone_is_reported_as_an_error_not_
     try:
         *during, after = asyncio.run(outage())
     finally:
-        allow_connections(True)
+        allow_connections(server, database, True)
         server.close()
         admin.execute("SELECT pg_advisory_unlock_all()")
     for event in during:
@@ -344,20 +340,17 @@ def test_a_deadline_the_hub_reads_as_held_is_told_only_by_a_server_that_answers(
     deadline's look at the holders fails, and the trigger reports that error. It reported
     "timeout" with "a holder that could not be named", which a soft_fail sensor skipped on."""
     import psycopg
-    from psycopg import sql
 
     key = LockKey.from_name("wakeups/deadline-unanswered")
-    database = sql.Identifier(admin.info.dbname)
     server = psycopg.connect(pg_server, autocommit=True)
+    database = admin.info.dbname
     admin.execute("SELECT pg_advisory_lock(%s)", [key.int64])
-
-    def refuse_new_connections() -> None:
-        server.execute(sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS false").format(database))
-
     try:
-        event = asyncio.run(_fires_after(_trigger(key, deadline=3), admin, refuse_new_connections))
+        event = asyncio.run(
+            _fires_after(_trigger(key, deadline=3), admin, lambda: allow_connections(server, database, False))
+        )
     finally:
-        server.execute(sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS true").format(database))
+        allow_connections(server, database, True)
         server.close()
         admin.execute("SELECT pg_advisory_unlock_all()")
     assert event["status"] == "error" and event["error_type"] == "LockConnectionError", event
