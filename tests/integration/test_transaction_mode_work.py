@@ -212,3 +212,48 @@ def test_a_failed_savepoint_nobody_can_look_at_from_aside_is_given_up_as_unverif
         allow_connections(server, admin.info.dbname, True)
         server.close()
     assert advisory_locks(admin) == []
+
+
+def test_a_cancel_of_the_heartbeats_own_probe_is_a_loss(dsn: str, admin: Any) -> None:
+    """A cancel (``pg_cancel_backend``, a ``statement_timeout``) of the heartbeat's own probe aborts
+    the lock's transaction as a work's error would, and frees the key at once: the heartbeat must
+    see that, not take the cancel for an answer of a live lock.
+
+    The probe is held up by a lock on the ``pg_locks`` view it reads, taken before its first beat
+    (afterwards the lock's transaction holds the view itself), and cancelled while it waits."""
+    from airflow_pglock.liveness import Liveness
+
+    hook = AdvisoryLockHook(dsn=dsn, liveness=Liveness(lease=3))
+    blocker = psycopg.connect(dsn, autocommit=True, application_name="pglock-tests probe blocker")
+    cancelled: list[bool] = []
+    try:
+        with pytest.raises(LockLostError, match="aborted by an error"), hook.lock(KEY, mode="transaction") as handle:
+            assert handle is not None and handle.connection is not None
+            pid = handle.connection.info.backend_pid
+            blocker.execute("SET lock_timeout = '500ms'")
+            blocker.execute("BEGIN")
+            blocker.execute("LOCK TABLE pg_catalog.pg_locks IN ACCESS EXCLUSIVE MODE")
+            waiting = "SELECT wait_event_type = 'Lock' FROM pg_catalog.pg_stat_activity WHERE pid = %s"
+            deadline = time.monotonic() + 10  # the first beat comes a second after the take
+            while not admin.execute(waiting, [pid]).fetchone()[0]:
+                assert time.monotonic() < deadline, "the heartbeat's probe never waited for pg_locks"
+                time.sleep(0.01)
+            cancelled.append(admin.execute("SELECT pg_cancel_backend(%s)", [pid]).fetchone()[0])
+            key = LockKey.from_name(KEY).int64
+            deadline = time.monotonic() + 5  # the signal is sent, not yet handled, when the call returns
+            while not (free := admin.execute("SELECT pg_try_advisory_lock(%s)", [key]).fetchone()[0]):
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+            if free:  # freed by the cancel; the heartbeat's side look waits for pg_locks: give it back
+                admin.execute("SELECT pg_advisory_unlock(%s)", [key])
+            cancelled.append(free)
+            blocker.execute("ROLLBACK")
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                time.sleep(0.05)
+            pytest.fail("the work went on after its probe was cancelled")
+    finally:
+        blocker.close()
+    assert cancelled == [True, True]
+    assert advisory_locks(admin) == []
