@@ -28,6 +28,13 @@ ABORTED_BY_AN_ERROR = (
     "(seen from a side connection)"
 )
 
+#: The manual handle (no side look): what an aborted transaction means for its lock.
+ABORTED_UNLESS_IN_A_SAVEPOINT = (
+    "an error aborted the lock's transaction: unless it came inside a savepoint (then the lock stays until "
+    "the transaction ends), it released the lock at once, since PostgreSQL frees a transaction's locks at the "
+    "error, not at its later ROLLBACK; another holder may have taken the key since"
+)
+
 
 def unverified_after_error(seconds: float) -> str:
     """A transaction lock's heartbeat was answered with an error and no side look could be made."""

@@ -16,6 +16,7 @@ from typing import Any
 
 import psycopg
 
+from airflow_pglock import loss
 from airflow_pglock.keys import LockKey
 from airflow_pglock.loss import held_clock
 from airflow_pglock.pg.probe import ProbeResult, probe
@@ -75,8 +76,16 @@ class HeldLock:
         False once the session has ended (the lease ran out while the connection sat idle,
         the session was terminated, the connection broke): the server released the lock
         with it. The reason is logged as a warning; the error never reaches the caller.
+
+        Transaction scope: False as well while an error has aborted the lock's transaction.
+        Outside a savepoint that error released the lock (PostgreSQL frees a transaction's
+        locks at the error, not at its later ROLLBACK); inside one the lock stays, but the
+        session can answer nothing until the work rolls back to its savepoint.
         """
         if self.connection.closed:
+            return False
+        if self.scope == "transaction" and self.transaction_aborted:
+            log.warning("pglock %s: %s", self.key.describe(), loss.ABORTED_UNLESS_IN_A_SAVEPOINT)
             return False
         try:
             return is_held(self.connection, self.key, self.shared, self.xact_id)

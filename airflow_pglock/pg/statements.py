@@ -18,6 +18,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from airflow_pglock import loss
 from airflow_pglock.exceptions import LockConfigurationError
 from airflow_pglock.holder import EXCLUSIVE_MODE, SHARED_MODE
 from airflow_pglock.keys import LockKey
@@ -302,8 +303,7 @@ def commit(conn: psycopg.Connection[Any]) -> None:
     status = conn.execute("COMMIT").statusmessage
     if status != "COMMIT":
         raise psycopg.errors.InFailedSqlTransaction(
-            f"the lock transaction was aborted by an earlier error, so PostgreSQL answered COMMIT with {status}: "
-            "nothing was committed"
+            f"PostgreSQL answered COMMIT with {status}, nothing was committed: {loss.ABORTED_UNLESS_IN_A_SAVEPOINT}"
         )
 
 

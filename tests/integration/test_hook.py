@@ -191,6 +191,50 @@ def test_transaction_lock_refuses_to_pretend_an_aborted_commit_worked(hook: Advi
             held.connection.execute("SELECT 1/0")
 
 
+def test_a_manual_transaction_lock_aborted_by_an_error_is_not_reported_held(
+    hook: AdvisoryLockHook, admin: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An error the work caught outside a savepoint released the key at that error: the manual
+    handle (no heartbeat, no side look) must neither call it held nor let a commit pass, and its
+    release says it was not held to the end."""
+    key = LockKey.from_name("aborted-manual")
+    held = hook.acquire(key, mode="transaction")
+    assert held is not None
+    try:
+        with pytest.raises(psycopg.errors.DivisionByZero):
+            held.connection.execute("SELECT 1/0")
+        assert admin.execute("SELECT pg_try_advisory_lock(%s)", [key.int64]).fetchone()[0], "freed at the error"
+        admin.execute("SELECT pg_advisory_unlock(%s)", [key.int64])
+        with caplog.at_level("WARNING", logger="airflow_pglock"):
+            assert held.is_held() is False
+        assert "another holder may have taken the key" in caplog.text
+        with pytest.raises(psycopg.errors.InFailedSqlTransaction, match="released the lock at once"):
+            held.commit()
+    finally:
+        assert held.release() is False
+    assert advisory_locks(admin) == []
+
+
+def test_a_manual_transaction_lock_in_a_failed_savepoint_is_held_again_once_rolled_back_to(
+    hook: AdvisoryLockHook, admin: Any
+) -> None:
+    key = LockKey.from_name("savepoint-manual")
+    held = hook.acquire(key, mode="transaction")
+    assert held is not None
+    try:
+        held.connection.execute("SAVEPOINT a")
+        with pytest.raises(psycopg.errors.DivisionByZero):
+            held.connection.execute("SELECT 1/0")
+        assert not admin.execute("SELECT pg_try_advisory_lock(%s)", [key.int64]).fetchone()[0], "still held"
+        assert held.is_held() is False  # the session can tell nothing until rolled back to its savepoint
+        held.connection.execute("ROLLBACK TO SAVEPOINT a")
+        assert held.is_held() is True
+        held.commit()
+    finally:
+        held.release()
+    assert advisory_locks(admin) == []
+
+
 def test_holders_names_pid_application_and_client(hook: AdvisoryLockHook, admin: Any) -> None:
     key = LockKey.from_name("who-holds")
     held = hook.acquire(key, application_name="pglock dag task run")
