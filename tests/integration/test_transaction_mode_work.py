@@ -189,10 +189,21 @@ def test_a_failed_savepoint_nobody_can_look_at_from_aside_is_given_up_as_unverif
 ) -> None:
     """The probes are answered with an error (a failed savepoint: the key may still be held) and
     the database takes no new connection, so the side look cannot tell: the heartbeat gives the
-    lock up at 2L/3, saying so, rather than trusting an answer that proves nothing."""
+    lock up at 2L/3, saying so, rather than trusting an answer that proves nothing. Meanwhile it
+    looks again at a pace (``SIDE_LOOK_PAUSE``), not in a loop of refused connections."""
+    from airflow_pglock.heartbeat import SIDE_LOOK_PAUSE
     from airflow_pglock.liveness import Liveness
 
-    hook = AdvisoryLockHook(dsn=dsn, liveness=Liveness(lease=3))
+    liveness = Liveness(lease=3)
+    hook = AdvisoryLockHook(dsn=dsn, liveness=liveness)
+    looks: list[bool | None] = []
+    look_aside = hook.database.holds_seen_aside
+
+    def counted_look(held: Any) -> bool | None:
+        looks.append(seen := look_aside(held))
+        return seen
+
+    hook.database.holds_seen_aside = counted_look  # type: ignore[method-assign]  # counts, the look is real
     server = psycopg.connect(pg_server, autocommit=True)
     try:
         with (
@@ -212,6 +223,10 @@ def test_a_failed_savepoint_nobody_can_look_at_from_aside_is_given_up_as_unverif
         allow_connections(server, admin.info.dbname, True)
         server.close()
     assert advisory_locks(admin) == []
+    # The looks fit in the loss deadline (2L/3) since the last answer that counted, one per pause,
+    # plus the first and the block's own at its end; a loop without the pause makes hundreds.
+    assert looks and set(looks) == {None}, looks
+    assert len(looks) <= liveness.loss_deadline / SIDE_LOOK_PAUSE + 2, looks
 
 
 def test_a_cancel_of_the_heartbeats_own_probe_is_a_loss(dsn: str, admin: Any) -> None:
