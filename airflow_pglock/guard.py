@@ -459,6 +459,7 @@ class LockGuard:
         commit_error: BaseException | None = None
         note: str | None = None
         handed: str | None = None
+        finished = False
         try:
             self.interruption.disarm_absorbing()
             self._stop_heartbeat()
@@ -489,13 +490,16 @@ class LockGuard:
                     seen_aside=lambda: self.database.holds_seen_aside(held),
                 )
                 lost, commit_error, note = finish(ending)
-        except BaseException as interrupted:  # an asynchronous exception during the clean-up
-            self._abandon()
-            detail = f"the clean-up was interrupted: {type(interrupted).__name__}"
-            self._report("failed", detail=detail, held=held.held_seconds)
-            raise
-        finally:
+            finished = True
             self._abandon()  # also rolls back a transaction lock's open transaction
+        except BaseException as interrupted:  # an asynchronous exception during the clean-up
+            after = " after the lock was given back" if finished else ""
+            try:
+                self._abandon()
+            finally:  # one outcome line, even when a second interruption lands in the close
+                detail = f"the clean-up was interrupted{after}: {type(interrupted).__name__}"
+                self._report("failed", detail=detail, held=held.held_seconds)
+            raise
         if lost is not None:
             self.interruption.refine(lost)
         held_for = held.held_seconds

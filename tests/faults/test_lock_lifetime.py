@@ -591,6 +591,31 @@ def test_interrupt_at_the_start_of_exit_leaves_nothing(fault_server: FaultServer
     assert guard.outcome is not None
 
 
+def test_interrupt_while_closing_after_the_release_still_logs_one_outcome(
+    fault_server: FaultServer, fault_admin: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C or execution_timeout landing in the last step of the clean-up, the close of the
+    lock connection after the key was given back: it escaped with no outcome line at all."""
+    logger = _InterruptedLogger("never")
+    guard = LockGuard(_hook(fault_server).database, LockKey.from_name("close-interrupted"), LockPolicy(), logger=logger)
+    guard.__enter__()
+    close = HeldLock.close
+
+    def interrupted(held: HeldLock) -> None:
+        close(held)
+        raise KeyboardInterrupt("arrived while closing the lock connection")
+
+    monkeypatch.setattr(HeldLock, "close", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        guard.__exit__(None, None, None)
+    assert guard.held is not None and guard.held.connection.closed
+    assert guard.outcome == "failed"
+    outcomes = [line for line in logger.lines if line.startswith("pglock outcome=")]
+    assert len(outcomes) == 1, outcomes
+    assert "the clean-up was interrupted after the lock was given back: KeyboardInterrupt" in outcomes[0], outcomes
+    assert advisory_locks_once_exited(fault_admin) == []
+
+
 def test_interrupt_while_run_disarms_leaves_nothing(fault_server: FaultServer, fault_admin: Any) -> None:
     guard = _guard(fault_server, "disarm-leak", lease=30)
     disarm = guard.interruption.disarm
