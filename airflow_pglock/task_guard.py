@@ -134,6 +134,9 @@ def run_guarded(
     identity = task_identity(context)
     guard: LockGuard | None = None
     policy = spec.policy
+    # Called by another guarded task's work (a function under @advisory_lock called from it):
+    # part of that task has run, so nothing here may skip it; a refusal fails it instead.
+    nested = _HELD.get() is not None
     if policy.on_busy == "defer":
         deadline = time.time() + float(policy.wait_timeout or 0) if deadline is None else float(deadline)
         remaining = deadline - time.time()
@@ -175,6 +178,8 @@ def run_guarded(
     except (AlreadyDoneError, LockBusyError) as refused:
         if guard is None or refused is not guard.refusal:
             raise  # raised by the work (e.g. an inner guard): a failure of this run, never a skip
+        if nested:
+            raise  # a failure of the guarded work that called this one (its guard's outcome says so)
         if isinstance(refused, AlreadyDoneError):
             raise AirflowSkipException(f"skipped: {refused}") from refused
         busy = refused
@@ -189,11 +194,11 @@ def run_guarded(
     except LockLostError:
         raise
     except (InvalidLockKeyError, LockConfigurationError, UnsafeSetupError) as error:
-        if guard is not None and guard.held is not None:  # raised after the lock was taken: never a skip
+        if nested or (guard is not None and guard.held is not None):  # after work began: never a skip
             raise AirflowFailException(f"{type(error).__name__}: {error}") from error
         fail_for_configuration(spec, error, logger)
     except (PgLockError, psycopg.OperationalError) as error:
-        if guard is None or guard.held is None:  # the lock could not be taken: the lock database is the problem
+        if not nested and (guard is None or guard.held is None):  # the lock could not be taken: the database's fault
             _skip_if_asked(spec, error, logger)
         raise
 

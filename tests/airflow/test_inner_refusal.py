@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
-from tests.helpers import run_dag
+from tests.helpers import advisory_locks, run_dag
 
 pytestmark = pytest.mark.airflow
 
@@ -47,3 +47,50 @@ def test_busy_inner_guard_fails_the_outer_task(airflow_db: Any, admin: Any, hold
     finally:
         blocker.release()
     assert result.state("outer") == "failed"
+
+
+INNER_DECORATED_DAG = """
+import pendulum
+from airflow.sdk import dag, task
+
+from airflow_pglock.decorators.advisory_lock import advisory_lock
+
+CONN = "pglock_test"
+
+
+@advisory_lock(postgres_conn_id={inner_conn!r}, key="inner-step", on_busy="skip", on_error="skip")
+def step_2():
+    print("step 2 done")
+
+
+@dag(dag_id="inner_decorated", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False)
+def inner_decorated():
+    @task.advisory_lock(postgres_conn_id=CONN, key="outer-step", on_busy="skip", retries=0)
+    def outer():
+        print("step 1 done (irreversible)")
+        step_2()
+
+    outer()
+
+
+inner_decorated_dag = inner_decorated()
+"""
+
+
+@pytest.mark.parametrize(
+    ("inner_conn", "why"),
+    [("pglock_test", "busy (on_busy='skip')"), ("no_such_connection", "an error (on_error='skip')")],
+)
+def test_a_guarded_function_called_by_guarded_work_fails_that_task_never_skips_it(
+    airflow_db: Any, admin: Any, holder_hook: AdvisoryLockHook, inner_conn: str, why: str
+) -> None:
+    """A function under ``@advisory_lock`` maps busy (and on_error='skip' errors) to a skip: right for
+    the task it guards, wrong for a task whose guarded work called it after a step of its own."""
+    blocker = holder_hook.acquire("inner-step")
+    assert blocker is not None
+    try:
+        result = run_dag(INNER_DECORATED_DAG.format(inner_conn=inner_conn), "inner_decorated")
+    finally:
+        blocker.release()
+    assert result.state("outer") == "failed", why
+    assert advisory_locks(admin) == []
