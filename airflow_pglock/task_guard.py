@@ -153,6 +153,12 @@ def run_guarded(
         held = _HELD.set(handle)
         try:
             return work(handle)
+        except TaskDeferred:  # guarded() hands an operator's deferral over before this; nothing else can
+            raise LockConfigurationError(
+                f"the guarded work of task {identity.task_id!r} deferred (TaskDeferred) while holding "
+                f"{handle.key.describe()}: a deferred task holds no lock, and its resumed method would run "
+                "without it. Guard a deferrable operator with guarded(operator, deferral_lease=...), or do not defer"
+            ) from None
         finally:
             _HELD.reset(held)
 

@@ -368,26 +368,32 @@ class ScopeMemberGuard:
             role = self.spec.role("member", context)
         except LockConfigurationError as error:
             fail_for_configuration(lock_spec, error, task.log)
-        try:
-            result = run_guarded(
-                lock_spec,
-                context,
-                lambda handle: type(task).execute(task, context, **kwargs),
-                task.log,
-                scope=role,
-                **rendered,
-            )
-        except LockLostError:
+
+        def work(handle: LockHandle) -> Any:
             try:
-                task.on_kill()
-            except Exception as error:  # losing the scope is the error to report
-                task.log.warning(
-                    "pglock: on_kill() after the scope was lost raised %s: %s", type(error).__name__, error
-                )
+                return type(task).execute(task, context, **kwargs)
+            except TaskDeferred:  # deferrable without a `deferrable` flag (e.g. an operator that calls self.defer())
+                _stop_external_work(task, "it deferred")
+                raise LockConfigurationError(
+                    f"task {task.task_id!r} of the lock scope on {self.spec.key!r} deferred: a deferred task holds "
+                    "no lock, and its resumed method would run outside the scope. Run it without deferring"
+                ) from None
+
+        try:
+            result = run_guarded(lock_spec, context, work, task.log, scope=role, **rendered)
+        except LockLostError:
+            _stop_external_work(task, "the scope was lost")
             raise
         if self.spec.has_run_rules:  # the work ran under the key to its end: read by the teardown
             context["ti"].xcom_push(key=SUCCEEDED_XCOM_KEY, value=role.holder)
         return result
+
+
+def _stop_external_work(task: Any, why: str) -> None:
+    try:
+        task.on_kill()
+    except Exception as error:  # the reason it is stopped is the error to report
+        task.log.warning("pglock: on_kill() after %s raised %s: %s", why, type(error).__name__, error)
 
 
 def _guard_member(task: Any, spec: ScopeSpec) -> None:

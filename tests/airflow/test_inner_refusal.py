@@ -94,3 +94,40 @@ def test_a_guarded_function_called_by_guarded_work_fails_that_task_never_skips_i
         blocker.release()
     assert result.state("outer") == "failed", why
     assert advisory_locks(admin) == []
+
+
+DEFERRING_WORK_DAG = """
+import pendulum
+from airflow.sdk import dag, task
+
+from airflow_pglock.compat import TaskDeferred
+
+try:
+    from airflow.providers.standard.triggers.temporal import DateTimeTrigger
+except ImportError:  # Airflow 2
+    from airflow.triggers.temporal import DateTimeTrigger
+
+
+@dag(dag_id="deferring_work", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False)
+def deferring_work():
+    @task.advisory_lock(postgres_conn_id="pglock_test", key="deferring-work", retries=0)
+    def defers():
+        print("WORK STARTED")
+        raise TaskDeferred(trigger=DateTimeTrigger(moment=pendulum.now("UTC").add(seconds=1)), method_name="execute")
+
+    defers()
+
+
+deferring_work_dag = deferring_work()
+"""
+
+
+def test_guarded_work_that_defers_fails_instead_of_resuming_without_the_lock(
+    airflow_db: Any, admin: Any, capfd: Any
+) -> None:
+    result = run_dag(DEFERRING_WORK_DAG, "deferring_work")
+    out = "".join(capfd.readouterr())
+    assert result.state("defers") == "failed"
+    assert "a deferred task holds no lock, and its resumed method would run without it" in out
+    assert out.count("WORK STARTED") == 1, "never run again after a deferral"
+    assert advisory_locks(admin) == []

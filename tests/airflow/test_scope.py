@@ -211,6 +211,50 @@ def test_a_deferring_setup_waits_in_the_triggerer_until_the_other_scope_ends(
     assert _scope_rows(scopes_db) == []
 
 
+SELF_DEFERRING_DAG = """
+import pendulum
+from airflow.sdk import BaseOperator, dag
+from airflow.providers.standard.triggers.temporal import DateTimeTrigger
+from airflow_pglock.operators.scope import advisory_lock_scope
+
+
+class DefersItself(BaseOperator):  # no `deferrable` attribute: nothing at parse time says it defers
+    def execute(self, context):
+        print("started its external work")
+        self.defer(trigger=DateTimeTrigger(moment=pendulum.now("UTC").add(seconds=1)), method_name="resumed")
+
+    def resumed(self, context, event=None):
+        print("RESUMED OUTSIDE THE SCOPE")
+
+    def on_kill(self):
+        print("ON_KILL: stopped its external work")
+
+
+@dag(dag_id="scoped_self_deferring", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False)
+def scoped_self_deferring():
+    with advisory_lock_scope("publish", key="scope-key", postgres_conn_id="pglock_test"):
+        DefersItself(task_id="waits")
+
+
+scoped_self_deferring_dag = scoped_self_deferring()
+"""
+
+
+def test_a_task_of_the_scope_that_defers_at_run_time_fails_and_is_stopped(
+    airflow_db: Any, scopes_db: Any, capfd: Any
+) -> None:
+    """An operator that defers without saying so (``self.defer()``, no ``deferrable`` flag) passes
+    the parse-time check; at run time its deferral would release the key and resume it outside
+    the scope, unguarded, while the scope's lease runs out."""
+    result = run_dag(SELF_DEFERRING_DAG, "scoped_self_deferring")
+    out = "".join(capfd.readouterr())
+    assert result.state("publish.waits") == "failed"
+    assert "RESUMED OUTSIDE THE SCOPE" not in out
+    assert "ON_KILL: stopped its external work" in out
+    assert result.state("publish.pglock_scope_exit") == "success"
+    assert _scope_rows(scopes_db) == []
+
+
 SENSOR_DAG = """
 import pendulum
 from airflow.sdk import dag
