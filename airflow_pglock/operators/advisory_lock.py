@@ -96,6 +96,17 @@ class OperatorGuard:
         """
         return self._execute(context, {}, deadline=resume_deadline(event, deadline))
 
+    def resume_execution(self, next_method: str, next_kwargs: dict[str, Any] | None, context: Context) -> Any:
+        """Where the task runner resumes the operator (replaces ``operator.resume_execution``): the
+        resume of an ``on_busy="defer"`` wait maps its outcome as the first try did (a sensor's own
+        ``resume_execution`` would turn every error into a skip under ``soft_fail``); any other
+        resume is the operator's own.
+        """
+        if next_method == RESUME_METHOD:
+            return self.resume(context, **(next_kwargs or {}))
+        task = rendered_task(context)
+        return type(task).resume_execution(task, next_method, next_kwargs, context)
+
     def resume_deferred(self, context: Context, event: Any = None, **kwargs: Any) -> Any:
         """Resume after the operator's own deferral (``pglock_resume_deferred``): re-enter the hold
         the triggerer handed back, then run the operator's resume method under it.
@@ -373,6 +384,7 @@ def guarded(
     operator.execute = guard.execute  # type: ignore[method-assign]
     setattr(operator, RESUME_METHOD, guard.resume)  # where a task deferred by on_busy="defer" resumes
     setattr(operator, DEFERRED_RESUME_METHOD, guard.resume_deferred)  # where it resumes after its own deferral
+    operator.resume_execution = guard.resume_execution  # type: ignore[method-assign]
     return operator
 
 

@@ -230,7 +230,12 @@ class AdvisoryLockSensor(BaseSensorOperator):
             # BaseSensorOperator.resume_execution would replace our skip reason (key, holder)
             # by "Skipping due to soft_fail", and turn errors into skips under soft_fail.
             return self.execute_complete(context, **(next_kwargs or {}))
-        return super().resume_execution(next_method, next_kwargs, context)
+        try:  # Airflow's __fail__: the trigger failed (it raised, or the triggerer could not build it)
+            return super(BaseSensorOperator, self).resume_execution(next_method, next_kwargs, context)
+        except Exception as error:
+            if type(error).__name__ != "TaskDeferralTimeout":
+                raise  # an error, as an ERROR event is: never a skip, whatever soft_fail says
+            self._timed_out(f"Airflow's deferral timeout ended the wait for {self.lock_key().describe()}")
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> None:
         """Map the trigger's event: free -> success, timeout -> failed or skipped, error -> failed.

@@ -249,3 +249,24 @@ def test_a_connection_extra_pool_mode_that_is_no_pooling_mode_is_refused_naming_
     monkeypatch.setenv("AIRFLOW_CONN_PGLOCK_BAD_POOL_MODE", json.dumps(conn))
     with pytest.raises(LockConfigurationError, match=f"extra pool_mode {pool_mode!r}"):
         AdvisoryLockHook("pglock_bad_pool_mode").resolve_settings()
+
+
+def test_a_connection_that_cannot_be_read_now_is_a_connection_error_not_a_missing_one() -> None:
+    """Only Airflow's "not found" is a setting to fix (a failure without retries); a secrets
+    backend or API server failing now is a connection error, which the task's retries cover."""
+    from airflow_pglock.exceptions import LockConfigurationError, LockConnectionError
+    from airflow_pglock.hooks import connection
+
+    class AirflowNotFoundException(Exception):  # the name Airflow's class has on every line
+        pass
+
+    def backend_down(conn_id: str) -> Any:
+        raise TimeoutError("the secrets backend did not answer")
+
+    def missing(conn_id: str) -> Any:
+        raise AirflowNotFoundException(f"The conn_id `{conn_id}` isn't defined")
+
+    with pytest.raises(LockConnectionError, match="'pglock_x' could not be read.*TimeoutError"):
+        connection.from_airflow("pglock_x", backend_down)
+    with pytest.raises(LockConfigurationError, match="'pglock_x' was not found"):
+        connection.from_airflow("pglock_x", missing)

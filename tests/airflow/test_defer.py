@@ -207,3 +207,50 @@ def test_defer_needs_a_bounded_wait_and_a_flavour_that_can_resume(airflow_db: An
         LockSpec.from_options({"on_wait_timeout": "fail"}, declaration=LockOptions, caller="guarded")
     with pytest.raises(LockConfigurationError, match=r"@advisory_lock\(on_busy='defer'\) cannot defer"):
         advisory_lock(key="k", on_busy="defer", wait_timeout=10)
+
+
+SOFT_FAIL_SENSOR_DAG = """
+import pendulum
+from airflow.sdk import dag
+
+from airflow_pglock.operators.advisory_lock import guarded
+
+try:
+    from airflow.providers.standard.sensors.python import PythonSensor
+except ImportError:  # Airflow 2
+    from airflow.sensors.python import PythonSensor
+
+CONN = "pglock_test"
+
+
+@dag(dag_id="soft_fail_sensor", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False)
+def soft_fail_sensor():
+    for on_wait_timeout in ("fail", "skip"):
+        guarded(
+            PythonSensor(task_id=f"deadline_{on_wait_timeout}", python_callable=lambda: True, soft_fail=True),
+            key="defer/sensor-held", on_busy="defer", wait_timeout=2, defer_after=0,
+            on_wait_timeout=on_wait_timeout, postgres_conn_id=CONN,
+        )
+
+
+soft_fail_sensor_dag = soft_fail_sensor()
+"""
+
+
+def test_a_guarded_soft_fail_sensor_resumed_from_its_wait_maps_the_outcome_as_its_first_try(
+    airflow_db: Any, hook: AdvisoryLockHook, capfd: Any, caplog: Any
+) -> None:
+    """The resume of an on_busy="defer" wait goes through the sensor's resume_execution, which
+    turns any AirflowException into a skip under soft_fail: on_wait_timeout="fail" (or a
+    configuration error found then) skipped the task instead of failing it."""
+    holder = AdvisoryLockHook(dsn=hook.dsn, liveness=Liveness(lease=600))
+    held = holder.acquire("defer/sensor-held", application_name="nightly holder")
+    assert held is not None
+    try:
+        result = run_dag(SOFT_FAIL_SENSOR_DAG, "soft_fail_sensor")
+    finally:
+        held.release()
+    log = "".join(capfd.readouterr()) + caplog.text
+    assert result.state("deadline_fail") == "failed", log[-3000:]
+    assert result.state("deadline_skip") == "skipped", log[-3000:]
+    assert re.search(r"pglock deferred: .*key 'defer/sensor-held'", log), log[-3000:]

@@ -322,6 +322,22 @@ def test_trigger_connection_error_is_a_clear_failure_even_with_soft_fail(
         sensor.execute_complete({}, event.payload)  # type: ignore[arg-type]
 
 
+def test_a_trigger_that_failed_fails_the_deferrable_sensor_even_with_soft_fail(airflow_db: Any) -> None:
+    """Airflow resumes a task whose trigger raised (or could not be built in the triggerer) with
+    ``__fail__``; BaseSensorOperator turned that into a skip under soft_fail. Only Airflow's
+    deferral timeout is the sensor's timeout."""
+    from airflow_pglock import compat
+    from airflow_pglock.sensors.advisory_lock import AdvisoryLockSensor
+
+    sensor = AdvisoryLockSensor(task_id="s", key="maint/held", postgres_conn_id=TEST_CONN_ID, soft_fail=True)
+    with pytest.raises(Exception, match="Trigger failure") as failed:
+        sensor.resume_execution("__fail__", {"error": "Trigger failure"}, {})  # type: ignore[arg-type]
+    assert "Skip" not in type(failed.value).__name__
+    if compat.AIRFLOW_V_3_PLUS:  # Airflow 2 has no deferral timeout of its own to resume with
+        with pytest.raises(compat.AirflowSkipException, match="deferral timeout ended the wait for key 'maint/held'"):
+            sensor.resume_execution("__fail__", {"error": "Trigger timeout"}, {})  # type: ignore[arg-type]
+
+
 def test_shared_sensor_waits_only_for_exclusive_holders(dsn: str, hook: AdvisoryLockHook, admin: Any) -> None:
     from airflow_pglock.sensors.advisory_lock import AdvisoryLockSensor
     from airflow_pglock.triggers.advisory_lock import AdvisoryLockTrigger
