@@ -138,8 +138,6 @@ class GuardedTrigger(BaseTrigger):
     async def run(self) -> AsyncIterator[TriggerEvent]:
         """Take the hold, run the operator's trigger, hand the hold back with its first event (or report the loss)."""
         holds = await asyncio.to_thread(importlib.import_module, "airflow_pglock.triggers.holds")
-        inner = await asyncio.to_thread(self._inner)  # its module may import a driver
-        self._operator_trigger = inner
         hub = holds.hub_for(self.postgres_conn_id, self.connect_timeout)
         hold = holds.DeferredHold(self.key, self.holder, self.task_label, self.lease)
         async with hub.holding(hold):
@@ -147,6 +145,12 @@ class GuardedTrigger(BaseTrigger):
             if hold.reason is not None:
                 yield await self._lost(hold.reason)
                 return
+            try:  # under the hold: a trigger that cannot be built here resumes the task to free it and fail
+                inner = await asyncio.to_thread(self._inner)  # its module may import a driver
+            except Exception as unbuilt:
+                yield await self._failed(hub, hold, "could not be built in the triggerer", unbuilt)
+                return
+            self._operator_trigger = inner
             await _log(
                 self.log.info,
                 "pglock: the triggerer holds %s for the deferred task %s (lease %g s, renewed every %g s)",
@@ -173,13 +177,7 @@ class GuardedTrigger(BaseTrigger):
             failed = fired.exception()
             await events.aclose()
             if failed is not None:
-                # The task resumes, frees its hold under the key, stops the external work and fails.
-                error = f"{type(failed).__name__}: {failed}"
-                await _log(self.log.error, "pglock: the trigger of %s failed: %s", self.task_label, error)
-                if not await hub.hand_back(hold):
-                    yield await self._lost(hold.reason)
-                    return
-                yield TriggerEvent({"pglock": ERROR, "error": error, "resume": self.resume})
+                yield await self._failed(hub, hold, "failed", failed)
                 return
             event = fired.result()
             if type(event) is not TriggerEvent:  # a task-end event: the task ends here, no worker resumes
@@ -195,6 +193,15 @@ class GuardedTrigger(BaseTrigger):
                 yield await self._lost(hold.reason)
                 return
         yield TriggerEvent({"pglock": HELD, "event": event.payload, "resume": self.resume})
+
+    async def _failed(self, hub: Any, hold: Any, what: str, failed: BaseException) -> TriggerEvent:
+        """The operator's trigger failed: the task resumes, frees its hold under the key, stops the
+        external work and fails (or the hold was lost meanwhile)."""
+        error = f"{type(failed).__name__}: {failed}"
+        await _log(self.log.error, "pglock: the trigger of %s %s: %s", self.task_label, what, error)
+        if not await hub.hand_back(hold):
+            return await self._lost(hold.reason)
+        return TriggerEvent({"pglock": ERROR, "error": error, "resume": self.resume})
 
     async def _lost(self, reason: str | None) -> TriggerEvent:
         reason = reason or "the hold was lost"

@@ -68,10 +68,13 @@ class Fault(BaseTrigger):
 
     def __init__(self, dsn, key, fault):
         super().__init__()
+        if fault == "unbuildable":  # as a trigger whose module or arguments the triggerer lacks
+            raise RuntimeError("this trigger cannot be built in the triggerer")
         self.dsn, self.key, self.fault = dsn, key, fault
 
     def serialize(self):
-        return f"{type(self).__module__}.Fault", {"dsn": self.dsn, "key": self.key, "fault": self.fault}
+        fault = "unbuildable" if self.fault == "unbuildable_in_triggerer" else self.fault
+        return f"{type(self).__module__}.Fault", {"dsn": self.dsn, "key": self.key, "fault": fault}
 
     async def run(self):
         await asyncio.sleep(0.5)
@@ -158,7 +161,8 @@ def deferrable_guard():
                   fault="lapse", defers=1), key="defer/lapse", deferral_lease=60, postgres_conn_id=CONN)
     # A lease far longer than the run: the check at the end sees which rows were left, whatever
     # order dag.test() ran the tasks in (a 60 s lease had run out by then on a slow run).
-    for task_id, fault in (("foreign_row", "foreign_row"), ("kill_in_resume", "kill_in_resume"), ("raises", "raise")):
+    for task_id, fault in (("foreign_row", "foreign_row"), ("kill_in_resume", "kill_in_resume"), ("raises", "raise"),
+                           ("unbuildable", "unbuildable_in_triggerer")):
         guarded(Steps(task_id=task_id, key=f"defer/{task_id}", dsn="{{ params.dsn }}", out="{{ params.out }}",
                       fault=fault, defers=1), key=f"defer/{task_id}", deferral_lease=1800, postgres_conn_id=CONN)
     soon = "{{ (macros.datetime.utcnow() + macros.timedelta(seconds=2)).isoformat() }}"
@@ -214,6 +218,10 @@ def test_the_hold_follows_a_deferred_operator_into_the_triggerer_and_back(
     assert result.state("raises") == "failed" and (tmp_path / "raises.killed").exists()
     assert "the trigger of task 'raises' failed while it held 'defer/raises'" in log
     assert [s["step"] for s in _steps(tmp_path, "raises")] == ["execute"]
+    assert result.state("unbuildable") == "failed" and (tmp_path / "unbuildable.killed").exists()
+    assert "the trigger of task 'unbuildable' failed while it held 'defer/unbuildable'" in log
+    assert "could not be built in the triggerer: RuntimeError: this trigger cannot be built" in log
+    assert [s["step"] for s in _steps(tmp_path, "unbuildable")] == ["execute"]
     # Airflow's own deferrable sensor, guarded.
     assert result.state("date_time") == "success", log[-3000:]
     assert "pglock: date_time deferred to airflow.providers.standard.triggers.temporal.DateTimeTrigger" in log
