@@ -31,6 +31,7 @@ from airflow_pglock.exceptions import (
     InvalidLockKeyError,
     LockBusyError,
     LockConfigurationError,
+    LockConnectionError,
     LockLostError,
     PgLockError,
     UnsafeSetupError,
@@ -113,6 +114,7 @@ def run_guarded(
     once_per: Any = None,
     deadline: float | None = None,
     scope: ScopeRole = OUTSIDE,
+    trigger_error: str | None = None,
 ) -> T:
     """Run ``work`` while holding the key of this task instance; map each outcome to Airflow's.
 
@@ -126,6 +128,9 @@ def run_guarded(
     :param once_per: the rendered ``once_per`` period, or None.
     :param deadline: ``on_busy="defer"``: UNIX time the whole wait ends (None: this is the first try).
     :param scope: how this task stands to a lock scope on its key (a scope's setup, task or teardown).
+    :param trigger_error: ``on_busy="defer"``: the trigger ended the wait with an error (see
+        :func:`trigger_error`); a key still busy then fails the task (retries apply) rather than
+        defer again to a triggerer that cannot watch it, at once, over and over.
     """
     import psycopg
 
@@ -189,6 +194,8 @@ def run_guarded(
         if isinstance(refused, AlreadyDoneError):
             raise AirflowSkipException(f"skipped: {refused}") from refused
         busy = refused
+        if trigger_error is not None and policy.on_busy == "defer":
+            raise LockConnectionError(f"{busy}; the wait for it in the triggerer failed: {trigger_error}") from busy
         if policy.on_busy == "defer" and deadline is not None:
             defer_until_released(spec, guard.key, busy, deadline, logger)
         if policy.on_busy == "fail":
@@ -235,6 +242,15 @@ def defer_until_released(spec: LockSpec, key: LockKey, busy: LockBusyError, dead
     # What task.defer() raises. No Airflow deferral timeout: it would fail the task; the
     # trigger's deadline ends the wait instead.
     raise TaskDeferred(trigger=trigger, method_name=RESUME_METHOD, kwargs={"deadline": deadline})
+
+
+def trigger_error(event: Any) -> str | None:
+    """The error an ``on_busy="defer"`` trigger ended its wait with (its event), else None."""
+    from airflow_pglock.triggers.advisory_lock import ERROR
+
+    if isinstance(event, Mapping) and event.get("status") == ERROR:
+        return str(event.get("message") or event.get("error_type") or "an error")
+    return None
 
 
 def resume_deadline(event: Any, deadline: float | None) -> float | None:

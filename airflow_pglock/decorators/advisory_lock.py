@@ -15,6 +15,7 @@ from airflow_pglock.task_guard import (
     hand_over_lock,
     refuse_lock_argument,
     resume_deadline,
+    trigger_error,
     run_guarded,
     tenant_from_arguments,
 )
@@ -77,9 +78,9 @@ class _AdvisoryLockDecoratedOperator(DecoratedOperator, PythonOperator):
         :param event: the trigger's event (free, timeout or error: the new try finds out itself).
         :param deadline: the UNIX time the whole wait ends.
         """
-        return self._execute_guarded(context, deadline=resume_deadline(event, deadline))
+        return self._execute_guarded(context, resume_deadline(event, deadline), trigger_error(event))
 
-    def _execute_guarded(self, context: Context, deadline: float | None) -> Any:
+    def _execute_guarded(self, context: Context, deadline: float | None, failed_wait: str | None = None) -> Any:
         rendered = {name: getattr(self, name) for name in TEMPLATED}
         if self.lock_spec.tenant_arg is not None:
             try:
@@ -89,7 +90,13 @@ class _AdvisoryLockDecoratedOperator(DecoratedOperator, PythonOperator):
             except LockConfigurationError as error:  # a setting to fix: no retry
                 fail_for_configuration(self.lock_spec, error, self.log)
         return run_guarded(
-            self.lock_spec, context, lambda _: self._execute_function(context), self.log, deadline=deadline, **rendered
+            self.lock_spec,
+            context,
+            lambda _: self._execute_function(context),
+            self.log,
+            deadline=deadline,
+            trigger_error=failed_wait,
+            **rendered,
         )
 
     def _execute_function(self, context: Context) -> Any:

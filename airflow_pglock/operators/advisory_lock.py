@@ -44,6 +44,7 @@ from airflow_pglock.task_guard import (
     fail_for_configuration,
     render_lock_options,
     resume_deadline,
+    trigger_error,
     run_guarded,
     run_label,
     task_identity,
@@ -94,7 +95,7 @@ class OperatorGuard:
         :param event: the trigger's event (free, timeout or error: the new try finds out itself).
         :param deadline: the UNIX time the whole wait ends.
         """
-        return self._execute(context, {}, deadline=resume_deadline(event, deadline))
+        return self._execute(context, {}, deadline=resume_deadline(event, deadline), failed_wait=trigger_error(event))
 
     def resume_execution(self, next_method: str, next_kwargs: dict[str, Any] | None, context: Context) -> Any:
         """Where the task runner resumes the operator (replaces ``operator.resume_execution``): the
@@ -179,7 +180,9 @@ class OperatorGuard:
             _lost(task, key, f"the task could not re-enter its hold ({type(error).__name__}: {error})", error)
         return self._defer_again_or_return(task, context, {"key": key, "tenant": None}, role, result)
 
-    def _execute(self, context: Context, kwargs: dict[str, Any], deadline: float | None) -> Any:
+    def _execute(
+        self, context: Context, kwargs: dict[str, Any], deadline: float | None, failed_wait: str | None = None
+    ) -> Any:
         task = rendered_task(context)  # the copy the task runner executes, template fields rendered
         try:
             rendered = render_lock_options(self.spec, context)
@@ -203,7 +206,9 @@ class OperatorGuard:
             return result
 
         try:
-            result = run_guarded(self.spec, context, work, task.log, deadline=deadline, scope=role, **rendered)
+            result = run_guarded(
+                self.spec, context, work, task.log, deadline=deadline, scope=role, trigger_error=failed_wait, **rendered
+            )
         except LockLostError:
             _stop_external_work(task)
             raise

@@ -52,6 +52,7 @@ from airflow_pglock.task_guard import (
     render_lock_options,
     resolve_key,
     resume_deadline,
+    trigger_error,
     run_guarded,
     run_label,
     task_identity,
@@ -220,6 +221,7 @@ def _run_scope_task(
     context: Context,
     deadline: float | None = None,
     members: tuple[str, ...] = (),
+    failed_wait: str | None = None,
 ) -> dict[str, Any] | None:
     task = rendered_task(context)
     lock_spec = spec.enter if kind == "enter" else spec.member_spec()  # the teardown's errors never skip
@@ -247,7 +249,9 @@ def _run_scope_task(
         return entered
 
     try:
-        result = run_guarded(lock_spec, context, done, task.log, deadline=deadline, scope=role, **rendered)
+        result = run_guarded(
+            lock_spec, context, done, task.log, deadline=deadline, scope=role, trigger_error=failed_wait, **rendered
+        )
     except BaseException as error:
         if kind == "enter" and not _refused(error):  # it may have taken the scope (a skip too: on_error="skip")
             _free_after_failed_setup(spec, role, context, rendered, task.log)
@@ -454,7 +458,7 @@ def _wire(tasks: list[Any], spec: ScopeSpec, *, task_group: Any = None, dag: Any
         enter,
         RESUME_METHOD,
         lambda context, event=None, deadline=None: _run_scope_task(
-            spec, "enter", context, deadline=resume_deadline(event, deadline)
+            spec, "enter", context, deadline=resume_deadline(event, deadline), failed_wait=trigger_error(event)
         ),
     )
     enter.as_setup()

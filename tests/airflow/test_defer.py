@@ -254,3 +254,45 @@ def test_a_guarded_soft_fail_sensor_resumed_from_its_wait_maps_the_outcome_as_it
     assert result.state("deadline_fail") == "failed", log[-3000:]
     assert result.state("deadline_skip") == "skipped", log[-3000:]
     assert re.search(r"pglock deferred: .*key 'defer/sensor-held'", log), log[-3000:]
+
+
+def test_a_wait_the_triggerer_could_not_keep_fails_the_resumed_task_instead_of_deferring_again(
+    airflow_db: Any, hook: AdvisoryLockHook
+) -> None:
+    """A trigger that cannot read the lock database ends its wait at once with an error event; the
+    resumed task, finding the key still busy, deferred again at once, over and over until the
+    deadline (each resume well inside the window of apache/airflow#72716)."""
+    import time
+    import types
+
+    from airflow_pglock.compat import PythonOperator, TaskDeferred
+    from airflow_pglock.exceptions import LockConnectionError
+    from airflow_pglock.operators.advisory_lock import guarded
+    from airflow_pglock.task_guard import RESUME_METHOD, resolve_key
+
+    operator = guarded(
+        PythonOperator(task_id="t", python_callable=lambda: "ran"),
+        key="defer/trigger-error",
+        on_busy="defer",
+        wait_timeout=120,
+        defer_after=0,
+        postgres_conn_id="pglock_test",
+    )
+    ti = types.SimpleNamespace(dag_id="d", task_id="t", run_id="manual__r", map_index=-1, hostname="h", task=operator)
+    context: Any = {"ti": ti, "task": operator}
+    holder = AdvisoryLockHook(dsn=hook.dsn, liveness=Liveness(lease=600))
+    held = holder.acquire(resolve_key("defer/trigger-error", None, "d", "t"), application_name="nightly holder")
+    assert held is not None
+    try:
+        with pytest.raises(TaskDeferred) as deferred:
+            operator.execute(context)
+        deadline = deferred.value.kwargs["deadline"]
+        free = {"status": "free", "message": "free", "deadline": deadline}
+        with pytest.raises(TaskDeferred):  # woken while another took the key first: waits again
+            operator.resume_execution(RESUME_METHOD, {"event": free, "deadline": deadline}, context)
+        error = {"status": "error", "message": "could not read who holds it (LockConnectionError: refused)"}
+        with pytest.raises(LockConnectionError, match="the wait for it in the triggerer failed: could not read who"):
+            operator.resume_execution(RESUME_METHOD, {"event": error, "deadline": deadline}, context)
+        assert deadline > time.time() + 60, "failed long before the deadline, as soon as it resumed"
+    finally:
+        held.release()
