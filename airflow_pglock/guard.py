@@ -427,8 +427,16 @@ class LockGuard:
 
         :param work: the protected function; it receives the :class:`LockHandle`.
         """
-        handle = self.__enter__()
         error: BaseException | None = None
+        try:
+            handle = self.__enter__()
+        except BaseException as raised:
+            if self._handle is None or self.outcome is not None:
+                raise  # not taken, or taken and given up: __enter__ said so and left nothing
+            # Taken, then interrupted (Airflow's timeout, Ctrl-C) before the work began: release it
+            # with one outcome line, as an error of the work would.
+            self.__exit__(type(raised), raised, raised.__traceback__)
+            raise
         try:
             try:
                 result = work(handle)

@@ -616,6 +616,29 @@ def test_interrupt_while_closing_after_the_release_still_logs_one_outcome(
     assert advisory_locks_once_exited(fault_admin) == []
 
 
+def test_interrupt_right_after_the_take_before_the_work_still_logs_one_outcome(
+    fault_server: FaultServer, fault_admin: Any
+) -> None:
+    """Airflow's execution_timeout (or Ctrl-C) landing as ``__enter__`` returns in ``run``, before
+    its ``try``: the connection stayed open, with no outcome line, until the process ended."""
+    logger = _InterruptedLogger("never")
+    guard = LockGuard(_hook(fault_server).database, LockKey.from_name("run-enter"), LockPolicy(), logger=logger)
+    enter = guard.__enter__
+
+    def interrupted() -> LockHandle:
+        enter()
+        raise KeyboardInterrupt("arrived as __enter__ returned")
+
+    guard.__enter__ = interrupted  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        guard.run(lambda lock: pytest.fail("the work must not start"))
+    assert guard.held is not None and guard.held.connection.closed
+    assert guard.outcome == "failed"
+    outcomes = [line for line in logger.lines if line.startswith("pglock outcome=")]
+    assert len(outcomes) == 1 and "KeyboardInterrupt" in outcomes[0], outcomes
+    assert advisory_locks_once_exited(fault_admin) == []
+
+
 def test_interrupt_while_run_disarms_leaves_nothing(fault_server: FaultServer, fault_admin: Any) -> None:
     guard = _guard(fault_server, "disarm-leak", lease=30)
     disarm = guard.interruption.disarm
