@@ -8,11 +8,12 @@ the author asked), lost -> failed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
@@ -63,6 +64,19 @@ RESUME_METHOD = "pglock_resume"
 
 #: The held lock of the guarded work running in this context (see :func:`hand_over_lock`).
 _HELD: ContextVar[LockHandle | None] = ContextVar("pglock_held", default=None)
+#: Whether guarded work has begun in this context: a guard called from it may not skip the task.
+_IN_WORK: ContextVar[bool] = ContextVar("pglock_in_work", default=False)
+
+
+@contextlib.contextmanager
+def task_begins() -> Iterator[None]:
+    """The task's own code starts here, though a guard holds a key around it (a lock scope's
+    task): the task's own guard, on another key, may still skip it."""
+    begun = _IN_WORK.set(False)
+    try:
+        yield
+    finally:
+        _IN_WORK.reset(begun)
 
 
 def resolve_key(key: KeySpec, tenant: Any, dag_id: str, task_id: str) -> LockKey:
@@ -141,7 +155,7 @@ def run_guarded(
     policy = spec.policy
     # Called by another guarded task's work (a function under @advisory_lock called from it):
     # part of that task has run, so nothing here may skip it; a refusal fails it instead.
-    nested = _HELD.get() is not None
+    nested = _IN_WORK.get()
     if policy.on_busy == "defer":
         deadline = time.time() + float(policy.wait_timeout or 0) if deadline is None else float(deadline)
         remaining = deadline - time.time()
@@ -155,7 +169,7 @@ def run_guarded(
     def work_with_token(handle: LockHandle) -> T:
         if handle.fencing_token is not None:
             context["ti"].xcom_push(key=FENCING_TOKEN_XCOM_KEY, value=handle.fencing_token)
-        held = _HELD.set(handle)
+        held, begun = _HELD.set(handle), _IN_WORK.set(True)
         try:
             return work(handle)
         except TaskDeferred:  # guarded() hands an operator's deferral over before this; nothing else can
@@ -165,6 +179,7 @@ def run_guarded(
                 "without it. Guard a deferrable operator with guarded(operator, deferral_lease=...), or do not defer"
             ) from None
         finally:
+            _IN_WORK.reset(begun)
             _HELD.reset(held)
 
     try:

@@ -15,9 +15,9 @@ from airflow_pglock.task_guard import (
     hand_over_lock,
     refuse_lock_argument,
     resume_deadline,
-    trigger_error,
     run_guarded,
     tenant_from_arguments,
+    trigger_error,
 )
 
 if TYPE_CHECKING:

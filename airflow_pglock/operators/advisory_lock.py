@@ -44,10 +44,10 @@ from airflow_pglock.task_guard import (
     fail_for_configuration,
     render_lock_options,
     resume_deadline,
-    trigger_error,
     run_guarded,
     run_label,
     task_identity,
+    trigger_error,
 )
 
 if TYPE_CHECKING:

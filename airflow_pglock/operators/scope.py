@@ -52,10 +52,11 @@ from airflow_pglock.task_guard import (
     render_lock_options,
     resolve_key,
     resume_deadline,
-    trigger_error,
     run_guarded,
     run_label,
+    task_begins,
     task_identity,
+    trigger_error,
 )
 
 if TYPE_CHECKING:
@@ -375,7 +376,8 @@ class ScopeMemberGuard:
 
         def work(handle: LockHandle) -> Any:
             try:
-                return type(task).execute(task, context, **kwargs)
+                with task_begins():  # the task's own guard (another key) may skip it, as outside the scope
+                    return type(task).execute(task, context, **kwargs)
             except TaskDeferred:  # deferrable without a `deferrable` flag (e.g. an operator that calls self.defer())
                 _stop_external_work(task, "it deferred")
                 raise LockConfigurationError(
@@ -430,6 +432,11 @@ def _guard_member(task: Any, spec: ScopeSpec) -> None:
         raise LockConfigurationError(
             f"task {task.task_id!r} is guarded by {spec.key!r} inside the lock scope on the same key: it would wait "
             "for its own scope. The scope already holds that key for it: drop the task's own guard"
+        )
+    if inner is not None and inner.policy.on_busy == "defer":
+        raise LockConfigurationError(
+            f"task {task.task_id!r} of the lock scope on {spec.key!r} has on_busy='defer': a deferred task holds "
+            "no lock, and it would resume outside the scope. Use on_busy='wait' (or 'skip') inside a scope"
         )
     guard = ScopeMemberGuard(spec)
     setattr(task, _SCOPE_ATTRIBUTE, spec)

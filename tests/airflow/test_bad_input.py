@@ -257,7 +257,7 @@ def test_a_connection_that_cannot_be_read_now_is_a_connection_error_not_a_missin
     from airflow_pglock.exceptions import LockConfigurationError, LockConnectionError
     from airflow_pglock.hooks import connection
 
-    class AirflowNotFoundException(Exception):  # the name Airflow's class has on every line
+    class AirflowNotFoundException(Exception):  # noqa: N818  # the name Airflow's class has on every line
         pass
 
     def backend_down(conn_id: str) -> Any:
@@ -266,7 +266,7 @@ def test_a_connection_that_cannot_be_read_now_is_a_connection_error_not_a_missin
     def missing(conn_id: str) -> Any:
         raise AirflowNotFoundException(f"The conn_id `{conn_id}` isn't defined")
 
-    with pytest.raises(LockConnectionError, match="'pglock_x' could not be read.*TimeoutError"):
+    with pytest.raises(LockConnectionError, match=r"'pglock_x' could not be read.*TimeoutError"):
         connection.from_airflow("pglock_x", backend_down)
     with pytest.raises(LockConfigurationError, match="'pglock_x' was not found"):
         connection.from_airflow("pglock_x", missing)

@@ -255,6 +255,43 @@ def test_a_task_of_the_scope_that_defers_at_run_time_fails_and_is_stopped(
     assert _scope_rows(scopes_db) == []
 
 
+OTHER_KEY_DAG = """
+import pendulum
+from airflow.sdk import dag, task
+from airflow_pglock.operators.scope import advisory_lock_scope
+
+
+@dag(dag_id="scoped_other_key", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False)
+def scoped_other_key():
+    with advisory_lock_scope("publish", key="scope-key", postgres_conn_id="pglock_test"):
+        @task.advisory_lock(postgres_conn_id="pglock_test", key="other-key", on_busy="skip")
+        def own_guard():
+            print("OWN GUARD RAN")
+
+        own_guard()
+
+
+scoped_other_key_dag = scoped_other_key()
+"""
+
+
+def test_a_task_of_the_scope_whose_own_guard_finds_its_key_busy_is_skipped(
+    airflow_db: Any, scopes_db: Any, capfd: Any, holder_hook: Any
+) -> None:
+    """Its own guard (another key) runs first thing in the task: nothing of it has run, so its
+    on_busy="skip" holds inside a scope as outside (work begun would make it a failure)."""
+    blocker = holder_hook.acquire("other-key")
+    assert blocker is not None
+    try:
+        result = run_dag(OTHER_KEY_DAG, "scoped_other_key")
+    finally:
+        blocker.release()
+    assert "OWN GUARD RAN" not in "".join(capfd.readouterr())
+    assert result.state("publish.own_guard") == "skipped"
+    assert result.state("publish.pglock_scope_exit") == "success"
+    assert _scope_rows(scopes_db) == []
+
+
 SENSOR_DAG = """
 import pendulum
 from airflow.sdk import dag

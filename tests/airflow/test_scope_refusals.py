@@ -103,6 +103,23 @@ def test_a_task_guarded_by_the_scopes_own_key_is_refused() -> None:
 
 
 @needs_scopes
+def test_a_task_of_a_scope_that_would_defer_on_its_own_key_is_refused() -> None:
+    """A deferred task holds no lock: it would resume outside the scope, with its own guard only."""
+    from airflow.sdk import task
+
+    @task.advisory_lock(key="other", on_busy="defer", wait_timeout=60)
+    def defers() -> None:
+        return None
+
+    with (
+        _dag(),
+        pytest.raises(LockConfigurationError, match="has on_busy='defer'"),
+        scope.advisory_lock_scope("publish", key="k"),
+    ):
+        defers()
+
+
+@needs_scopes
 def test_a_scope_inside_a_scope_on_the_same_tasks_is_refused() -> None:
     with (
         _dag(),
