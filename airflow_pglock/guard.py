@@ -501,12 +501,17 @@ class LockGuard:
             finished = True
             self._abandon()  # also rolls back a transaction lock's open transaction
         except BaseException as interrupted:  # an asynchronous exception during the clean-up
-            after = " after the lock was given back" if finished else ""
+            outcome, detail = "failed", f"the clean-up was interrupted: {type(interrupted).__name__}"
+            if finished and lost is not None:  # what the end found comes first
+                outcome, detail = "lost", f"{lost} (then {detail})"
+            elif finished and commit_error is not None:
+                detail = f"finishing failed (commit or completion record): {commit_error} (then {detail})"
+            elif finished:
+                detail = f"the clean-up was interrupted after the lock was given back: {type(interrupted).__name__}"
             try:
                 self._abandon()
             finally:  # one outcome line, even when a second interruption lands in the close
-                detail = f"the clean-up was interrupted{after}: {type(interrupted).__name__}"
-                self._report("failed", detail=detail, held=held.held_seconds)
+                self._report(outcome, detail=detail, held=held.held_seconds)
             raise
         if lost is not None:
             self.interruption.refine(lost)

@@ -68,6 +68,16 @@ _HELD: ContextVar[LockHandle | None] = ContextVar("pglock_held", default=None)
 _IN_WORK: ContextVar[bool] = ContextVar("pglock_in_work", default=False)
 
 
+#: Set on the skips a guard maps its own refusal to (busy, done, on_error='skip').
+_GUARD_SKIP = "pglock_guard_refusal"
+
+
+def _guard_skip(message: str) -> AirflowSkipException:
+    skip = AirflowSkipException(message)
+    setattr(skip, _GUARD_SKIP, True)
+    return skip
+
+
 @contextlib.contextmanager
 def task_begins() -> Iterator[None]:
     """The task's own code starts here, though a guard holds a key around it (a lock scope's
@@ -75,6 +85,9 @@ def task_begins() -> Iterator[None]:
     begun = _IN_WORK.set(False)
     try:
         yield
+    except AirflowSkipException as skip:  # the task's own guard skipped it: a skip of the task, as outside
+        setattr(skip, _GUARD_SKIP, False)
+        raise
     finally:
         _IN_WORK.reset(begun)
 
@@ -172,6 +185,10 @@ def run_guarded(
         held, begun = _HELD.set(handle), _IN_WORK.set(True)
         try:
             return work(handle)
+        except AirflowSkipException as skip:
+            if getattr(skip, _GUARD_SKIP, False):  # an inner guard's refusal, seen from another thread too
+                raise AirflowFailException(f"a guard inside the guarded work refused: {skip}") from skip
+            raise
         except TaskDeferred:  # guarded() hands an operator's deferral over before this; nothing else can
             raise LockConfigurationError(
                 f"the guarded work of task {identity.task_id!r} deferred (TaskDeferred) while holding "
@@ -207,7 +224,7 @@ def run_guarded(
         if nested:
             raise  # a failure of the guarded work that called this one (its guard's outcome says so)
         if isinstance(refused, AlreadyDoneError):
-            raise AirflowSkipException(f"skipped: {refused}") from refused
+            raise _guard_skip(f"skipped: {refused}") from refused
         busy = refused
         if trigger_error is not None and policy.on_busy == "defer":
             raise LockConnectionError(f"{busy}; the wait for it in the triggerer failed: {trigger_error}") from busy
@@ -218,7 +235,7 @@ def run_guarded(
             raise AirflowFailException(f"{busy} ({reason})") from busy
         if policy.on_busy == "wait" and spec.on_wait_timeout == "fail":
             raise AirflowFailException(f"{busy} after wait_timeout (on_wait_timeout='fail')") from busy
-        raise AirflowSkipException(f"skipped: {busy}") from busy
+        raise _guard_skip(f"skipped: {busy}") from busy
     except LockLostError:
         raise
     except (InvalidLockKeyError, LockConfigurationError, UnsafeSetupError) as error:
@@ -286,7 +303,7 @@ def _skip_if_asked(spec: LockSpec, error: BaseException, logger: Any) -> None:
         logger.warning(
             "pglock on_error='skip': skipping instead of failing because of %s: %s", type(error).__name__, error
         )
-        raise AirflowSkipException(f"skipped because of an error (on_error='skip'): {error}") from error
+        raise _guard_skip(f"skipped because of an error (on_error='skip'): {error}") from error
 
 
 # ------------------------------------------------------------ guarded Python callables
@@ -406,16 +423,31 @@ def guard_callable(python_callable: Callable[..., T], spec: LockSpec) -> Callabl
             refuse_lock_argument(name, kwargs)
         context = _current_context(name)
         task = context["task"]
-        try:
-            rendered = render_lock_options(spec, context)
-            if spec.tenant_arg is not None:
-                rendered["tenant"] = tenant_from_arguments(function, spec.tenant_arg, args, kwargs)
-        except LockConfigurationError as error:
-            fail_for_configuration(spec, error, task.log)
-        return run_guarded(spec, context, lambda _: function(*args, **kwargs), task.log, **rendered)
+        # The task's own function (under @task, or under another guard of the task: stacked) is
+        # where the task begins; called from the task's guarded work, it is part of that work.
+        begins = task_begins() if _is_the_tasks_function(task, guarded_call) else contextlib.nullcontext()
+        with begins:
+            try:
+                rendered = render_lock_options(spec, context)
+                if spec.tenant_arg is not None:
+                    rendered["tenant"] = tenant_from_arguments(function, spec.tenant_arg, args, kwargs)
+            except LockConfigurationError as error:
+                if _IN_WORK.get():
+                    raise AirflowFailException(f"{type(error).__name__}: {error}") from error
+                fail_for_configuration(spec, error, task.log)
+            return run_guarded(spec, context, lambda _: function(*args, **kwargs), task.log, **rendered)
 
     guarded_call.pglock_spec = spec  # type: ignore[attr-defined]  # lock_spec_of() finds it here
     return guarded_call
+
+
+def _is_the_tasks_function(task: Any, function: Callable[..., Any]) -> bool:
+    callable_: Any = getattr(task, "python_callable", None)
+    while callable_ is not None:
+        if callable_ is function:
+            return True
+        callable_ = getattr(callable_, "__wrapped__", None)
+    return False
 
 
 #: Attribute of a function guarded by ``@advisory_lock`` holding its :class:`LockSpec`.

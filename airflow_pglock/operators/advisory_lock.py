@@ -59,6 +59,8 @@ OperatorT = TypeVar("OperatorT", bound=BaseOperator)
 
 #: The method a guarded operator resumes with after its own deferral (the hold went to the triggerer).
 DEFERRED_RESUME_METHOD = "pglock_resume_deferred"
+#: The method Airflow resumes a task with when its trigger failed or timed out.
+TRIGGER_FAILED = "__fail__"
 #: The deferral's kwarg that carries the hold to the resumed task.
 DEFERRAL_KWARG = "pglock_deferral"
 #: Seconds the resumed task waits for its key (held a moment by another guard reading the row).
@@ -106,7 +108,40 @@ class OperatorGuard:
         if next_method == RESUME_METHOD:
             return self.resume(context, **(next_kwargs or {}))
         task = rendered_task(context)
-        return type(task).resume_execution(task, next_method, next_kwargs, context)
+        if next_method != TRIGGER_FAILED:
+            return type(task).resume_execution(task, next_method, next_kwargs, context)
+        # Airflow's own: a trigger failed (it raised, or the triggerer could not build it) or
+        # Airflow's deferral timeout. A hold this task handed over is re-entered and freed, the
+        # external work stopped; and an error is no skip, whatever a sensor's soft_fail says.
+        error = str((next_kwargs or {}).get("error") or "unknown")
+        if self.deferral_lease is not None and (deferral := self._handed_over_hold(context, task)) is not None:
+            from airflow_pglock.triggers.guarded import ERROR
+
+            event = {"pglock": ERROR, "error": f"Airflow resumed the task with {TRIGGER_FAILED} ({error})"}
+            return self.resume_deferred(context, event, **{DEFERRAL_KWARG: deferral})
+        try:
+            return BaseOperator.resume_execution(task, next_method, next_kwargs, context)
+        except Exception as failed:
+            if type(failed).__name__ != "TaskDeferralTimeout":
+                raise
+        return type(task).resume_execution(task, next_method, next_kwargs, context)  # its own timeout, as unguarded
+
+    def _handed_over_hold(self, context: Context, task: BaseOperator) -> dict[str, Any] | None:
+        """The hold this task instance handed to the triggerer, if its row is still live."""
+        from airflow_pglock.task_guard import resolve_key
+
+        identity = task_identity(context)
+        try:
+            rendered = render_lock_options(self.spec, context)
+            key = resolve_key(rendered["key"], rendered.get("tenant"), identity.dag_id, identity.task_id)
+            row = self.spec.hook().scope(key) if key.name is not None else None
+        except Exception as error:  # the failure Airflow resumed with is the error to report
+            task.log.warning("pglock: could not look for the hold of task %s: %s", task.task_id, error)
+            return None
+        holder = _holder_of(context)
+        if row is None or row.holder != holder:
+            return None
+        return {"holder": holder, "key_name": key.name, "method": TRIGGER_FAILED, "lease": self.deferral_lease}
 
     def resume_deferred(self, context: Context, event: Any = None, **kwargs: Any) -> Any:
         """Resume after the operator's own deferral (``pglock_resume_deferred``): re-enter the hold

@@ -123,6 +123,12 @@ class GuardedTrigger(BaseTrigger):
         """The task is killed while deferred (marked, cleared; Airflow 3.3+ calls it): the operator's
         trigger hears it too, and cancels its external job where it can."""
         trigger = self._operator_trigger
+        if trigger is None:  # killed before the hold was taken: the operator's trigger hears it all the same
+            try:
+                trigger = self._inner()
+            except Exception as error:
+                await _log(self.log.warning, "pglock: the trigger of %s could not be built: %s", self.task_label, error)
+                return
         kill = getattr(trigger, "on_kill", None)
         if callable(kill):
             result = kill()
@@ -186,9 +192,7 @@ class GuardedTrigger(BaseTrigger):
                     return
                 yield event
                 return
-            held_back = resume_held_back(self.deferred_at, time.time(), self.resume_hold)
-            if held_back > 0:
-                await asyncio.sleep(held_back)
+            await self._hold_back_the_resume()
             if not await hub.hand_back(hold):
                 yield await self._lost(hold.reason)
                 return
@@ -199,11 +203,21 @@ class GuardedTrigger(BaseTrigger):
         external work and fails (or the hold was lost meanwhile)."""
         error = f"{type(failed).__name__}: {failed}"
         await _log(self.log.error, "pglock: the trigger of %s %s: %s", self.task_label, what, error)
+        await self._hold_back_the_resume()
         if not await hub.hand_back(hold):
             return await self._lost(hold.reason)
         return TriggerEvent({"pglock": ERROR, "error": error, "resume": self.resume})
 
+    async def _hold_back_the_resume(self) -> None:
+        """Whatever the event, the task resumes no sooner than ``resume_hold`` after its deferral
+        (apache/airflow#72716: a sooner resume may be failed by the executor's late report, before
+        it could free its hold and stop the external work)."""
+        held_back = resume_held_back(self.deferred_at, time.time(), self.resume_hold)
+        if held_back > 0:
+            await asyncio.sleep(held_back)
+
     async def _lost(self, reason: str | None) -> TriggerEvent:
+        await self._hold_back_the_resume()
         reason = reason or "the hold was lost"
         message = f"lost the hold of {self.key.describe()} while task {self.task_label} was deferred: {reason}"
         await _log(self.log.error, "pglock: %s", message)

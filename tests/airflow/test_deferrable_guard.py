@@ -235,3 +235,69 @@ def test_the_hold_follows_a_deferred_operator_into_the_triggerer_and_back(
         ("defer/kill_in_resume", False),
     ], left
     assert advisory_locks_once_exited(scopes_db) == []  # lost holds close without an unlock
+
+
+@pytest.mark.matrix("deferrable-guard", since=compat.LOCK_SCOPE_SINCE)
+def test_a_task_airflow_resumes_with_fail_frees_the_hold_it_handed_over_and_stops_its_work(
+    airflow_db: Any, scopes_db: Any, tmp_path: Path
+) -> None:
+    """Airflow's ``__fail__`` (a GuardedTrigger the triggerer could not run at all, Airflow's own
+    deferral timeout) bypassed the guard: no on_kill(), the row kept the key until its lease
+    ended, and a guarded sensor with soft_fail was skipped."""
+    import datetime as dt
+    import types
+
+    from airflow.providers.standard.sensors.python import PythonSensor
+    from airflow.providers.standard.triggers.temporal import DateTimeTrigger
+
+    from airflow_pglock.compat import BaseOperator, TaskDeferred
+    from airflow_pglock.exceptions import LockLostError
+    from airflow_pglock.operators.advisory_lock import guarded
+
+    killed = tmp_path / "killed"
+
+    class Defers(BaseOperator):
+        def execute(self, context: Any) -> None:
+            moment = dt.datetime.now(dt.timezone.utc) + dt.timedelta(minutes=5)
+            self.defer(trigger=DateTimeTrigger(moment=moment), method_name="done")
+
+        def done(self, context: Any, event: Any = None) -> str:
+            return "resumed"
+
+        def on_kill(self) -> None:
+            killed.touch()
+
+    def context_of(operator: Any) -> Any:
+        ti = types.SimpleNamespace(
+            dag_id="d",
+            task_id=operator.task_id,
+            run_id="manual__r",
+            map_index=-1,
+            hostname="h",
+            task=operator,
+            try_number=1,
+            xcom_push=lambda **_: None,
+        )
+        run = types.SimpleNamespace(start_date=dt.datetime(2026, 12, 6, tzinfo=dt.timezone.utc), clear_number=0)
+        return {"ti": ti, "task": operator, "dag_run": run}
+
+    operator = guarded(Defers(task_id="t"), key="defer/fail", deferral_lease=600, postgres_conn_id="pglock_test")
+    context = context_of(operator)
+    with pytest.raises(TaskDeferred):
+        operator.execute(context)  # the hand-over: the row holds the key for the trigger
+    assert [row[0] for row in scopes_db.execute("SELECT key_name FROM pglock.scopes").fetchall()] == ["defer/fail"]
+    with pytest.raises(LockLostError, match=r"failed while it held 'defer/fail'.*__fail__ \(Trigger failure\)"):
+        operator.resume_execution("__fail__", {"error": "Trigger failure"}, context)
+    assert killed.exists(), "on_kill() stops the external work"
+    assert scopes_db.execute("SELECT count(*) FROM pglock.scopes").fetchone()[0] == 0, "the row is freed"
+
+    sensor = guarded(
+        PythonSensor(task_id="s", python_callable=lambda: True, soft_fail=True),
+        key="defer/fail-sensor",
+        on_busy="defer",
+        wait_timeout=60,
+        postgres_conn_id="pglock_test",
+    )
+    with pytest.raises(Exception, match="Trigger failure") as failed:  # no hold handed over: Airflow's error
+        sensor.resume_execution("__fail__", {"error": "Trigger failure"}, context_of(sensor))
+    assert "Skip" not in type(failed.value).__name__

@@ -131,3 +131,55 @@ def test_guarded_work_that_defers_fails_instead_of_resuming_without_the_lock(
     assert "a deferred task holds no lock, and its resumed method would run without it" in out
     assert out.count("WORK STARTED") == 1, "never run again after a deferral"
     assert advisory_locks(admin) == []
+
+
+THREADED_AND_STACKED_DAG = """
+from concurrent.futures import ThreadPoolExecutor
+
+import pendulum
+from airflow.sdk import dag, task
+
+from airflow_pglock.decorators.advisory_lock import advisory_lock
+
+CONN = "pglock_test"
+
+
+@advisory_lock(postgres_conn_id=CONN, key="inner-step", on_busy="skip")
+def step_2():
+    print("step 2 done")
+
+
+@dag(dag_id="threaded_and_stacked", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False)
+def threaded_and_stacked():
+    @task.advisory_lock(postgres_conn_id=CONN, key="outer-step", on_busy="skip", retries=0)
+    def in_a_thread():
+        print("step 1 done (irreversible)")
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(step_2).result()
+
+    @task.advisory_lock(postgres_conn_id=CONN, key="outer-stacked", on_busy="skip", retries=0)
+    @advisory_lock(postgres_conn_id=CONN, key="inner-step", on_busy="skip")
+    def stacked():  # two guards on one task's function: nothing of it runs before the second
+        print("STACKED RAN")
+
+    in_a_thread()
+    stacked()
+
+
+threaded_and_stacked_dag = threaded_and_stacked()
+"""
+
+
+def test_a_refusal_in_a_thread_of_guarded_work_fails_it_and_stacked_guards_still_skip(
+    airflow_db: Any, admin: Any, holder_hook: AdvisoryLockHook, capfd: Any
+) -> None:
+    blocker = holder_hook.acquire("inner-step")
+    assert blocker is not None
+    try:
+        result = run_dag(THREADED_AND_STACKED_DAG, "threaded_and_stacked")
+    finally:
+        blocker.release()
+    assert result.state("in_a_thread") == "failed", "a thread does not see the context: the skip itself says so"
+    assert result.state("stacked") == "skipped"
+    assert "STACKED RAN" not in "".join(capfd.readouterr())
+    assert advisory_locks(admin) == []
