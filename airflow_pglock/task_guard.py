@@ -187,6 +187,9 @@ def run_guarded(
             return work(handle)
         except AirflowSkipException as skip:
             if getattr(skip, _GUARD_SKIP, False):  # an inner guard's refusal, seen from another thread too
+                cause = skip.__cause__
+                if isinstance(cause, Exception):  # busy, done, an error: failures of this work (retries apply)
+                    raise cause from skip
                 raise AirflowFailException(f"a guard inside the guarded work refused: {skip}") from skip
             raise
         except TaskDeferred:  # guarded() hands an operator's deferral over before this; nothing else can

@@ -374,9 +374,13 @@ class ScopeMemberGuard:
         except LockConfigurationError as error:
             fail_for_configuration(lock_spec, error, task.log)
 
+        # The task's own guard (another key) runs first in its execute, and may skip it as outside
+        # the scope; a task without one runs its own code at once: a guard it calls is nested.
+        begins = task_begins if lock_spec_of(task) is not None else contextlib.nullcontext
+
         def work(handle: LockHandle) -> Any:
             try:
-                with task_begins():  # the task's own guard (another key) may skip it, as outside the scope
+                with begins():
                     return type(task).execute(task, context, **kwargs)
             except TaskDeferred:  # deferrable without a `deferrable` flag (e.g. an operator that calls self.defer())
                 _stop_external_work(task, "it deferred")

@@ -125,7 +125,7 @@ class GuardedTrigger(BaseTrigger):
         trigger = self._operator_trigger
         if trigger is None:  # killed before the hold was taken: the operator's trigger hears it all the same
             try:
-                trigger = self._inner()
+                trigger = await asyncio.to_thread(self._inner)  # its module may import a driver
             except Exception as error:
                 await _log(self.log.warning, "pglock: the trigger of %s could not be built: %s", self.task_label, error)
                 return

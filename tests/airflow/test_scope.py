@@ -258,7 +258,13 @@ def test_a_task_of_the_scope_that_defers_at_run_time_fails_and_is_stopped(
 OTHER_KEY_DAG = """
 import pendulum
 from airflow.sdk import dag, task
+from airflow_pglock.decorators.advisory_lock import advisory_lock
 from airflow_pglock.operators.scope import advisory_lock_scope
+
+
+@advisory_lock(postgres_conn_id="pglock_test", key="other-key", on_busy="skip")
+def helper():
+    print("HELPER RAN")
 
 
 @dag(dag_id="scoped_other_key", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False)
@@ -268,7 +274,13 @@ def scoped_other_key():
         def own_guard():
             print("OWN GUARD RAN")
 
+        @task
+        def step_then_helper():
+            print("a step of its own")
+            helper()
+
         own_guard()
+        step_then_helper()
 
 
 scoped_other_key_dag = scoped_other_key()
@@ -286,8 +298,11 @@ def test_a_task_of_the_scope_whose_own_guard_finds_its_key_busy_is_skipped(
         result = run_dag(OTHER_KEY_DAG, "scoped_other_key")
     finally:
         blocker.release()
-    assert "OWN GUARD RAN" not in "".join(capfd.readouterr())
+    out = "".join(capfd.readouterr())
+    assert "OWN GUARD RAN" not in out and "HELPER RAN" not in out
     assert result.state("publish.own_guard") == "skipped"
+    # A task with no guard of its own ran a step, then its helper found the key busy: a failure.
+    assert result.state("publish.step_then_helper") == "failed"
     assert result.state("publish.pglock_scope_exit") == "success"
     assert _scope_rows(scopes_db) == []
 
