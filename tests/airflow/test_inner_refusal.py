@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
-from tests.helpers import advisory_locks, run_dag
+from tests.helpers import advisory_locks, held_lock, run_dag
 
 pytestmark = pytest.mark.airflow
 
@@ -40,12 +40,9 @@ inner_busy_dag = inner_busy()
 
 
 def test_busy_inner_guard_fails_the_outer_task(airflow_db: Any, admin: Any, holder_hook: AdvisoryLockHook) -> None:
-    blocker = holder_hook.acquire("inner-step")
-    assert blocker is not None
-    try:
+    with held_lock(holder_hook, "inner-step") as blocker:
+        assert blocker is not None
         result = run_dag(INNER_BUSY_DAG, "inner_busy")
-    finally:
-        blocker.release()
     assert result.state("outer") == "failed"
 
 
@@ -86,12 +83,9 @@ def test_a_guarded_function_called_by_guarded_work_fails_that_task_never_skips_i
 ) -> None:
     """A function under ``@advisory_lock`` maps busy (and on_error='skip' errors) to a skip: right for
     the task it guards, wrong for a task whose guarded work called it after a step of its own."""
-    blocker = holder_hook.acquire("inner-step")
-    assert blocker is not None
-    try:
+    with held_lock(holder_hook, "inner-step") as blocker:
+        assert blocker is not None
         result = run_dag(INNER_DECORATED_DAG.format(inner_conn=inner_conn), "inner_decorated")
-    finally:
-        blocker.release()
     assert result.state("outer") == "failed", why
     assert advisory_locks(admin) == []
 
@@ -173,12 +167,9 @@ threaded_and_stacked_dag = threaded_and_stacked()
 def test_a_refusal_in_a_thread_of_guarded_work_fails_it_and_stacked_guards_still_skip(
     airflow_db: Any, admin: Any, holder_hook: AdvisoryLockHook, capfd: Any
 ) -> None:
-    blocker = holder_hook.acquire("inner-step")
-    assert blocker is not None
-    try:
+    with held_lock(holder_hook, "inner-step") as blocker:
+        assert blocker is not None
         result = run_dag(THREADED_AND_STACKED_DAG, "threaded_and_stacked")
-    finally:
-        blocker.release()
     assert result.state("in_a_thread") == "failed", "a thread does not see the context: the skip itself says so"
     assert result.state("stacked") == "skipped"
     assert "STACKED RAN" not in "".join(capfd.readouterr())

@@ -14,7 +14,7 @@ import pytest
 
 from airflow_pglock.keys import LockKey
 from airflow_pglock.pg import scopes
-from tests.helpers import run_dag
+from tests.helpers import held_lock, run_dag
 
 pytestmark = pytest.mark.airflow
 
@@ -292,12 +292,9 @@ def test_a_task_of_the_scope_whose_own_guard_finds_its_key_busy_is_skipped(
 ) -> None:
     """Its own guard (another key) runs first thing in the task: nothing of it has run, so its
     on_busy="skip" holds inside a scope as outside (work begun would make it a failure)."""
-    blocker = holder_hook.acquire("other-key")
-    assert blocker is not None
-    try:
+    with held_lock(holder_hook, "other-key") as blocker:
+        assert blocker is not None
         result = run_dag(OTHER_KEY_DAG, "scoped_other_key")
-    finally:
-        blocker.release()
     out = "".join(capfd.readouterr())
     assert "OWN GUARD RAN" not in out and "HELPER RAN" not in out
     assert result.state("publish.own_guard") == "skipped"
