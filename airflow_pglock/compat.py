@@ -200,6 +200,22 @@ def run_task_states(ti: Any, task_ids: list[str]) -> dict[str, str] | None:
     return {task_id: str(getattr(state, "value", state)) for task_id, state in of_run.items()}  # an enum or its value
 
 
+#: The method Airflow resumes a task with when its trigger failed, or Airflow's deferral timed out.
+TRIGGER_FAILED = "__fail__"
+
+
+def is_deferral_timeout(error: BaseException) -> bool:
+    """Whether ``error`` is Airflow's deferral timeout (``TaskDeferralTimeout``: a ``__fail__``
+    resume for a timeout), by name: its module differs by line (core, Task SDK)."""
+    return type(error).__name__ == "TaskDeferralTimeout"
+
+
+def is_connection_not_found(error: BaseException) -> bool:
+    """Whether ``error`` is Airflow's "no such connection" (``AirflowNotFoundException``; core and
+    Task SDK each have one)."""
+    return any(cls.__name__ == "AirflowNotFoundException" for cls in type(error).__mro__)
+
+
 def use_server_connections() -> None:
     """Let connection look-ups outside a task also read the metadata database.
 
@@ -223,6 +239,7 @@ __all__ = [
     "HAS_UI_PAGE",
     "INSTANCE_NAME_OPTION",
     "PROVIDER_CLI_SINCE",
+    "TRIGGER_FAILED",
     "UI_PAGE_SINCE",
     "AirflowFailException",
     "AirflowSensorTimeout",
@@ -243,6 +260,8 @@ __all__ = [
     "deployment_name",
     "get_current_context",
     "get_stats",
+    "is_connection_not_found",
+    "is_deferral_timeout",
     "load_dag",
     "rendered_task",
     "run_task_states",

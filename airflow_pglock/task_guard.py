@@ -279,6 +279,15 @@ def defer_until_released(spec: LockSpec, key: LockKey, busy: LockBusyError, dead
     raise TaskDeferred(trigger=trigger, method_name=RESUME_METHOD, kwargs={"deadline": deadline})
 
 
+def stop_external_work(task: Any, why: str = "the lock was lost") -> None:
+    """Stop what the operator started (a subprocess, a query, a remote job), as on a timeout:
+    its ``on_kill()``; an error there is logged (``why`` it is stopped is the error to report)."""
+    try:
+        task.on_kill()
+    except Exception as error:  # the work may already have ended
+        task.log.warning("pglock: on_kill() after %s raised %s: %s", why, type(error).__name__, error)
+
+
 def trigger_error(event: Any) -> str | None:
     """The error an ``on_busy="defer"`` trigger ended its wait with (its event), else None."""
     from airflow_pglock.triggers.advisory_lock import ERROR

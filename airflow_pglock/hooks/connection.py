@@ -6,17 +6,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from airflow_pglock.compat import is_connection_not_found
 from airflow_pglock.exceptions import LockConfigurationError, LockConnectionError
 from airflow_pglock.pg.settings import POOL_MODES, ConnectionSettings
 
 POSTGRES_CONN_TYPES = frozenset({"postgres", "postgresql"})
 # PostgresHook extras that are not libpq parameters (it drops these too).
 _NON_LIBPQ_EXTRAS = frozenset({"cursor", "pool_mode"})
-
-
-def _not_found(error: Exception) -> bool:
-    """Airflow's "no such connection" (its class differs by line: core, Task SDK)."""
-    return any(cls.__name__ == "AirflowNotFoundException" for cls in type(error).__mro__)
 
 
 def from_airflow(conn_id: str, get_connection: Callable[[str], Any]) -> ConnectionSettings:
@@ -30,7 +26,7 @@ def from_airflow(conn_id: str, get_connection: Callable[[str], Any]) -> Connecti
     try:
         airflow_conn = get_connection(conn_id)
     except Exception as error:
-        if not _not_found(error):  # a secrets backend or the API server failing now: a retry may do
+        if not is_connection_not_found(error):  # a secrets backend or the API server failing now: a retry may do
             raise LockConnectionError(
                 f"Airflow connection {conn_id!r} could not be read ({type(error).__name__}: {error})"
             ) from error

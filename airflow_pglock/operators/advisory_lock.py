@@ -29,10 +29,12 @@ from airflow_pglock.compat import (
     AIRFLOW_V_3_PLUS,
     AIRFLOW_VERSION,
     HAS_LOCK_SCOPE,
+    TRIGGER_FAILED,
     BaseOperator,
     Context,
     MappedOperator,
     TaskDeferred,
+    is_deferral_timeout,
     rendered_task,
 )
 from airflow_pglock.exceptions import LockConfigurationError, LockLostError
@@ -46,6 +48,7 @@ from airflow_pglock.task_guard import (
     resume_deadline,
     run_guarded,
     run_label,
+    stop_external_work,
     task_identity,
     trigger_error,
 )
@@ -59,8 +62,6 @@ OperatorT = TypeVar("OperatorT", bound=BaseOperator)
 
 #: The method a guarded operator resumes with after its own deferral (the hold went to the triggerer).
 DEFERRED_RESUME_METHOD = "pglock_resume_deferred"
-#: The method Airflow resumes a task with when its trigger failed or timed out.
-TRIGGER_FAILED = "__fail__"
 #: The deferral's kwarg that carries the hold to the resumed task.
 DEFERRAL_KWARG = "pglock_deferral"
 #: Seconds the resumed task waits for its key (held a moment by another guard reading the row).
@@ -122,7 +123,7 @@ class OperatorGuard:
         try:
             return BaseOperator.resume_execution(task, next_method, next_kwargs, context)
         except Exception as failed:
-            if type(failed).__name__ != "TaskDeferralTimeout":
+            if not is_deferral_timeout(failed):
                 raise
         return type(task).resume_execution(task, next_method, next_kwargs, context)  # its own timeout, as unguarded
 
@@ -202,10 +203,10 @@ class OperatorGuard:
         try:
             result = run_guarded(spec, context, work, task.log, scope=role, key=key, tenant=None)
         except LockLostError:
-            _stop_external_work(task)
+            stop_external_work(task)
             raise
         except _TriggerFailedError as failed:
-            _stop_external_work(task)
+            stop_external_work(task)
             raise LockLostError(
                 f"the trigger of task {task.task_id!r} failed while it held {key!r}: {failed}", None, str(failed)
             ) from None
@@ -245,7 +246,7 @@ class OperatorGuard:
                 self.spec, context, work, task.log, deadline=deadline, scope=role, trigger_error=failed_wait, **rendered
             )
         except LockLostError:
-            _stop_external_work(task)
+            stop_external_work(task)
             raise
         except BaseException as error:
             if handing:  # the hand-over failed: nothing holds the key while the external work goes on
@@ -259,7 +260,7 @@ class OperatorGuard:
         except TaskDeferred as deferral:
             if self.deferral_lease is None:
                 # The lock lives on this worker's connection; a deferred task has no worker.
-                _stop_external_work(task)
+                stop_external_work(task)
                 raise LockConfigurationError(deferral_refused(task, handle, _why_no_hand_over(self.spec))) from None
             return HandOver(deferral)
         except Exception as error:
@@ -342,7 +343,7 @@ class _TriggerFailedError(Exception):
 
 def _lost(task: BaseOperator, key: str, reason: str, cause: BaseException | None = None) -> NoReturn:
     """The hold is gone (or cannot be re-entered): stop the external work, fail as lost."""
-    _stop_external_work(task)
+    stop_external_work(task)
     message = f"lost the hold of {key} of task {task.task_id!r} across its deferral: {reason}"
     raise LockLostError(message, None, reason) from cause
 
@@ -466,11 +467,3 @@ def _why_no_hand_over(spec: LockSpec) -> str | None:
     if key is not None and not isinstance(key, str):
         return f"it needs a named key (a string), got {key!r}"
     return None
-
-
-def _stop_external_work(task: BaseOperator) -> None:
-    """The lock was lost: stop what the operator started (a subprocess, a query), as on a timeout."""
-    try:
-        task.on_kill()
-    except Exception as error:  # the work may already have ended; losing the lock is the error to report
-        task.log.warning("pglock: on_kill() after the lock was lost raised %s: %s", type(error).__name__, error)

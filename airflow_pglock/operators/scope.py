@@ -54,6 +54,7 @@ from airflow_pglock.task_guard import (
     resume_deadline,
     run_guarded,
     run_label,
+    stop_external_work,
     task_begins,
     task_identity,
     trigger_error,
@@ -383,7 +384,7 @@ class ScopeMemberGuard:
                 with begins():
                     return type(task).execute(task, context, **kwargs)
             except TaskDeferred:  # deferrable without a `deferrable` flag (e.g. an operator that calls self.defer())
-                _stop_external_work(task, "it deferred")
+                stop_external_work(task, "it deferred")
                 raise LockConfigurationError(
                     f"task {task.task_id!r} of the lock scope on {self.spec.key!r} deferred: a deferred task holds "
                     "no lock, and its resumed method would run outside the scope. Run it without deferring"
@@ -392,18 +393,11 @@ class ScopeMemberGuard:
         try:
             result = run_guarded(lock_spec, context, work, task.log, scope=role, **rendered)
         except LockLostError:
-            _stop_external_work(task, "the scope was lost")
+            stop_external_work(task, "the scope was lost")
             raise
         if self.spec.has_run_rules:  # the work ran under the key to its end: read by the teardown
             context["ti"].xcom_push(key=SUCCEEDED_XCOM_KEY, value=role.holder)
         return result
-
-
-def _stop_external_work(task: Any, why: str) -> None:
-    try:
-        task.on_kill()
-    except Exception as error:  # the reason it is stopped is the error to report
-        task.log.warning("pglock: on_kill() after %s raised %s: %s", why, type(error).__name__, error)
 
 
 def _guard_member(task: Any, spec: ScopeSpec) -> None:

@@ -19,6 +19,7 @@ from airflow_pglock.compat import (
     BaseSensorOperator,
     Context,
     conf,
+    is_deferral_timeout,
 )
 from airflow_pglock.exceptions import (
     InvalidLockKeyError,
@@ -233,7 +234,7 @@ class AdvisoryLockSensor(BaseSensorOperator):
         try:  # Airflow's __fail__: the trigger failed (it raised, or the triggerer could not build it)
             return super(BaseSensorOperator, self).resume_execution(next_method, next_kwargs, context)
         except Exception as error:
-            if type(error).__name__ != "TaskDeferralTimeout":
+            if not is_deferral_timeout(error):
                 raise  # an error, as an ERROR event is: never a skip, whatever soft_fail says
             self._timed_out(f"Airflow's deferral timeout ended the wait for {self.lock_key().describe()}")
 
