@@ -16,7 +16,7 @@ import pytest
 from airflow_pglock.exceptions import LockConfigurationError
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 from airflow_pglock.liveness import Liveness
-from tests.helpers import run_dag
+from tests.helpers import held_lock, run_dag
 
 pytestmark = pytest.mark.airflow
 
@@ -244,12 +244,9 @@ def test_a_guarded_soft_fail_sensor_resumed_from_its_wait_maps_the_outcome_as_it
     turns any AirflowException into a skip under soft_fail: on_wait_timeout="fail" (or a
     configuration error found then) skipped the task instead of failing it."""
     holder = AdvisoryLockHook(dsn=hook.dsn, liveness=Liveness(lease=600))
-    held = holder.acquire("defer/sensor-held", application_name="nightly holder")
-    assert held is not None
-    try:
+    with held_lock(holder, "defer/sensor-held", application_name="nightly holder") as held:
+        assert held is not None
         result = run_dag(SOFT_FAIL_SENSOR_DAG, "soft_fail_sensor")
-    finally:
-        held.release()
     log = "".join(capfd.readouterr()) + caplog.text
     assert result.state("deadline_fail") == "failed", log[-3000:]
     assert result.state("deadline_skip") == "skipped", log[-3000:]
@@ -281,9 +278,9 @@ def test_a_wait_the_triggerer_could_not_keep_fails_the_resumed_task_instead_of_d
     ti = types.SimpleNamespace(dag_id="d", task_id="t", run_id="manual__r", map_index=-1, hostname="h", task=operator)
     context: Any = {"ti": ti, "task": operator}
     holder = AdvisoryLockHook(dsn=hook.dsn, liveness=Liveness(lease=600))
-    held = holder.acquire(resolve_key("defer/trigger-error", None, "d", "t"), application_name="nightly holder")
-    assert held is not None
-    try:
+    key = resolve_key("defer/trigger-error", None, "d", "t")
+    with held_lock(holder, key, application_name="nightly holder") as held:
+        assert held is not None
         with pytest.raises(TaskDeferred) as deferred:
             operator.execute(context)
         deadline = deferred.value.kwargs["deadline"]
@@ -294,5 +291,3 @@ def test_a_wait_the_triggerer_could_not_keep_fails_the_resumed_task_instead_of_d
         with pytest.raises(LockConnectionError, match="the wait for it in the triggerer failed: could not read who"):
             operator.resume_execution(RESUME_METHOD, {"event": error, "deadline": deadline}, context)
         assert deadline > time.time() + 60, "failed long before the deadline, as soon as it resumed"
-    finally:
-        held.release()
