@@ -44,16 +44,20 @@ if AIRFLOW_V_3_PLUS:
         from airflow.sdk.configuration import conf
         from airflow.sdk.exceptions import (
             AirflowFailException,
+            AirflowRescheduleException,
             AirflowSensorTimeout,
             AirflowSkipException,
+            DownstreamTasksSkipped,
             TaskDeferred,
         )
     else:  # Airflow 3.0, 3.1: no airflow.sdk.configuration; the task runner catches core's exceptions
         from airflow.configuration import conf  # type: ignore[no-redef]
         from airflow.exceptions import (  # type: ignore[no-redef]
             AirflowFailException,
+            AirflowRescheduleException,
             AirflowSensorTimeout,
             AirflowSkipException,
+            DownstreamTasksSkipped,
             TaskDeferred,
         )
 else:  # Airflow 2.x
@@ -65,10 +69,15 @@ else:  # Airflow 2.x
     )
     from airflow.exceptions import (  # type: ignore[no-redef]
         AirflowFailException,
+        AirflowRescheduleException,
         AirflowSensorTimeout,
         AirflowSkipException,
         TaskDeferred,
     )
+
+    class DownstreamTasksSkipped(Exception):  # type: ignore[no-redef]  # noqa: N818 (Airflow's name)
+        """Airflow 2 has none: a branch or short-circuit writes its skips itself. Never raised."""
+
     from airflow.hooks.base import BaseHook  # type: ignore[no-redef]
     from airflow.models.baseoperator import BaseOperator  # type: ignore[no-redef]
     from airflow.models.mappedoperator import MappedOperator  # type: ignore[no-redef]
@@ -76,6 +85,26 @@ else:  # Airflow 2.x
     from airflow.sensors.base import BaseSensorOperator  # type: ignore[no-redef]
     from airflow.utils.context import Context  # type: ignore[no-redef]
     from airflow.utils.task_group import TaskGroup  # type: ignore[no-redef]
+
+#: Human-in-the-loop operators park the task awaiting input, with no trigger, from this line on.
+AWAITING_INPUT_SINCE = (3, 3)
+try:
+    from airflow.sdk.exceptions import TaskAwaitingInput
+except ImportError:  # before Airflow 3.3 a task never parks awaiting input (a HITL operator defers)
+
+    class TaskAwaitingInput(BaseException):  # type: ignore[no-redef]
+        """Never raised on this Airflow line."""
+
+
+def parks_awaiting_input(operator: Any) -> bool:
+    """Whether ``operator`` is a Human-in-the-loop operator that parks its task awaiting input
+    (``TaskAwaitingInput``, Airflow 3.3+ with a standard provider that uses it) rather than
+    deferring to a trigger: its module imports the exception only where it raises it."""
+    for cls in type(operator).__mro__:
+        if cls.__name__ == "HITLOperator":
+            return getattr(sys.modules.get(cls.__module__), "TaskAwaitingInput", None) is not None
+    return False
+
 
 try:
     from airflow.providers.standard.operators.python import PythonOperator
@@ -233,6 +262,7 @@ def use_server_connections() -> None:
 __all__ = [
     "AIRFLOW_VERSION",
     "AIRFLOW_V_3_PLUS",
+    "AWAITING_INPUT_SINCE",
     "DEPLOYMENT_OPTION",
     "HAS_LOCK_SCOPE",
     "HAS_PROVIDER_CLI",
@@ -242,6 +272,7 @@ __all__ = [
     "TRIGGER_FAILED",
     "UI_PAGE_SINCE",
     "AirflowFailException",
+    "AirflowRescheduleException",
     "AirflowSensorTimeout",
     "AirflowSkipException",
     "BaseHook",
@@ -250,8 +281,10 @@ __all__ = [
     "BaseTrigger",
     "Context",
     "DecoratedOperator",
+    "DownstreamTasksSkipped",
     "MappedOperator",
     "PythonOperator",
+    "TaskAwaitingInput",
     "TaskDecorator",
     "TaskDeferred",
     "TaskGroup",
@@ -263,6 +296,7 @@ __all__ = [
     "is_connection_not_found",
     "is_deferral_timeout",
     "load_dag",
+    "parks_awaiting_input",
     "rendered_task",
     "run_task_states",
     "task_decorator_factory",

@@ -145,6 +145,9 @@ class LockGuard:
     :param stats: gives the metrics client the outcome's metrics go to (``compat.get_stats``);
         None: no metrics.
     :param scope: how this execution stands to a lock scope on its key (``scope_rules``).
+    :param work_ending: names an exception the work ended with that is no failure (an Airflow
+        adapter's skip or reschedule signal): its ``(outcome, detail)`` for the outcome line, or
+        None for a failure. The lock is given back as for any exception (a transaction rolled back).
     """
 
     def __init__(
@@ -159,8 +162,10 @@ class LockGuard:
         identity: TaskIdentity | None = None,
         stats: Callable[[], Any] | None = None,
         scope: ScopeRole = OUTSIDE,
+        work_ending: Callable[[BaseException], tuple[str, str] | None] | None = None,
     ) -> None:
         self.database = database
+        self._work_ending = work_ending
         self.scope = scope
         if scope.kind != "outside" and (policy.mode != "session" or policy.shared):
             raise LockConfigurationError(
@@ -213,7 +218,7 @@ class LockGuard:
 
     @property
     def outcome(self) -> str | None:
-        """``completed``, ``skipped``, ``failed`` or ``lost`` once logged, else None."""
+        """``completed``, ``skipped``, ``rescheduled``, ``deferred``, ``failed`` or ``lost`` once logged, else None."""
         return self._outcome.outcome
 
     @property
@@ -505,7 +510,7 @@ class LockGuard:
             if finished and lost is not None:  # what the end found comes first
                 outcome, detail = "lost", f"{lost} (then {detail})"
             elif finished and commit_error is not None:
-                detail = f"finishing failed (commit or completion record): {commit_error} (then {detail})"
+                detail = f"{_FINISHING_FAILED}: {commit_error} (then {detail})"
             elif finished:
                 detail = f"the clean-up was interrupted after the lock was given back: {type(interrupted).__name__}"
             try:
@@ -528,12 +533,12 @@ class LockGuard:
             self._report("lost", detail=loss.warned(lost), held=held_for)
             return
         if commit_error is not None:
-            self._report(
-                "failed", detail=f"finishing failed (commit or completion record): {commit_error}", held=held_for
-            )
+            self._report("failed", detail=f"{_FINISHING_FAILED}: {commit_error}", held=held_for)
             raise commit_error
         if exc_type is not None:
-            self._report("failed", detail=f"{exc_type.__name__}: {exc}", held=held_for)
+            named = self._work_ending(exc) if self._work_ending is not None and exc is not None else None
+            outcome, detail = named or ("failed", f"{exc_type.__name__}: {exc}")
+            self._report(outcome, detail=detail, held=held_for)
         else:
             self._report("deferred" if handed else "completed", detail=note or handed, held=held_for)
 
@@ -588,6 +593,9 @@ class LockGuard:
         waited = self._wait_seconds if self.held is not None else time.monotonic() - self._started
         server = self.held.server if self.held is not None else None
         self._outcome.report(Reported(outcome, server, waited, detail, held, holders))
+
+
+_FINISHING_FAILED = "finishing failed (commit or completion record)"
 
 
 def _gives_back(error: BaseException) -> bool:

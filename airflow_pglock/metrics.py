@@ -14,6 +14,10 @@ the guard: the hook and the Airflow adapters pass ``compat.get_stats``). Names (
                                    unsafe set-up): the task failed (or skipped, ``on_error``)
 ``pglock.work_failed``    counter  the run failed while holding the lock (the work raised,
                                    or the transaction-mode commit failed)
+``pglock.work_skipped``   counter  the work skipped its task itself while holding the lock
+                                   (``AirflowSkipException``)
+``pglock.rescheduled``    counter  the work (a sensor in ``mode="reschedule"``) asked to be
+                                   rescheduled while holding the lock; it was given back
 ``pglock.lost``           counter  the lock was lost while held
 ``pglock.wait``           timer    time to take the lock, or to give up (every execution)
 ``pglock.hold``           timer    time the lock was held (executions that took it)
@@ -46,13 +50,19 @@ from airflow_pglock.identity import parse_application_name
 log = logging.getLogger(__name__)
 
 PREFIX = "pglock"
-COUNTERS = ("acquired", "completed", "skipped", "busy", "failed", "work_failed", "lost")
+COUNTERS = ("acquired", "completed", "skipped", "busy", "failed", "work_failed", "work_skipped", "rescheduled", "lost")
 TIMERS = ("wait", "hold")
 GAUGES = ("pool_in_use",)
 
 #: guard outcome -> counter, for executions that never took the lock / that took it.
 _NOT_HELD = {"skipped": "skipped", "busy": "busy", "failed": "failed"}
-_HELD = {"completed": "completed", "failed": "work_failed", "lost": "lost"}
+_HELD = {
+    "completed": "completed",
+    "failed": "work_failed",
+    "skipped": "work_skipped",
+    "rescheduled": "rescheduled",
+    "lost": "lost",
+}
 
 
 def metric_tags(

@@ -3,7 +3,7 @@
 Exactly one per execution, whatever happens, and always the same fields in the same order
 (``-`` where a field has no value; docs/operations.md has the table)::
 
-    pglock outcome=<completed|skipped|deferred|failed|lost> key '<name>' (int64 <n>) mode=<mode>
+    pglock outcome=<completed|skipped|rescheduled|deferred|failed|lost> key '<name>' (int64 <n>) mode=<mode>
     deployment=<d> host=<h> conn=<conn id> database=<db> server=<host:port> pid=<pid>
     waited=<s>s held=<s>s holder_pid=<pids> holder_deployment=<ds> holder_host=<hs> - <detail>
 
@@ -99,7 +99,7 @@ class OutcomeContext:
 class Reported:
     """What one outcome line reports.
 
-    :param outcome: ``completed``, ``skipped``, ``deferred``, ``failed`` or ``lost``.
+    :param outcome: ``completed``, ``skipped``, ``rescheduled``, ``deferred``, ``failed`` or ``lost``.
     :param server: the lock session's server, or None when no lock was taken.
     :param waited: seconds spent acquiring.
     :param detail: said after the fields (`` - <detail>``), if anything.
@@ -138,7 +138,7 @@ class OutcomeLine:
         outcome, server, detail = reported.outcome, reported.server, reported.detail
         self.outcome = outcome
         line = self.line(reported)
-        if (outcome == "completed" and not detail) or outcome in {"skipped", "deferred"}:
+        if (outcome == "completed" and not detail) or outcome in {"skipped", "rescheduled", "deferred"}:
             self.log.info(line)
         else:
             self.log.error(line) if outcome in {"failed", "lost"} else self.log.warning(line)

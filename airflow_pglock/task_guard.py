@@ -21,7 +21,10 @@ import jinja2
 
 from airflow_pglock.compat import (
     AirflowFailException,
+    AirflowRescheduleException,
     AirflowSkipException,
+    DownstreamTasksSkipped,
+    TaskAwaitingInput,
     TaskDeferred,
     deployment_name,
     get_current_context,
@@ -90,6 +93,34 @@ def task_begins() -> Iterator[None]:
         raise
     finally:
         _IN_WORK.reset(begun)
+
+
+def work_ending(error: BaseException) -> tuple[str, str] | None:
+    """How the outcome line names an Airflow signal guarded work ended with that is no failure
+    (see :class:`~airflow_pglock.guard.LockGuard`'s ``work_ending``); None: a failure."""
+    if isinstance(error, AirflowSkipException) and not getattr(error, _GUARD_SKIP, False):
+        return "skipped", f"the work skipped the task: {error}"
+    if isinstance(error, AirflowRescheduleException):
+        return "rescheduled", f"the work asked to be rescheduled at {error.reschedule_date}"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _SucceededWith:
+    """Guarded work that succeeded by raising Airflow's signal (a branch or short-circuit skipping
+    its downstream tasks): the guard ends it as completed, the signal is raised again after."""
+
+    signal: BaseException
+
+
+def awaiting_input_refused(task_id: str, key: LockKey | None) -> str:
+    """Why a guarded task that parked awaiting human input fails."""
+    held = f" while holding {key.describe()}" if key is not None else ""
+    return (
+        f"task {task_id!r} parked awaiting input (Human-in-the-loop, Airflow 3.3+){held}: no trigger carries a "
+        "hold while it waits, and its resumed method would run without the lock. Guard the task that acts on the "
+        "answer instead"
+    )
 
 
 def resolve_key(key: KeySpec, tenant: Any, dag_id: str, task_id: str) -> LockKey:
@@ -189,9 +220,13 @@ def run_guarded(
             if getattr(skip, _GUARD_SKIP, False):  # an inner guard's refusal, seen from another thread too
                 cause = skip.__cause__
                 if isinstance(cause, Exception):  # busy, done, an error: failures of this work (retries apply)
-                    raise cause from skip
+                    raise cause from None  # its own traceback shows the inner guard (the skip's cause is itself)
                 raise AirflowFailException(f"a guard inside the guarded work refused: {skip}") from skip
             raise
+        except DownstreamTasksSkipped as succeeded:  # the task runner marks the task a success
+            return _SucceededWith(succeeded)  # type: ignore[return-value]
+        except TaskAwaitingInput:
+            raise LockConfigurationError(awaiting_input_refused(identity.task_id, handle.key)) from None
         except TaskDeferred:  # guarded() hands an operator's deferral over before this; nothing else can
             raise LockConfigurationError(
                 f"the guarded work of task {identity.task_id!r} deferred (TaskDeferred) while holding "
@@ -219,8 +254,12 @@ def run_guarded(
             identity=identity,
             stats=get_stats,
             scope=scope,
+            work_ending=work_ending,
         )
-        return guard.run(work_with_token)  # the airtight form of `with guard as handle: work(handle)`
+        result = guard.run(work_with_token)  # the airtight form of `with guard as handle: work(handle)`
+        if isinstance(result, _SucceededWith):
+            raise result.signal
+        return result
     except (AlreadyDoneError, LockBusyError) as refused:
         if guard is None or refused is not guard.refusal:
             raise  # raised by the work (e.g. an inner guard): a failure of this run, never a skip
@@ -230,7 +269,10 @@ def run_guarded(
             raise _guard_skip(f"skipped: {refused}") from refused
         busy = refused
         if trigger_error is not None and policy.on_busy == "defer":
-            raise LockConnectionError(f"{busy}; the wait for it in the triggerer failed: {trigger_error}") from busy
+            failed = LockConnectionError(f"{busy}; the wait for it in the triggerer failed: {trigger_error}")
+            failed.__cause__ = busy
+            _skip_if_asked(spec, failed, logger)  # the lock database's error, as any other (on_error)
+            raise failed from busy
         if policy.on_busy == "defer" and deadline is not None:
             defer_until_released(spec, guard.key, busy, deadline, logger)
         if policy.on_busy == "fail":

@@ -138,6 +138,7 @@ AIRFLOW_2_HOMES: dict[str, dict[str, str] | str] = {
     "airflow.providers.standard.operators.bash": "airflow.operators.bash",
     "airflow.providers.standard.operators.empty": "airflow.operators.empty",
     "airflow.providers.standard.operators.python": "airflow.operators.python",
+    "airflow.providers.standard.sensors.python": "airflow.sensors.python",
     "airflow.providers.standard.triggers.temporal": "airflow.triggers.temporal",
 }
 _FROM_IMPORT = re.compile(

@@ -33,8 +33,10 @@ from airflow_pglock.compat import (
     BaseOperator,
     Context,
     MappedOperator,
+    TaskAwaitingInput,
     TaskDeferred,
     is_deferral_timeout,
+    parks_awaiting_input,
     rendered_task,
 )
 from airflow_pglock.exceptions import LockConfigurationError, LockLostError
@@ -43,6 +45,7 @@ from airflow_pglock.scope_rules import DEFAULT_SCOPE_LEASE_SECONDS, OUTSIDE, Han
 from airflow_pglock.task_guard import (
     GUARD_ATTRIBUTE,
     RESUME_METHOD,
+    awaiting_input_refused,
     fail_for_configuration,
     render_lock_options,
     resume_deadline,
@@ -257,6 +260,9 @@ class OperatorGuard:
     def _run_deferrable(self, task: BaseOperator, call: Any, handle: LockHandle | None = None) -> Any:
         try:
             return call()
+        except TaskAwaitingInput:
+            stop_external_work(task, "it parked awaiting input")
+            raise LockConfigurationError(awaiting_input_refused(task.task_id, handle.key if handle else None)) from None
         except TaskDeferred as deferral:
             if self.deferral_lease is None:
                 # The lock lives on this worker's connection; a deferred task has no worker.
@@ -412,6 +418,8 @@ def guarded(
         )
     if AIRFLOW_V_3_PLUS and any(cls.__name__ == "TriggerDagRunOperator" for cls in type(operator).__mro__):
         raise LockConfigurationError(_runner_handoff_refused(operator.task_id))
+    if parks_awaiting_input(operator):
+        raise LockConfigurationError(awaiting_input_refused(operator.task_id, None))
     for flag in ("start_from_trigger", "end_from_trigger"):
         if getattr(operator, flag, False) is True:
             raise LockConfigurationError(

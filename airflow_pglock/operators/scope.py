@@ -34,10 +34,13 @@ from airflow_pglock.compat import (
     AirflowSkipException,
     BaseOperator,
     Context,
+    DownstreamTasksSkipped,
     MappedOperator,
     PythonOperator,
+    TaskAwaitingInput,
     TaskDeferred,
     TaskGroup,
+    parks_awaiting_input,
     rendered_task,
     run_task_states,
 )
@@ -47,6 +50,7 @@ from airflow_pglock.scope_rules import DEFAULT_SCOPE_LEASE_SECONDS, ScopeKind, S
 from airflow_pglock.task_guard import (
     GUARD_ATTRIBUTE,
     RESUME_METHOD,
+    awaiting_input_refused,
     fail_for_configuration,
     lock_spec_of,
     render_lock_options,
@@ -383,6 +387,9 @@ class ScopeMemberGuard:
             try:
                 with begins():
                     return type(task).execute(task, context, **kwargs)
+            except TaskAwaitingInput:
+                stop_external_work(task, "it parked awaiting input")
+                raise LockConfigurationError(awaiting_input_refused(task.task_id, handle.key)) from None
             except TaskDeferred:  # deferrable without a `deferrable` flag (e.g. an operator that calls self.defer())
                 stop_external_work(task, "it deferred")
                 raise LockConfigurationError(
@@ -390,13 +397,18 @@ class ScopeMemberGuard:
                     "no lock, and its resumed method would run outside the scope. Run it without deferring"
                 ) from None
 
+        succeeded_with: DownstreamTasksSkipped | None = None
         try:
             result = run_guarded(lock_spec, context, work, task.log, scope=role, **rendered)
         except LockLostError:
             stop_external_work(task, "the scope was lost")
             raise
+        except DownstreamTasksSkipped as signal:  # a branch or short-circuit: the task succeeds
+            succeeded_with = signal
         if self.spec.has_run_rules:  # the work ran under the key to its end: read by the teardown
             context["ti"].xcom_push(key=SUCCEEDED_XCOM_KEY, value=role.holder)
+        if succeeded_with is not None:
+            raise succeeded_with
         return result
 
 
@@ -414,6 +426,8 @@ def _guard_member(task: Any, spec: ScopeSpec) -> None:
             f"task {task.task_id!r} of the lock scope on {spec.key!r} is deferrable: a deferred task holds no lock. "
             "Create it with deferrable=False"
         )
+    if parks_awaiting_input(task):
+        raise LockConfigurationError(awaiting_input_refused(task.task_id, None))
     if getattr(task, _SCOPE_ATTRIBUTE, None) is not None:
         raise LockConfigurationError(
             f"task {task.task_id!r} is in two lock scopes ({getattr(task, _SCOPE_ATTRIBUTE).key!r} and "

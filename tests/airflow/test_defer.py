@@ -253,16 +253,18 @@ def test_a_guarded_soft_fail_sensor_resumed_from_its_wait_maps_the_outcome_as_it
     assert re.search(r"pglock deferred: .*key 'defer/sensor-held'", log), log[-3000:]
 
 
+@pytest.mark.parametrize("on_error", ["fail", "skip"])
 def test_a_wait_the_triggerer_could_not_keep_fails_the_resumed_task_instead_of_deferring_again(
-    airflow_db: Any, hook: AdvisoryLockHook
+    airflow_db: Any, hook: AdvisoryLockHook, on_error: str
 ) -> None:
     """A trigger that cannot read the lock database ends its wait at once with an error event; the
     resumed task, finding the key still busy, deferred again at once, over and over until the
-    deadline (each resume well inside the window of apache/airflow#72716)."""
+    deadline (each resume well inside the window of apache/airflow#72716). The error is the lock
+    database's, so on_error="skip" skips the task naming it, as for any other such error."""
     import time
     import types
 
-    from airflow_pglock.compat import PythonOperator, TaskDeferred
+    from airflow_pglock.compat import AirflowSkipException, PythonOperator, TaskDeferred
     from airflow_pglock.exceptions import LockConnectionError
     from airflow_pglock.operators.advisory_lock import guarded
     from airflow_pglock.task_guard import RESUME_METHOD, resolve_key
@@ -273,6 +275,7 @@ def test_a_wait_the_triggerer_could_not_keep_fails_the_resumed_task_instead_of_d
         on_busy="defer",
         wait_timeout=120,
         defer_after=0,
+        on_error=on_error,
         postgres_conn_id="pglock_test",
     )
     ti = types.SimpleNamespace(dag_id="d", task_id="t", run_id="manual__r", map_index=-1, hostname="h", task=operator)
@@ -288,6 +291,10 @@ def test_a_wait_the_triggerer_could_not_keep_fails_the_resumed_task_instead_of_d
         with pytest.raises(TaskDeferred):  # woken while another took the key first: waits again
             operator.resume_execution(RESUME_METHOD, {"event": free, "deadline": deadline}, context)
         error = {"status": "error", "message": "could not read who holds it (LockConnectionError: refused)"}
-        with pytest.raises(LockConnectionError, match="the wait for it in the triggerer failed: could not read who"):
+        expected = LockConnectionError if on_error == "fail" else AirflowSkipException
+        with pytest.raises(expected, match="the wait for it in the triggerer failed: could not read who") as ended:
             operator.resume_execution(RESUME_METHOD, {"event": error, "deadline": deadline}, context)
+        if on_error == "skip":
+            assert "skipped because of an error (on_error='skip')" in str(ended.value)
+            assert isinstance(ended.value.__cause__, LockConnectionError)
         assert deadline > time.time() + 60, "failed long before the deadline, as soon as it resumed"

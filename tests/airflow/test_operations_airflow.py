@@ -62,9 +62,16 @@ def ops_view():
     def fails_when_busy():
         raise AssertionError("ops-busy is held by the test")
 
+    @task.advisory_lock(postgres_conn_id=CONN, key="ops-nothing-new")
+    def skips_itself():
+        from airflow.sdk.exceptions import AirflowSkipException
+
+        raise AirflowSkipException("nothing new")
+
     holds_and_looks()
     skipped_when_busy()
     fails_when_busy()
+    skips_itself()
 
 
 the_dag = ops_view()
@@ -157,6 +164,7 @@ def test_locks_from_a_task_and_metrics(
     assert result.state("holds_and_looks") == "success"
     assert result.state("skipped_when_busy") == "skipped"
     assert result.state("fails_when_busy") == "failed"
+    assert result.state("skips_itself") == "skipped"
 
     seen = json.loads((tmp_path / "locks.json").read_text())
     assert seen["code"] == 0
@@ -199,6 +207,7 @@ def test_locks_from_a_task_and_metrics(
         "holds_and_looks": {("acquired", "c"), ("completed", "c"), ("wait", "ms"), ("hold", "ms")},
         "skipped_when_busy": {("skipped", "c"), ("wait", "ms")},
         "fails_when_busy": {("busy", "c"), ("wait", "ms")},
+        "skips_itself": {("acquired", "c"), ("work_skipped", "c"), ("wait", "ms"), ("hold", "ms")},
     }
     pglock_lines = [line for line in statsd.lines if line.startswith("airflow.pglock.")]
     assert not any(result.run_id in line or "ops-hold" in line or "ops-busy" in line for line in pglock_lines)
