@@ -177,28 +177,18 @@ def write_dag(source: str, dag_id: str) -> Path:
     return path
 
 
-def failure_reasons_reach_the_test_log() -> bool:
-    """Whether a task's failure exception (not the provider's own log lines) reaches the test's output.
-
-    Airflow 3.0's dag.test() prints a failed task's exception only as a boxed traceback whose
-    lines are wrapped at the terminal width, so a whole message is never on one line there.
-    """
-    from airflow_pglock.compat import AIRFLOW_VERSION
-
-    return AIRFLOW_VERSION != (3, 0)
+#: Airflow 3.0's dag.test() prints a failed task's exception only as a boxed traceback wrapped at
+#: the terminal's width (``COLUMNS``): wide enough, each message stays on one line.
+_UNWRAPPED_COLUMNS = "100000"
 
 
 def assert_unknown_param_reported(log: str) -> None:
     """The task ``unknown_param`` (key template ``{{ params.no_such_param }}``) failed naming the
-    template and why, where this Airflow prints failure reasons on one line."""
+    template and why."""
     assert (
-        not failure_reasons_reach_the_test_log()
-        or (
-            "the key template '{{ params.no_such_param }}' of task 'unknown_param' cannot be rendered: "
-            "UndefinedError: 'dict object' has no attribute 'no_such_param'"
-        )
-        in log
-    )
+        "the key template '{{ params.no_such_param }}' of task 'unknown_param' cannot be rendered: "
+        "UndefinedError: 'dict object' has no attribute 'no_such_param'"
+    ) in log
 
 
 def _one_in_process_api_server() -> None:
@@ -254,8 +244,16 @@ def run_dag(source: str, dag_id: str, conf: dict[str, Any] | None = None) -> Dag
     ]
     assert dags, f"no DAG {dag_id!r} in {path}"
     _one_in_process_api_server()
-    with _task_log_printed_once():
-        dag_run = dags[0].test(run_conf=conf)
+    columns = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = _UNWRAPPED_COLUMNS
+    try:
+        with _task_log_printed_once():
+            dag_run = dags[0].test(run_conf=conf)
+    finally:
+        if columns is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = columns
     states = {
         (ti.task_id, ti.map_index): str(ti.state.value if hasattr(ti.state, "value") else ti.state)
         for ti in dag_run.get_task_instances()

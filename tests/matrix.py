@@ -46,6 +46,8 @@ FEATURES: dict[str, str] = {
     "lock-scope": "`advisory_lock_scope`: one lock over a task group (Airflow 3.0+; refused at parse time before)",
     "deferrable-guard": "`guarded(deferrable operator)`: the hold follows the task into the triggerer and back "
     "(Airflow 3.0+; refused at parse time before)",
+    "work-signals": "Airflow's signals in guarded work: a skip, a sensor's reschedule, a branch's downstream "
+    "skips (Human-in-the-loop operators refused on 3.3+)",
 }
 
 _outcomes: dict[str, list[tuple[str, str]]] = {}

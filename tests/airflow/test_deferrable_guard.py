@@ -218,9 +218,9 @@ def test_the_hold_follows_a_deferred_operator_into_the_triggerer_and_back(
     assert result.state("raises") == "failed" and (tmp_path / "raises.killed").exists()
     assert "the trigger of task 'raises' failed while it held 'defer/raises'" in log
     assert [s["step"] for s in _steps(tmp_path, "raises")] == ["execute"]
-    # A trigger the triggerer cannot build: the same path (the task's own error line is not in
-    # what dag.test() lets the test read on Airflow 3.0; its on_kill() and the freed row show it).
+    # A trigger the triggerer cannot build: the same path.
     assert result.state("unbuildable") == "failed" and (tmp_path / "unbuildable.killed").exists()
+    assert "the trigger of task 'unbuildable' failed while it held 'defer/unbuildable'" in log
     assert "could not be built in the triggerer: RuntimeError: this trigger cannot be built" in log
     assert [s["step"] for s in _steps(tmp_path, "unbuildable")] == ["execute"]
     # Airflow's own deferrable sensor, guarded.

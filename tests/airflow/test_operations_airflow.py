@@ -64,7 +64,7 @@ def ops_view():
 
     @task.advisory_lock(postgres_conn_id=CONN, key="ops-nothing-new")
     def skips_itself():
-        from airflow.sdk.exceptions import AirflowSkipException
+        from airflow.sdk.exceptions import AirflowSkipException  # this test runs on Airflow 3.2+
 
         raise AirflowSkipException("nothing new")
 

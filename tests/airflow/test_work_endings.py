@@ -27,7 +27,11 @@ import os
 import pendulum
 import psycopg
 from airflow.sdk import dag, task
-from airflow.sdk.exceptions import AirflowSkipException
+
+try:
+    from airflow.sdk.exceptions import AirflowSkipException
+except ImportError:  # Airflow 3.0, 3.1
+    from airflow.exceptions import AirflowSkipException
 
 CONN = "pglock_test"
 
@@ -58,6 +62,7 @@ def scratch_table(admin: Any) -> Any:
     admin.execute("DROP TABLE skipped_writes")
 
 
+@pytest.mark.matrix("work-signals")
 def test_a_work_that_skips_its_task_reports_skipped_not_failed(airflow_db: Any, scratch_table: Any, capfd: Any) -> None:
     capfd.readouterr()
     result = run_dag(SELF_SKIP_DAG, "self_skip")
@@ -114,6 +119,7 @@ def ledger(admin: Any) -> Any:
     admin.execute("DROP SCHEMA IF EXISTS pglock CASCADE")
 
 
+@pytest.mark.matrix("work-signals")
 def test_a_guarded_branch_or_short_circuit_completes_and_records_its_completion(
     airflow_db: Any, ledger: Any, capfd: Any
 ) -> None:
@@ -168,6 +174,7 @@ guarded_reschedule_dag = guarded_reschedule()
 """
 
 
+@pytest.mark.matrix("work-signals")
 def test_a_guarded_sensor_in_reschedule_mode_reports_each_reschedule(
     airflow_db: Any, admin: Any, capfd: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -222,6 +229,7 @@ awaiting_input_dag = awaiting_input()
 """
 
 
+@pytest.mark.matrix("work-signals")
 @pytest.mark.skipif(
     AIRFLOW_VERSION < (3, 3), reason="TaskAwaitingInput (Human-in-the-loop without a trigger) is Airflow 3.3+"
 )
@@ -242,6 +250,7 @@ def test_an_operator_parking_for_human_input_is_refused_not_resumed_unguarded(
     assert advisory_locks_once_exited(admin) == []
 
 
+@pytest.mark.matrix("work-signals")
 @pytest.mark.skipif(AIRFLOW_VERSION < (3, 3), reason="the Human-in-the-loop operators park without a trigger on 3.3+")
 def test_guarded_refuses_a_human_in_the_loop_operator_when_the_dag_is_parsed() -> None:
     from airflow.providers.standard.operators.hitl import ApprovalOperator
