@@ -101,7 +101,7 @@ def record_outcome(
     """Send the counters and timers of one guarded execution.
 
     :param stats: gives the metrics client (Airflow's ``Stats``: ``compat.get_stats``).
-    :param outcome: the guard's outcome (completed, skipped, busy, failed, lost).
+    :param outcome: the guard's outcome (completed, skipped, rescheduled, deferred, busy, failed, lost).
     :param acquired: whether the lock was taken.
     :param waited: seconds spent taking the lock or giving up.
     :param held: seconds the lock was held (None if it was not taken).
