@@ -106,6 +106,18 @@ def parks_awaiting_input(operator: Any) -> bool:
     return False
 
 
+def hands_off_to_task_runner(operator: Any) -> bool:
+    """Whether ``operator`` is Airflow 3's TriggerDagRunOperator, whose task runner (not the
+    operator) triggers its DAG run, and waits or defers, after ``execute`` returned."""
+    return AIRFLOW_V_3_PLUS and any(cls.__name__ == "TriggerDagRunOperator" for cls in type(operator).__mro__)
+
+
+def is_task_runner_handoff(error: BaseException) -> bool:
+    """Whether ``error`` is what Airflow 3's TriggerDagRunOperator raises from ``execute`` for its
+    task runner (``DagRunTriggerException``; core and Task SDK each have one)."""
+    return type(error).__name__ == "DagRunTriggerException"
+
+
 try:
     from airflow.providers.standard.operators.python import PythonOperator
 except ImportError:  # Airflow 2.x without the standard provider
@@ -293,8 +305,10 @@ __all__ = [
     "deployment_name",
     "get_current_context",
     "get_stats",
+    "hands_off_to_task_runner",
     "is_connection_not_found",
     "is_deferral_timeout",
+    "is_task_runner_handoff",
     "load_dag",
     "parks_awaiting_input",
     "rendered_task",

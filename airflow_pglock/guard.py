@@ -48,7 +48,7 @@ from airflow_pglock.holder import LockHolder, describe_holders
 from airflow_pglock.identity import DEFERRED_HOLDS_APPLICATION_NAME, TaskIdentity
 from airflow_pglock.interruption import Interruption, protect_clean_up
 from airflow_pglock.keys import LockKey, slot_keys
-from airflow_pglock.outcome import OutcomeContext, OutcomeLine, Reported
+from airflow_pglock.outcome import OutcomeContext, OutcomeLine, Reported, WorkEnding
 from airflow_pglock.pg.database import LockDatabase
 from airflow_pglock.pg.held import HeldLock
 from airflow_pglock.policy import LockPolicy
@@ -146,7 +146,7 @@ class LockGuard:
         None: no metrics.
     :param scope: how this execution stands to a lock scope on its key (``scope_rules``).
     :param work_ending: names an exception the work ended with that is no failure (an Airflow
-        adapter's skip or reschedule signal): its ``(outcome, detail)`` for the outcome line, or
+        adapter's skip or reschedule signal): a :class:`~airflow_pglock.outcome.WorkEnding`, or
         None for a failure. The lock is given back as for any exception (a transaction rolled back).
     """
 
@@ -162,7 +162,7 @@ class LockGuard:
         identity: TaskIdentity | None = None,
         stats: Callable[[], Any] | None = None,
         scope: ScopeRole = OUTSIDE,
-        work_ending: Callable[[BaseException], tuple[str, str] | None] | None = None,
+        work_ending: Callable[[BaseException], WorkEnding | None] | None = None,
     ) -> None:
         self.database = database
         self._work_ending = work_ending
@@ -537,8 +537,10 @@ class LockGuard:
             raise commit_error
         if exc_type is not None:
             named = self._work_ending(exc) if self._work_ending is not None and exc is not None else None
-            outcome, detail = named or ("failed", f"{exc_type.__name__}: {exc}")
-            self._report(outcome, detail=detail, held=held_for)
+            if named is None:
+                self._report("failed", detail=f"{exc_type.__name__}: {exc}", held=held_for)
+            else:
+                self._report(named.outcome, detail=named.detail, held=held_for, counted_as=named.counted_as)
         else:
             self._report("deferred" if handed else "completed", detail=note or handed, held=held_for)
 
@@ -589,10 +591,11 @@ class LockGuard:
         detail: str | None = None,
         held: float | None = None,
         holders: Sequence[LockHolder] = (),
+        counted_as: str | None = None,
     ) -> None:
         waited = self._wait_seconds if self.held is not None else time.monotonic() - self._started
         server = self.held.server if self.held is not None else None
-        self._outcome.report(Reported(outcome, server, waited, detail, held, holders))
+        self._outcome.report(Reported(outcome, server, waited, detail, held, holders, counted_as))
 
 
 _FINISHING_FAILED = "finishing failed (commit or completion record)"

@@ -59,7 +59,7 @@ _NOT_HELD = {"skipped": "skipped", "busy": "busy", "failed": "failed"}
 _HELD = {
     "completed": "completed",
     "failed": "work_failed",
-    "skipped": "work_skipped",
+    "work_skipped": "work_skipped",
     "rescheduled": "rescheduled",
     "lost": "lost",
 }
@@ -101,7 +101,8 @@ def record_outcome(
     """Send the counters and timers of one guarded execution.
 
     :param stats: gives the metrics client (Airflow's ``Stats``: ``compat.get_stats``).
-    :param outcome: the guard's outcome (completed, skipped, rescheduled, deferred, busy, failed, lost).
+    :param outcome: the guard's outcome (completed, skipped, rescheduled, deferred, busy, failed, lost), or
+        ``work_skipped`` for a work that skipped its task itself.
     :param acquired: whether the lock was taken.
     :param waited: seconds spent taking the lock or giving up.
     :param held: seconds the lock was held (None if it was not taken).

@@ -105,6 +105,7 @@ class Reported:
     :param detail: said after the fields (`` - <detail>``), if anything.
     :param held: seconds the lock was held, once released.
     :param holders: a busy key's holders (their pid, deployment and host are fields).
+    :param counted_as: the outcome the metrics count, where it is not ``outcome`` (a work's own skip).
     """
 
     outcome: str
@@ -113,6 +114,18 @@ class Reported:
     detail: str | None = None
     held: float | None = None
     holders: Sequence[LockHolder] = ()
+    counted_as: str | None = None
+
+
+@dataclass(frozen=True)
+class WorkEnding:
+    """How guarded work that raised a signal which is no failure ended (an Airflow adapter's skip
+    or reschedule): its outcome line's ``outcome`` and ``detail``, and what the metrics count it as
+    (``work_skipped``, ``rescheduled``; ``skipped``: nothing beyond ``acquired``)."""
+
+    outcome: str
+    detail: str
+    counted_as: str
 
 
 class OutcomeLine:
@@ -151,7 +164,7 @@ class OutcomeLine:
             in_use = context.slot if server is not None else (context.slots if busy else None)
         record_outcome(
             self.stats,
-            "busy" if busy and outcome == "failed" else outcome,
+            reported.counted_as or ("busy" if busy and outcome == "failed" else outcome),
             acquired=server is not None,
             waited=reported.waited,
             held=reported.held,

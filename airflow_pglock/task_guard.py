@@ -15,7 +15,7 @@ import inspect
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypeVar
 
 import jinja2
 
@@ -49,6 +49,7 @@ from airflow_pglock.scope_rules import OUTSIDE, ScopeRole
 if TYPE_CHECKING:  # the guard and psycopg load when a task runs, not when a DAG file is parsed
     from airflow_pglock.guard import LockGuard
     from airflow_pglock.handle import LockHandle
+    from airflow_pglock.outcome import WorkEnding
 
 T = TypeVar("T")
 
@@ -73,6 +74,8 @@ _IN_WORK: ContextVar[bool] = ContextVar("pglock_in_work", default=False)
 
 #: Set on the skips a guard maps its own refusal to (busy, done, on_error='skip').
 _GUARD_SKIP = "pglock_guard_refusal"
+#: Set instead where such a skip is the task's own guard's, under another guard (task_begins).
+_OWN_GUARD_SKIP = "pglock_own_guard_refusal"
 
 
 def _guard_skip(message: str) -> AirflowSkipException:
@@ -89,19 +92,27 @@ def task_begins() -> Iterator[None]:
     try:
         yield
     except AirflowSkipException as skip:  # the task's own guard skipped it: a skip of the task, as outside
-        setattr(skip, _GUARD_SKIP, False)
+        if getattr(skip, _GUARD_SKIP, False):
+            setattr(skip, _GUARD_SKIP, False)
+            setattr(skip, _OWN_GUARD_SKIP, True)
         raise
     finally:
         _IN_WORK.reset(begun)
 
 
-def work_ending(error: BaseException) -> tuple[str, str] | None:
+def work_ending(error: BaseException) -> WorkEnding | None:
     """How the outcome line names an Airflow signal guarded work ended with that is no failure
     (see :class:`~airflow_pglock.guard.LockGuard`'s ``work_ending``); None: a failure."""
+    from airflow_pglock.outcome import WorkEnding
+
+    if isinstance(error, AirflowSkipException) and getattr(error, _OWN_GUARD_SKIP, False):
+        return WorkEnding("skipped", f"the task's own guard skipped it: {error}", counted_as="skipped")
     if isinstance(error, AirflowSkipException) and not getattr(error, _GUARD_SKIP, False):
-        return "skipped", f"the work skipped the task: {error}"
+        return WorkEnding("skipped", f"the work skipped the task: {error}", counted_as="work_skipped")
     if isinstance(error, AirflowRescheduleException):
-        return "rescheduled", f"the work asked to be rescheduled at {error.reschedule_date}"
+        return WorkEnding(
+            "rescheduled", f"the work asked to be rescheduled at {error.reschedule_date}", counted_as="rescheduled"
+        )
     return None
 
 
@@ -120,6 +131,15 @@ def awaiting_input_refused(task_id: str, key: LockKey | None) -> str:
         f"task {task_id!r} parked awaiting input (Human-in-the-loop, Airflow 3.3+){held}: no trigger carries a "
         "hold while it waits, and its resumed method would run without the lock. Guard the task that acts on the "
         "answer instead"
+    )
+
+
+def runner_handoff_refused(task_id: str) -> str:
+    """Why a guarded TriggerDagRunOperator is refused on Airflow 3."""
+    return (
+        f"task {task_id!r} is a TriggerDagRunOperator: on Airflow 3 the task runner triggers its DAG run (and "
+        "waits for it) after execute() returned, so no guard can hold a key around it. Guard the triggered "
+        "DAG's own tasks instead, or wait for its run with a guarded deferrable sensor"
     )
 
 
@@ -209,6 +229,17 @@ def run_guarded(
             )
         elif policy.defer_after >= remaining:  # the rest of the whole wait fits in the wait on the worker
             policy = dataclasses.replace(policy, on_busy="wait", wait_timeout=remaining, defer_after=0)
+    # The trigger could not watch the key: a key still busy now ends the task with its error (or
+    # on_error's skip) instead of deferring again, and the outcome line says so.
+    failed_wait = trigger_error is not None and policy.on_busy == "defer"
+    if failed_wait:
+        ends: Literal["skip", "fail"] = "skip" if policy.on_error == "skip" else "fail"
+        if policy.defer_after > 0:
+            policy = dataclasses.replace(
+                policy, on_busy="wait", wait_timeout=policy.defer_after, on_wait_timeout=ends, defer_after=0
+            )
+        else:
+            policy = dataclasses.replace(policy, on_busy=ends, wait_timeout=None, defer_after=0)
 
     def work_with_token(handle: LockHandle) -> T:
         if handle.fencing_token is not None:
@@ -268,7 +299,7 @@ def run_guarded(
         if isinstance(refused, AlreadyDoneError):
             raise _guard_skip(f"skipped: {refused}") from refused
         busy = refused
-        if trigger_error is not None and policy.on_busy == "defer":
+        if failed_wait:
             failed = LockConnectionError(f"{busy}; the wait for it in the triggerer failed: {trigger_error}")
             failed.__cause__ = busy
             _skip_if_asked(spec, failed, logger)  # the lock database's error, as any other (on_error)

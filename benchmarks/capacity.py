@@ -255,10 +255,18 @@ def _lock_session_pids(admin: psycopg.Connection[Any]) -> list[int]:
     return [int(pid) for (pid,) in rows]
 
 
-def _doctor_stage(dsn: str, holders: int, usable: int) -> Stage:
+def _doctor_stage(dsn: str, admin: psycopg.Connection[Any], holders: int, usable: int) -> Stage:
     from airflow_pglock.doctor import run_doctor
     from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 
+    # A session closed just before (the previous stage's doctor, the set-up's) leaves its backend
+    # counted until it exits: wait for the holders and the observer alone, as doctor would find them.
+    settle_by = time.monotonic() + 10
+    while time.monotonic() < settle_by:
+        row = admin.execute("SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend'").fetchone()
+        if row is not None and int(row[0]) == holders + OBSERVER_SESSIONS - 1:
+            break
+        time.sleep(0.05)
     check = next(c for c in run_doctor(AdvisoryLockHook(dsn=dsn)).checks if c.name == "connections")
     found = re.search(r"(\d+) of (\d+) connection slots in use", check.summary)
     reported = int(found.group(1)) if found else -1
@@ -415,7 +423,7 @@ def run_capacity(holders: int, processes: int, rounds: int = 5, with_ui: bool = 
                 for count in threshold_stages(usable, holders):
                     progress(f"capacity: {count} of {holders} holders")
                     pool.raise_to(count)
-                    result.stages.append(_doctor_stage(dsn, count, usable))
+                    result.stages.append(_doctor_stage(dsn, admin, count, usable))
                 result.start_seconds = time.monotonic() - started
                 time.sleep(1.0)  # every holder has run its first statements; backends settled
                 pids = _lock_session_pids(admin)

@@ -179,7 +179,7 @@ def write_dag(source: str, dag_id: str) -> Path:
 
 #: Airflow 3.0's dag.test() prints a failed task's exception only as a boxed traceback wrapped at
 #: the terminal's width (``COLUMNS``): wide enough, each message stays on one line.
-_UNWRAPPED_COLUMNS = "100000"
+_UNWRAPPED_COLUMNS = "4000"
 
 
 def assert_unknown_param_reported(log: str) -> None:

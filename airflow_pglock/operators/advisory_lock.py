@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from airflow_pglock.compat import (
-    AIRFLOW_V_3_PLUS,
     AIRFLOW_VERSION,
     HAS_LOCK_SCOPE,
     TRIGGER_FAILED,
@@ -35,7 +34,9 @@ from airflow_pglock.compat import (
     MappedOperator,
     TaskAwaitingInput,
     TaskDeferred,
+    hands_off_to_task_runner,
     is_deferral_timeout,
+    is_task_runner_handoff,
     parks_awaiting_input,
     rendered_task,
 )
@@ -51,6 +52,7 @@ from airflow_pglock.task_guard import (
     resume_deadline,
     run_guarded,
     run_label,
+    runner_handoff_refused,
     stop_external_work,
     task_identity,
     trigger_error,
@@ -270,10 +272,10 @@ class OperatorGuard:
                 raise LockConfigurationError(deferral_refused(task, handle, _why_no_hand_over(self.spec))) from None
             return HandOver(deferral)
         except Exception as error:
-            if type(error).__name__ != _TASK_RUNNER_HANDOFF:
+            if not is_task_runner_handoff(error):
                 raise
             # Nothing is triggered yet: the task runner would do it after the guard released the key.
-            raise LockConfigurationError(_runner_handoff_refused(task.task_id)) from None
+            raise LockConfigurationError(runner_handoff_refused(task.task_id)) from None
 
     def _defer_again_or_return(
         self, task: BaseOperator, context: Context, rendered: dict[str, Any], role: ScopeRole, result: Any
@@ -320,19 +322,6 @@ class OperatorGuard:
         )
         kwargs = {DEFERRAL_KWARG: resume}
         raise TaskDeferred(trigger=trigger, method_name=DEFERRED_RESUME_METHOD, kwargs=kwargs, timeout=deferral.timeout)
-
-
-#: What Airflow 3's TriggerDagRunOperator raises from ``execute``: the task runner, not the operator,
-#: then triggers the DAG run (and defers), after ``execute`` and so after the guard released the key.
-_TASK_RUNNER_HANDOFF = "DagRunTriggerException"
-
-
-def _runner_handoff_refused(task_id: str) -> str:
-    return (
-        f"task {task_id!r} is a TriggerDagRunOperator: on Airflow 3 the task runner triggers its DAG run (and "
-        "waits for it) after execute() returned, so no guard can hold a key around it. Guard the triggered "
-        "DAG's own tasks instead, or wait for its run with a guarded deferrable sensor"
-    )
 
 
 def deferral_refused(task: BaseOperator, handle: LockHandle | None, why: str | None) -> str:
@@ -416,8 +405,8 @@ def guarded(
         raise LockConfigurationError(
             f"task {operator.task_id!r} is already guarded (or its execute was replaced); guard it once"
         )
-    if AIRFLOW_V_3_PLUS and any(cls.__name__ == "TriggerDagRunOperator" for cls in type(operator).__mro__):
-        raise LockConfigurationError(_runner_handoff_refused(operator.task_id))
+    if hands_off_to_task_runner(operator):
+        raise LockConfigurationError(runner_handoff_refused(operator.task_id))
     if parks_awaiting_input(operator):
         raise LockConfigurationError(awaiting_input_refused(operator.task_id, None))
     for flag in ("start_from_trigger", "end_from_trigger"):

@@ -40,6 +40,8 @@ from airflow_pglock.compat import (
     TaskAwaitingInput,
     TaskDeferred,
     TaskGroup,
+    hands_off_to_task_runner,
+    is_task_runner_handoff,
     parks_awaiting_input,
     rendered_task,
     run_task_states,
@@ -58,6 +60,7 @@ from airflow_pglock.task_guard import (
     resume_deadline,
     run_guarded,
     run_label,
+    runner_handoff_refused,
     stop_external_work,
     task_begins,
     task_identity,
@@ -396,6 +399,10 @@ class ScopeMemberGuard:
                     f"task {task.task_id!r} of the lock scope on {self.spec.key!r} deferred: a deferred task holds "
                     "no lock, and its resumed method would run outside the scope. Run it without deferring"
                 ) from None
+            except Exception as error:
+                if not is_task_runner_handoff(error):
+                    raise
+                raise LockConfigurationError(runner_handoff_refused(task.task_id)) from None
 
         succeeded_with: DownstreamTasksSkipped | None = None
         try:
@@ -428,6 +435,8 @@ def _guard_member(task: Any, spec: ScopeSpec) -> None:
         )
     if parks_awaiting_input(task):
         raise LockConfigurationError(awaiting_input_refused(task.task_id, None))
+    if hands_off_to_task_runner(task):
+        raise LockConfigurationError(runner_handoff_refused(task.task_id))
     if getattr(task, _SCOPE_ATTRIBUTE, None) is not None:
         raise LockConfigurationError(
             f"task {task.task_id!r} is in two lock scopes ({getattr(task, _SCOPE_ATTRIBUTE).key!r} and "

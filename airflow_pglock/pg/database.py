@@ -18,6 +18,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol, TypeVar
 
 import psycopg
@@ -109,14 +110,19 @@ class LockDatabase:
         return self.resolve_settings().describe()
 
     @staticmethod
-    def _raise_connect_error(error: psycopg.Error, where: str) -> NoReturn:
+    def _raise_connect_error(failed: _NotConnected) -> NoReturn:
+        error, where = failed.error, failed.where
         if isinstance(error, psycopg.ProgrammingError):
             raise LockConfigurationError(
                 f"invalid connection settings for the lock database {where}: {redact(str(error))}"
             ) from None
+        # Without psycopg's frames (or its own chain): a console that prints each frame's local
+        # variables (Airflow 3.0's) would show connect()'s arguments, the password among them.
+        cause = error.with_traceback(None)
+        cause.__cause__, cause.__suppress_context__ = None, True
         raise LockConnectionError(
             f"cannot connect to the lock database {where}: {redact(str(error))}".strip()
-        ) from error
+        ) from cause
 
     def connect(
         self,
@@ -133,16 +139,18 @@ class LockDatabase:
         """
         settings = settings or self.resolve_settings()
         self._last_settings = settings  # for side_connection(), see there
-        kwargs = settings.session_params(
-            application_name or self.default_application_name(),
-            self.liveness,
-            self.connect_timeout,
-            server_settings=server_settings,
+        opened = _open(
+            settings,
+            settings.session_params(
+                application_name or self.default_application_name(),
+                self.liveness,
+                self.connect_timeout,
+                server_settings=server_settings,
+            ),
         )
-        try:
-            return _left_to_the_parent_in_a_fork(psycopg.Connection.connect(autocommit=True, **kwargs))
-        except psycopg.Error as error:
-            self._raise_connect_error(error, connection_settings.describe_params(kwargs, settings.source))
+        if isinstance(opened, _NotConnected):
+            self._raise_connect_error(opened)  # from here: no frame of the error holds the password
+        return opened
 
     async def aconnect(
         self, settings: ConnectionSettings, application_name: str | None = None
@@ -153,13 +161,15 @@ class LockDatabase:
             (reading an Airflow connection, or an IAM token, is blocking I/O).
         :param application_name: names the session in ``pg_stat_activity``.
         """
-        kwargs = settings.session_params(
-            application_name or self.default_application_name(), self.liveness, self.connect_timeout
+        opened = await _aopen(
+            settings,
+            settings.session_params(
+                application_name or self.default_application_name(), self.liveness, self.connect_timeout
+            ),
         )
-        try:
-            return _left_to_the_parent_in_a_fork(await psycopg.AsyncConnection.connect(autocommit=True, **kwargs))
-        except psycopg.Error as error:
-            self._raise_connect_error(error, connection_settings.describe_params(kwargs, settings.source))
+        if isinstance(opened, _NotConnected):
+            self._raise_connect_error(opened)
+        return opened
 
     def side_connection(
         self, application_name: str = INSPECT_APPLICATION_NAME, connect_timeout: int = 2
@@ -370,3 +380,28 @@ def _leave_to_the_parent(conn: psycopg.Connection[Any] | psycopg.AsyncConnection
     if isinstance(conn, psycopg.Connection):
         conn.lock = threading.Lock()
     conn.pgconn.finish()
+
+
+@dataclass(frozen=True)
+class _NotConnected:
+    """A connection attempt that failed: the driver's error and where it tried (no password)."""
+
+    error: psycopg.Error
+    where: str
+
+
+def _open(settings: ConnectionSettings, kwargs: dict[str, Any]) -> psycopg.Connection[Any] | _NotConnected:
+    """Connect with ``kwargs``; a failure is returned rather than raised, so that the error raised
+    for it has no frame whose local variables hold the password (see ``_raise_connect_error``)."""
+    try:
+        return _left_to_the_parent_in_a_fork(psycopg.Connection.connect(autocommit=True, **kwargs))
+    except psycopg.Error as error:
+        return _NotConnected(error, connection_settings.describe_params(kwargs, settings.source))
+
+
+async def _aopen(settings: ConnectionSettings, kwargs: dict[str, Any]) -> psycopg.AsyncConnection[Any] | _NotConnected:
+    """Async :func:`_open`."""
+    try:
+        return _left_to_the_parent_in_a_fork(await psycopg.AsyncConnection.connect(autocommit=True, **kwargs))
+    except psycopg.Error as error:
+        return _NotConnected(error, connection_settings.describe_params(kwargs, settings.source))

@@ -59,6 +59,9 @@ class ConnectionSettings:
         """``'db' on host:port as user (conn id 'x')``; never the password."""
         return describe_params(self.params, self.source)
 
+    def __repr__(self) -> str:  # never the password, wherever a traceback shows local variables
+        return f"ConnectionSettings({self.describe()}, pool_mode={self.pool_mode!r}, reusable={self.reusable!r})"
+
     def session_params(
         self,
         application_name: str | None,

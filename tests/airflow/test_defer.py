@@ -8,6 +8,7 @@ as a skip, or a failure with on_wait_timeout="fail". The composable decorator re
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
@@ -255,7 +256,7 @@ def test_a_guarded_soft_fail_sensor_resumed_from_its_wait_maps_the_outcome_as_it
 
 @pytest.mark.parametrize("on_error", ["fail", "skip"])
 def test_a_wait_the_triggerer_could_not_keep_fails_the_resumed_task_instead_of_deferring_again(
-    airflow_db: Any, hook: AdvisoryLockHook, on_error: str
+    airflow_db: Any, hook: AdvisoryLockHook, on_error: str, caplog: Any, capfd: Any
 ) -> None:
     """A trigger that cannot read the lock database ends its wait at once with an error event; the
     resumed task, finding the key still busy, deferred again at once, over and over until the
@@ -291,10 +292,17 @@ def test_a_wait_the_triggerer_could_not_keep_fails_the_resumed_task_instead_of_d
         with pytest.raises(TaskDeferred):  # woken while another took the key first: waits again
             operator.resume_execution(RESUME_METHOD, {"event": free, "deadline": deadline}, context)
         error = {"status": "error", "message": "could not read who holds it (LockConnectionError: refused)"}
+        caplog.clear()
+        caplog.set_level(logging.INFO)
+        capfd.readouterr()
         expected = LockConnectionError if on_error == "fail" else AirflowSkipException
         with pytest.raises(expected, match="the wait for it in the triggerer failed: could not read who") as ended:
             operator.resume_execution(RESUME_METHOD, {"event": error, "deadline": deadline}, context)
         if on_error == "skip":
             assert "skipped because of an error (on_error='skip')" in str(ended.value)
             assert isinstance(ended.value.__cause__, LockConnectionError)
+        # The one outcome line of that try says what the task becomes, not "deferred".
+        log = "".join(capfd.readouterr()) + caplog.text
+        outcomes = re.findall(r"pglock outcome=(\w+) key 'defer/trigger-error'.* - busy: ", log)
+        assert outcomes == ["failed" if on_error == "fail" else "skipped"], log[-3000:]
         assert deadline > time.time() + 60, "failed long before the deadline, as soon as it resumed"

@@ -3,6 +3,7 @@ the task, never a skip: only the task's own guard may turn busy/done into a skip
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -172,5 +173,9 @@ def test_a_refusal_in_a_thread_of_guarded_work_fails_it_and_stacked_guards_still
         result = run_dag(THREADED_AND_STACKED_DAG, "threaded_and_stacked")
     assert result.state("in_a_thread") == "failed", "a thread does not see the context: the skip itself says so"
     assert result.state("stacked") == "skipped"
-    assert "STACKED RAN" not in "".join(capfd.readouterr())
+    log = "".join(capfd.readouterr())
+    assert "STACKED RAN" not in log
+    # The outer guard names the inner one's skip as a guard's, not as the work's own.
+    assert re.search(r"pglock outcome=skipped key 'outer-stacked' .* - the task's own guard skipped it: ", log), log
+    assert "the work skipped the task" not in log
     assert advisory_locks(admin) == []

@@ -68,10 +68,19 @@ def ops_view():
 
         raise AirflowSkipException("nothing new")
 
+    @task.advisory_lock(postgres_conn_id=CONN, key="ops-once", once_per="2026-12-01")
+    def once_first():
+        pass
+
+    @task.advisory_lock(postgres_conn_id=CONN, key="ops-once", once_per="2026-12-01")
+    def once_again():  # the period is the key's: done by once_first
+        raise AssertionError("ops-once was done for the period")
+
     holds_and_looks()
     skipped_when_busy()
     fails_when_busy()
     skips_itself()
+    once_first() >> once_again()
 
 
 the_dag = ops_view()
@@ -165,6 +174,7 @@ def test_locks_from_a_task_and_metrics(
     assert result.state("skipped_when_busy") == "skipped"
     assert result.state("fails_when_busy") == "failed"
     assert result.state("skips_itself") == "skipped"
+    assert result.state("once_first") == "success" and result.state("once_again") == "skipped"
 
     seen = json.loads((tmp_path / "locks.json").read_text())
     assert seen["code"] == 0
@@ -208,6 +218,8 @@ def test_locks_from_a_task_and_metrics(
         "skipped_when_busy": {("skipped", "c"), ("wait", "ms")},
         "fails_when_busy": {("busy", "c"), ("wait", "ms")},
         "skips_itself": {("acquired", "c"), ("work_skipped", "c"), ("wait", "ms"), ("hold", "ms")},
+        "once_first": {("acquired", "c"), ("completed", "c"), ("wait", "ms"), ("hold", "ms")},
+        "once_again": {("acquired", "c"), ("wait", "ms")},  # found done: neither skipped (busy) nor work_skipped
     }
     pglock_lines = [line for line in statsd.lines if line.startswith("airflow.pglock.")]
     assert not any(result.run_id in line or "ops-hold" in line or "ops-busy" in line for line in pglock_lines)

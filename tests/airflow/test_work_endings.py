@@ -292,6 +292,7 @@ scoped_branch_dag = scoped_branch()
 """
 
 
+@pytest.mark.matrix("work-signals")
 @pytest.mark.skipif(AIRFLOW_VERSION < (3, 0), reason="lock scopes are Airflow 3")
 def test_a_branch_inside_a_lock_scope_counts_as_a_task_that_succeeded(airflow_db: Any, ledger: Any) -> None:
     first = run_dag(SCOPED_BRANCH_DAG, "scoped_branch")
@@ -301,3 +302,18 @@ def test_a_branch_inside_a_lock_scope_counts_as_a_task_that_succeeded(airflow_db
     assert periods == [("2026-12-01", "publish.pglock_scope_exit")], "the branch pushed its success marker"
     assert run_dag(SCOPED_BRANCH_DAG, "scoped_branch").state("publish.pglock_scope_enter") == "skipped"
     assert advisory_locks_once_exited(ledger) == []
+
+
+@pytest.mark.skipif(AIRFLOW_VERSION < (3, 0), reason="the task runner triggers the DAG run on Airflow 3")
+def test_a_lock_scope_refuses_a_trigger_dag_run_operator_when_the_dag_is_parsed() -> None:
+    """Its task runner triggers the run, and waits or defers, after execute() returned and the
+    task's hold was given back; its guard logged the hand-off as failed and pushed no success marker."""
+    from airflow.providers.standard.operators.trigger_dagrun import TriggerDagRunOperator
+    from airflow.sdk import DAG
+
+    from airflow_pglock.exceptions import LockConfigurationError
+    from airflow_pglock.operators.scope import advisory_lock_scope
+
+    refused = pytest.raises(LockConfigurationError, match=r"task 'g.start' is a TriggerDagRunOperator")
+    with DAG("trigger_in_a_scope", schedule=None), refused, advisory_lock_scope("g", key="deploy"):
+        TriggerDagRunOperator(task_id="start", trigger_dag_id="other")
