@@ -118,8 +118,7 @@ class LockDatabase:
             ) from None
         # Without psycopg's frames (or its own chain): a console that prints each frame's local
         # variables (Airflow 3.0's) would show connect()'s arguments, the password among them.
-        cause = error.with_traceback(None)
-        cause.__cause__, cause.__suppress_context__ = None, True
+        cause = _without_frames(error)
         raise LockConnectionError(
             f"cannot connect to the lock database {where}: {redact(str(error))}".strip()
         ) from cause
@@ -181,11 +180,16 @@ class LockDatabase:
         Airflow is not thread-safe).
         """
         settings = self._last_settings or self.resolve_settings()
-        kwargs = {
-            **settings.session_params(application_name, self.liveness, self.connect_timeout),
-            "connect_timeout": connect_timeout,
-        }
-        return _left_to_the_parent_in_a_fork(psycopg.Connection.connect(autocommit=True, **kwargs))
+        opened = _open(
+            settings,
+            {
+                **settings.session_params(application_name, self.liveness, self.connect_timeout),
+                "connect_timeout": connect_timeout,
+            },
+        )
+        if isinstance(opened, _NotConnected):  # the driver's error, as before, from a frame with no password
+            raise _without_frames(opened.error)
+        return opened
 
     def transaction_status(self, xact_id: int, settle_seconds: float = COMMIT_SETTLE_SECONDS) -> str | None:
         """What the server says of transaction ``xact_id`` (``txid_status``: ``committed``,
@@ -388,6 +392,13 @@ class _NotConnected:
 
     error: psycopg.Error
     where: str
+
+
+def _without_frames(error: psycopg.Error) -> psycopg.Error:
+    """``error`` without its traceback and chain, whose frames hold the connect arguments."""
+    error = error.with_traceback(None)
+    error.__cause__, error.__suppress_context__ = None, True
+    return error
 
 
 def _open(settings: ConnectionSettings, kwargs: dict[str, Any]) -> psycopg.Connection[Any] | _NotConnected:

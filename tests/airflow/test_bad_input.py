@@ -118,7 +118,7 @@ bad_tenants_dag = bad_tenants()
 @pytest.fixture
 def bad_connections(dsn: str) -> Any:
     names = {
-        "AIRFLOW_CONN_NOT_PG": "mysql://user@127.0.0.1:3306/db",
+        "AIRFLOW_CONN_NOT_PG": "mysql://user:s3cret-pw@127.0.0.1:3306/db",
         "AIRFLOW_CONN_UNREACHABLE": f"postgresql://postgres:s3cret-pw@127.0.0.1:{free_port()}/postgres?connect_timeout=2",
         "AIRFLOW_CONN_BAD_ROLE": os.environ["AIRFLOW_CONN_PGLOCK_TEST"].replace("postgres@", "no_such_role@"),
     }

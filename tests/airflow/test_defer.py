@@ -304,5 +304,6 @@ def test_a_wait_the_triggerer_could_not_keep_fails_the_resumed_task_instead_of_d
         # The one outcome line of that try says what the task becomes, not "deferred".
         log = "".join(capfd.readouterr()) + caplog.text
         outcomes = re.findall(r"pglock outcome=(\w+) key 'defer/trigger-error'.* - busy: ", log)
-        assert outcomes == ["failed" if on_error == "fail" else "skipped"], log[-3000:]
+        # (a set: Airflow 2 writes the line to both the output and the log capture)
+        assert set(outcomes) == {"failed" if on_error == "fail" else "skipped"}, log[-3000:]
         assert deadline > time.time() + 60, "failed long before the deadline, as soon as it resumed"

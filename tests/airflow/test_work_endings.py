@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 
 from airflow_pglock.compat import AIRFLOW_VERSION
-from airflow_pglock.pg import schema
 from tests.helpers import advisory_locks_once_exited, run_dag
 
 pytestmark = pytest.mark.airflow
@@ -111,17 +110,9 @@ guarded_branch_dag = guarded_branch()
 """
 
 
-@pytest.fixture
-def ledger(admin: Any) -> Any:
-    admin.execute("DROP SCHEMA IF EXISTS pglock CASCADE")
-    schema.migrate(admin)
-    yield admin
-    admin.execute("DROP SCHEMA IF EXISTS pglock CASCADE")
-
-
 @pytest.mark.matrix("work-signals")
 def test_a_guarded_branch_or_short_circuit_completes_and_records_its_completion(
-    airflow_db: Any, ledger: Any, capfd: Any
+    airflow_db: Any, scopes_db: Any, capfd: Any
 ) -> None:
     capfd.readouterr()
     first = run_dag(BRANCH_DAG, "guarded_branch")
@@ -132,14 +123,14 @@ def test_a_guarded_branch_or_short_circuit_completes_and_records_its_completion(
     assert re.search(r"pglock outcome=completed key 'branch-once' ", log), log[-3000:]
     assert re.search(r"pglock outcome=completed key 'gate-once' .*mode=transaction", log), log[-3000:]
     assert "pglock outcome=failed" not in log, log[-3000:]
-    recorded = ledger.execute("SELECT key_name FROM pglock.completions WHERE period = '2026-12-01' ORDER BY 1")
+    recorded = scopes_db.execute("SELECT key_name FROM pglock.completions WHERE period = '2026-12-01' ORDER BY 1")
     assert [row[0] for row in recorded.fetchall()] == ["branch-once", "gate-once"]
 
     second = run_dag(BRANCH_DAG, "guarded_branch")
     log = "".join(capfd.readouterr())
     assert second.state("choose") == "skipped" and second.state("gate") == "skipped", "done for the period"
     assert "already done for period '2026-12-01'" in log
-    assert advisory_locks_once_exited(ledger) == []
+    assert advisory_locks_once_exited(scopes_db) == []
 
 
 RESCHEDULE_DAG = """
@@ -294,14 +285,14 @@ scoped_branch_dag = scoped_branch()
 
 @pytest.mark.matrix("work-signals")
 @pytest.mark.skipif(AIRFLOW_VERSION < (3, 0), reason="lock scopes are Airflow 3")
-def test_a_branch_inside_a_lock_scope_counts_as_a_task_that_succeeded(airflow_db: Any, ledger: Any) -> None:
+def test_a_branch_inside_a_lock_scope_counts_as_a_task_that_succeeded(airflow_db: Any, scopes_db: Any) -> None:
     first = run_dag(SCOPED_BRANCH_DAG, "scoped_branch")
     assert first.state("publish.choose") == "success" and first.state("publish.right") == "skipped"
     assert first.state("publish.pglock_scope_exit") == "success"
-    periods = ledger.execute("SELECT period, task_id FROM pglock.completions").fetchall()
+    periods = scopes_db.execute("SELECT period, task_id FROM pglock.completions").fetchall()
     assert periods == [("2026-12-01", "publish.pglock_scope_exit")], "the branch pushed its success marker"
     assert run_dag(SCOPED_BRANCH_DAG, "scoped_branch").state("publish.pglock_scope_enter") == "skipped"
-    assert advisory_locks_once_exited(ledger) == []
+    assert advisory_locks_once_exited(scopes_db) == []
 
 
 @pytest.mark.skipif(AIRFLOW_VERSION < (3, 0), reason="the task runner triggers the DAG run on Airflow 3")
