@@ -148,6 +148,10 @@ class LockGuard:
     :param work_ending: names an exception the work ended with that is no failure (an Airflow
         adapter's skip or reschedule signal): a :class:`~airflow_pglock.outcome.WorkEnding`, or
         None for a failure. The lock is given back as for any exception (a transaction rolled back).
+    :param asked_on_busy: the ``on_busy`` the task asked for, where ``policy`` replaces it for this
+        try (a deferred wait's last try, or its try after a trigger error): the metrics' tag names it.
+    :param busy_counted_as: what the metrics count a busy refusal as, where it is not what the
+        outcome says (``failed``: the try after the triggerer's wait failed: the lock database's error).
     """
 
     def __init__(
@@ -163,8 +167,11 @@ class LockGuard:
         stats: Callable[[], Any] | None = None,
         scope: ScopeRole = OUTSIDE,
         work_ending: Callable[[BaseException], WorkEnding | None] | None = None,
+        asked_on_busy: str | None = None,
+        busy_counted_as: str | None = None,
     ) -> None:
         self.database = database
+        self._busy_counted_as = busy_counted_as
         self._work_ending = work_ending
         self.scope = scope
         if scope.kind != "outside" and (policy.mode != "session" or policy.shared):
@@ -209,7 +216,9 @@ class LockGuard:
         self._stop = threading.Event()
         self._holder_pid = os.getpid()  # the process that holds the lock (set again when it is taken)
         self._heartbeat: Heartbeat | None = None
-        self._outcome = OutcomeLine(self.log, OutcomeContext.of(key, policy, application_name, database), stats)
+        self._outcome = OutcomeLine(
+            self.log, OutcomeContext.of(key, policy, application_name, database, asked_on_busy), stats
+        )
         self._started = 0.0
         self._wait_seconds = 0.0
         self._handle: LockHandle | None = None
@@ -234,7 +243,12 @@ class LockGuard:
             self.held = self._acquire()
         except LockBusyError as busy:
             self.refusal = busy
-            self._report(self.policy.busy_outcome(), detail=f"busy: {busy}", holders=busy.holders)
+            self._report(
+                self.policy.busy_outcome(),
+                detail=f"busy: {busy}",
+                holders=busy.holders,
+                counted_as=self._busy_counted_as,
+            )
             raise
         except AlreadyDoneError as done:  # a scope's setup: checked before it takes the scope
             self.refusal = done

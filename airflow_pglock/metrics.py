@@ -11,7 +11,8 @@ the guard: the hook and the Airflow adapters pass ``compat.get_stats``). Names (
 ``pglock.skipped``        counter  the key was busy: the task was skipped
 ``pglock.busy``           counter  the key was busy and ``on_busy='fail'``: the task failed
 ``pglock.failed``         counter  the lock could not be taken (database down, bad settings,
-                                   unsafe set-up): the task failed (or skipped, ``on_error``)
+                                   unsafe set-up, the triggerer's wait for it failed): the
+                                   task failed (or skipped, ``on_error``)
 ``pglock.work_failed``    counter  the run failed while holding the lock (the work raised,
                                    or the transaction-mode commit failed)
 ``pglock.work_skipped``   counter  the work skipped its task itself while holding the lock
@@ -30,10 +31,10 @@ the guard: the hook and the Airflow adapters pass ``compat.get_stats``). Names (
 Tags, each of bounded cardinality: ``dag_id`` and ``task_id`` (as Airflow's own task
 metrics, read from the lock session's application_name, so a very long id is shortened
 with ``~``; absent outside Airflow tasks), ``mode`` (session / transaction), ``shared``
-(true / false), ``on_busy`` (skip / fail / wait), ``slots`` (a pool's size; only with
-``slots`` greater than 1). Never the run id, the tenant or the key
-name (a key name may contain a tenant). Plain StatsD drops tags unless
-``[metrics] statsd_influxdb_enabled``; Datadog and OpenTelemetry keep them.
+(true / false), ``on_busy`` (skip / fail / wait / defer: the task's own, on every try of a
+deferred wait), ``slots`` (a pool's size; only with ``slots`` greater than 1). Never the run
+id, the tenant or the key name (a key name may contain a tenant). Plain StatsD drops tags
+unless ``[metrics] statsd_influxdb_enabled``; Datadog and OpenTelemetry keep them.
 
 Metrics never break a task: any error while sending is logged at debug level and dropped.
 """

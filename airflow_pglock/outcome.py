@@ -87,11 +87,18 @@ class OutcomeContext:
 
     @classmethod
     def of(
-        cls, key: LockKey, policy: LockPolicy, application_name: str | None, database: LockDatabase
+        cls,
+        key: LockKey,
+        policy: LockPolicy,
+        application_name: str | None,
+        database: LockDatabase,
+        asked_on_busy: str | None = None,
     ) -> OutcomeContext:
-        """The context of a guarded execution of ``key`` under ``policy`` in ``database``."""
+        """The context of a guarded execution of ``key`` under ``policy`` in ``database``
+        (``asked_on_busy``: the task's own ``on_busy``, where ``policy`` replaces it for one try)."""
         target = functools.partial(configured_target, database)
-        mode, shared, on_busy, slots = policy.mode, policy.shared, policy.on_busy, policy.slots
+        mode, shared, slots = policy.mode, policy.shared, policy.slots
+        on_busy = asked_on_busy or policy.on_busy
         return cls(key, mode, shared, on_busy, application_name, target, slots, conn=database.label)
 
 

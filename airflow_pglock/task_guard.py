@@ -286,6 +286,8 @@ def run_guarded(
             stats=get_stats,
             scope=scope,
             work_ending=work_ending,
+            asked_on_busy=spec.policy.on_busy,
+            busy_counted_as="failed" if failed_wait else None,
         )
         result = guard.run(work_with_token)  # the airtight form of `with guard as handle: work(handle)`
         if isinstance(result, _SucceededWith):

@@ -125,6 +125,35 @@ def holder_hook(dsn: str) -> object:
     return AdvisoryLockHook(dsn=dsn, liveness=Liveness(lease=600))
 
 
+@pytest.fixture
+def statsd(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """Airflow's StatsD metrics (with InfluxDB-style tags) sent to a socket the test reads."""
+    try:
+        from airflow.sdk._shared.observability.metrics import stats as sdk_stats
+    except ImportError:
+        pytest.skip(
+            "this metrics test resets the Task SDK's Stats (Airflow 3.2+); older Airflow picks its "
+            "StatsD client once at import"
+        )
+
+    from tests.statsd import StatsdListener
+
+    listener = StatsdListener()
+    for name, value in {
+        "STATSD_ON": "True",
+        "STATSD_HOST": "127.0.0.1",
+        "STATSD_PORT": str(listener.port),
+        "STATSD_PREFIX": "airflow",
+        "STATSD_INFLUXDB_ENABLED": "True",
+    }.items():
+        monkeypatch.setenv(f"AIRFLOW__METRICS__{name}", value)
+    # Start from "Stats not set up in this process" (as in a fresh task process); restored after.
+    monkeypatch.setattr(sdk_stats, "_factory", None)
+    monkeypatch.setattr(sdk_stats, "_backend", None)
+    yield listener
+    listener.close()
+
+
 @pytest.fixture(scope="session")
 def airflow_db(dsn: str) -> Path:
     """A migrated Airflow metadata DB (SQLite) in the throwaway AIRFLOW_HOME."""

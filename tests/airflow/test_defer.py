@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from airflow_pglock.exceptions import LockConfigurationError
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 from airflow_pglock.liveness import Liveness
 from tests.helpers import held_lock, run_dag
+from tests.statsd import StatsdListener
 
 pytestmark = pytest.mark.airflow
 
@@ -254,15 +256,10 @@ def test_a_guarded_soft_fail_sensor_resumed_from_its_wait_maps_the_outcome_as_it
     assert re.search(r"pglock deferred: .*key 'defer/sensor-held'", log), log[-3000:]
 
 
-@pytest.mark.parametrize("on_error", ["fail", "skip"])
-def test_a_wait_the_triggerer_could_not_keep_fails_the_resumed_task_instead_of_deferring_again(
-    airflow_db: Any, hook: AdvisoryLockHook, on_error: str, caplog: Any, capfd: Any
-) -> None:
-    """A trigger that cannot read the lock database ends its wait at once with an error event; the
-    resumed task, finding the key still busy, deferred again at once, over and over until the
-    deadline (each resume well inside the window of apache/airflow#72716). The error is the lock
-    database's, so on_error="skip" skips the task naming it, as for any other such error."""
-    import time
+def _resumed_after_a_trigger_error(hook: AdvisoryLockHook, on_error: str, before_the_try: Callable[[], None]) -> Any:
+    """Defer a guarded task on a busy key, wake it while the key is still busy (it defers again), then
+    resume it with the trigger's error event; ``before_the_try`` runs just before that try. Returns
+    (pytest's ExceptionInfo of what that try raised, the wait's deadline)."""
     import types
 
     from airflow_pglock.compat import AirflowSkipException, PythonOperator, TaskDeferred
@@ -292,18 +289,53 @@ def test_a_wait_the_triggerer_could_not_keep_fails_the_resumed_task_instead_of_d
         with pytest.raises(TaskDeferred):  # woken while another took the key first: waits again
             operator.resume_execution(RESUME_METHOD, {"event": free, "deadline": deadline}, context)
         error = {"status": "error", "message": "could not read who holds it (LockConnectionError: refused)"}
-        caplog.clear()
-        caplog.set_level(logging.INFO)
-        capfd.readouterr()
+        before_the_try()
         expected = LockConnectionError if on_error == "fail" else AirflowSkipException
         with pytest.raises(expected, match="the wait for it in the triggerer failed: could not read who") as ended:
             operator.resume_execution(RESUME_METHOD, {"event": error, "deadline": deadline}, context)
-        if on_error == "skip":
-            assert "skipped because of an error (on_error='skip')" in str(ended.value)
-            assert isinstance(ended.value.__cause__, LockConnectionError)
-        # The one outcome line of that try says what the task becomes, not "deferred".
-        log = "".join(capfd.readouterr()) + caplog.text
-        outcomes = re.findall(r"pglock outcome=(\w+) key 'defer/trigger-error'.* - busy: ", log)
-        # (a set: Airflow 2 writes the line to both the output and the log capture)
-        assert set(outcomes) == {"failed" if on_error == "fail" else "skipped"}, log[-3000:]
-        assert deadline > time.time() + 60, "failed long before the deadline, as soon as it resumed"
+    return ended, deadline
+
+
+@pytest.mark.parametrize("on_error", ["fail", "skip"])
+def test_a_wait_the_triggerer_could_not_keep_fails_the_resumed_task_instead_of_deferring_again(
+    airflow_db: Any, hook: AdvisoryLockHook, on_error: str, caplog: Any, capfd: Any
+) -> None:
+    """A trigger that cannot read the lock database ends its wait at once with an error event; the
+    resumed task, finding the key still busy, deferred again at once, over and over until the
+    deadline (each resume well inside the window of apache/airflow#72716). The error is the lock
+    database's, so on_error="skip" skips the task naming it, as for any other such error."""
+    import time
+
+    from airflow_pglock.exceptions import LockConnectionError
+
+    def clear_logs() -> None:
+        caplog.clear()
+        caplog.set_level(logging.INFO)
+        capfd.readouterr()
+
+    ended, deadline = _resumed_after_a_trigger_error(hook, on_error, clear_logs)
+    if on_error == "skip":
+        assert "skipped because of an error (on_error='skip')" in str(ended.value)
+        assert isinstance(ended.value.__cause__, LockConnectionError)
+    # The one outcome line of that try says what the task becomes, not "deferred".
+    log = "".join(capfd.readouterr()) + caplog.text
+    outcomes = re.findall(r"pglock outcome=(\w+) key 'defer/trigger-error'.* - busy: ", log)
+    # (a set: Airflow 2 writes the line to both the output and the log capture)
+    assert set(outcomes) == {"failed" if on_error == "fail" else "skipped"}, log[-3000:]
+    assert deadline > time.time() + 60, "failed long before the deadline, as soon as it resumed"
+
+
+@pytest.mark.parametrize("on_error", ["fail", "skip"])
+def test_the_try_after_a_trigger_error_counts_as_failed_under_the_tasks_own_on_busy(
+    airflow_db: Any, hook: AdvisoryLockHook, on_error: str, statsd: StatsdListener
+) -> None:
+    """That try's metrics: pglock.failed (the lock database's error, as the task's own error says),
+    not busy or skipped, tagged with the task's own on_busy ("defer"), as its other tries are."""
+    seen_before: list[int] = []
+    _resumed_after_a_trigger_error(hook, on_error, lambda: seen_before.append(len(statsd.metrics())))
+    the_task = [
+        metric for metric in statsd.metrics_once("wait", after=seen_before[0]) if metric[1].get("task_id") == "t"
+    ]
+    assert {name for name, _, kind in the_task if kind == "c"} == {"failed"}, the_task
+    every_try = [tags for _, tags, _ in statsd.metrics() if tags.get("task_id") == "t"]
+    assert len(every_try) >= 3 and {tags["on_busy"] for tags in every_try} == {"defer"}, every_try

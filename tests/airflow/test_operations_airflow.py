@@ -12,9 +12,6 @@ One DAG run answers several questions at once (each run costs seconds):
 from __future__ import annotations
 
 import json
-import socket
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +24,7 @@ from airflow_pglock.keys import LockKey
 from airflow_pglock.pg.schema import migrate
 from tests.helpers import run_dag
 from tests.ops_helpers import dsn_uri, hold, scratch_database
+from tests.statsd import StatsdListener
 
 pytestmark = pytest.mark.airflow
 
@@ -87,71 +85,6 @@ the_dag = ops_view()
 """
 
 
-class StatsdListener:
-    """A UDP socket that collects every StatsD datagram sent to it."""
-
-    def __init__(self) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.settimeout(0.2)
-        self.port = self.sock.getsockname()[1]
-        self.lines: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                data = self.sock.recv(65535)
-            except TimeoutError:
-                continue
-            self.lines.extend(data.decode().splitlines())
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self.sock.close()
-
-
-@pytest.fixture
-def statsd(monkeypatch: pytest.MonkeyPatch) -> Iterator[StatsdListener]:
-    """Airflow's StatsD metrics (with InfluxDB-style tags) sent to a socket the test reads."""
-    try:
-        from airflow.sdk._shared.observability.metrics import stats as sdk_stats
-    except ImportError:
-        pytest.skip(
-            "this metrics test resets the Task SDK's Stats (Airflow 3.2+); older Airflow picks its "
-            "StatsD client once at import"
-        )
-
-    listener = StatsdListener()
-    for name, value in {
-        "STATSD_ON": "True",
-        "STATSD_HOST": "127.0.0.1",
-        "STATSD_PORT": str(listener.port),
-        "STATSD_PREFIX": "airflow",
-        "STATSD_INFLUXDB_ENABLED": "True",
-    }.items():
-        monkeypatch.setenv(f"AIRFLOW__METRICS__{name}", value)
-    # Start from "Stats not set up in this process" (as in a fresh task process); restored after.
-    monkeypatch.setattr(sdk_stats, "_factory", None)
-    monkeypatch.setattr(sdk_stats, "_backend", None)
-    yield listener
-    listener.close()
-
-
-def _metrics(lines: list[str]) -> list[tuple[str, dict[str, str], str]]:
-    """(name, tags, type) of every pglock metric line: ``airflow.pglock.x,tag=v,...:1|c``."""
-    parsed = []
-    for line in lines:
-        head, _, value = line.partition(":")
-        name, *tags = head.split(",")
-        if name.startswith("airflow.pglock."):
-            parsed.append((name, dict(tag.split("=", 1) for tag in tags), value.rpartition("|")[2]))
-    return parsed
-
-
 def test_locks_from_a_task_and_metrics(
     airflow_db: Path, pg_server: str, statsd: StatsdListener, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -207,12 +140,11 @@ def test_locks_from_a_task_and_metrics(
     assert "names are recorded when a hold ends" in psql_entry["key"]["name_unknown_reason"]
     assert psql_entry["key"]["numbers"] == list(LockKey.from_name("ops-busy").numbers)
 
-    metrics = _metrics(statsd.lines)
     by_task: dict[str, set[tuple[str, str]]] = {}
-    for name, tags, kind in metrics:
+    for name, tags, kind in statsd.metrics():
         assert set(tags) == {"dag_id", "task_id", "mode", "shared", "on_busy"}, tags
         assert tags["dag_id"] == "ops_view" and tags["mode"] == "session" and tags["shared"] == "false"
-        by_task.setdefault(tags["task_id"], set()).add((name.removeprefix("airflow.pglock."), kind))
+        by_task.setdefault(tags["task_id"], set()).add((name, kind))
     assert by_task == {
         "holds_and_looks": {("acquired", "c"), ("completed", "c"), ("wait", "ms"), ("hold", "ms")},
         "skipped_when_busy": {("skipped", "c"), ("wait", "ms")},
