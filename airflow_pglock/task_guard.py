@@ -29,6 +29,9 @@ from airflow_pglock.compat import (
     deployment_name,
     get_current_context,
     get_stats,
+    hands_off_to_task_runner,
+    is_task_runner_handoff,
+    parks_awaiting_input,
 )
 from airflow_pglock.exceptions import (
     AlreadyDoneError,
@@ -141,6 +144,31 @@ def runner_handoff_refused(task_id: str) -> str:
         "waits for it) after execute() returned, so no guard can hold a key around it. Guard the triggered "
         "DAG's own tasks instead, or wait for its run with a guarded deferrable sensor"
     )
+
+
+def refuse_unholdable(task: Any) -> None:
+    """When the DAG is parsed: refuse a task no guard can hold a key around (it parks awaiting
+    input, or the task runner acts for it after ``execute`` returned)."""
+    if hands_off_to_task_runner(task):
+        raise LockConfigurationError(runner_handoff_refused(task.task_id))
+    if parks_awaiting_input(task):
+        raise LockConfigurationError(awaiting_input_refused(task.task_id, None))
+
+
+@contextlib.contextmanager
+def unholdable_endings_refused(task: Any, key: LockKey | None) -> Iterator[None]:
+    """Around an operator's own ``execute`` under a guard: if it parks awaiting input, stop its
+    work (``on_kill()``) and fail; if it asks the task runner to act after it (nothing has run yet:
+    the task runner would do it after the guard released the key), fail."""
+    try:
+        yield
+    except TaskAwaitingInput:
+        stop_external_work(task, "it parked awaiting input")
+        raise LockConfigurationError(awaiting_input_refused(task.task_id, key)) from None
+    except Exception as error:
+        if not is_task_runner_handoff(error):
+            raise
+        raise LockConfigurationError(runner_handoff_refused(task.task_id)) from None
 
 
 def resolve_key(key: KeySpec, tenant: Any, dag_id: str, task_id: str) -> LockKey:

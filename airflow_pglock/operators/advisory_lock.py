@@ -32,12 +32,8 @@ from airflow_pglock.compat import (
     BaseOperator,
     Context,
     MappedOperator,
-    TaskAwaitingInput,
     TaskDeferred,
-    hands_off_to_task_runner,
     is_deferral_timeout,
-    is_task_runner_handoff,
-    parks_awaiting_input,
     rendered_task,
 )
 from airflow_pglock.exceptions import LockConfigurationError, LockLostError
@@ -46,16 +42,16 @@ from airflow_pglock.scope_rules import DEFAULT_SCOPE_LEASE_SECONDS, OUTSIDE, Han
 from airflow_pglock.task_guard import (
     GUARD_ATTRIBUTE,
     RESUME_METHOD,
-    awaiting_input_refused,
     fail_for_configuration,
+    refuse_unholdable,
     render_lock_options,
     resume_deadline,
     run_guarded,
     run_label,
-    runner_handoff_refused,
     stop_external_work,
     task_identity,
     trigger_error,
+    unholdable_endings_refused,
 )
 
 if TYPE_CHECKING:
@@ -261,21 +257,14 @@ class OperatorGuard:
 
     def _run_deferrable(self, task: BaseOperator, call: Any, handle: LockHandle | None = None) -> Any:
         try:
-            return call()
-        except TaskAwaitingInput:
-            stop_external_work(task, "it parked awaiting input")
-            raise LockConfigurationError(awaiting_input_refused(task.task_id, handle.key if handle else None)) from None
+            with unholdable_endings_refused(task, handle.key if handle else None):
+                return call()
         except TaskDeferred as deferral:
             if self.deferral_lease is None:
                 # The lock lives on this worker's connection; a deferred task has no worker.
                 stop_external_work(task)
                 raise LockConfigurationError(deferral_refused(task, handle, _why_no_hand_over(self.spec))) from None
             return HandOver(deferral)
-        except Exception as error:
-            if not is_task_runner_handoff(error):
-                raise
-            # Nothing is triggered yet: the task runner would do it after the guard released the key.
-            raise LockConfigurationError(runner_handoff_refused(task.task_id)) from None
 
     def _defer_again_or_return(
         self, task: BaseOperator, context: Context, rendered: dict[str, Any], role: ScopeRole, result: Any
@@ -405,10 +394,7 @@ def guarded(
         raise LockConfigurationError(
             f"task {operator.task_id!r} is already guarded (or its execute was replaced); guard it once"
         )
-    if hands_off_to_task_runner(operator):
-        raise LockConfigurationError(runner_handoff_refused(operator.task_id))
-    if parks_awaiting_input(operator):
-        raise LockConfigurationError(awaiting_input_refused(operator.task_id, None))
+    refuse_unholdable(operator)
     for flag in ("start_from_trigger", "end_from_trigger"):
         if getattr(operator, flag, False) is True:
             raise LockConfigurationError(

@@ -37,12 +37,8 @@ from airflow_pglock.compat import (
     DownstreamTasksSkipped,
     MappedOperator,
     PythonOperator,
-    TaskAwaitingInput,
     TaskDeferred,
     TaskGroup,
-    hands_off_to_task_runner,
-    is_task_runner_handoff,
-    parks_awaiting_input,
     rendered_task,
     run_task_states,
 )
@@ -52,19 +48,19 @@ from airflow_pglock.scope_rules import DEFAULT_SCOPE_LEASE_SECONDS, ScopeKind, S
 from airflow_pglock.task_guard import (
     GUARD_ATTRIBUTE,
     RESUME_METHOD,
-    awaiting_input_refused,
     fail_for_configuration,
     lock_spec_of,
+    refuse_unholdable,
     render_lock_options,
     resolve_key,
     resume_deadline,
     run_guarded,
     run_label,
-    runner_handoff_refused,
     stop_external_work,
     task_begins,
     task_identity,
     trigger_error,
+    unholdable_endings_refused,
 )
 
 if TYPE_CHECKING:
@@ -388,21 +384,14 @@ class ScopeMemberGuard:
 
         def work(handle: LockHandle) -> Any:
             try:
-                with begins():
+                with begins(), unholdable_endings_refused(task, handle.key):
                     return type(task).execute(task, context, **kwargs)
-            except TaskAwaitingInput:
-                stop_external_work(task, "it parked awaiting input")
-                raise LockConfigurationError(awaiting_input_refused(task.task_id, handle.key)) from None
             except TaskDeferred:  # deferrable without a `deferrable` flag (e.g. an operator that calls self.defer())
                 stop_external_work(task, "it deferred")
                 raise LockConfigurationError(
                     f"task {task.task_id!r} of the lock scope on {self.spec.key!r} deferred: a deferred task holds "
                     "no lock, and its resumed method would run outside the scope. Run it without deferring"
                 ) from None
-            except Exception as error:
-                if not is_task_runner_handoff(error):
-                    raise
-                raise LockConfigurationError(runner_handoff_refused(task.task_id)) from None
 
         succeeded_with: DownstreamTasksSkipped | None = None
         try:
@@ -433,10 +422,7 @@ def _guard_member(task: Any, spec: ScopeSpec) -> None:
             f"task {task.task_id!r} of the lock scope on {spec.key!r} is deferrable: a deferred task holds no lock. "
             "Create it with deferrable=False"
         )
-    if parks_awaiting_input(task):
-        raise LockConfigurationError(awaiting_input_refused(task.task_id, None))
-    if hands_off_to_task_runner(task):
-        raise LockConfigurationError(runner_handoff_refused(task.task_id))
+    refuse_unholdable(task)
     if getattr(task, _SCOPE_ATTRIBUTE, None) is not None:
         raise LockConfigurationError(
             f"task {task.task_id!r} is in two lock scopes ({getattr(task, _SCOPE_ATTRIBUTE).key!r} and "

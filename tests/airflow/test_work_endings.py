@@ -308,3 +308,68 @@ def test_a_lock_scope_refuses_a_trigger_dag_run_operator_when_the_dag_is_parsed(
     refused = pytest.raises(LockConfigurationError, match=r"task 'g.start' is a TriggerDagRunOperator")
     with DAG("trigger_in_a_scope", schedule=None), refused, advisory_lock_scope("g", key="deploy"):
         TriggerDagRunOperator(task_id="start", trigger_dag_id="other")
+
+
+HANDS_OFF_DAG = """
+import os
+
+import pendulum
+from airflow.sdk import BaseOperator, dag
+
+try:
+    from airflow.sdk.exceptions import DagRunTriggerException
+except ImportError:  # Airflow 3.0, 3.1
+    from airflow.exceptions import DagRunTriggerException
+
+from airflow_pglock.operators.advisory_lock import guarded
+from airflow_pglock.operators.scope import advisory_lock_scope
+
+CONN = "pglock_test"
+
+
+class StartsARunLater(BaseOperator):
+    \"\"\"Not named TriggerDagRunOperator, so no parse-time check knows it: it asks the task runner to
+    trigger a run after execute() returned, as TriggerDagRunOperator does.\"\"\"
+
+    def execute(self, context):
+        raise DagRunTriggerException(
+            trigger_dag_id="some_other_dag", dag_run_id="handed_off", conf=None, logical_date=None,
+            reset_dag_run=False, skip_when_already_exists=False, wait_for_completion=False,
+            allowed_states=["success"], failed_states=["failed"], poke_interval=1, deferrable=False,
+        )
+
+    def on_kill(self):
+        with open(os.environ["PGLOCK_KILLED_FILE"], "a") as killed:
+            killed.write(self.task_id + "\\n")
+
+
+@dag(dag_id="hands_off", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False)
+def hands_off():
+    guarded(StartsARunLater(task_id="alone", retries=0), postgres_conn_id=CONN, key="hands-off-alone")
+    with advisory_lock_scope("scoped", key="hands-off-scope", postgres_conn_id=CONN, once_per="2026-12-01"):
+        StartsARunLater(task_id="start", retries=0)
+
+
+hands_off_dag = hands_off()
+"""
+
+
+@pytest.mark.matrix("work-signals")
+@pytest.mark.skipif(AIRFLOW_VERSION < (3, 0), reason="the task runner triggers the DAG run on Airflow 3")
+def test_work_that_hands_a_dag_run_to_the_task_runner_fails_at_run_time(
+    airflow_db: Any, scopes_db: Any, capfd: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An operator the parse-time check cannot know (another name) that raises the task runner's
+    DagRunTriggerException, under guarded() and inside a lock scope: the run would be triggered
+    after the hold was given back, so the task fails with the refusal (without it, the
+    exception went on to the task runner) and the scope records no completion."""
+    monkeypatch.setenv("PGLOCK_KILLED_FILE", str(tmp_path / "killed"))
+    capfd.readouterr()
+    result = run_dag(HANDS_OFF_DAG, "hands_off")
+    log = "".join(capfd.readouterr())
+    assert result.state("alone") == "failed", log[-3000:]
+    assert result.state("scoped.start") == "failed", log[-3000:]
+    for task_id in ("alone", "scoped.start"):
+        assert f"task {task_id!r} is a TriggerDagRunOperator: on Airflow 3 the task runner triggers" in log, task_id
+    assert scopes_db.execute("SELECT count(*) FROM pglock.completions").fetchone() == (0,)
+    assert advisory_locks_once_exited(scopes_db) == []
