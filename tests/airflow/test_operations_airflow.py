@@ -38,6 +38,8 @@ import os
 import pendulum
 from airflow.sdk import dag, task
 
+from airflow_pglock.decorators.advisory_lock import advisory_lock
+
 CONN = "pglock_ops_af"
 
 
@@ -74,8 +76,14 @@ def ops_view():
     def once_again():  # the period is the key's: done by once_first
         raise AssertionError("ops-once was done for the period")
 
+    @task.advisory_lock(postgres_conn_id=CONN, key="ops-stacked")
+    @advisory_lock(postgres_conn_id=CONN, key="ops-busy")
+    def stacked_skips():  # the outer guard holds ops-stacked; the task's own (inner) one finds ops-busy held
+        raise AssertionError("ops-busy is held by the test")
+
     holds_and_looks()
     skipped_when_busy()
+    stacked_skips()
     fails_when_busy()
     skips_itself()
     once_first() >> once_again()
@@ -107,6 +115,7 @@ def test_locks_from_a_task_and_metrics(
     assert result.state("skipped_when_busy") == "skipped"
     assert result.state("fails_when_busy") == "failed"
     assert result.state("skips_itself") == "skipped"
+    assert result.state("stacked_skips") == "skipped"
     assert result.state("once_first") == "success" and result.state("once_again") == "skipped"
 
     seen = json.loads((tmp_path / "locks.json").read_text())
@@ -150,6 +159,8 @@ def test_locks_from_a_task_and_metrics(
         "skipped_when_busy": {("skipped", "c"), ("wait", "ms")},
         "fails_when_busy": {("busy", "c"), ("wait", "ms")},
         "skips_itself": {("acquired", "c"), ("work_skipped", "c"), ("wait", "ms"), ("hold", "ms")},
+        # The inner guard's busy skip; the outer one took its key, and the skip is not the work's own.
+        "stacked_skips": {("acquired", "c"), ("skipped", "c"), ("wait", "ms"), ("hold", "ms")},
         "once_first": {("acquired", "c"), ("completed", "c"), ("wait", "ms"), ("hold", "ms")},
         "once_again": {("acquired", "c"), ("wait", "ms")},  # found done: neither skipped (busy) nor work_skipped
     }
