@@ -135,7 +135,10 @@ def test_the_parts_of_a_whole_run_record_one_file(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    env = {**os.environ, "PGLOCK_MATRIX_RESULTS": str(tmp_path), "PGLOCK_MATRIX_SUITE": "full suite"}
+    # Never this run's own recording (.ci/run's whole suite sets both): a nested pytest that inherits
+    # them writes this part's partial record, and may merge it with the other part's too early.
+    outside = {k: v for k, v in os.environ.items() if k not in ("PGLOCK_MATRIX_RESULTS", "PGLOCK_SUITE_PART")}
+    env = {**outside, "PGLOCK_MATRIX_RESULTS": str(tmp_path), "PGLOCK_MATRIX_SUITE": "full suite"}
     for number, path in enumerate(["tests/unit/test_stable_keys.py", "tests/unit/test_keys.py"], 1):
         part = {**env, "PGLOCK_SUITE_PART": f"{number}/2"}
         ran = subprocess.run(
@@ -150,7 +153,10 @@ def test_the_parts_of_a_whole_run_record_one_file(tmp_path: Path) -> None:
     [record] = [json.loads(p.read_text()) for p in tmp_path.glob("*.json")]
     alone = [
         subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path], cwd=ROOT, capture_output=True
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path],
+            cwd=ROOT,
+            env=outside,
+            capture_output=True,
         ).stdout.decode()
         for path in ["tests/unit/test_stable_keys.py", "tests/unit/test_keys.py"]
     ]
