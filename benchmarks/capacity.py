@@ -67,6 +67,9 @@ class Stage:
     usable: int
     status: str
     expected: str
+    #: client sessions the server still counted when the wait for closed sessions' backends gave
+    #: up (None: they settled), so a mismatch says why.
+    unsettled: int | None = None
 
 
 @dataclass
@@ -255,23 +258,29 @@ def _lock_session_pids(admin: psycopg.Connection[Any]) -> list[int]:
     return [int(pid) for (pid,) in rows]
 
 
+#: Seconds a stage waits for the backends of sessions closed just before to exit.
+SETTLE_SECONDS = 10.0
+
+
 def _doctor_stage(dsn: str, admin: psycopg.Connection[Any], holders: int, usable: int) -> Stage:
     from airflow_pglock.doctor import run_doctor
     from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 
     # A session closed just before (the previous stage's doctor, the set-up's) leaves its backend
     # counted until it exits: wait for the holders and the observer alone, as doctor would find them.
-    settle_by = time.monotonic() + 10
-    while time.monotonic() < settle_by:
+    settle_by, settled = time.monotonic() + SETTLE_SECONDS, holders + OBSERVER_SESSIONS - 1
+    while True:
         row = admin.execute("SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend'").fetchone()
-        if row is not None and int(row[0]) == holders + OBSERVER_SESSIONS - 1:
+        seen = int(row[0]) if row is not None else -1
+        if seen == settled or time.monotonic() >= settle_by:
             break
         time.sleep(0.05)
     check = next(c for c in run_doctor(AdvisoryLockHook(dsn=dsn)).checks if c.name == "connections")
     found = re.search(r"(\d+) of (\d+) connection slots in use", check.summary)
     reported = int(found.group(1)) if found else -1
     clients = holders + OBSERVER_SESSIONS
-    return Stage(holders, clients, reported, usable, check.status, expected_status(clients, usable))
+    unsettled = None if seen == settled else seen
+    return Stage(holders, clients, reported, usable, check.status, expected_status(clients, usable), unsettled)
 
 
 def _timed(result: CapacityResult, name: str, operation: Any, rounds: int) -> Any:
@@ -485,7 +494,13 @@ def render(result: CapacityResult) -> str:
         [
             f"{s.holders:,}",
             f"{s.clients:,} of {s.usable:,} ({s.clients / s.usable:.2%})",
-            f"{s.reported:,}",
+            f"{s.reported:,}"
+            + (
+                ""
+                if s.unsettled is None
+                else f" (the server still counted {s.unsettled:,} client sessions after {SETTLE_SECONDS:g} s, "
+                f"{s.clients - 1:,} expected before doctor's own)"
+            ),
             s.expected,
             s.status,
         ]

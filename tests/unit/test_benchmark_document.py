@@ -37,3 +37,15 @@ def test_the_real_document_loses_no_heading_to_a_run_of_one_section() -> None:
     headings = [line for line in document.splitlines() if line.startswith(("## ", "### "))]
     merged = keep_unmeasured(document, "# Benchmarks\n\n## Summary\n\nrows\n")
     assert [line for line in merged.splitlines() if line.startswith(("## ", "### "))] == headings
+
+
+def test_a_capacity_stage_whose_backends_never_settled_says_so() -> None:
+    """doctor's count met a closed session's backend still counted (a stage then reads "differ"): the
+    row says the wait for it gave up, and with what count, instead of a bare mismatch."""
+    from benchmarks.capacity import CapacityResult, Stage, render, stages_met
+
+    result = CapacityResult(holders=10, processes=1, max_connections=20, reserved=3)
+    result.stages = [Stage(10, 12, 12, 17, "OK", "OK"), Stage(10, 12, 13, 17, "OK", "OK", unsettled=12)]
+    text = render(result)
+    assert "13 (the server still counted 12 client sessions after 10 s, 11 expected before doctor's own)" in text
+    assert not stages_met(result)
