@@ -3,8 +3,9 @@
 Pure module. One number, the *lease* ``L`` (seconds, default 30, at least 3), sets all of them:
 
 * **server side, the lease itself**: the server ends a lock session that has been idle for
-  ``L`` seconds (``idle_session_timeout``; ``idle_in_transaction_session_timeout`` in
-  transaction mode), which releases its advisory locks. A healthy holder's heartbeat runs a
+  ``L`` seconds (``idle_session_timeout``, and ``idle_in_transaction_session_timeout`` for
+  its transactions: a session lock's wait for a busy key, every transaction-mode lock), which
+  releases its advisory locks. A healthy holder's heartbeat runs a
   statement every ``L / 3`` s, so its session is never idle that long;
 * **holder side, loss detection**: a heartbeat that has no answer ``2L / 3`` s after the
   last confirmed one makes the holder consider its lock lost (and interrupt the protected
@@ -128,10 +129,11 @@ class Liveness:
             not know are left out (the caller refuses set-ups that need them).
         """
         modern = server_version_num >= IDLE_SESSION_TIMEOUT_VERSION
-        settings: dict[str, str] = {}
-        if transaction:
-            settings["idle_in_transaction_session_timeout"] = f"{self.lease_ms}ms"
-        elif modern:
+        # A session lock too: its session is in a transaction while it waits for a busy key (and
+        # then until its commit), where idle_session_timeout does not apply; a holder frozen
+        # just as the key was granted would keep it for as long as it stays frozen.
+        settings: dict[str, str] = {"idle_in_transaction_session_timeout": f"{self.lease_ms}ms"}
+        if not transaction and modern:
             settings["idle_session_timeout"] = f"{self.lease_ms}ms"
         settings.update(
             {

@@ -39,6 +39,7 @@ class HolderConfig:
     :param on_lost: ``"fail"`` or ``"warn"``.
     :param in_thread: run the guarded work in a non-main thread.
     :param netns: name of a network namespace to enter first (see devtools.netns).
+    :param wait_timeout: wait this long for a busy key (``on_busy="wait"``); None: try once.
     """
 
     dsn: str
@@ -49,6 +50,7 @@ class HolderConfig:
     on_lost: str = "fail"
     in_thread: bool = False
     netns: str | None = None
+    wait_timeout: float | None = None
 
 
 def _enter_netns(name: str) -> None:
@@ -75,6 +77,13 @@ def _child(config: HolderConfig, pipe: Connection) -> None:
         _enter_netns(config.netns)
     hook = AdvisoryLockHook(dsn=config.dsn, liveness=Liveness(config.lease), connect_timeout=5)
     policy = LockPolicy(mode=config.mode, on_lost=config.on_lost)  # type: ignore[arg-type]
+    if config.wait_timeout is not None:
+        policy = LockPolicy(
+            mode=config.mode,  # type: ignore[arg-type]
+            on_lost=config.on_lost,  # type: ignore[arg-type]
+            on_busy="wait",
+            wait_timeout=config.wait_timeout,
+        )
     guard = LockGuard(
         hook.database, LockKey.from_name(config.key), policy, application_name=f"pglock holder {os.getpid()}"
     )

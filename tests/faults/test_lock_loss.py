@@ -21,7 +21,7 @@ from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 from airflow_pglock.keys import LockKey
 from airflow_pglock.liveness import Liveness
 from devtools.campaign.servers import FailoverPair
-from devtools.holder import EXIT_COMPLETED, EXIT_LOST, Holder, HolderConfig
+from devtools.holder import EXIT_COMPLETED, EXIT_ERROR, EXIT_LOST, Holder, HolderConfig
 from tests.faults.conftest import FaultServer, lock_holder_pids, wait_until_released
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
@@ -87,6 +87,54 @@ def test_sigstop_holder_server_releases_within_the_lease(
         assert "lease" in outcome["cause"], outcome
         assert holder.wait_for("interrupted", 1)
         assert holder.join(10) == EXIT_LOST
+
+
+@pytest.mark.parametrize("mode", ["session", "transaction"])
+def test_a_waiter_frozen_as_the_key_is_granted_loses_it_within_the_lease(
+    fault_server: FaultServer, fault_admin: Any, mode: str
+) -> None:
+    """on_busy="wait": the wait runs in a transaction (session locks too), and the key granted
+    to a frozen waiter leaves its session idle in that transaction, where idle_session_timeout
+    does not apply; nor do TCP keepalives, which a stopped process's kernel answers. Before the
+    fix the frozen waiter kept the key for as long as it stayed frozen (20 s and more, lease 3 s)."""
+    key = f"fault-frozen-waiter-{mode}"
+    numbers = LockKey.from_name(key).numbers
+    arguments = ", ".join(["%s"] * len(numbers))
+    blocker = psycopg.connect(fault_server.dsn, autocommit=True, application_name="pglock blocker")
+    try:
+        blocker.execute(f"SELECT pg_advisory_lock({arguments})", numbers)
+        config = HolderConfig(fault_server.dsn, key, lease=LEASE, mode=mode, wait_timeout=120, work_seconds=0.5)
+        with Holder(config) as waiter:
+            asking = f"pglock holder {waiter.pid}"
+            waiting_pid = None
+            deadline = time.monotonic() + 30
+            while waiting_pid is None and time.monotonic() < deadline:
+                row = fault_admin.execute(
+                    "SELECT a.pid FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
+                    "WHERE l.locktype = 'advisory' AND NOT l.granted AND a.application_name = %s",
+                    [asking],
+                ).fetchone()
+                waiting_pid = None if row is None else int(row[0])
+                time.sleep(0.02)
+            assert waiting_pid is not None, "the waiter never queued for the key"
+            waiter.signal(signal.SIGSTOP)
+            time.sleep(0.2)  # the stop has landed: the grant below reaches a frozen process
+            blocker.execute(f"SELECT pg_advisory_unlock({arguments})", numbers)
+            granted = time.monotonic()
+            assert waiting_pid in lock_holder_pids(fault_admin), "the key went to the frozen waiter"
+            released = wait_until_released(fault_admin, waiting_pid, LEASE + 10)
+            assert released is not None, f"the frozen waiter still holds the key {LEASE + 10:g} s after it was granted"
+            measured(f"a waiter frozen as the key is granted ({mode}) -> server releases", released - granted)
+            assert released - granted <= LEASE + MARGIN
+            assert contender_can_take(fault_server.dsn, key)
+            # Thawed, it learns that its session is gone: never a success, never the work.
+            waiter.signal(signal.SIGCONT)
+            outcome = waiter.wait_for("outcome", 10)
+            assert outcome["outcome"] in ("error", "lost"), outcome
+            assert not any(event["event"] == "acquired" for event in waiter.events), waiter.events
+            assert waiter.join(10) in (EXIT_ERROR, EXIT_LOST)
+    finally:
+        blocker.close()
 
 
 def test_terminated_session_fails_within_one_heartbeat(fault_server: FaultServer, fault_admin: Any) -> None:
