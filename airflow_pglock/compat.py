@@ -123,6 +123,17 @@ try:
 except ImportError:  # Airflow 2.x without the standard provider
     from airflow.operators.python import PythonOperator  # type: ignore[no-redef]
 
+
+def empty_operator() -> Any:
+    """Airflow's ``EmptyOperator`` class, loaded on first use (only a lock scope whose last task
+    branches needs it)."""
+    try:
+        from airflow.providers.standard.operators.empty import EmptyOperator
+    except ImportError:  # Airflow 2.x without the standard provider
+        from airflow.operators.empty import EmptyOperator  # type: ignore[no-redef]
+    return EmptyOperator
+
+
 if TYPE_CHECKING:
     from airflow.triggers.base import BaseTrigger, TriggerEvent  # triggers stay in core: the triggerer runs them
 
@@ -303,6 +314,7 @@ __all__ = [
     "TriggerEvent",
     "conf",
     "deployment_name",
+    "empty_operator",
     "get_current_context",
     "get_stats",
     "hands_off_to_task_runner",

@@ -39,6 +39,7 @@ from airflow_pglock.compat import (
     PythonOperator,
     TaskDeferred,
     TaskGroup,
+    empty_operator,
     rendered_task,
     run_task_states,
 )
@@ -483,7 +484,14 @@ def _wire(tasks: list[Any], spec: ScopeSpec, *, task_group: Any = None, dag: Any
     for task in roots:
         enter >> task
     for task in leaves:
-        task >> leave
+        if getattr(task, "inherits_from_skipmixin", False) is True:
+            # A branch skips every direct downstream task it does not follow, a teardown too (only
+            # ShortCircuitOperator spares teardowns): a task that never runs takes that skip instead.
+            own_id = task.task_id.removeprefix(f"{task_group.group_id}.") if task_group is not None else task.task_id
+            after = empty_operator()(task_id=f"pglock_after_{own_id.replace('.', '_')}", **where)
+            task >> after >> leave
+        else:
+            task >> leave
     return enter, leave
 
 

@@ -373,3 +373,41 @@ def test_work_that_hands_a_dag_run_to_the_task_runner_fails_at_run_time(
         assert f"task {task_id!r} is a TriggerDagRunOperator: on Airflow 3 the task runner triggers" in log, task_id
     assert scopes_db.execute("SELECT count(*) FROM pglock.completions").fetchone() == (0,)
     assert advisory_locks_once_exited(scopes_db) == []
+
+
+BRANCH_LAST_IN_SCOPE_DAG = """
+import pendulum
+from airflow.sdk import dag
+from airflow.providers.standard.operators.empty import EmptyOperator
+from airflow.providers.standard.operators.python import BranchPythonOperator, PythonOperator
+
+from airflow_pglock.operators.scope import advisory_lock_scope
+
+
+@dag(dag_id="branch_last_in_scope", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False)
+def branch_last_in_scope():
+    with advisory_lock_scope("refresh", key="branch-last", postgres_conn_id="pglock_test", once_per="2026-12-01"):
+        work = PythonOperator(task_id="work", python_callable=lambda: "done")
+        choose = BranchPythonOperator(task_id="choose", python_callable=lambda: "publish")
+        work >> choose
+    choose >> [EmptyOperator(task_id="publish"), EmptyOperator(task_id="notify_failure")]
+
+
+branch_last_in_scope_dag = branch_last_in_scope()
+"""
+
+
+@pytest.mark.matrix("work-signals")
+@pytest.mark.skipif(AIRFLOW_VERSION < (3, 0), reason="lock scopes are Airflow 3")
+def test_a_branch_as_the_last_task_of_a_lock_scope_does_not_skip_its_teardown(airflow_db: Any, scopes_db: Any) -> None:
+    """Airflow's branching skips every direct downstream task it does not follow; the scope's
+    teardown, wired after its last tasks, was one of them: skipped, it never freed the scope, and
+    the key stayed held until scope_lease (review helper-40)."""
+    result = run_dag(BRANCH_LAST_IN_SCOPE_DAG, "branch_last_in_scope")
+    assert result.state("refresh.choose") == "success"
+    assert result.state("publish") == "success" and result.state("notify_failure") == "skipped"
+    assert result.state("refresh.pglock_scope_exit") == "success"
+    assert scopes_db.execute("SELECT count(*) FROM pglock.scopes").fetchone() == (0,), "the scope was freed"
+    periods = scopes_db.execute("SELECT period FROM pglock.completions").fetchall()
+    assert periods == [("2026-12-01",)]
+    assert advisory_locks_once_exited(scopes_db) == []
