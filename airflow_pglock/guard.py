@@ -420,9 +420,9 @@ class LockGuard:
 
         :param give_back: before the work: free the key first (see :meth:`HeldLock.give_back`).
         """
-        self._stop.set()
         try:
             try:
+                self._stop.set()
                 if self._heartbeat is not None:
                     self._heartbeat.stop()  # joined first: a heartbeat still running would take the close for a loss
             finally:
@@ -454,7 +454,7 @@ class LockGuard:
                 raise  # not taken, or taken and given up: __enter__ said so and left nothing
             # Taken, then interrupted (Airflow's timeout, Ctrl-C) before the work began: release it
             # with one outcome line, as an error of the work would.
-            self.__exit__(type(raised), raised, raised.__traceback__)
+            self._release(raised)
             raise
         try:
             try:
@@ -470,12 +470,32 @@ class LockGuard:
         except BaseException as raised:  # e.g. Ctrl-C while disarming: still release, still one outcome
             error = error or raised
         if error is not None:
-            self.__exit__(type(error), error, error.__traceback__)
+            self._release(error)
             raise error
         if isinstance(result, HandOver) and self.scope.hands_over:
             self._hand_over = result
-        self.__exit__(None, None, None)
+        self._release(None)
         return result
+
+    def _release(self, error: BaseException | None) -> None:
+        """``__exit__`` for :meth:`run`. An asynchronous exception (a signal handler's: Airflow's
+        timeout, SIGTERM, Ctrl-C) can land as ``__exit__`` is entered, before any ``try`` of its
+        own can catch it: then the lock is given up here all the same, with one outcome line."""
+        try:
+            if error is None:
+                self.__exit__(None, None, None)
+            else:
+                self.__exit__(type(error), error, error.__traceback__)
+        except BaseException as escaped:
+            if self.outcome is not None:
+                raise  # __exit__'s own: its clean-up ran and said how it ended
+            held = self.held
+            try:
+                self._abandon()
+            finally:
+                detail = f"the clean-up was interrupted before it began: {type(escaped).__name__}"
+                self._report("failed", detail=detail, held=held.held_seconds if held is not None else None)
+            raise
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None

@@ -264,3 +264,30 @@ def test_a_give_back_on_a_silent_server_is_bounded(fault_server: FaultServer, fa
         assert took >= ROLLBACK_WAIT_SECONDS * 0.9 and held.connection.closed, took
     finally:
         os.kill(pid, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("mode", ["session", "transaction"])
+def test_an_interruption_landing_as_the_release_begins_still_gives_the_lock_up(
+    fault_server: FaultServer, fault_admin: Any, monkeypatch: pytest.MonkeyPatch, caplog: Any, mode: str
+) -> None:
+    """A signal handler's exception (Airflow's timeout, SIGTERM's handler, Ctrl-C) can land as
+    run() enters __exit__, at its first instruction, before any try of its own (CPython runs
+    pending handlers at a function's entry). Simulated: an __exit__ that raises as it is called.
+    Before the fix the heartbeat went on, the session and the key stayed, and no outcome line
+    was logged (review helper-39)."""
+    key = f"fault-exit-entry-{mode}"
+    guard = _guard(fault_server, key, mode=mode)
+
+    def interrupted_at_entry(*exc: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(guard, "__exit__", interrupted_at_entry)  # run() calls self.__exit__
+    caplog.set_level("INFO")
+    with pytest.raises(KeyboardInterrupt):
+        guard.run(lambda lock: "done")
+    assert guard.outcome == "failed", caplog.text
+    assert "the clean-up was interrupted before it began: KeyboardInterrupt" in caplog.text
+    assert guard.held is not None and guard.held.connection.closed
+    contender = AdvisoryLockHook(dsn=fault_server.dsn).acquire(LockKey.from_name(key))
+    assert contender is not None, "the key is free again"
+    assert contender.release()
