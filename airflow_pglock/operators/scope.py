@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as dt
+import math
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,7 +32,6 @@ from typing import TYPE_CHECKING, Any, Literal
 from airflow_pglock.compat import (
     AIRFLOW_VERSION,
     HAS_LOCK_SCOPE,
-    AirflowSkipException,
     BaseOperator,
     Context,
     DownstreamTasksSkipped,
@@ -45,6 +45,7 @@ from airflow_pglock.compat import (
 )
 from airflow_pglock.exceptions import AlreadyDoneError, LockBusyError, LockConfigurationError, LockLostError
 from airflow_pglock.options import LockOptions, LockSpec
+from airflow_pglock.policy import longest_wait_text, wait_timeout_problem
 from airflow_pglock.scope_rules import DEFAULT_SCOPE_LEASE_SECONDS, ScopeKind, ScopeRole
 from airflow_pglock.task_guard import (
     GUARD_ATTRIBUTE,
@@ -176,7 +177,7 @@ def _entered_slot(entered: dict[str, Any], slots: int) -> int | None:
 def _seconds(value: Any, option: str) -> float:
     if isinstance(value, dt.timedelta):
         value = value.total_seconds()
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
         raise LockConfigurationError(f"{option} must be a positive timedelta or number of seconds, got {value!r}")
     return float(value)
 
@@ -189,6 +190,8 @@ def _scope_spec(group_prefix: str, options: dict[str, Any]) -> ScopeSpec:
         )
     scope_lease = _seconds(options.pop("scope_lease", DEFAULT_SCOPE_LEASE_SECONDS), "scope_lease")
     member_wait = _seconds(options.pop("member_wait", DEFAULT_MEMBER_WAIT_SECONDS), "member_wait")
+    if wait_timeout_problem(member_wait) is not None:  # the tasks' wait: PostgreSQL's lock_timeout bounds it
+        raise LockConfigurationError(f"member_wait={member_wait:g} s is too long: {longest_wait_text()}")
     fencing = options.pop("fencing", False)
     if not isinstance(fencing, bool):
         raise LockConfigurationError(f"fencing must be True or False, got {fencing!r}")
@@ -270,10 +273,11 @@ def _run_scope_task(
 
 
 def _refused(error: BaseException) -> bool:
-    """The setup took nothing: it was busy, deferred, or found the period done."""
+    """The setup took nothing: it was busy, deferred, or found the period done (also as the skip
+    or failure that says so: on_busy="skip" / "fail", on_wait_timeout, a wait the triggerer lost)."""
     if isinstance(error, TaskDeferred | LockBusyError | AlreadyDoneError):
         return True
-    return isinstance(error, AirflowSkipException) and isinstance(error.__cause__, LockBusyError | AlreadyDoneError)
+    return isinstance(error.__cause__, LockBusyError | AlreadyDoneError)
 
 
 def scope_members(tasks: list[Any]) -> tuple[str, ...]:

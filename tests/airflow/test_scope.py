@@ -7,6 +7,7 @@ lost); tests/e2e/test_scope_deployments.py shows two real deployments sharing a 
 
 from __future__ import annotations
 
+import re
 import uuid
 from typing import Any
 
@@ -677,3 +678,41 @@ def test_a_pool_setup_that_failed_before_it_learnt_its_slot_finds_and_frees_it(
 
     with pytest.raises(LockConfigurationError, match="was slots= changed"):
         scope._entered_slot({"holder": mine, "slot": 2}, 1)
+
+
+BUSY_FAILS_DAG = """
+import pendulum
+from airflow.sdk import dag, task
+from airflow_pglock.operators.scope import advisory_lock_scope
+
+
+@dag(dag_id="scope_busy_fails", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False)
+def scope_busy_fails():
+    with advisory_lock_scope("publish", key="scope-key", postgres_conn_id="pglock_test", on_busy="fail",
+                             member_wait=5):
+        @task
+        def step():
+            print("STEP RAN")
+
+        step()
+
+
+scope_busy_fails_dag = scope_busy_fails()
+"""
+
+
+def test_a_setup_that_fails_on_a_busy_key_took_nothing_and_frees_nothing(
+    airflow_db: Any, scopes_db: Any, capfd: Any, holder_hook: Any
+) -> None:
+    """on_busy="fail": the setup fails as soon as it finds the key busy. It took nothing, so it does
+    not try to free a scope it never took (that teardown-like guard waited member_wait in the key's
+    lock queue behind the holder, then warned that it could not free the scope: review helper-40)."""
+    with held_lock(holder_hook, "scope-key") as blocker:
+        assert blocker is not None
+        result = run_dag(BUSY_FAILS_DAG, "scope_busy_fails")
+    out = "".join(capfd.readouterr())
+    assert result.state("publish.pglock_scope_enter") == "failed"
+    assert "STEP RAN" not in out
+    assert "could not free the lock scope after its setup failed" not in out, out[-3000:]
+    assert len(re.findall(r"pglock outcome=\w+ key 'scope-key'", out)) == 1, out[-3000:]
+    assert _scope_rows(scopes_db) == []

@@ -3,6 +3,7 @@ expected (nothing connects: no database is needed here)."""
 
 from __future__ import annotations
 
+import datetime as dt
 from typing import Any
 
 import pendulum
@@ -60,6 +61,9 @@ needs_scopes = pytest.mark.skipif(not compat.HAS_LOCK_SCOPE, reason="lock scopes
         ({"key": "k", "min_interval": -1}, "min_interval must be a positive timedelta or number of seconds, got -1"),
         ({"key": "k", "scope_lease": 0}, "scope_lease must be a positive timedelta or number of seconds, got 0"),
         ({"key": "k", "member_wait": "soon"}, "member_wait must be a positive timedelta or number of seconds"),
+        ({"key": "k", "member_wait": float("inf")}, "member_wait must be a positive timedelta or number of seconds"),
+        ({"key": "k", "scope_lease": float("inf")}, "scope_lease must be a positive timedelta or number of seconds"),
+        ({"key": "k", "member_wait": dt.timedelta(days=30)}, "member_wait=2.592e+06 s is too long: the longest is"),
         ({"key": "k", "fencing": "yes"}, "fencing must be True or False, got 'yes'"),
         ({"key": "k", "on_busy": "wait"}, "wait_timeout"),
     ],
