@@ -401,9 +401,16 @@ def trigger_error(event: Any) -> str | None:
 
 
 def resume_deadline(event: Any, deadline: float | None) -> float | None:
-    """The deadline a deferred task resumes with: its deferral kwargs, else the trigger's event."""
+    """The deadline a deferred task resumes with: its deferral kwargs, else the trigger's event;
+    now at the latest when the trigger found it passed (the try is the last one, even where this
+    worker's clock is behind the triggerer's: it would defer again, to a timeout at once, until
+    its own clock caught up)."""
+    from airflow_pglock.triggers.advisory_lock import TIMEOUT
+
     if deadline is None and isinstance(event, Mapping) and isinstance(event.get("deadline"), int | float):
-        return float(event["deadline"])
+        deadline = float(event["deadline"])
+    if deadline is not None and isinstance(event, Mapping) and event.get("status") == TIMEOUT:
+        return min(float(deadline), time.time())
     return deadline
 
 

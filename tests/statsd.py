@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 
 PGLOCK_PREFIX = "airflow.pglock."
 
@@ -47,14 +46,6 @@ class StatsdListener:
                     )
                 )
         return parsed
-
-    def metrics_once(self, name: str, after: int = 0, timeout: float = 10.0) -> list[tuple[str, dict[str, str], str]]:
-        """:meth:`metrics` from the ``after``-th on, once ``name`` (sent last by an execution) is among
-        them, or after ``timeout``."""
-        ends = time.monotonic() + timeout
-        while time.monotonic() < ends and not any(seen == name for seen, _, _ in self.metrics()[after:]):
-            time.sleep(0.05)
-        return self.metrics()[after:]
 
     def close(self) -> None:
         self._stop.set()

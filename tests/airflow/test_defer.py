@@ -331,11 +331,54 @@ def test_the_try_after_a_trigger_error_counts_as_failed_under_the_tasks_own_on_b
 ) -> None:
     """That try's metrics: pglock.failed (the lock database's error, as the task's own error says),
     not busy or skipped, tagged with the task's own on_busy ("defer"), as its other tries are."""
-    seen_before: list[int] = []
-    _resumed_after_a_trigger_error(hook, on_error, lambda: seen_before.append(len(statsd.metrics())))
-    the_task = [
-        metric for metric in statsd.metrics_once("wait", after=seen_before[0]) if metric[1].get("task_id") == "t"
-    ]
-    assert {name for name, _, kind in the_task if kind == "c"} == {"failed"}, the_task
-    every_try = [tags for _, tags, _ in statsd.metrics() if tags.get("task_id") == "t"]
-    assert len(every_try) >= 3 and {tags["on_busy"] for tags in every_try} == {"defer"}, every_try
+    import time
+
+    def tries_ended(count: int) -> list[tuple[str, dict[str, str], str]]:
+        """The task's metrics once ``count`` of its tries have sent theirs (each ends with its wait timer)."""
+        ends = time.monotonic() + 10
+        while True:
+            the_task = [metric for metric in statsd.metrics() if metric[1].get("task_id") == "t"]
+            if sum(name == "wait" for name, _, _ in the_task) >= count or time.monotonic() > ends:
+                return the_task
+            time.sleep(0.05)
+
+    before: list[int] = []
+    _resumed_after_a_trigger_error(hook, on_error, lambda: before.append(len(tries_ended(2))))
+    every_try = tries_ended(3)
+    last_try = every_try[before[0] :]
+    assert {name for name, _, kind in last_try if kind == "c"} == {"failed"}, every_try
+    assert len(every_try) >= 3 and {tags["on_busy"] for _, tags, _ in every_try} == {"defer"}, every_try
+
+
+def test_a_timeout_from_a_triggerer_whose_clock_is_ahead_ends_the_wait(
+    airflow_db: Any, hook: AdvisoryLockHook, caplog: Any
+) -> None:
+    """The deadline is set on the worker's clock and checked on the triggerer's. A triggerer ahead
+    by more than the time left fires its timeout at once; the resumed task, still seeing time left
+    on its own clock, deferred again (to another timeout at once), over and over until its clock
+    caught up (review helper-40). The trigger's timeout now makes that try the last."""
+    import types
+
+    from airflow_pglock.compat import AirflowSkipException, PythonOperator, TaskDeferred
+    from airflow_pglock.operators.advisory_lock import guarded
+    from airflow_pglock.task_guard import RESUME_METHOD, resolve_key
+
+    operator = guarded(
+        PythonOperator(task_id="t", python_callable=lambda: "ran"),
+        key="defer/clock-skew",
+        on_busy="defer",
+        wait_timeout=600,
+        defer_after=0,
+        postgres_conn_id="pglock_test",
+    )
+    ti = types.SimpleNamespace(dag_id="d", task_id="t", run_id="manual__r", map_index=-1, hostname="h", task=operator)
+    context: Any = {"ti": ti, "task": operator}
+    holder = AdvisoryLockHook(dsn=hook.dsn, liveness=Liveness(lease=600))
+    with held_lock(holder, resolve_key("defer/clock-skew", None, "d", "t")) as held:
+        assert held is not None
+        with pytest.raises(TaskDeferred) as deferred:
+            operator.execute(context)
+        deadline = deferred.value.kwargs["deadline"]  # ten minutes away on this clock
+        timed_out = {"status": "timeout", "message": "still held at the deadline", "deadline": deadline}
+        with pytest.raises(AirflowSkipException, match=r"skipped: key .defer/clock-skew. .* is held by"):
+            operator.resume_execution(RESUME_METHOD, {"event": timed_out, "deadline": deadline}, context)
