@@ -298,6 +298,15 @@ def run_guarded(
 
     try:
         lock_key = resolve_key(key, tenant, identity.dag_id, identity.task_id)
+        enclosing = _HELD.get()
+        if enclosing is not None and enclosing.key == lock_key:
+            # Its own session holds it: always busy. In a lock scope (a template the parse-time
+            # check could not read) its skip would end the scope early; never a skip, never retried.
+            raise AirflowFailException(
+                f"the guard of task {identity.task_id!r} takes {lock_key.describe()}, which its lock scope or an "
+                "enclosing guard of the same task already holds, so it would always find it busy. Guard another "
+                "key, or leave the key to the scope"
+            )
         if isinstance(once_per, str) and not once_per.strip():
             raise LockConfigurationError(f"once_per of task {identity.task_id!r} rendered to an empty period")
         rules = RunRules(

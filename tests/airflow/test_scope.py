@@ -716,3 +716,38 @@ def test_a_setup_that_fails_on_a_busy_key_took_nothing_and_frees_nothing(
     assert "could not free the lock scope after its setup failed" not in out, out[-3000:]
     assert len(re.findall(r"pglock outcome=\w+ key 'scope-key'", out)) == 1, out[-3000:]
     assert _scope_rows(scopes_db) == []
+
+
+SAME_KEY_TEMPLATED_DAG = """
+import pendulum
+from airflow.sdk import dag, task
+from airflow_pglock.operators.scope import advisory_lock_scope
+
+
+@dag(dag_id="scope_same_key_templated", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False)
+def scope_same_key_templated():
+    with advisory_lock_scope("publish", key="scope-key", postgres_conn_id="pglock_test"):
+        @task.advisory_lock(postgres_conn_id="pglock_test", key="{{ 'scope-key' }}", on_busy="skip", retries=0)
+        def own_guard_on_the_scopes_key():
+            print("OWN GUARD RAN")
+
+        own_guard_on_the_scopes_key()
+
+
+scope_same_key_templated_dag = scope_same_key_templated()
+"""
+
+
+def test_a_tasks_own_guard_on_the_scopes_key_through_a_template_fails_instead_of_skipping(
+    airflow_db: Any, scopes_db: Any, capfd: Any
+) -> None:
+    """The parse-time check compares the key options' text: a template that renders to the scope's
+    key passes it. At run time that guard found the key busy (its own scope holds it) and skipped
+    the task, which lets the teardown end the scope early (review helper-40). It now fails."""
+    result = run_dag(SAME_KEY_TEMPLATED_DAG, "scope_same_key_templated")
+    out = "".join(capfd.readouterr())
+    assert "OWN GUARD RAN" not in out
+    assert result.state("publish.own_guard_on_the_scopes_key") == "failed", out[-3000:]
+    assert "which its lock scope or an enclosing guard of the same task already holds" in out
+    assert result.state("publish.pglock_scope_exit") == "success"
+    assert _scope_rows(scopes_db) == []
