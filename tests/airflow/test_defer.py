@@ -256,28 +256,35 @@ def test_a_guarded_soft_fail_sensor_resumed_from_its_wait_maps_the_outcome_as_it
     assert re.search(r"pglock deferred: .*key 'defer/sensor-held'", log), log[-3000:]
 
 
+def _deferring_operator(key: str, **options: Any) -> tuple[Any, Any]:
+    """A guarded PythonOperator with on_busy="defer" (no wait on the worker first) and the context
+    of one of its task instances (task "t" of DAG "d"), to call its execute and resume by hand."""
+    import types
+
+    from airflow_pglock.compat import PythonOperator
+    from airflow_pglock.operators.advisory_lock import guarded
+
+    operator = guarded(
+        PythonOperator(task_id="t", python_callable=lambda: "ran"),
+        key=key,
+        on_busy="defer",
+        defer_after=0,
+        postgres_conn_id="pglock_test",
+        **options,
+    )
+    ti = types.SimpleNamespace(dag_id="d", task_id="t", run_id="manual__r", map_index=-1, hostname="h", task=operator)
+    return operator, {"ti": ti, "task": operator}
+
+
 def _resumed_after_a_trigger_error(hook: AdvisoryLockHook, on_error: str, before_the_try: Callable[[], None]) -> Any:
     """Defer a guarded task on a busy key, wake it while the key is still busy (it defers again), then
     resume it with the trigger's error event; ``before_the_try`` runs just before that try. Returns
     (pytest's ExceptionInfo of what that try raised, the wait's deadline)."""
-    import types
-
-    from airflow_pglock.compat import AirflowSkipException, PythonOperator, TaskDeferred
+    from airflow_pglock.compat import AirflowSkipException, TaskDeferred
     from airflow_pglock.exceptions import LockConnectionError
-    from airflow_pglock.operators.advisory_lock import guarded
     from airflow_pglock.task_guard import RESUME_METHOD, resolve_key
 
-    operator = guarded(
-        PythonOperator(task_id="t", python_callable=lambda: "ran"),
-        key="defer/trigger-error",
-        on_busy="defer",
-        wait_timeout=120,
-        defer_after=0,
-        on_error=on_error,
-        postgres_conn_id="pglock_test",
-    )
-    ti = types.SimpleNamespace(dag_id="d", task_id="t", run_id="manual__r", map_index=-1, hostname="h", task=operator)
-    context: Any = {"ti": ti, "task": operator}
+    operator, context = _deferring_operator("defer/trigger-error", wait_timeout=120, on_error=on_error)
     holder = AdvisoryLockHook(dsn=hook.dsn, liveness=Liveness(lease=600))
     key = resolve_key("defer/trigger-error", None, "d", "t")
     with held_lock(holder, key, application_name="nightly holder") as held:
@@ -357,22 +364,10 @@ def test_a_timeout_from_a_triggerer_whose_clock_is_ahead_ends_the_wait(
     by more than the time left fires its timeout at once; the resumed task, still seeing time left
     on its own clock, deferred again (to another timeout at once), over and over until its clock
     caught up (review helper-40). The trigger's timeout now makes that try the last."""
-    import types
-
-    from airflow_pglock.compat import AirflowSkipException, PythonOperator, TaskDeferred
-    from airflow_pglock.operators.advisory_lock import guarded
+    from airflow_pglock.compat import AirflowSkipException, TaskDeferred
     from airflow_pglock.task_guard import RESUME_METHOD, resolve_key
 
-    operator = guarded(
-        PythonOperator(task_id="t", python_callable=lambda: "ran"),
-        key="defer/clock-skew",
-        on_busy="defer",
-        wait_timeout=600,
-        defer_after=0,
-        postgres_conn_id="pglock_test",
-    )
-    ti = types.SimpleNamespace(dag_id="d", task_id="t", run_id="manual__r", map_index=-1, hostname="h", task=operator)
-    context: Any = {"ti": ti, "task": operator}
+    operator, context = _deferring_operator("defer/clock-skew", wait_timeout=600)
     holder = AdvisoryLockHook(dsn=hook.dsn, liveness=Liveness(lease=600))
     with held_lock(holder, resolve_key("defer/clock-skew", None, "d", "t")) as held:
         assert held is not None
