@@ -18,8 +18,8 @@ import pytest
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 from airflow_pglock.keys import LockKey, slot_keys
 from airflow_pglock.pg.held import HeldLock
-from tests.airflow.test_operations_airflow import StatsdListener, _metrics, statsd  # noqa: F401  (a fixture)
 from tests.helpers import TEST_CONN_ID, advisory_locks, advisory_locks_once_exited, for_this_airflow, run_dag
+from tests.statsd import StatsdListener
 
 pytestmark = pytest.mark.airflow
 
@@ -354,7 +354,7 @@ slots_metrics_dag = slots_metrics()
 def test_metrics_report_how_many_slots_of_the_pool_were_in_use(
     airflow_db: Any,
     holder_hook: AdvisoryLockHook,
-    statsd: StatsdListener,  # noqa: F811  (the imported fixture)
+    statsd: StatsdListener,
 ) -> None:
     held = _hold(holder_hook, 1, "metered-exports")  # the task takes slot 2: at least 2 were in use
     try:
@@ -365,15 +365,13 @@ def test_metrics_report_how_many_slots_of_the_pool_were_in_use(
         for lock in held:
             lock.release()
     deadline = time.monotonic() + 5
-    while (
-        time.monotonic() < deadline and sum(name.endswith("pool_in_use") for name, _, _ in _metrics(statsd.lines)) < 2
-    ):
+    while time.monotonic() < deadline and sum(name == "pool_in_use" for name, _, _ in statsd.metrics()) < 2:
         time.sleep(0.1)
-    metrics = _metrics(statsd.lines)
+    metrics = statsd.metrics()
     assert all(tags.get("slots") == "3" for _, tags, _ in metrics), metrics
     gauges = [line for line in statsd.lines if line.startswith("airflow.pglock.pool_in_use,")]
     assert [line.rpartition(":")[2] for line in gauges] == ["2|g", "3|g"], gauges
-    names = [name.removeprefix("airflow.pglock.") for name, _, _ in metrics]
+    names = [name for name, _, _ in metrics]
     assert names.count("acquired") == 1 and names.count("skipped") == 1
 
 
