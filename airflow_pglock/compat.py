@@ -124,14 +124,14 @@ except ImportError:  # Airflow 2.x without the standard provider
     from airflow.operators.python import PythonOperator  # type: ignore[no-redef]
 
 
-def empty_operator() -> Any:
-    """Airflow's ``EmptyOperator`` class, loaded on first use (only a lock scope whose last task
-    branches needs it)."""
+def skipmixin_xcom() -> tuple[str, str]:
+    """The XCom key a branching task records what it followed under, and that record's field (the
+    scheduler skips a direct downstream task the record does not name)."""
     try:
-        from airflow.providers.standard.operators.empty import EmptyOperator
-    except ImportError:  # Airflow 2.x without the standard provider
-        from airflow.operators.empty import EmptyOperator  # type: ignore[no-redef]
-    return EmptyOperator
+        from airflow.providers.standard.utils.skipmixin import XCOM_SKIPMIXIN_FOLLOWED, XCOM_SKIPMIXIN_KEY
+    except ImportError:  # lock scopes need Airflow 3, whose standard provider has them: Airflow's own names
+        return "skipmixin_key", "followed"
+    return XCOM_SKIPMIXIN_KEY, XCOM_SKIPMIXIN_FOLLOWED
 
 
 if TYPE_CHECKING:
@@ -314,7 +314,6 @@ __all__ = [
     "TriggerEvent",
     "conf",
     "deployment_name",
-    "empty_operator",
     "get_current_context",
     "get_stats",
     "hands_off_to_task_runner",
@@ -325,6 +324,7 @@ __all__ = [
     "parks_awaiting_input",
     "rendered_task",
     "run_task_states",
+    "skipmixin_xcom",
     "task_decorator_factory",
     "task_supervisor_wait",
     "use_server_connections",

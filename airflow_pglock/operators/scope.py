@@ -39,9 +39,9 @@ from airflow_pglock.compat import (
     PythonOperator,
     TaskDeferred,
     TaskGroup,
-    empty_operator,
     rendered_task,
     run_task_states,
+    skipmixin_xcom,
 )
 from airflow_pglock.exceptions import AlreadyDoneError, LockBusyError, LockConfigurationError, LockLostError
 from airflow_pglock.options import LockOptions, LockSpec
@@ -101,6 +101,11 @@ class ScopeSpec:
     fencing: bool
     member_wait: float
     enter_task_id: str
+
+    @property
+    def exit_task_id(self) -> str:
+        """The teardown's task id (the setup's, in the same task group)."""
+        return self.enter_task_id.removesuffix(ENTER_TASK_ID) + EXIT_TASK_ID
 
     @property
     def has_run_rules(self) -> bool:
@@ -409,8 +414,32 @@ class ScopeMemberGuard:
         if self.spec.has_run_rules:  # the work ran under the key to its end: read by the teardown
             context["ti"].xcom_push(key=SUCCEEDED_XCOM_KEY, value=role.holder)
         if succeeded_with is not None:
-            raise succeeded_with
+            sparing = _sparing_the_teardown(succeeded_with, self.spec, task, context)
+            if sparing is not None:
+                raise sparing
         return result
+
+
+def _sparing_the_teardown(
+    signal: DownstreamTasksSkipped, spec: ScopeSpec, task: Any, context: Context
+) -> DownstreamTasksSkipped | None:
+    """A branch skips every direct downstream task it does not follow, a teardown too (only
+    ShortCircuitOperator spares teardowns): one that is a last task of the scope would skip the
+    teardown, which then never freed the scope (the key held until ``scope_lease``). The teardown
+    leaves the tasks to skip, and joins what the branch's XCom says it followed (the scheduler
+    skips a direct downstream task the XCom does not name). None: nothing else to skip."""
+    teardown = spec.exit_task_id
+
+    def task_id_of(entry: Any) -> str:
+        return str(entry[0] if isinstance(entry, tuple) else entry)
+
+    skipped = [entry for entry in signal.tasks if task_id_of(entry) != teardown]
+    if len(skipped) == len(signal.tasks):
+        return signal
+    not_followed = {task_id_of(entry) for entry in skipped}
+    key, followed = skipmixin_xcom()
+    context["ti"].xcom_push(key=key, value={followed: sorted(set(task.downstream_task_ids) - not_followed)})
+    return DownstreamTasksSkipped(tasks=skipped) if skipped else None
 
 
 def _guard_member(task: Any, spec: ScopeSpec) -> None:
@@ -488,14 +517,7 @@ def _wire(tasks: list[Any], spec: ScopeSpec, *, task_group: Any = None, dag: Any
     for task in roots:
         enter >> task
     for task in leaves:
-        if getattr(task, "inherits_from_skipmixin", False) is True:
-            # A branch skips every direct downstream task it does not follow, a teardown too (only
-            # ShortCircuitOperator spares teardowns): a task that never runs takes that skip instead.
-            own_id = task.task_id.removeprefix(f"{task_group.group_id}.") if task_group is not None else task.task_id
-            after = empty_operator()(task_id=f"pglock_after_{own_id.replace('.', '_')}", **where)
-            task >> after >> leave
-        else:
-            task >> leave
+        task >> leave
     return enter, leave
 
 

@@ -383,14 +383,22 @@ from airflow.providers.standard.operators.python import BranchPythonOperator, Py
 
 from airflow_pglock.operators.scope import advisory_lock_scope
 
+CONN = "pglock_test"
+
 
 @dag(dag_id="branch_last_in_scope", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False)
 def branch_last_in_scope():
-    with advisory_lock_scope("refresh", key="branch-last", postgres_conn_id="pglock_test", once_per="2026-12-01"):
+    # The scope as a whole before what the branch chooses (Airflow wires its last tasks to them)...
+    with advisory_lock_scope("refresh", key="branch-last", postgres_conn_id=CONN, once_per="2026-12-01") as group:
         work = PythonOperator(task_id="work", python_callable=lambda: "done")
         choose = BranchPythonOperator(task_id="choose", python_callable=lambda: "publish")
         work >> choose
-    choose >> [EmptyOperator(task_id="publish"), EmptyOperator(task_id="notify_failure")]
+    group >> [EmptyOperator(task_id="publish"), EmptyOperator(task_id="notify_failure")]
+
+    # ...and the branch itself before them.
+    with advisory_lock_scope("tidy", key="branch-last-direct", postgres_conn_id=CONN, once_per="2026-12-01"):
+        pick = BranchPythonOperator(task_id="pick", python_callable=lambda: "keep")
+    pick >> [PythonOperator(task_id="keep", python_callable=lambda: "kept"), EmptyOperator(task_id="drop")]
 
 
 branch_last_in_scope_dag = branch_last_in_scope()
@@ -402,12 +410,16 @@ branch_last_in_scope_dag = branch_last_in_scope()
 def test_a_branch_as_the_last_task_of_a_lock_scope_does_not_skip_its_teardown(airflow_db: Any, scopes_db: Any) -> None:
     """Airflow's branching skips every direct downstream task it does not follow; the scope's
     teardown, wired after its last tasks, was one of them: skipped, it never freed the scope, and
-    the key stayed held until scope_lease (review helper-40)."""
+    the key stayed held until scope_lease (review helper-40). The branch's choice still runs, with
+    the scope's group wired before it as with the branch itself (a first fix put a task between the
+    branch and the teardown: the group's wiring then hung the chosen task on it, and skipped it)."""
     result = run_dag(BRANCH_LAST_IN_SCOPE_DAG, "branch_last_in_scope")
-    assert result.state("refresh.choose") == "success"
+    assert result.state("refresh.choose") == "success" and result.state("tidy.pick") == "success"
     assert result.state("publish") == "success" and result.state("notify_failure") == "skipped"
+    assert result.state("keep") == "success" and result.state("drop") == "skipped"
     assert result.state("refresh.pglock_scope_exit") == "success"
-    assert scopes_db.execute("SELECT count(*) FROM pglock.scopes").fetchone() == (0,), "the scope was freed"
-    periods = scopes_db.execute("SELECT period FROM pglock.completions").fetchall()
-    assert periods == [("2026-12-01",)]
+    assert result.state("tidy.pglock_scope_exit") == "success"
+    assert scopes_db.execute("SELECT count(*) FROM pglock.scopes").fetchone() == (0,), "the scopes were freed"
+    periods = scopes_db.execute("SELECT period, task_id FROM pglock.completions ORDER BY task_id").fetchall()
+    assert periods == [("2026-12-01", "refresh.pglock_scope_exit"), ("2026-12-01", "tidy.pglock_scope_exit")]
     assert advisory_locks_once_exited(scopes_db) == []
