@@ -454,7 +454,11 @@ class LockGuard:
                 raise  # not taken, or taken and given up: __enter__ said so and left nothing
             # Taken, then interrupted (Airflow's timeout, Ctrl-C) before the work began: release it
             # with one outcome line, as an error of the work would.
-            self._release(raised)
+            try:
+                self.__exit__(type(raised), raised, raised.__traceback__)
+            except BaseException as escaped:
+                self._unreleased(escaped)
+                raise
             raise
         try:
             try:
@@ -469,33 +473,37 @@ class LockGuard:
                     error = error or late
         except BaseException as raised:  # e.g. Ctrl-C while disarming: still release, still one outcome
             error = error or raised
+        # No call between here and the try (CPython runs a pending signal handler as a function
+        # is entered, and at calls): one landing as __exit__ is entered is caught here.
+        try:
+            if error is not None:
+                self.__exit__(type(error), error, error.__traceback__)
+            else:
+                if isinstance(result, HandOver) and self.scope.hands_over:
+                    self._hand_over = result
+                self.__exit__(None, None, None)
+        except BaseException as escaped:
+            self._unreleased(escaped)
+            raise
         if error is not None:
-            self._release(error)
             raise error
-        if isinstance(result, HandOver) and self.scope.hands_over:
-            self._hand_over = result
-        self._release(None)
         return result
 
-    def _release(self, error: BaseException | None) -> None:
-        """``__exit__`` for :meth:`run`. An asynchronous exception (a signal handler's: Airflow's
-        timeout, SIGTERM, Ctrl-C) can land as ``__exit__`` is entered, before any ``try`` of its
-        own can catch it: then the lock is given up here all the same, with one outcome line."""
+    def _unreleased(self, escaped: BaseException) -> None:
+        """``__exit__`` raised ``escaped``. When that was an asynchronous exception (a signal
+        handler's: Airflow's timeout, SIGTERM, Ctrl-C) landing before its clean-up said how it
+        ended (as ``__exit__`` was entered, before any ``try`` of its own could catch it), give
+        the lock up here all the same, with one outcome line."""
+        if self.outcome is not None:
+            return  # __exit__'s own ending: its clean-up ran and said so
+        held = self.held
         try:
-            if error is None:
-                self.__exit__(None, None, None)
-            else:
-                self.__exit__(type(error), error, error.__traceback__)
-        except BaseException as escaped:
-            if self.outcome is not None:
-                raise  # __exit__'s own: its clean-up ran and said how it ended
-            held = self.held
-            try:
-                self._abandon()
-            finally:
-                detail = f"the clean-up was interrupted before it began: {type(escaped).__name__}"
-                self._report("failed", detail=detail, held=held.held_seconds if held is not None else None)
-            raise
+            self._abandon()
+        finally:
+            interrupted = f"the clean-up was interrupted before it said how it ended: {type(escaped).__name__}"
+            lost = self.lost
+            outcome, detail = ("failed", interrupted) if lost is None else ("lost", f"{lost} (then {interrupted})")
+            self._report(outcome, detail=detail, held=held.held_seconds if held is not None else None)
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None

@@ -299,7 +299,8 @@ def run_guarded(
     try:
         lock_key = resolve_key(key, tenant, identity.dag_id, identity.task_id)
         enclosing = _HELD.get()
-        if enclosing is not None and enclosing.key == lock_key:
+        both_shared = enclosing is not None and enclosing.shared and spec.policy.shared
+        if enclosing is not None and enclosing.key.numbers == lock_key.numbers and not both_shared:
             # Its own session holds it: always busy. In a lock scope (a template the parse-time
             # check could not read) its skip would end the scope early; never a skip, never retried.
             raise AirflowFailException(

@@ -280,9 +280,12 @@ def _run_scope_task(
 def _refused(error: BaseException) -> bool:
     """The setup took nothing: it was busy, deferred, or found the period done (also as the skip
     or failure that says so: on_busy="skip" / "fail", on_wait_timeout, a wait the triggerer lost)."""
-    if isinstance(error, TaskDeferred | LockBusyError | AlreadyDoneError):
-        return True
-    return isinstance(error.__cause__, LockBusyError | AlreadyDoneError)
+    seen: BaseException | None = error
+    while seen is not None:  # on_error="skip" after a lost trigger wait: a skip, from the error, from busy
+        if isinstance(seen, TaskDeferred | LockBusyError | AlreadyDoneError):
+            return True
+        seen = seen.__cause__
+    return False
 
 
 def scope_members(tasks: list[Any]) -> tuple[str, ...]:

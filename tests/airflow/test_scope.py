@@ -721,6 +721,7 @@ def test_a_setup_that_fails_on_a_busy_key_took_nothing_and_frees_nothing(
 SAME_KEY_TEMPLATED_DAG = """
 import pendulum
 from airflow.sdk import dag, task
+from airflow_pglock.keys import LockKey
 from airflow_pglock.operators.scope import advisory_lock_scope
 
 
@@ -731,7 +732,12 @@ def scope_same_key_templated():
         def own_guard_on_the_scopes_key():
             print("OWN GUARD RAN")
 
+        @task.advisory_lock(postgres_conn_id="pglock_test", key=LockKey.from_name("scope-key").int64, retries=0)
+        def own_guard_on_its_number():
+            print("NUMBER GUARD RAN")
+
         own_guard_on_the_scopes_key()
+        own_guard_on_its_number()  # the name's number: another text, the same key
 
 
 scope_same_key_templated_dag = scope_same_key_templated()
@@ -748,6 +754,10 @@ def test_a_tasks_own_guard_on_the_scopes_key_through_a_template_fails_instead_of
     out = "".join(capfd.readouterr())
     assert "OWN GUARD RAN" not in out
     assert result.state("publish.own_guard_on_the_scopes_key") == "failed", out[-3000:]
+    assert "NUMBER GUARD RAN" not in out
+    assert result.state("publish.own_guard_on_its_number") == "failed"
+    for task_id in ("publish.own_guard_on_the_scopes_key", "publish.own_guard_on_its_number"):
+        assert f"the guard of task {task_id!r} takes " in out, task_id
     assert "which its lock scope or an enclosing guard of the same task already holds" in out
     assert result.state("publish.pglock_scope_exit") == "success"
     assert _scope_rows(scopes_db) == []

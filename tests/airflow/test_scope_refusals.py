@@ -158,3 +158,26 @@ def test_the_whole_run_as_one_scope() -> None:
     assert "b" in leave.upstream_task_ids
     with pytest.raises(LockConfigurationError, match=r"unexpected options \['colour'\]"):
         scope.advisory_lock_dag_scope(dag, key="k", colour="red")
+
+
+@needs_scopes
+def test_a_setup_refused_for_a_busy_key_is_known_through_every_error_that_says_so() -> None:
+    """A setup that took nothing must not try to free a scope (that waits member_wait behind the
+    holder): its refusal may come as the busy error itself, as a skip or failure from it, or as
+    on_error="skip"'s skip from the lock database's error from it (a wait the triggerer lost)."""
+    from airflow_pglock.compat import AirflowFailException, AirflowSkipException
+    from airflow_pglock.exceptions import LockBusyError, LockConnectionError, LockLostError
+
+    def caused(error: BaseException, cause: BaseException) -> BaseException:
+        error.__cause__ = cause
+        return error
+
+    busy = LockBusyError("key 'k' is held by pid 1", key="k")
+    assert scope._refused(busy)
+    assert scope._refused(caused(AirflowFailException("busy (on_busy='fail')"), busy))
+    lost_wait = caused(LockConnectionError("busy; the wait for it in the triggerer failed"), busy)
+    assert scope._refused(caused(AirflowSkipException("skipped because of an error"), lost_wait))
+    assert not scope._refused(LockConnectionError("could not connect"))
+    assert not scope._refused(
+        caused(AirflowSkipException("skipped because of an error"), LockLostError("lost", "k", "x"))
+    )

@@ -286,7 +286,7 @@ def test_an_interruption_landing_as_the_release_begins_still_gives_the_lock_up(
     with pytest.raises(KeyboardInterrupt):
         guard.run(lambda lock: "done")
     assert guard.outcome == "failed", caplog.text
-    assert "the clean-up was interrupted before it began: KeyboardInterrupt" in caplog.text
+    assert "the clean-up was interrupted before it said how it ended: KeyboardInterrupt" in caplog.text
     assert guard.held is not None and guard.held.connection.closed
     contender = AdvisoryLockHook(dsn=fault_server.dsn).acquire(LockKey.from_name(key))
     assert contender is not None, "the key is free again"
