@@ -311,8 +311,6 @@ def test_a_lock_scope_refuses_a_trigger_dag_run_operator_when_the_dag_is_parsed(
 
 
 HANDS_OFF_DAG = """
-import os
-
 import pendulum
 from airflow.sdk import BaseOperator, dag
 
@@ -338,10 +336,6 @@ class StartsARunLater(BaseOperator):
             allowed_states=["success"], failed_states=["failed"], poke_interval=1, deferrable=False,
         )
 
-    def on_kill(self):
-        with open(os.environ["PGLOCK_KILLED_FILE"], "a") as killed:
-            killed.write(self.task_id + "\\n")
-
 
 @dag(dag_id="hands_off", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False)
 def hands_off():
@@ -357,13 +351,12 @@ hands_off_dag = hands_off()
 @pytest.mark.matrix("work-signals")
 @pytest.mark.skipif(AIRFLOW_VERSION < (3, 0), reason="the task runner triggers the DAG run on Airflow 3")
 def test_work_that_hands_a_dag_run_to_the_task_runner_fails_at_run_time(
-    airflow_db: Any, scopes_db: Any, capfd: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+    airflow_db: Any, scopes_db: Any, capfd: Any
 ) -> None:
     """An operator the parse-time check cannot know (another name) that raises the task runner's
     DagRunTriggerException, under guarded() and inside a lock scope: the run would be triggered
     after the hold was given back, so the task fails with the refusal (without it, the
     exception went on to the task runner) and the scope records no completion."""
-    monkeypatch.setenv("PGLOCK_KILLED_FILE", str(tmp_path / "killed"))
     capfd.readouterr()
     result = run_dag(HANDS_OFF_DAG, "hands_off")
     log = "".join(capfd.readouterr())
