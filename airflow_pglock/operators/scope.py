@@ -179,6 +179,10 @@ def _entered_slot(entered: dict[str, Any], slots: int) -> int | None:
     return slot
 
 
+#: The longest ``scope_lease``: how long a run that died can keep the key.
+MAX_SCOPE_LEASE_SECONDS = 10 * 365.25 * 86400
+
+
 def _seconds(value: Any, option: str) -> float:
     if isinstance(value, dt.timedelta):
         value = value.total_seconds()
@@ -194,6 +198,11 @@ def _scope_spec(group_prefix: str, options: dict[str, Any]) -> ScopeSpec:
             "hands its holder id from its setup to its tasks and relies on Airflow 3's setup / teardown clearing"
         )
     scope_lease = _seconds(options.pop("scope_lease", DEFAULT_SCOPE_LEASE_SECONDS), "scope_lease")
+    if scope_lease > MAX_SCOPE_LEASE_SECONDS:  # surely a mistake; and the database's timestamps end
+        raise LockConfigurationError(
+            f"scope_lease={scope_lease:g} s is too long: at most {MAX_SCOPE_LEASE_SECONDS:,.0f} s (10 years), how "
+            "long a run that died keeps the key"
+        )
     member_wait = _seconds(options.pop("member_wait", DEFAULT_MEMBER_WAIT_SECONDS), "member_wait")
     if wait_timeout_problem(member_wait) is not None:  # the tasks' wait: PostgreSQL's lock_timeout bounds it
         raise LockConfigurationError(f"member_wait={member_wait:g} s is too long: {longest_wait_text()}")

@@ -64,6 +64,7 @@ needs_scopes = pytest.mark.skipif(not compat.HAS_LOCK_SCOPE, reason="lock scopes
         ({"key": "k", "member_wait": float("inf")}, "member_wait must be a positive timedelta or number of seconds"),
         ({"key": "k", "scope_lease": float("inf")}, "scope_lease must be a positive timedelta or number of seconds"),
         ({"key": "k", "member_wait": dt.timedelta(days=30)}, "member_wait=2.592e+06 s is too long: the longest is"),
+        ({"key": "k", "scope_lease": dt.timedelta.max}, "scope_lease=8.64e+13 s is too long: at most 315,576,000 s"),
         ({"key": "k", "fencing": "yes"}, "fencing must be True or False, got 'yes'"),
         ({"key": "k", "on_busy": "wait"}, "wait_timeout"),
     ],
