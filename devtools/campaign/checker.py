@@ -25,7 +25,10 @@ Each of these is a failure of the run (:attr:`Report.violations`):
    ``recorded`` event for it (its setup must have found the period done);
 8. **one pool in two sizes**: holds of a pool's slots (or of the plain key of its name, a size
    of 1) whose runs said different sizes overlap on different keys, judged as rules 3 and 4
-   judge one key's (the slots of two sizes are partly different keys, which rule 3 alone misses).
+   judge one key's (the slots of two sizes are partly different keys, which rule 3 alone misses);
+9. **kept past the lease**: a worker frozen or cut off for longer than
+   :func:`~devtools.campaign.nemesis.release_bound` still had an advisory lock granted to one of
+   its sessions at that bound (the nemesis looks then: a fault's ``kept``), or the look failed.
 
 Besides, the figures docs/safety.md shows: operations, faults by kind, believed-held overlap
 windows, time to detect and time until the key is free again, by fault kind.
@@ -40,7 +43,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from devtools.campaign.nemesis import FAULT_KINDS, WORKER_FAULTS
+from devtools.campaign.nemesis import FAULT_KINDS, WORKER_FAULTS, release_bound
 
 #: What every bound allows for: scheduling and the spacing of the history's events (a
 #: process writes its ``lost`` or ``done`` line a moment after it acted on it).
@@ -80,7 +83,7 @@ def overlap_bound(kind: str, duration: float, lease: float) -> float:
         return lease / 3 + SIDE_LOOK + JITTER
     if kind in WORKER_OWN_FAULTS:
         return math.inf
-    if kind == "sigstop-long":
+    if kind in ("sigstop-long", "sigstop-waiter"):
         return duration + JITTER
     if kind == "failover-frozen":
         return 2 * lease / 3 + min(lease / 3, 1.0) + JITTER
@@ -128,6 +131,7 @@ class Fault:
     target: str
     pids: list[int]
     detail: str = ""
+    kept: list[str] | None = None  # a long freeze or cut: its workers' advisory locks at the release bound
 
 
 def _spread(values: Sequence[float]) -> dict[str, float | int | None]:
@@ -164,7 +168,9 @@ def build(events: Iterable[dict[str, Any]]) -> tuple[dict[str, Run], list[Fault]
         if "pid" in e and kind != "fault":
             last_seen[e["pid"]] = e["t"]
         if kind == "fault":
-            faults.append(Fault(e["kind"], e["start"], e["end"], e["target"], list(e["pids"]), e.get("detail", "")))
+            faults.append(
+                Fault(e["kind"], e["start"], e["end"], e["target"], list(e["pids"]), e.get("detail", ""), e.get("kept"))
+            )
             continue
         if "run" not in e:
             continue
@@ -366,6 +372,15 @@ def check(
                     f"after {first_run} recorded it (by {first_at:.3f})"
                 )
 
+    # 9. a frozen or cut-off worker's sessions were ended on the server within the release bound
+    looked = [fault for fault in faults if fault.kept is not None]
+    for fault in looked:
+        if fault.kept:
+            violations.append(
+                f"kept past the lease: {release_bound(lease):.1f} s after {fault.kind} on {fault.target} at "
+                f"{fault.start:.3f} ({fault.detail}): " + "; ".join(fault.kept)
+            )
+
     # figures
     detect: dict[str, list[float]] = defaultdict(list)
     freed: dict[str, list[float]] = defaultdict(list)
@@ -401,6 +416,11 @@ def check(
         "overlap_seconds": {kind: _spread(overlaps.get(kind, [])) for kind in REPORTED_KINDS},
         "detect_seconds": {kind: _spread(detect.get(kind, [])) for kind in REPORTED_KINDS},
         "freed_seconds": {kind: _spread(freed.get(kind, [])) for kind in REPORTED_KINDS},
+        "release_checks": {
+            "looked": len(looked),
+            "kept": sum(1 for fault in looked if fault.kept),
+            "frozen_waiters": sum(1 for f in faults if f.kind == "sigstop-waiter" and f.detail.endswith("a waiter")),
+        },
         "lease": lease,
     }
     return Report(violations, figures)

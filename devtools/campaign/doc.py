@@ -28,6 +28,13 @@ def _cell(spread: dict[str, Any]) -> str:
     return f"{spread['p50']:.2f} / {spread['p99']:.2f} / {spread['max']:.2f} (n {spread['n']})"
 
 
+def _release_checks(report: dict[str, Any]) -> str:
+    checks = report.get("release_checks")
+    if checks is None:  # a run from before rule 9
+        return "not looked at"
+    return f"{checks['looked']} ({checks['frozen_waiters']}): {checks['kept']}"
+
+
 def render(report: dict[str, Any], command: str, picture: bool) -> str:
     """The section: the run's size, the two counts that must be 0, and a row a fault kind."""
     outcomes = report["outcomes"]
@@ -56,6 +63,8 @@ def render(report: dict[str, Any], command: str, picture: bool) -> str:
         f"{report.get('pool_scopes_completed', '-')} |",
         "| runs refused: the pool's name asked for in a size other than its holder's (slots=2, 3 or a plain key) | "
         f"{report.get('pool_size_refusals', '-')} |",
+        "| frozen or cut-off workers looked at past the release bound (frozen waiters among them): advisory "
+        f"locks their sessions still held (goal 0) | {_release_checks(report)} |",
         f"| violations of any rule | {len(report['violations'])} |",
         "",
         "Per fault kind, in seconds, p50 / p99 / max (n): the believed-held overlap windows the fault",

@@ -5,6 +5,9 @@ are drawn at random, with a quiet gap of 1 to 3 s between two faults. What each 
 
 * ``sigkill``: SIGKILL a worker process (the runner starts it again);
 * ``sigstop-short`` / ``sigstop-long``: freeze a worker for 0.3-0.5 / 1.5-2.5 leases;
+* ``sigstop-waiter``: freeze, for 2-2.5 leases, a worker whose session waits for a busy key (it
+  may be granted the key while frozen), or any worker when none waits within
+  :data:`WAITER_SEARCH_SECONDS`;
 * ``netcut``: cut a network namespace (a "host" of workers) off for 1.5-2.5 leases, then heal it;
 * ``terminate``: ``pg_terminate_backend`` of a session that holds an advisory lock;
 * ``cancel``: ``pg_cancel_backend`` of every campaign session (a running batch, wait or unlock);
@@ -12,6 +15,11 @@ are drawn at random, with a quiet gap of 1 to 3 s between two faults. What each 
 * ``failover``: the primary stopped at once, the synchronous standby promoted;
 * ``failover-frozen``: the primary frozen (SIGSTOP, as a hung machine), the standby promoted at
   once, the frozen one killed two leases later.
+
+While a freeze or a cut lasts past :func:`release_bound`, the nemesis looks, at that moment, for
+advisory locks still granted to the sessions of the workers it hit (by their
+``application_name``): the server must have ended them by then (invariant 7: a dead holder's lock
+is freed within a bounded time). What it finds is the fault's ``kept`` (rule 9 of the checker).
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import re
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -29,11 +38,13 @@ import psycopg
 
 from devtools.campaign.history import HistoryWriter
 from devtools.campaign.servers import FailoverPair
+from devtools.campaign.workers import WAIT_TIMEOUT
 
 FAULT_KINDS = (
     "sigkill",
     "sigstop-short",
     "sigstop-long",
+    "sigstop-waiter",
     "netcut",
     "terminate",
     "cancel",
@@ -43,7 +54,33 @@ FAULT_KINDS = (
     "failover-frozen",
 )
 #: Faults aimed at one worker process (or a host of them): they affect its runs only.
-WORKER_FAULTS = frozenset({"sigkill", "sigstop-short", "sigstop-long", "netcut"})
+WORKER_FAULTS = frozenset({"sigkill", "sigstop-short", "sigstop-long", "sigstop-waiter", "netcut"})
+#: How long the nemesis looks for a worker whose session waits for a busy key before it freezes
+#: another one instead.
+WAITER_SEARCH_SECONDS = 3.0
+#: A worker's session name: ``campaign w<index>``, and the deferred kind's hold hub ``... holds``.
+_WORKER_SESSION = re.compile(r"^campaign w(\d+)(?: |$)")
+
+
+def release_bound(lease: float) -> float:
+    """Seconds after a worker froze or was cut off by which the server has freed every advisory
+    lock of its sessions: the lease after its last statement (``idle_session_timeout``, or
+    ``idle_in_transaction_session_timeout`` for a wait's transaction or a transaction lock), where
+    that statement may be a wait for a busy key that lasts up to :data:`WAIT_TIMEOUT` (and may be
+    granted), and a second for the server's timers and the look itself."""
+    return lease + WAIT_TIMEOUT + 1.0
+
+
+@dataclass
+class Injected:
+    """What a fault did: its target, the process (or backend) ids it hit, a note, and, for a freeze
+    or a cut that lasted past :func:`release_bound`, the advisory locks its workers' sessions still
+    held then (``None``: not looked at)."""
+
+    target: str
+    pids: list[int]
+    detail: str = ""
+    kept: list[str] | None = None
 
 
 @dataclass
@@ -88,58 +125,127 @@ class Nemesis:
         return [kind for kind in FAULT_KINDS if kind != "netcut" or self.namespaces]
 
     def run(self, seconds: float, stop: Callable[[], bool]) -> None:
-        """Inject faults for ``seconds``: every kind once first, then at random."""
+        """Inject faults for ``seconds``: every kind once first (even when that takes longer), then
+        at random."""
         deadline = time.monotonic() + seconds
         first = self.kinds()
         self.rng.shuffle(first)
-        while time.monotonic() < deadline and not stop():
+        while (first or time.monotonic() < deadline) and not stop():
             time.sleep(self.rng.uniform(1.0, 3.0))
             kind = first.pop() if first else self.rng.choice(self.kinds())
             self.inject(kind)
 
     def inject(self, kind: str) -> None:
         start = time.time()
-        target, pids, detail = getattr(self, "_" + kind.replace("-", "_"))()
+        done: Injected = getattr(self, "_" + kind.replace("-", "_"))()
         self.counts[kind] += 1
-        self.history.emit("fault", kind=kind, start=start, end=time.time(), target=target, pids=pids, detail=detail)
+        looked = {} if done.kept is None else {"kept": done.kept}
+        self.history.emit(
+            "fault",
+            kind=kind,
+            start=start,
+            end=time.time(),
+            target=done.target,
+            pids=done.pids,
+            detail=done.detail,
+            **looked,
+        )
 
     # ----------------------------------------------------------------- on workers
 
     def _worker(self) -> Target:
         return self.rng.choice(list(self.targets()))
 
-    def _sigkill(self) -> tuple[str, list[int], str]:
+    def _sigkill(self) -> Injected:
         target = self._worker()
         with contextlib.suppress(ProcessLookupError):
             os.kill(target.pid, signal.SIGKILL)
-        return f"w{target.index}", [target.pid], ""
+        return Injected(f"w{target.index}", [target.pid])
 
-    def _freeze(self, factor: tuple[float, float]) -> tuple[str, list[int], str]:
-        target = self._worker()
+    def _freeze(self, factor: tuple[float, float], target: Target | None = None, note: str = "") -> Injected:
+        target = target or self._worker()
         seconds = self.rng.uniform(*factor) * self.lease
         with contextlib.suppress(ProcessLookupError):
             os.kill(target.pid, signal.SIGSTOP)
-        time.sleep(seconds)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(target.pid, signal.SIGCONT)
-        return f"w{target.index}", [target.pid], f"{seconds:.2f} s"
+        try:
+            kept = self._last(seconds, [target.index])
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(target.pid, signal.SIGCONT)
+        return Injected(f"w{target.index}", [target.pid], f"{seconds:.2f} s{note}", kept)
 
-    def _sigstop_short(self) -> tuple[str, list[int], str]:
+    def _sigstop_short(self) -> Injected:
         return self._freeze((0.3, 0.5))
 
-    def _sigstop_long(self) -> tuple[str, list[int], str]:
+    def _sigstop_long(self) -> Injected:
         return self._freeze((1.5, 2.5))
 
-    def _netcut(self) -> tuple[str, list[int], str]:
+    def _sigstop_waiter(self) -> Injected:
+        waiter = self._waiter()
+        note = ", a waiter" if waiter is not None else ", no worker waited: any one"
+        return self._freeze((2.0, 2.5), waiter, note)
+
+    def _waiter(self) -> Target | None:
+        """A live worker whose session waits for a busy key, found within :data:`WAITER_SEARCH_SECONDS`."""
+        query = (
+            "SELECT DISTINCT a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
+            " WHERE l.locktype = 'advisory' AND NOT l.granted"
+        )
+        deadline = time.monotonic() + WAITER_SEARCH_SECONDS
+        with contextlib.suppress(psycopg.Error), psycopg.connect(self.pair.primary_dsn(), autocommit=True) as conn:
+            while time.monotonic() < deadline:
+                names = [row[0] for row in conn.execute(query).fetchall()]
+                waiting = {int(m.group(1)) for m in map(_WORKER_SESSION.match, names) if m is not None}
+                found = [target for target in self.targets() if target.index in waiting]
+                if found:
+                    return self.rng.choice(found)
+                time.sleep(0.05)
+        return None
+
+    def _netcut(self) -> Injected:
         name = self.rng.choice(sorted(self.namespaces))
-        inside = [target.pid for target in self.targets() if target.netns == name]
+        inside = [target for target in self.targets() if target.netns == name]
         seconds = self.rng.uniform(1.5, 2.5) * self.lease
         self.namespaces[name].cut()
         try:
-            time.sleep(seconds)
+            kept = self._last(seconds, [target.index for target in inside])
         finally:
             self.namespaces[name].restore()
-        return name, inside, f"{seconds:.2f} s"
+        return Injected(name, [target.pid for target in inside], f"{seconds:.2f} s", kept)
+
+    def _last(self, seconds: float, workers: Sequence[int]) -> list[str] | None:
+        """Let a freeze or a cut of ``workers`` last ``seconds``; when that reaches past
+        :func:`release_bound`, the advisory locks their sessions still held at that bound."""
+        began = time.monotonic()
+        bound = release_bound(self.lease)
+        if seconds < bound + 0.2:
+            time.sleep(seconds)
+            return None
+        time.sleep(bound)
+        kept = self.held_by(workers)
+        time.sleep(max(0.0, seconds - (time.monotonic() - began)))
+        return kept
+
+    def held_by(self, workers: Sequence[int]) -> list[str]:
+        """The advisory locks granted to the sessions of ``workers``; a look that fails is one too
+        (the check must not pass unseen)."""
+        query = (
+            "SELECT a.application_name, l.pid, l.classid, l.objid, l.objsubid, a.state"
+            " FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
+            " WHERE l.locktype = 'advisory' AND l.granted"
+        )
+        try:
+            with psycopg.connect(self.pair.primary_dsn(), autocommit=True, connect_timeout=5) as conn:
+                rows = conn.execute(query).fetchall()
+        except psycopg.Error as error:
+            return [f"the look failed: {error}"]
+        wanted = set(workers)
+        kept = []
+        for name, pid, classid, objid, objsubid, state in rows:
+            match = _WORKER_SESSION.match(name or "")
+            if match is not None and int(match.group(1)) in wanted:
+                kept.append(f"{name!r} (backend {pid}, {state}) holds ({classid}, {objid}, {objsubid})")
+        return kept
 
     # ----------------------------------------------------------------- on the server
 
@@ -153,40 +259,40 @@ class Nemesis:
             return [int(row[0]) for row in conn.execute(query).fetchall()]
         return []
 
-    def _terminate(self) -> tuple[str, list[int], str]:
+    def _terminate(self) -> Injected:
         deadline = time.monotonic() + 3
         holding = self._backends(holding=True)
         while not holding and time.monotonic() < deadline:
             time.sleep(0.1)
             holding = self._backends(holding=True)
         if not holding:
-            return "server", [], "no session held a lock"
+            return Injected("server", [], "no session held a lock")
         pid = self.rng.choice(holding)
         with psycopg.connect(self.pair.primary_dsn(), autocommit=True) as conn:
             conn.execute("SELECT pg_terminate_backend(%s)", [pid])
-        return f"backend {pid}", [pid], ""
+        return Injected(f"backend {pid}", [pid])
 
-    def _cancel(self) -> tuple[str, list[int], str]:
+    def _cancel(self) -> Injected:
         pids = self._backends(holding=False)
         with contextlib.suppress(psycopg.Error), psycopg.connect(self.pair.primary_dsn(), autocommit=True) as conn:
             for pid in pids:
                 conn.execute("SELECT pg_cancel_backend(%s)", [pid])
-        return "server", pids, f"{len(pids)} sessions"
+        return Injected("server", pids, f"{len(pids)} sessions")
 
-    def _restart_fast(self) -> tuple[str, list[int], str]:
+    def _restart_fast(self) -> Injected:
         self.pair.restart("fast")
-        return "server", [], f"port {self.pair.primary.port}"
+        return Injected("server", [], f"port {self.pair.primary.port}")
 
-    def _restart_immediate(self) -> tuple[str, list[int], str]:
+    def _restart_immediate(self) -> Injected:
         self.pair.restart("immediate")
-        return "server", [], f"port {self.pair.primary.port}"
+        return Injected("server", [], f"port {self.pair.primary.port}")
 
-    def _failover(self) -> tuple[str, list[int], str]:
+    def _failover(self) -> Injected:
         old = self.pair.primary.port
         self.pair.failover(freeze=False)
-        return "server", [], f"{old} -> {self.pair.primary.port}"
+        return Injected("server", [], f"{old} -> {self.pair.primary.port}")
 
-    def _failover_frozen(self) -> tuple[str, list[int], str]:
+    def _failover_frozen(self) -> Injected:
         old = self.pair.primary.port
         self.pair.failover(freeze=True, frozen_seconds=2 * self.lease)
-        return "server", [], f"{old} frozen -> {self.pair.primary.port}"
+        return Injected("server", [], f"{old} frozen -> {self.pair.primary.port}")

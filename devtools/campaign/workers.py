@@ -73,6 +73,10 @@ KINDS = (
     "deferred",
 )
 FENCED_KINDS = frozenset({"guard-session", "guard-transaction", "guard-wait", "scope", "deferred"})
+#: The longest any statement of a worker waits on the server for a busy key (``lock_timeout``):
+#: a guard's, a scope member's and a deferred operator's ``on_busy="wait"``. The nemesis's release
+#: check allows for it (:func:`devtools.campaign.nemesis.release_bound`).
+WAIT_TIMEOUT = 1.5
 #: A scope's lease, in workers' leases: a long freeze (1.5-2.5 leases) between its tasks may
 #: outlast it (the scope lapses; its next task must fail as lost); a cut-off worker learns of
 #: the cut at its next task's connect (2 s) well before it.
@@ -223,7 +227,7 @@ class Worker:
         policy = LockPolicy(
             mode=mode,  # type: ignore[arg-type]
             on_busy="wait" if wait else "skip",
-            wait_timeout=1.5 if wait else None,
+            wait_timeout=WAIT_TIMEOUT if wait else None,
             slots=slots,
         )
         rules = RunRules(fencing=slots == 1)
@@ -365,7 +369,7 @@ class Worker:
         slots = self.config.pool_slots if pooled else 1
         lock_key, holder = LockKey.from_name(self.config.pool if pooled else key), uuid.uuid4().hex
         lease = SCOPE_LEASE_FACTOR * self.config.lease
-        member_policy = LockPolicy(on_busy="wait", wait_timeout=1.5, on_wait_timeout="fail", slots=slots)
+        member_policy = LockPolicy(on_busy="wait", wait_timeout=WAIT_TIMEOUT, on_wait_timeout="fail", slots=slots)
         period = str(int(time.time() // PERIOD_SECONDS)) if not pooled and self.rng.random() < 0.5 else None
         slot: int | None = None
 
@@ -485,7 +489,7 @@ class Worker:
             resume = LockGuard(
                 self.hook.database,
                 lock_key,
-                LockPolicy(on_busy="wait", wait_timeout=1.5, on_wait_timeout="fail"),
+                LockPolicy(on_busy="wait", wait_timeout=WAIT_TIMEOUT, on_wait_timeout="fail"),
                 application_name=self.name,
                 scope=role("resume"),
             )

@@ -199,3 +199,24 @@ def test_one_pools_name_held_in_two_sizes_at_once_is_a_violation_on_different_sl
     assert report.figures["lost_holds_reported_as_success"] == 1
     plain = [*_pool_run("a", 1, "p#slot2", 2, 10, 12, "failed"), *_pool_run("b", 2, "p", 1, 11, 13, "completed")]
     assert any("one pool in two sizes: unexplained overlap" in v for v in check(plain, [], lease=LEASE).violations)
+
+
+def test_a_lock_kept_past_the_release_bound_by_a_frozen_worker_is_a_violation() -> None:
+    looked = {**_fault("sigstop-waiter", 10.0, 17.0, [1]), "detail": "6.50 s, a waiter", "kept": []}
+    report = check([looked], [], lease=LEASE)
+    assert report.passed, report.violations
+    assert report.figures["release_checks"] == {"looked": 1, "kept": 0, "frozen_waiters": 1}
+
+    kept = {**looked, "kept": ["'campaign w2' (backend 700, idle in transaction) holds (1, 2, 1)"]}
+    cut = {**_fault("netcut", 20.0, 27.0, [3, 4]), "kept": ["the look failed: connection refused"]}
+    unlooked = _fault("sigstop-long", 30.0, 35.0, [1])  # too short to look: no kept
+    report = check([kept, cut, unlooked], [], lease=LEASE)
+    assert len(report.violations) == 2, report.violations
+    assert report.violations[0].startswith("kept past the lease: 5.5 s after sigstop-waiter on x at 10.000")
+    assert "backend 700, idle in transaction" in report.violations[0]
+    assert "the look failed" in report.violations[1]
+    assert report.figures["release_checks"] == {"looked": 2, "kept": 2, "frozen_waiters": 1}
+
+
+def test_a_frozen_waiters_overlap_is_bounded_by_its_freeze() -> None:
+    assert overlap_bound("sigstop-waiter", 6.5, LEASE) == 6.5 + JITTER
