@@ -35,6 +35,31 @@ def redact(text: str) -> str:
     return _KEYWORD_PASSWORD.sub(r"\1***", _URI_PASSWORD.sub(r"\1***@", text))
 
 
+#: How libpq and psycopg quote the part of a connection string they could not read.
+_QUOTED = re.compile(r'"[^"]*"')
+#: A connection string that may hold a password: a ``password`` keyword, or a URI's ``user:...@``.
+_HOLDS_PASSWORD = re.compile(r"password|://[^@]*:.*@", re.IGNORECASE | re.DOTALL)
+
+
+def redact_dsn_error(text: str, dsn: str) -> str:
+    """The parser's message about the malformed ``dsn``, redacted: when ``dsn`` may hold a password,
+    every part the parser quoted is hidden too, since it may be a piece of the password that
+    :func:`redact` cannot find (``missing "=" after "ret"`` for ``password=sec ret``,
+    ``unexpected spaces found in "sec ret"`` for ``postgresql://user:sec ret@host``)."""
+    text = redact(text).strip()
+    if _HOLDS_PASSWORD.search(dsn) is None:
+        return text
+    hidden = _QUOTED.sub(_hide_unless_redacted, text)
+    return hidden if hidden == text else f"{hidden} (quoted parts hidden: the connection string may hold a password)"
+
+
+def _hide_unless_redacted(quoted: re.Match[str]) -> str:
+    """A quoted part kept when :func:`redact` already took its password out or it has no letter
+    or digit (``"]"``, ``"="``); hidden otherwise."""
+    part = quoted.group(0)
+    return part if "***" in part or not any(c.isalnum() for c in part) else '"***"'
+
+
 #: The pooling modes a pooler may be declared with (PgBouncer's names); only ``"session"`` keeps session locks safe.
 POOL_MODES = ("session", "transaction", "statement")
 
@@ -117,4 +142,6 @@ def from_dsn(dsn: str) -> ConnectionSettings:
     try:
         return ConnectionSettings(params=dict(psycopg.conninfo.conninfo_to_dict(dsn)), source="DSN")
     except psycopg.ProgrammingError as error:
-        raise LockConfigurationError(f"invalid DSN for the lock database: {redact(str(error))}") from None
+        raise LockConfigurationError(
+            f"invalid DSN for the lock database: {redact_dsn_error(str(error), dsn)}"
+        ) from None

@@ -325,6 +325,22 @@ def test_a_malformed_dsn_never_echoes_its_password(admin: Any) -> None:
     with pytest.raises((LockConfigurationError, LockConnectionError)) as other:
         AdvisoryLockHook(dsn="host=x password='s3cret-pw port=5432").acquire("never")
     assert "s3cret-pw" not in str(other.value)
+    # libpq and psycopg quote the piece they could not read, which may be the password or a part of it
+    for dsn, secret in (
+        ("host=x password=s3cret pw-tail", "pw-tail"),
+        ("postgresql://pguser:s3cret pw@host/db", "s3cret"),
+        ("postgresql://pguser:s3cret%zzpw@host/db", "s3cret"),
+        ("postgresql://pguser:pw@host/db?password=s3cret pw", "s3cret"),
+    ):
+        with pytest.raises(LockConfigurationError) as quoted:
+            AdvisoryLockHook(dsn=dsn).acquire("never")
+        message = str(quoted.value)
+        assert secret not in message and message.startswith("invalid DSN for the lock database: "), message
+        assert message.endswith("(quoted parts hidden: the connection string may hold a password)"), message
+    # ... and is left in the message when the string holds no password: it names the mistake
+    with pytest.raises(LockConfigurationError) as plain:
+        AdvisoryLockHook(dsn="host=x prot=5432").acquire("never")
+    assert str(plain.value) == 'invalid DSN for the lock database: invalid connection option "prot"'
 
 
 def test_the_lease_keepalives_win_over_connection_extras(dsn: str, admin: Any) -> None:
