@@ -71,6 +71,8 @@ RESUME_METHOD = "pglock_resume"
 
 #: The held lock of the guarded work running in this context (see :func:`hand_over_lock`).
 _HELD: ContextVar[LockHandle | None] = ContextVar("pglock_held", default=None)
+#: ... and, when that lock is a slot of a pool, the pool's key (the name its slots are named after).
+_HELD_POOL: ContextVar[LockKey | None] = ContextVar("pglock_held_pool", default=None)
 #: Whether guarded work has begun in this context: a guard called from it may not skip the task.
 _IN_WORK: ContextVar[bool] = ContextVar("pglock_in_work", default=False)
 
@@ -273,6 +275,7 @@ def run_guarded(
         if handle.fencing_token is not None:
             context["ti"].xcom_push(key=FENCING_TOKEN_XCOM_KEY, value=handle.fencing_token)
         held, begun = _HELD.set(handle), _IN_WORK.set(True)
+        pool = _HELD_POOL.set(lock_key if handle.slot is not None else None)
         try:
             return work(handle)
         except AirflowSkipException as skip:
@@ -294,18 +297,17 @@ def run_guarded(
             ) from None
         finally:
             _IN_WORK.reset(begun)
+            _HELD_POOL.reset(pool)
             _HELD.reset(held)
 
     try:
         lock_key = resolve_key(key, tenant, identity.dag_id, identity.task_id)
-        enclosing = _HELD.get()
-        both_shared = enclosing is not None and enclosing.shared and spec.policy.shared
-        if enclosing is not None and enclosing.key.numbers == lock_key.numbers and not both_shared:
-            # Its own session holds it: always busy. In a lock scope (a template the parse-time
-            # check could not read) its skip would end the scope early; never a skip, never retried.
+        already = _held_around(lock_key, spec.policy.shared)
+        if already is not None:
+            # In a lock scope (a template the parse-time check could not read) its skip would end
+            # the scope early; never a skip, never retried.
             raise AirflowFailException(
-                f"the guard of task {identity.task_id!r} takes {lock_key.describe()}, which its lock scope or an "
-                "enclosing guard of the same task already holds, so it would always find it busy. Guard another "
+                f"the guard of task {identity.task_id!r} takes {lock_key.describe()}, {already}. Guard another "
                 "key, or leave the key to the scope"
             )
         if isinstance(once_per, str) and not once_per.strip():
@@ -487,6 +489,27 @@ def hand_over_lock(python_callable: Callable[..., T]) -> Callable[..., T]:
         parameters=[p for p in signature.parameters.values() if p.name != LOCK_HANDLE_PARAM]
     )
     return with_lock
+
+
+def _held_around(key: LockKey, shared: bool) -> str | None:
+    """Why a guard of ``key`` inside guarded work (or a lock scope's task) that already holds it
+    cannot run, or None: the very key it holds (always busy), or the name of the pool one of whose
+    slots it holds (its own slot busy, the pool's name refused in another size: one rule for every
+    slot). Two shared guards of one key are spared."""
+    enclosing = _HELD.get()
+    if enclosing is None or (enclosing.shared and shared):
+        return None
+    pool = _HELD_POOL.get()
+    if pool is not None and key.numbers == pool.numbers:
+        return (
+            f"the name of the pool whose slot {enclosing.slot} its lock scope or an enclosing guard of the same "
+            "task already holds: a guard inside may not take that pool's name again, in any size"
+        )
+    if key.numbers == enclosing.key.numbers:
+        return (
+            "which its lock scope or an enclosing guard of the same task already holds, so it would always find it busy"
+        )
+    return None
 
 
 def refuse_lock_argument(name: str, kwargs: Mapping[str, Any]) -> None:

@@ -179,3 +179,68 @@ def test_a_refusal_in_a_thread_of_guarded_work_fails_it_and_stacked_guards_still
     assert re.search(r"pglock outcome=skipped key 'outer-stacked' .* - the task's own guard skipped it: ", log), log
     assert "the work skipped the task" not in log
     assert advisory_locks(admin) == []
+
+
+NESTED_SAME_KEY_DAG = """
+import pendulum
+from airflow.sdk import dag, task
+
+from airflow_pglock.decorators.advisory_lock import advisory_lock
+
+CONN = "pglock_test"
+
+
+@advisory_lock(postgres_conn_id=CONN, key="nested-shared", shared=True)
+def read_again():
+    print("INNER SHARED RAN")
+
+
+@advisory_lock(postgres_conn_id=CONN, key="nested-same")
+def take_again():
+    print("INNER SAME RAN")
+
+
+@advisory_lock(postgres_conn_id=CONN, key="nested-pool", slots=2)
+def take_another_slot():
+    print("INNER POOL RAN")
+
+
+@dag(dag_id="nested_same_key", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False)
+def nested_same_key():
+    @task.advisory_lock(postgres_conn_id=CONN, key="nested-shared", shared=True, retries=0)
+    def shared_outer():
+        read_again()
+
+    @task.advisory_lock(postgres_conn_id=CONN, key="nested-same", retries=0)
+    def same_outer():
+        take_again()
+
+    @task.advisory_lock(postgres_conn_id=CONN, key="nested-pool", slots=2, retries=0)
+    def pool_outer():
+        take_another_slot()
+
+    shared_outer()
+    same_outer()
+    pool_outer()
+
+
+nested_same_key_dag = nested_same_key()
+"""
+
+
+def test_a_guard_inside_guarded_work_on_the_key_or_pool_it_holds_fails_and_two_shared_guards_run(
+    airflow_db: Any, admin: Any, capfd: Any
+) -> None:
+    """The work's own session holds the key (or a slot of the pool): an inner guard of it would always
+    find it busy (or take a second slot of the pool), so it fails at once; two shared holds of one
+    key do not exclude each other, and the inner shared guard runs."""
+    result = run_dag(NESTED_SAME_KEY_DAG, "nested_same_key")
+    out = "".join(capfd.readouterr())
+    assert result.state("shared_outer") == "success" and "INNER SHARED RAN" in out
+    assert result.state("same_outer") == "failed" and "INNER SAME RAN" not in out
+    assert "the guard of task 'same_outer' takes key 'nested-same'" in out
+    assert "which its lock scope or an enclosing guard of the same task already holds" in out
+    assert result.state("pool_outer") == "failed" and "INNER POOL RAN" not in out
+    assert "the guard of task 'pool_outer' takes key 'nested-pool'" in out
+    assert "the name of the pool whose slot 1 its lock scope or an enclosing guard of the same task" in out
+    assert advisory_locks(admin) == []

@@ -761,3 +761,49 @@ def test_a_tasks_own_guard_on_the_scopes_key_through_a_template_fails_instead_of
     assert "which its lock scope or an enclosing guard of the same task already holds" in out
     assert result.state("publish.pglock_scope_exit") == "success"
     assert _scope_rows(scopes_db) == []
+
+
+SAME_POOL_DAG = """
+import pendulum
+from airflow.sdk import dag, task
+from airflow_pglock.operators.scope import advisory_lock_scope
+
+
+@dag(dag_id="scope_same_pool", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False)
+def scope_same_pool():
+    with advisory_lock_scope("publish", key="scope-key", postgres_conn_id="pglock_test", slots=2):
+        @task.advisory_lock(postgres_conn_id="pglock_test", key="{{ 'scope-key' }}", slots=2, on_busy="skip", retries=0)
+        def own_pool_guard():
+            print("POOL GUARD RAN")
+
+        @task.advisory_lock(postgres_conn_id="pglock_test", key="{{ 'scope-key' }}", on_busy="skip", retries=0)
+        def own_plain_guard():
+            print("PLAIN GUARD RAN")
+
+        own_pool_guard()
+        own_plain_guard()
+
+
+scope_same_pool_dag = scope_same_pool()
+"""
+
+
+@pytest.mark.parametrize("scope_slot", [1, 2])
+def test_a_tasks_own_guard_on_the_scopes_pool_fails_whatever_slot_the_scope_holds(
+    airflow_db: Any, scopes_db: Any, capfd: Any, scope_slot: int
+) -> None:
+    """The same-key refusal compared the key the scope held (review helper-41): a scope in slot 2
+    let a guard of the pool's name through, which found slot 1 held by another run's scope and
+    skipped the task (the teardown then ends the scope early); a scope in slot 1 refused it saying
+    the key would always be busy, though a pool guard could take slot 2. One rule, every slot."""
+    other = [_hold_scope_elsewhere(scopes_db)] if scope_slot == 2 else []  # slot 1 is the key of the name
+    result = run_dag(SAME_POOL_DAG, "scope_same_pool")
+    out = "".join(capfd.readouterr())
+    assert "POOL GUARD RAN" not in out and "PLAIN GUARD RAN" not in out
+    for task_id in ("publish.own_pool_guard", "publish.own_plain_guard"):
+        assert result.state(task_id) == "failed", (task_id, out[-3000:])
+        assert f"the guard of task {task_id!r} takes key 'scope-key'" in out, task_id
+    refusal = f"the name of the pool whose slot {scope_slot} its lock scope or an enclosing guard of the same task"
+    assert out.count(refusal) >= 2, out[-3000:]
+    assert result.state("publish.pglock_scope_exit") == "success"
+    assert [row[0] for row in _scope_rows(scopes_db)] == other
