@@ -56,6 +56,8 @@ CRASH = "e2e_scope_crash"
 RETRY = "e2e_scope_retry"  # deployment A only
 HOLD = "e2e_scope_hold"  # deployment A only
 DEFER = "e2e_scope_defer"  # deployment B only
+TIMEOUT = "e2e_scope_timeout"  # deployment A only; dagrun_timeout 30 s, triggered by its test
+TIMEOUT_SCOPE_LEASE = 600  # its scope_lease
 RUN_ID = "scheduled__2026-01-01T00:00:00+00:00"  # the one run of every DAG of e2e_scope.py
 LOGICAL_DATE = "2026-01-01T00:00:00+00:00"
 SCOPE_TASKS = ("publish.start", "publish.wait", "publish.promote")
@@ -410,6 +412,84 @@ def test_a_deferring_setup_waits_in_the_triggerer(deployments: dict[str, Deploym
 
 POOLS = ("e2e_scope_pool_1", "e2e_scope_pool_2")  # in both deployments: four runs on a pool of two slots
 POOL_ALL = ("pooled.pglock_scope_enter", "pooled.start", "pooled.wait", "pooled.promote", "pooled.pglock_scope_exit")
+
+
+def test_clear_only_failed_runs_the_failed_task_alone_which_fails_as_lost(
+    deployments: dict[str, Deployment], cluster: Cluster
+) -> None:
+    """docs/scopes.md: "Clear -> Only failed" leaves the setup and teardown out (they succeeded), so the
+    failed task of the scope runs alone, finds the scope freed by its teardown, and fails as lost
+    without running its work. (A's e2e_scope_hold: its last scope task fails.)"""
+    a = deployments["A"]
+    lock_uri = cluster.dsn_for("locks")
+    with psycopg.connect(lock_uri, autocommit=True) as conn:
+        conn.execute("INSERT INTO e2e_go (dag_id, deployment) VALUES (%s, 'A') ON CONFLICT DO NOTHING", [HOLD])
+    _wait_until(a, lambda: _run_state(a, HOLD) in ("success", "failed"), f"A's {HOLD} run", HOLD)
+    before = _tries(a, HOLD)
+    assert before["held.last"] == ("failed", 1) and _run_state(a, HOLD) == "failed", before
+    cleared = a.airflow(
+        "tasks", "clear", HOLD, "--only-failed", "-s", LOGICAL_DATE, "-e", LOGICAL_DATE, "-y", timeout=180
+    )
+    assert cleared.returncode == 0, f"airflow tasks clear failed:\n{cleared.stdout[-3000:]}\n{cleared.stderr[-3000:]}"
+    cleared_now = _tries(a, HOLD)
+    assert cleared_now["held.last"][0] != "failed", f"nothing was cleared: {cleared_now}\n{cleared.stderr[-3000:]}"
+
+    def done_again() -> bool:
+        state, try_number = _tries(a, HOLD)["held.last"]
+        return try_number >= 2 and state in FINISHED and _run_state(a, HOLD) in ("success", "failed")
+
+    _wait_until(a, done_again, f"A's {HOLD} run after clear --only-failed", HOLD)
+    after = _tries(a, HOLD)
+    with psycopg.connect(lock_uri, autocommit=True) as conn:
+        spans = [task for task, *_ in _spans(conn, HOLD).get("A", [])]
+        rows = conn.execute("SELECT holder FROM pglock.scopes WHERE key_name = 'e2e/deferred'").fetchall()
+    log = _task_log(a, HOLD, "held.last")
+    print(f"e2e scope clear --only-failed: before {before}; cleared {cleared_now}; after {after}; spans {spans}")
+
+    assert after["held.last"] == ("failed", 2), after
+    for task_id in ("held.pglock_scope_enter", "held.hold", "pause", "held.pglock_scope_exit"):
+        assert after[task_id] == before[task_id] == ("success", 1), (task_id, after)  # not run again
+    assert spans.count("last") == 1, spans  # the cleared try failed before its work
+    assert "the scope was freed (its teardown ran, or its row was deleted) before" in log, log[-5000:]
+    assert rows == [], rows
+
+
+def test_a_dagrun_timeout_skips_the_teardown_and_the_scope_stays_held_until_its_lease(
+    deployments: dict[str, Deployment], cluster: Cluster
+) -> None:
+    """docs/scopes.md: a dagrun_timeout sets every unfinished task of the run to skipped, the teardown
+    included, so the scope's row stays until scope_lease runs out. (A's e2e_scope_timeout: its first
+    scope task sleeps past the run's 30 s timeout; the scope's lease is ten minutes.)"""
+    a = deployments["A"]
+    lock_uri = cluster.dsn_for("locks")
+    triggered = a.airflow("dags", "trigger", TIMEOUT, timeout=180)
+    assert triggered.returncode == 0, (
+        f"airflow dags trigger failed:\n{triggered.stdout[-3000:]}\n{triggered.stderr[-3000:]}"
+    )
+    try:
+        _wait_until(a, lambda: _run_state(a, TIMEOUT) == "failed", f"A's {TIMEOUT} run timed out", TIMEOUT)
+        states = _task_states(a, TIMEOUT)
+        (run_id,) = a.query("SELECT run_id FROM dag_run WHERE dag_id = %s", [TIMEOUT])[0]
+        with psycopg.connect(lock_uri, autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT holder, task_now, lease_until - clock_timestamp(), run FROM pglock.scopes"
+                " WHERE key_name = 'e2e/timeout'"
+            ).fetchone()
+            spans = [task for task, *_ in _spans(conn, TIMEOUT).get("A", [])]
+        print(f"e2e scope dagrun_timeout: tasks {states}; scope row {row}; spans {spans}")
+
+        assert states["timed.pglock_scope_enter"] == "success", states
+        assert states["timed.pglock_scope_exit"] == "skipped", states
+        assert states["timed.after"] == "skipped" and "after" not in spans, (states, spans)
+        assert states["timed.long"] in ("skipped", "failed"), states
+        assert row is not None, "the scope's row is gone: the teardown ran after all"
+        holder, _task_now, left, run = row
+        assert holder and run == f"deployment-A: {TIMEOUT} {run_id}", row
+        # held until its lease runs out: most of the ten minutes are left
+        assert dt.timedelta(seconds=TIMEOUT_SCOPE_LEASE / 2) < left <= dt.timedelta(seconds=TIMEOUT_SCOPE_LEASE), row
+    finally:
+        with psycopg.connect(lock_uri, autocommit=True) as conn:  # the other tests find no scope left
+            conn.execute("DELETE FROM pglock.scopes WHERE key_name = 'e2e/timeout'")
 
 
 def test_at_most_two_scopes_over_a_pool_of_two_each_in_its_own_slot(

@@ -20,7 +20,7 @@ lock database alone whether the two deployments' scopes ever interleaved.
   took (XCom), after checking that the slot's scope row names it. At most two scopes at once,
   each in its own slot.
 
-Deployment A alone (``PGLOCK_E2E_DEPLOYMENT``) has these two, each behind a ``gate``:
+Deployment A alone (``PGLOCK_E2E_DEPLOYMENT``) has these three:
 
 - ``e2e_scope_retry``: ``first >> flaky >> last`` in a scope on ``e2e/retried`` with
   ``fencing=True``; ``flaky`` fails its first try (``retries=1``). Every try of every task of
@@ -30,6 +30,10 @@ Deployment A alone (``PGLOCK_E2E_DEPLOYMENT``) has these two, each behind a ``ga
 - ``e2e_scope_hold``: a scope on ``e2e/deferred`` whose tasks ``hold`` and ``last`` have
   ``pause`` (outside the scope, 20 s) between them: the row alone keeps the scope meanwhile.
   ``last`` fails: the teardown frees the scope after a failed task.
+
+- ``e2e_scope_timeout`` (unscheduled: the test triggers it): a scope on ``e2e/timeout`` with a
+  ten-minute ``scope_lease`` in a DAG whose ``dagrun_timeout`` is 30 s; its first task ``long``
+  sleeps past it, so the scheduler times the run out while the scope is held.
 
 Deployment B alone has ``e2e_scope_defer``: a scope on ``e2e/deferred`` with
 ``on_busy="defer"`` (``defer_after=0``) around ``after``; the test lets it go while A's
@@ -54,6 +58,8 @@ DEPLOYMENTS = int(os.environ.get("PGLOCK_E2E_DEPLOYMENTS", "2"))
 CONN = "postgres_default"
 WAIT_SECONDS = float(os.environ.get("PGLOCK_E2E_SCOPE_WAIT_SECONDS", "6"))
 CRASH_SCOPE_LEASE = 15
+TIMEOUT_RUN_SECONDS = 30  # dagrun_timeout of e2e_scope_timeout
+TIMEOUT_SCOPE_LEASE = 600  # its scope_lease
 MEET_TIMEOUT = 180.0
 GATE_TIMEOUT = 400.0
 
@@ -275,6 +281,28 @@ def e2e_scope_hold() -> None:
 
 
 @dag(
+    dag_id="e2e_scope_timeout",
+    schedule=None,  # the test triggers it: the timeout counts from the run's start
+    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    dagrun_timeout=dt.timedelta(seconds=TIMEOUT_RUN_SECONDS),
+)
+def e2e_scope_timeout() -> None:
+    with advisory_lock_scope(
+        "timed", key="e2e/timeout", postgres_conn_id=CONN, scope_lease=dt.timedelta(seconds=TIMEOUT_SCOPE_LEASE)
+    ):
+
+        @task
+        def long() -> None:  # stopped when the scheduler times the run out
+            span("e2e_scope_timeout", "long", 10 * TIMEOUT_RUN_SECONDS)
+
+        @task
+        def after() -> None:
+            span("e2e_scope_timeout", "after")
+
+        long() >> after()
+
+
+@dag(
     dag_id="e2e_scope_defer",
     schedule="@daily",
     start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
@@ -363,5 +391,6 @@ e2e_scope_crash_dag = e2e_scope_crash()
 if DEPLOYMENT == "A":
     e2e_scope_retry_dag = e2e_scope_retry()
     e2e_scope_hold_dag = e2e_scope_hold()
+    e2e_scope_timeout_dag = e2e_scope_timeout()
 if DEPLOYMENT == "B":
     e2e_scope_defer_dag = e2e_scope_defer()
