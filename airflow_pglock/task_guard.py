@@ -71,8 +71,9 @@ RESUME_METHOD = "pglock_resume"
 
 #: The held lock of the guarded work running in this context (see :func:`hand_over_lock`).
 _HELD: ContextVar[LockHandle | None] = ContextVar("pglock_held", default=None)
-#: ... and, when that lock is a slot of a pool, the pool's key (the name its slots are named after).
-_HELD_POOL: ContextVar[LockKey | None] = ContextVar("pglock_held_pool", default=None)
+#: Every guard around the work running in this context, outermost first: its held lock and, when
+#: that is a slot of a pool, the pool's key (the name its slots are named after).
+_HELD_AROUND: ContextVar[tuple[tuple[LockHandle, LockKey | None], ...]] = ContextVar("pglock_held_around", default=())
 #: Whether guarded work has begun in this context: a guard called from it may not skip the task.
 _IN_WORK: ContextVar[bool] = ContextVar("pglock_in_work", default=False)
 
@@ -275,7 +276,7 @@ def run_guarded(
         if handle.fencing_token is not None:
             context["ti"].xcom_push(key=FENCING_TOKEN_XCOM_KEY, value=handle.fencing_token)
         held, begun = _HELD.set(handle), _IN_WORK.set(True)
-        pool = _HELD_POOL.set(lock_key if handle.slot is not None else None)
+        around = _HELD_AROUND.set((*_HELD_AROUND.get(), (handle, lock_key if handle.slot is not None else None)))
         try:
             return work(handle)
         except AirflowSkipException as skip:
@@ -297,7 +298,7 @@ def run_guarded(
             ) from None
         finally:
             _IN_WORK.reset(begun)
-            _HELD_POOL.reset(pool)
+            _HELD_AROUND.reset(around)
             _HELD.reset(held)
 
     try:
@@ -492,23 +493,24 @@ def hand_over_lock(python_callable: Callable[..., T]) -> Callable[..., T]:
 
 
 def _held_around(key: LockKey, shared: bool) -> str | None:
-    """Why a guard of ``key`` inside guarded work (or a lock scope's task) that already holds it
-    cannot run, or None: the very key it holds (always busy), or the name of the pool one of whose
-    slots it holds (its own slot busy, the pool's name refused in another size: one rule for every
-    slot). Two shared guards of one key are spared."""
-    enclosing = _HELD.get()
-    if enclosing is None or (enclosing.shared and shared):
-        return None
-    pool = _HELD_POOL.get()
-    if pool is not None and key.numbers == pool.numbers:
-        return (
-            f"the name of the pool whose slot {enclosing.slot} its lock scope or an enclosing guard of the same "
-            "task already holds: a guard inside may not take that pool's name again, in any size"
-        )
-    if key.numbers == enclosing.key.numbers:
-        return (
-            "which its lock scope or an enclosing guard of the same task already holds, so it would always find it busy"
-        )
+    """Why a guard of ``key`` inside guarded work (or a lock scope's task) cannot run, or None: a
+    guard around it, however far out, holds the very key (always busy), or a slot of the pool of
+    that name (its own slot busy, the pool's name refused in another size: one rule for every
+    slot). Two shared guards of one key are spared. Threads the work starts do not see the guards
+    around it (a thread starts with an empty context)."""
+    for enclosing, pool in reversed(_HELD_AROUND.get()):
+        if enclosing.shared and shared:
+            continue
+        if pool is not None and key.numbers == pool.numbers:
+            return (
+                f"the name of the pool whose slot {enclosing.slot} its lock scope or an enclosing guard of the same "
+                "task already holds: a guard inside may not take that pool's name again, in any size"
+            )
+        if key.numbers == enclosing.key.numbers:
+            return (
+                "which its lock scope or an enclosing guard of the same task already holds, so it would always find "
+                "it busy"
+            )
     return None
 
 

@@ -37,27 +37,35 @@ def redact(text: str) -> str:
 
 #: How libpq and psycopg quote the part of a connection string they could not read.
 _QUOTED = re.compile(r'"[^"]*"')
-#: A connection string that may hold a password: a ``password`` keyword, or a URI's ``user:...@``.
-_HOLDS_PASSWORD = re.compile(r"password|://[^@]*:.*@", re.IGNORECASE | re.DOTALL)
+#: A connection string that may hold a password: a ``password`` keyword, or any URI (its user
+#: part may hold one in several forms, ``user@server:pw@host`` among them, and its query may
+#: name the keyword percent-encoded).
+_HOLDS_PASSWORD = re.compile(r"password|://", re.IGNORECASE)
 
 
 def redact_dsn_error(text: str, dsn: str) -> str:
     """The parser's message about the malformed ``dsn``, redacted: when ``dsn`` may hold a password,
-    every part the parser quoted is hidden too, since it may be a piece of the password that
+    the parts the parser quoted are hidden too, since one may be a piece of the password that
     :func:`redact` cannot find (``missing "=" after "ret"`` for ``password=sec ret``,
-    ``unexpected spaces found in "sec ret"`` for ``postgresql://user:sec ret@host``)."""
+    ``unexpected spaces found in "sec ret"`` for ``postgresql://user:sec ret@host``). When ``dsn``
+    itself holds a ``"``, the quotes of the message cannot be paired: everything from the first
+    to the last is hidden."""
     text = redact(text).strip()
-    if _HOLDS_PASSWORD.search(dsn) is None:
+    if _HOLDS_PASSWORD.search(dsn) is None or '"' not in text:
         return text
-    hidden = _QUOTED.sub(_hide_unless_redacted, text)
+    if '"' in dsn:
+        first, last = text.index('"'), text.rindex('"')
+        hidden = f'{text[:first]}"***"{text[last + 1 :]}'
+    else:
+        hidden = _QUOTED.sub(_hide_unless_punctuation, text)
     return hidden if hidden == text else f"{hidden} (quoted parts hidden: the connection string may hold a password)"
 
 
-def _hide_unless_redacted(quoted: re.Match[str]) -> str:
-    """A quoted part kept when :func:`redact` already took its password out or it has no letter
-    or digit (``"]"``, ``"="``); hidden otherwise."""
+def _hide_unless_punctuation(quoted: re.Match[str]) -> str:
+    """A quoted part kept when it has no letter or digit (``"]"``, ``"="``); hidden otherwise, even
+    when :func:`redact` found a password in it (a password with an unencoded ``@`` goes on past it)."""
     part = quoted.group(0)
-    return part if "***" in part or not any(c.isalnum() for c in part) else '"***"'
+    return part if not any(c.isalnum() for c in part) else '"***"'
 
 
 #: The pooling modes a pooler may be declared with (PgBouncer's names); only ``"session"`` keeps session locks safe.

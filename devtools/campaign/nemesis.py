@@ -81,6 +81,7 @@ class Injected:
     pids: list[int]
     detail: str = ""
     kept: list[str] | None = None
+    began: float | None = None  # when the fault itself began, after a search for its target (default: the call)
 
 
 @dataclass
@@ -136,14 +137,14 @@ class Nemesis:
             self.inject(kind)
 
     def inject(self, kind: str) -> None:
-        start = time.time()
+        called = time.time()
         done: Injected = getattr(self, "_" + kind.replace("-", "_"))()
         self.counts[kind] += 1
         looked = {} if done.kept is None else {"kept": done.kept}
         self.history.emit(
             "fault",
             kind=kind,
-            start=start,
+            start=called if done.began is None else done.began,
             end=time.time(),
             target=done.target,
             pids=done.pids,
@@ -165,6 +166,7 @@ class Nemesis:
     def _freeze(self, factor: tuple[float, float], target: Target | None = None, note: str = "") -> Injected:
         target = target or self._worker()
         seconds = self.rng.uniform(*factor) * self.lease
+        began = time.time()
         with contextlib.suppress(ProcessLookupError):
             os.kill(target.pid, signal.SIGSTOP)
         try:
@@ -172,7 +174,7 @@ class Nemesis:
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(target.pid, signal.SIGCONT)
-        return Injected(f"w{target.index}", [target.pid], f"{seconds:.2f} s{note}", kept)
+        return Injected(f"w{target.index}", [target.pid], f"{seconds:.2f} s{note}", kept, began)
 
     def _sigstop_short(self) -> Injected:
         return self._freeze((0.3, 0.5))
@@ -268,9 +270,10 @@ class Nemesis:
         if not holding:
             return Injected("server", [], "no session held a lock")
         pid = self.rng.choice(holding)
+        began = time.time()
         with psycopg.connect(self.pair.primary_dsn(), autocommit=True) as conn:
             conn.execute("SELECT pg_terminate_backend(%s)", [pid])
-        return Injected(f"backend {pid}", [pid])
+        return Injected(f"backend {pid}", [pid], began=began)
 
     def _cancel(self) -> Injected:
         pids = self._backends(holding=False)

@@ -205,8 +205,22 @@ def take_another_slot():
     print("INNER POOL RAN")
 
 
+@advisory_lock(postgres_conn_id=CONN, key="nested-deep", on_busy="wait", wait_timeout=60)
+def deep_again():
+    print("INNER DEEP RAN")
+
+
+@advisory_lock(postgres_conn_id=CONN, key="nested-middle")
+def middle():
+    deep_again()
+
+
 @dag(dag_id="nested_same_key", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False)
 def nested_same_key():
+    @task.advisory_lock(postgres_conn_id=CONN, key="nested-deep", retries=0)
+    def deep_outer():
+        middle()  # its guard holds another key; the one around it holds nested-deep
+
     @task.advisory_lock(postgres_conn_id=CONN, key="nested-shared", shared=True, retries=0)
     def shared_outer():
         read_again()
@@ -222,18 +236,19 @@ def nested_same_key():
     shared_outer()
     same_outer()
     pool_outer()
+    deep_outer()
 
 
 nested_same_key_dag = nested_same_key()
 """
 
 
-def test_a_guard_inside_guarded_work_on_the_key_or_pool_it_holds_fails_and_two_shared_guards_run(
+def test_a_guard_inside_guarded_work_on_a_key_or_pool_held_around_it_fails_and_two_shared_guards_run(
     airflow_db: Any, admin: Any, capfd: Any
 ) -> None:
-    """The work's own session holds the key (or a slot of the pool): an inner guard of it would always
-    find it busy (or take a second slot of the pool), so it fails at once; two shared holds of one
-    key do not exclude each other, and the inner shared guard runs."""
+    """A guard around the work, however far out, holds the key (or a slot of the pool): an inner guard
+    of it would always find it busy (or take a second slot of the pool), so it fails at once; two
+    shared holds of one key do not exclude each other, and the inner shared guard runs."""
     result = run_dag(NESTED_SAME_KEY_DAG, "nested_same_key")
     out = "".join(capfd.readouterr())
     assert result.state("shared_outer") == "success" and "INNER SHARED RAN" in out
@@ -243,4 +258,9 @@ def test_a_guard_inside_guarded_work_on_the_key_or_pool_it_holds_fails_and_two_s
     assert result.state("pool_outer") == "failed" and "INNER POOL RAN" not in out
     assert "the guard of task 'pool_outer' takes key 'nested-pool'" in out
     assert "the name of the pool whose slot 1 its lock scope or an enclosing guard of the same task" in out
+    # two guards out: found at once, not after the inner guard's 60 s wait
+    assert result.state("deep_outer") == "failed" and "INNER DEEP RAN" not in out
+    assert re.search(
+        r"the guard of task 'deep_outer' takes key 'nested-deep' \(int64 -?\d+\), which its lock scope", out
+    )
     assert advisory_locks(admin) == []

@@ -472,7 +472,7 @@ def test_a_dagrun_timeout_skips_the_teardown_and_the_scope_stays_held_until_its_
         (run_id,) = a.query("SELECT run_id FROM dag_run WHERE dag_id = %s", [TIMEOUT])[0]
         with psycopg.connect(lock_uri, autocommit=True) as conn:
             row = conn.execute(
-                "SELECT holder, task_now, lease_until - clock_timestamp(), run FROM pglock.scopes"
+                "SELECT holder, task_now, lease_until - clock_timestamp(), run, lease_until FROM pglock.scopes"
                 " WHERE key_name = 'e2e/timeout'"
             ).fetchone()
             spans = [task for task, *_ in _spans(conn, TIMEOUT).get("A", [])]
@@ -483,10 +483,17 @@ def test_a_dagrun_timeout_skips_the_teardown_and_the_scope_stays_held_until_its_
         assert states["timed.after"] == "skipped" and "after" not in spans, (states, spans)
         assert states["timed.long"] in ("skipped", "failed"), states
         assert row is not None, "the scope's row is gone: the teardown ran after all"
-        holder, _task_now, left, run = row
+        holder, task_now, left, run, lease_until = row
         assert holder and run == f"deployment-A: {TIMEOUT} {run_id}", row
         # held until its lease runs out: most of the ten minutes are left
         assert dt.timedelta(seconds=TIMEOUT_SCOPE_LEASE / 2) < left <= dt.timedelta(seconds=TIMEOUT_SCOPE_LEASE), row
+        # The stopped task did not end its part: the row still names it, and the lease runs from its start.
+        ((long_started,),) = a.query(
+            "SELECT start_date FROM task_instance WHERE dag_id = %s AND task_id = 'timed.long'", [TIMEOUT]
+        )
+        assert task_now == "timed.long", row
+        from_start = (lease_until - long_started).total_seconds()
+        assert abs(from_start - TIMEOUT_SCOPE_LEASE) < 15, (from_start, long_started, row)
     finally:
         with psycopg.connect(lock_uri, autocommit=True) as conn:  # the other tests find no scope left
             conn.execute("DELETE FROM pglock.scopes WHERE key_name = 'e2e/timeout'")
