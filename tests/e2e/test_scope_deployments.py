@@ -56,7 +56,7 @@ CRASH = "e2e_scope_crash"
 RETRY = "e2e_scope_retry"  # deployment A only
 HOLD = "e2e_scope_hold"  # deployment A only
 DEFER = "e2e_scope_defer"  # deployment B only
-TIMEOUT = "e2e_scope_timeout"  # deployment A only; dagrun_timeout 30 s, triggered by its test
+TIMEOUT = "e2e_scope_timeout"  # deployment A only; dagrun_timeout 40 s, triggered by its test
 TIMEOUT_SCOPE_LEASE = 600  # its scope_lease
 RUN_ID = "scheduled__2026-01-01T00:00:00+00:00"  # the one run of every DAG of e2e_scope.py
 LOGICAL_DATE = "2026-01-01T00:00:00+00:00"
@@ -459,7 +459,7 @@ def test_a_dagrun_timeout_skips_the_teardown_and_the_scope_stays_held_until_its_
 ) -> None:
     """docs/scopes.md: a dagrun_timeout sets every unfinished task of the run to skipped, the teardown
     included, so the scope's row stays until scope_lease runs out. (A's e2e_scope_timeout: its first
-    scope task sleeps past the run's 30 s timeout; the scope's lease is ten minutes.)"""
+    scope task sleeps past the run's 40 s timeout; the scope's lease is ten minutes.)"""
     a = deployments["A"]
     lock_uri = cluster.dsn_for("locks")
     triggered = a.airflow("dags", "trigger", TIMEOUT, timeout=180)

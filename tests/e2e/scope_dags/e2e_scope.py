@@ -32,7 +32,7 @@ Deployment A alone (``PGLOCK_E2E_DEPLOYMENT``) has these three:
   ``last`` fails: the teardown frees the scope after a failed task.
 
 - ``e2e_scope_timeout`` (unscheduled: the test triggers it): a scope on ``e2e/timeout`` with a
-  ten-minute ``scope_lease`` in a DAG whose ``dagrun_timeout`` is 30 s; its first task ``long``
+  ten-minute ``scope_lease`` in a DAG whose ``dagrun_timeout`` is 40 s; its first task ``long``
   sleeps past it, so the scheduler times the run out while the scope is held.
 
 Deployment B alone has ``e2e_scope_defer``: a scope on ``e2e/deferred`` with
@@ -58,7 +58,7 @@ DEPLOYMENTS = int(os.environ.get("PGLOCK_E2E_DEPLOYMENTS", "2"))
 CONN = "postgres_default"
 WAIT_SECONDS = float(os.environ.get("PGLOCK_E2E_SCOPE_WAIT_SECONDS", "6"))
 CRASH_SCOPE_LEASE = 15
-TIMEOUT_RUN_SECONDS = 30  # dagrun_timeout of e2e_scope_timeout
+TIMEOUT_RUN_SECONDS = 40  # dagrun_timeout of e2e_scope_timeout (room for a slow setup and start)
 TIMEOUT_SCOPE_LEASE = 600  # its scope_lease
 MEET_TIMEOUT = 180.0
 GATE_TIMEOUT = 400.0
