@@ -69,10 +69,9 @@ SCOPE_RECHECK_SECONDS = 30.0
 #: The method a task deferred by ``on_busy="defer"`` resumes with (it tries the key again).
 RESUME_METHOD = "pglock_resume"
 
-#: The held lock of the guarded work running in this context (see :func:`hand_over_lock`).
-_HELD: ContextVar[LockHandle | None] = ContextVar("pglock_held", default=None)
 #: Every guard around the work running in this context, outermost first: its held lock and, when
-#: that is a slot of a pool, the pool's key (the name its slots are named after).
+#: that is a slot of a pool, the pool's key (the name its slots are named after). The innermost
+#: one's lock is the one :func:`hand_over_lock` passes on.
 _HELD_AROUND: ContextVar[tuple[tuple[LockHandle, LockKey | None], ...]] = ContextVar("pglock_held_around", default=())
 #: Whether guarded work has begun in this context: a guard called from it may not skip the task.
 _IN_WORK: ContextVar[bool] = ContextVar("pglock_in_work", default=False)
@@ -275,7 +274,7 @@ def run_guarded(
     def work_with_token(handle: LockHandle) -> T:
         if handle.fencing_token is not None:
             context["ti"].xcom_push(key=FENCING_TOKEN_XCOM_KEY, value=handle.fencing_token)
-        held, begun = _HELD.set(handle), _IN_WORK.set(True)
+        begun = _IN_WORK.set(True)
         around = _HELD_AROUND.set((*_HELD_AROUND.get(), (handle, lock_key if handle.slot is not None else None)))
         try:
             return work(handle)
@@ -299,7 +298,6 @@ def run_guarded(
         finally:
             _IN_WORK.reset(begun)
             _HELD_AROUND.reset(around)
-            _HELD.reset(held)
 
     try:
         lock_key = resolve_key(key, tenant, identity.dag_id, identity.task_id)
@@ -481,10 +479,10 @@ def hand_over_lock(python_callable: Callable[..., T]) -> Callable[..., T]:
     @functools.wraps(python_callable)
     def with_lock(*args: Any, **kwargs: Any) -> T:
         refuse_lock_argument(name, kwargs)
-        handle = _HELD.get()
-        if handle is None:
+        around = _HELD_AROUND.get()
+        if not around:
             raise LockConfigurationError(f"{name}() takes the held lock but runs outside its lock guard")
-        return python_callable(*args, **{**kwargs, LOCK_HANDLE_PARAM: handle})
+        return python_callable(*args, **{**kwargs, LOCK_HANDLE_PARAM: around[-1][0]})
 
     with_lock.__signature__ = signature.replace(  # type: ignore[attr-defined]
         parameters=[p for p in signature.parameters.values() if p.name != LOCK_HANDLE_PARAM]

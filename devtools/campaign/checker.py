@@ -132,6 +132,7 @@ class Fault:
     pids: list[int]
     detail: str = ""
     kept: list[str] | None = None  # a long freeze or cut: its workers' advisory locks at the release bound
+    waiter: bool = False  # sigstop-waiter: its target was found waiting for a key
 
 
 def _spread(values: Sequence[float]) -> dict[str, float | int | None]:
@@ -169,7 +170,16 @@ def build(events: Iterable[dict[str, Any]]) -> tuple[dict[str, Run], list[Fault]
             last_seen[e["pid"]] = e["t"]
         if kind == "fault":
             faults.append(
-                Fault(e["kind"], e["start"], e["end"], e["target"], list(e["pids"]), e.get("detail", ""), e.get("kept"))
+                Fault(
+                    e["kind"],
+                    e["start"],
+                    e["end"],
+                    e["target"],
+                    list(e["pids"]),
+                    e.get("detail", ""),
+                    e.get("kept"),
+                    e.get("waiter", False),
+                )
             )
             continue
         if "run" not in e:
@@ -419,7 +429,7 @@ def check(
         "release_checks": {
             "looked": len(looked),
             "kept": sum(1 for fault in looked if fault.kept),
-            "frozen_waiters": sum(1 for f in faults if f.kind == "sigstop-waiter" and f.detail.endswith("a waiter")),
+            "frozen_waiters": sum(1 for fault in faults if fault.waiter),
         },
         "lease": lease,
     }

@@ -31,7 +31,7 @@ import re
 import signal
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import psycopg
@@ -82,6 +82,7 @@ class Injected:
     detail: str = ""
     kept: list[str] | None = None
     began: float | None = None  # when the fault itself began, after a search for its target (default: the call)
+    waiter: bool | None = None  # sigstop-waiter: whether its target was found waiting for a key
 
 
 @dataclass
@@ -141,6 +142,8 @@ class Nemesis:
         done: Injected = getattr(self, "_" + kind.replace("-", "_"))()
         self.counts[kind] += 1
         looked = {} if done.kept is None else {"kept": done.kept}
+        if done.waiter is not None:
+            looked["waiter"] = done.waiter
         self.history.emit(
             "fault",
             kind=kind,
@@ -185,7 +188,7 @@ class Nemesis:
     def _sigstop_waiter(self) -> Injected:
         waiter = self._waiter()
         note = ", a waiter" if waiter is not None else ", no worker waited: any one"
-        return self._freeze((2.0, 2.5), waiter, note)
+        return replace(self._freeze((2.0, 2.5), waiter, note), waiter=waiter is not None)
 
     def _waiter(self) -> Target | None:
         """A live worker whose session waits for a busy key, found within :data:`WAITER_SEARCH_SECONDS`."""

@@ -202,7 +202,7 @@ def test_one_pools_name_held_in_two_sizes_at_once_is_a_violation_on_different_sl
 
 
 def test_a_lock_kept_past_the_release_bound_by_a_frozen_worker_is_a_violation() -> None:
-    looked = {**_fault("sigstop-waiter", 10.0, 17.0, [1]), "detail": "6.50 s, a waiter", "kept": []}
+    looked = {**_fault("sigstop-waiter", 10.0, 17.0, [1]), "detail": "6.50 s, a waiter", "kept": [], "waiter": True}
     report = check([looked], [], lease=LEASE)
     assert report.passed, report.violations
     assert report.figures["release_checks"] == {"looked": 1, "kept": 0, "frozen_waiters": 1}
