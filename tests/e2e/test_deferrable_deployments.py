@@ -455,6 +455,10 @@ def test_a_killed_triggerer_leaves_the_key_to_its_lease_and_takes_it_back(setup:
     with setup.connect() as conn:
         before = _row(conn, key)
     assert before is not None and before.live and before.run == f"deployment-A: {dag_id} {RUN_ID}", before
+    held_line = f"pglock: the triggerer holds {described} for the deferred task {dag_id}.kill {RUN_ID}"
+    # The triggerer hands its log lines on after the fact: a SIGKILL can lose lines already emitted
+    # (a CI run lost this one), so the kill waits for the first triggerer's line to reach the log.
+    _wait(setup, dag_id, lambda: held_line in _task_log(a, dag_id, "kill"), "the first triggerer's hold logged")
 
     with _triggerer_stopped(a, signal.SIGKILL):  # a crash mid-wait: the task stays deferred
         killed_at = time.monotonic()
@@ -494,7 +498,7 @@ def test_a_killed_triggerer_leaves_the_key_to_its_lease_and_takes_it_back(setup:
     _wait(setup, dag_id, lambda: _states(a, dag_id).get("kill") in FINISHED, "A's sensor resumed")
     assert _states(a, dag_id)["kill"] == "success", _diagnosis(setup, dag_id)
     log = _task_log(a, dag_id, "kill")
-    taken = log.count(f"pglock: the triggerer holds {described} for the deferred task {dag_id}.kill {RUN_ID}")
+    taken = log.count(held_line)
     assert taken >= 2, f"each triggerer took the key:\n{log[-5000:]}"
 
 
