@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -65,8 +66,16 @@ GRANTS: tuple[str, ...] = (
     "GRANT UPDATE ON SEQUENCE pglock.scope_horizon TO {role}",
 )
 
-#: Serializes the writers of the horizon (a transaction-level lock: gone at the statement's end).
+#: Serializes the writers of the horizon (a transaction-level lock: gone at the transaction's end).
 HORIZON_LOCK_KEY = LockKey.from_name("airflow-pglock/scope-horizon")
+#: A writer tries the horizon's lock and sleeps between tries (these many seconds, doubling up to
+#: the second figure); it never waits for it on the server. A writer frozen or cut off while its
+#: statement waited there would keep its session, and the key it holds, until the lock's holder
+#: let go (a frozen holder: its whole lease) and then for its own lease: about twice the dead-holder
+#: bound. Between tries its session is idle, so the lease bounds it as it bounds any holder.
+HORIZON_RETRY_SECONDS = (0.002, 0.05)
+# The session's lock_timeout in ms (0: none), which bounds the tries as it would bound a wait.
+_LOCK_TIMEOUT_MS = "extract(epoch FROM current_setting('lock_timeout')::interval) * 1000"
 
 
 @dataclass(frozen=True)
@@ -358,13 +367,13 @@ def _with_its_horizon(conn: psycopg.Connection[Any]) -> Iterator[None]:
 
 
 def raise_horizon(conn: psycopg.Connection[Any], lease_until: dt.datetime) -> None:
-    """Make the horizon no earlier than ``lease_until`` (after the row is written, before the key is released)."""
-    _run(
+    """Make the horizon no earlier than ``lease_until`` (after the row is written, before the key
+    is released), under the horizon's lock."""
+    _under_horizon_lock(
         conn,
-        "SELECT setval('pglock.scope_horizon', greatest(coalesce(pg_sequence_last_value('pglock.scope_horizon'), 0),"
-        " ceil(extract(epoch FROM %(until)s::timestamptz))::bigint))"
-        " FROM (SELECT pg_advisory_xact_lock(%(lock)s) OFFSET 0) AS serialized",
-        {"until": lease_until, "lock": HORIZON_LOCK_KEY.int64},
+        "setval('pglock.scope_horizon', greatest(coalesce(pg_sequence_last_value('pglock.scope_horizon'), 0),"
+        " ceil(extract(epoch FROM %(until)s::timestamptz))::bigint))",
+        {"until": lease_until},
     )
 
 
@@ -375,13 +384,39 @@ def lower_horizon(conn: psycopg.Connection[Any]) -> None:
     held, so it sees every row whose writer raised the horizon before (rows are written first).
     """
     with _read_committed(conn, "pglock_horizon"):
-        _run(conn, "SELECT pg_advisory_xact_lock(%(lock)s)", {"lock": HORIZON_LOCK_KEY.int64})
+        _under_horizon_lock(conn, "NULL", {})
         _run(
             conn,
             "SELECT setval('pglock.scope_horizon', coalesce(max(ceil(extract(epoch FROM lease_until)))::bigint, 0))"
             " FROM pglock.scopes WHERE lease_until > clock_timestamp()",
             {},
         )
+
+
+def _under_horizon_lock(conn: psycopg.Connection[Any], when_locked: str, params: dict[str, Any]) -> None:
+    """Try the horizon's lock, and evaluate ``when_locked`` in the statement that took it; try
+    again, after a pause, until one does (:data:`HORIZON_RETRY_SECONDS`).
+
+    :raises psycopg.errors.LockNotAvailable: the lock stayed busy past the session's ``lock_timeout``.
+    """
+    statement = (
+        f"SELECT locked, CASE WHEN locked THEN {when_locked} END, {_LOCK_TIMEOUT_MS}"
+        " FROM (SELECT pg_try_advisory_xact_lock(%(lock)s) AS locked OFFSET 0) AS serialized"
+    )
+    params = {**params, "lock": HORIZON_LOCK_KEY.int64}
+    pause, longest = HORIZON_RETRY_SECONDS
+    started = time.monotonic()
+    while True:
+        locked, _, lock_timeout_ms = _run(conn, statement, params).fetchone()
+        if locked:
+            return
+        if lock_timeout_ms and (time.monotonic() - started) * 1000 >= float(lock_timeout_ms):
+            raise psycopg.errors.LockNotAvailable(
+                f"the scope horizon's lock ({HORIZON_LOCK_KEY.describe()}) stayed busy past this session's "
+                "lock_timeout: another scope is being written"
+            )
+        time.sleep(pause)
+        pause = min(longest, pause * 2)
 
 
 def live_among(conn: psycopg.Connection[Any], keys: list[LockKey]) -> set[tuple[int, ...]]:

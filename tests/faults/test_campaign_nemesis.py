@@ -5,6 +5,10 @@ a guard waits for a key a blocker holds, the nemesis finds and freezes it, the b
 key go to the frozen waiter, and at the release bound the nemesis looks at what the waiter's
 sessions still hold. Before session locks set ``idle_in_transaction_session_timeout`` (0e93fa0)
 the look found the key, and rule 9 failed the run.
+
+A second scene freezes a scope's setup while another scope is being written: before a writer
+tried the scope horizon's lock instead of waiting for it on the server, its session waited on
+until the other writer let go, then for its own lease, and the look found its key.
 """
 
 from __future__ import annotations
@@ -12,8 +16,11 @@ from __future__ import annotations
 import contextlib
 import json
 import multiprocessing
+import os
+import signal
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +28,7 @@ import psycopg
 import pytest
 
 from airflow_pglock.keys import LockKey
+from airflow_pglock.pg import schema, scopes
 from devtools.campaign.history import HistoryWriter
 from devtools.campaign.nemesis import Nemesis, Target, release_bound
 from devtools.campaign.workers import WAIT_TIMEOUT
@@ -52,6 +60,21 @@ def _waiting_guard(dsn: str, key: str, mode: str, name: str) -> None:
     policy = LockPolicy(mode=mode, on_busy="wait", wait_timeout=WAIT_TIMEOUT, on_wait_timeout="fail")  # type: ignore[arg-type]
     with contextlib.suppress(Exception):  # thawed, it finds its session gone (test_lock_loss checks how it ends)
         LockGuard(hook.database, LockKey.from_name(key), policy, application_name=name).run(lambda _: time.sleep(0.5))
+
+
+def _scope_setup(dsn: str, key: str, name: str) -> None:
+    """A campaign worker's scope setup (``scope``), as a process of its own."""
+    from airflow_pglock.guard import LockGuard
+    from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+    from airflow_pglock.liveness import Liveness
+    from airflow_pglock.policy import LockPolicy
+    from airflow_pglock.scope_rules import ScopeRole
+
+    hook = AdvisoryLockHook(dsn=dsn, liveness=Liveness(LEASE), connect_timeout=2)
+    role = ScopeRole(kind="enter", holder=uuid.uuid4().hex, run=f"{name} run", task="setup", lease=2 * LEASE)
+    guard = LockGuard(hook.database, LockKey.from_name(key), LockPolicy(), application_name=name, scope=role)
+    with contextlib.suppress(Exception), guard:  # thawed, it finds its session gone
+        pass
 
 
 def _state(pid: int) -> str:
@@ -144,3 +167,45 @@ def test_the_look_names_the_locks_of_the_given_workers_sessions_only(
     (failed,) = unreachable.held_by([7])
     assert failed.startswith("the look failed: "), failed
     history.close()
+
+
+def test_a_scope_setup_frozen_while_another_scope_is_written_loses_its_key_by_the_release_bound(
+    fault_server: FaultServer, fault_admin: Any, tmp_path: Path
+) -> None:
+    """Another writer holds the scope horizon's lock (frozen itself, it would hold it for its
+    lease); the setup, its key taken and its row written, needs that lock to raise the horizon.
+    Frozen meanwhile, its session must end a lease after its last statement, as any holder's."""
+    schema.migrate(fault_admin)
+    name = "campaign w8"
+    writing = (
+        "SELECT 1 FROM pg_locks l JOIN pg_stat_activity a USING (pid)"
+        " WHERE l.locktype = 'advisory' AND l.granted AND a.application_name = %s"
+    )
+    other_writer = psycopg.connect(fault_server.dsn, application_name="pglock other scope writer")
+    process = multiprocessing.get_context("spawn").Process(
+        target=_scope_setup, args=(fault_server.dsn, "nemesis-frozen-scope-setup", name), daemon=True
+    )
+    try:
+        other_writer.execute("SELECT pg_advisory_xact_lock(%s)", [scopes.HORIZON_LOCK_KEY.int64])
+        process.start()
+        assert process.pid is not None
+        _wait_until(lambda: fault_admin.execute(writing, [name]).fetchone() is not None, 60, "the setup took no key")
+        time.sleep(0.5)  # its row written, it is after the horizon's lock
+        history = HistoryWriter(tmp_path / "nemesis.jsonl")
+        nemesis = Nemesis(_Pair(fault_server.dsn), LEASE, lambda: [], {}, history, seed=1)  # type: ignore[arg-type]
+        os.kill(process.pid, signal.SIGSTOP)
+        try:
+            time.sleep(release_bound(LEASE))
+            kept = nemesis.held_by([8])
+        finally:
+            os.kill(process.pid, signal.SIGCONT)
+            history.close()
+        assert kept == [], f"the frozen setup's session kept its key past the release bound: {kept}"
+        process.join(30)
+        assert process.exitcode == 0
+    finally:
+        other_writer.close()
+        if process.is_alive():
+            process.kill()
+            process.join(10)
+        fault_admin.execute("DELETE FROM pglock.scopes")
