@@ -74,8 +74,11 @@ HORIZON_LOCK_KEY = LockKey.from_name("airflow-pglock/scope-horizon")
 #: let go (a frozen holder: its whole lease) and then for its own lease: about twice the dead-holder
 #: bound. Between tries its session is idle, so the lease bounds it as it bounds any holder.
 HORIZON_RETRY_SECONDS = (0.002, 0.05)
-# The session's lock_timeout in ms (0: none), which bounds the tries as it would bound a wait.
-_LOCK_TIMEOUT_MS = "extract(epoch FROM current_setting('lock_timeout')::interval) * 1000"
+# The session's lock_timeout and statement_timeout in ms (0: none), which bound the tries as they
+# would bound a wait on the server.
+_TIMEOUTS_MS = ", ".join(
+    f"extract(epoch FROM current_setting('{name}')::interval) * 1000" for name in ("lock_timeout", "statement_timeout")
+)
 
 
 @dataclass(frozen=True)
@@ -345,7 +348,7 @@ def _read_committed(conn: psycopg.Connection[Any], savepoint: str) -> Iterator[N
         return
     # The isolation goes in psycopg's BEGIN: a probe run between a plain BEGIN and a SET TRANSACTION
     # would be the transaction's first statement, and under a REPEATABLE READ default its snapshot
-    # would be taken before the locks that the statements here wait for.
+    # would be taken before the locks that the statements here take.
     previous = conn.isolation_level
     conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
     try:
@@ -397,23 +400,29 @@ def _under_horizon_lock(conn: psycopg.Connection[Any], when_locked: str, params:
     """Try the horizon's lock, and evaluate ``when_locked`` in the statement that took it; try
     again, after a pause, until one does (:data:`HORIZON_RETRY_SECONDS`).
 
-    :raises psycopg.errors.LockNotAvailable: the lock stayed busy past the session's ``lock_timeout``.
+    Unlike a wait on the server, the tries keep no order among writers, and a ``pg_cancel_backend``
+    ends one only if it comes while a try runs. Neither matters much: a writer holds the lock for
+    its own write and commit; the session's timeouts still bound the tries.
+
+    :raises psycopg.errors.LockNotAvailable: the lock stayed busy past the session's
+        ``lock_timeout`` or ``statement_timeout``, whichever is shorter.
     """
     statement = (
-        f"SELECT locked, CASE WHEN locked THEN {when_locked} END, {_LOCK_TIMEOUT_MS}"
+        f"SELECT locked, CASE WHEN locked THEN {when_locked} END, {_TIMEOUTS_MS}"
         " FROM (SELECT pg_try_advisory_xact_lock(%(lock)s) AS locked OFFSET 0) AS serialized"
     )
     params = {**params, "lock": HORIZON_LOCK_KEY.int64}
     pause, longest = HORIZON_RETRY_SECONDS
     started = time.monotonic()
     while True:
-        locked, _, lock_timeout_ms = _run(conn, statement, params).fetchone()
+        locked, _, *timeouts_ms = _run(conn, statement, params).fetchone()
         if locked:
             return
-        if lock_timeout_ms and (time.monotonic() - started) * 1000 >= float(lock_timeout_ms):
+        bound_ms = min((float(ms) for ms in timeouts_ms if ms), default=None)
+        if bound_ms is not None and (time.monotonic() - started) * 1000 >= bound_ms:
             raise psycopg.errors.LockNotAvailable(
-                f"the scope horizon's lock ({HORIZON_LOCK_KEY.describe()}) stayed busy past this session's "
-                "lock_timeout: another scope is being written"
+                f"the scope horizon's lock ({HORIZON_LOCK_KEY.describe()}) stayed busy for {bound_ms:.0f} ms, this "
+                "session's lock_timeout or statement_timeout: another scope is being written"
             )
         time.sleep(pause)
         pause = min(longest, pause * 2)

@@ -177,9 +177,9 @@ def test_a_scope_setup_frozen_while_another_scope_is_written_loses_its_key_by_th
     Frozen meanwhile, its session must end a lease after its last statement, as any holder's."""
     schema.migrate(fault_admin)
     name = "campaign w8"
-    writing = (
+    writing = (  # its key taken, its row written (the INSERT's lock on the table is the transaction's)
         "SELECT 1 FROM pg_locks l JOIN pg_stat_activity a USING (pid)"
-        " WHERE l.locktype = 'advisory' AND l.granted AND a.application_name = %s"
+        " WHERE l.locktype = 'relation' AND l.relation = 'pglock.scopes'::regclass AND a.application_name = %s"
     )
     other_writer = psycopg.connect(fault_server.dsn, application_name="pglock other scope writer")
     process = multiprocessing.get_context("spawn").Process(
@@ -189,8 +189,8 @@ def test_a_scope_setup_frozen_while_another_scope_is_written_loses_its_key_by_th
         other_writer.execute("SELECT pg_advisory_xact_lock(%s)", [scopes.HORIZON_LOCK_KEY.int64])
         process.start()
         assert process.pid is not None
-        _wait_until(lambda: fault_admin.execute(writing, [name]).fetchone() is not None, 60, "the setup took no key")
-        time.sleep(0.5)  # its row written, it is after the horizon's lock
+        _wait_until(lambda: fault_admin.execute(writing, [name]).fetchone() is not None, 60, "the setup wrote no row")
+        time.sleep(0.3)  # then it is after the horizon's lock
         history = HistoryWriter(tmp_path / "nemesis.jsonl")
         nemesis = Nemesis(_Pair(fault_server.dsn), LEASE, lambda: [], {}, history, seed=1)  # type: ignore[arg-type]
         os.kill(process.pid, signal.SIGSTOP)

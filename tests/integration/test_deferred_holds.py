@@ -448,7 +448,7 @@ def test_the_horizon_is_lowered_under_its_lock_whatever_the_default_isolation_an
                 time.sleep(0.05)
                 lowering = threading.Thread(target=lambda: scopes.lower_horizon(session.connection))
                 lowering.start()
-                time.sleep(0.6)  # lower_horizon waits for the horizon's lock
+                time.sleep(0.6)  # lower_horizon tries the horizon's lock until the writer commits
             writer.execute("SELECT pg_advisory_unlock(%s)", [other.int64])
         lowering.join(10)
         probe.join(10)

@@ -326,12 +326,14 @@ def test_a_batch_naming_a_scopes_key_also_by_its_number_finds_it_busy(hook: Any,
     assert advisory_locks_left(scopes_db) == 0
 
 
-def test_a_renewal_whose_horizon_raise_fails_is_rolled_back(scopes_db: Any, dsn: str) -> None:
+@pytest.mark.parametrize("timeout", ["lock_timeout", "statement_timeout"])
+def test_a_renewal_whose_horizon_raise_fails_is_rolled_back(scopes_db: Any, dsn: str, timeout: str) -> None:
     """The row and the horizon it raises are one transaction: never a live lease beyond the horizon.
 
     The raise finds the horizon's lock busy (another scope being written) past the session's
-    ``lock_timeout``. It tries the lock and never waits for it on the server: a writer frozen or
-    cut off in such a wait would keep its session, and its key, past the dead-holder bound."""
+    ``lock_timeout`` or ``statement_timeout``. It tries the lock and never waits for it on the
+    server: a writer frozen or cut off in such a wait would keep its session, and its key, past
+    the dead-holder bound."""
     import psycopg
 
     holder = uuid.uuid4().hex
@@ -341,7 +343,7 @@ def test_a_renewal_whose_horizon_raise_fails_is_rolled_back(scopes_db: Any, dsn:
         assert taken and row is not None
         before = row.lease_until
         scopes_db.execute("SELECT pg_advisory_lock(%s)", [scopes.HORIZON_LOCK_KEY.int64])  # the raise will try in vain
-        conn.execute("SET lock_timeout = '700ms'")
+        conn.execute(f"SET {timeout} = '700ms'")
         failed: list[BaseException] = []
 
         def renew() -> None:
@@ -363,7 +365,7 @@ def test_a_renewal_whose_horizon_raise_fails_is_rolled_back(scopes_db: Any, dsn:
         scopes_db.execute("SELECT pg_advisory_unlock(%s)", [scopes.HORIZON_LOCK_KEY.int64])
         assert waits_seen == 0, "the raise waited for the horizon's lock on the server"
         assert failed and isinstance(failed[0], psycopg.errors.LockNotAvailable), failed
-        assert "lock_timeout" in str(failed[0]), failed[0]
+        assert "stayed busy for 700 ms, this session's lock_timeout or statement_timeout" in str(failed[0]), failed[0]
         after = scopes.read(scopes_db, KEY)
         assert after is not None and after.lease_until == before, "the renewal was rolled back with its raise"
         horizon = scopes_db.execute("SELECT pg_sequence_last_value('pglock.scope_horizon')").fetchone()[0]
