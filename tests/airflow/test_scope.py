@@ -507,12 +507,13 @@ def test_the_teardown_waits_for_every_task_that_runs_and_never_skips_on_error() 
 
 
 class _TaskInstance:
-    """What a task of the scope reads of its task instance: the setup's XCom."""
+    """What a task of the scope reads of its task instance: the setup's XCom, and the task (which
+    Airflow 3.0 reads from here: ``compat.rendered_task``)."""
 
     dag_id, run_id, map_index, hostname = "scoped", "manual__1", -1, "worker-1"
 
-    def __init__(self, task_id: str, setup_xcom: dict[str, Any] | None) -> None:
-        self.task_id = task_id
+    def __init__(self, task: _Task, setup_xcom: dict[str, Any] | None) -> None:
+        self.task, self.task_id = task, task.task_id
         self._setup_xcom = setup_xcom
 
     def xcom_pull(self, task_ids: Any = None, key: Any = None) -> Any:
@@ -552,7 +553,7 @@ def test_a_task_of_the_scope_never_skips_on_an_error_whatever_on_error_says(
     monkeypatch.setenv("AIRFLOW_CONN_PGLOCK_SCOPE_DOWN", "postgres://postgres@127.0.0.1:1/nowhere")
     spec = scope._scope_spec("g.", {"key": "scope-down", "on_error": "skip", "postgres_conn_id": "pglock_scope_down"})
     task = _Task("g.wait_for_refresh")
-    context = {"ti": _TaskInstance(task.task_id, {"holder": uuid.uuid4().hex}), "task": task}
+    context = {"ti": _TaskInstance(task, {"holder": uuid.uuid4().hex}), "task": task}
     with pytest.raises(Exception) as raised:
         scope.ScopeMemberGuard(spec).execute(context)
     assert not isinstance(raised.value, AirflowSkipException), raised.value
@@ -568,7 +569,7 @@ def test_the_teardown_never_skips_on_a_configuration_error(setup_xcom: dict[str,
 
     spec = scope._scope_spec("g.", {"key": "scope-misconfigured", "on_error": "skip"})
     task = _Task("g.pglock_scope_exit")
-    context = {"ti": _TaskInstance(task.task_id, setup_xcom), "task": task}
+    context = {"ti": _TaskInstance(task, setup_xcom), "task": task}
     with pytest.raises(AirflowFailException) as raised:
         scope._run_scope_task(spec, "leave", context)
     assert not isinstance(raised.value, AirflowSkipException)
