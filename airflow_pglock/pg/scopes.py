@@ -69,7 +69,7 @@ GRANTS: tuple[str, ...] = (
 #: Serializes the writers of the horizon (a transaction-level lock: gone at the transaction's end).
 HORIZON_LOCK_KEY = LockKey.from_name("airflow-pglock/scope-horizon")
 #: A writer tries the horizon's lock and sleeps between tries (these many seconds, doubling up to
-#: the second figure); it never waits for it on the server. A writer frozen or cut off while its
+#: the second figure); it never waits for it on the server. A writer frozen while its
 #: statement waited there would keep its session, and the key it holds, until the lock's holder
 #: let go (a frozen holder: its whole lease) and then for its own lease: about twice the dead-holder
 #: bound. Between tries its session is idle, so the lease bounds it as it bounds any holder.

@@ -179,7 +179,8 @@ def test_a_scope_setup_frozen_while_another_scope_is_written_loses_its_key_by_th
     name = "campaign w8"
     writing = (  # its key taken, its row written (the INSERT's lock on the table is the transaction's)
         "SELECT 1 FROM pg_locks l JOIN pg_stat_activity a USING (pid)"
-        " WHERE l.locktype = 'relation' AND l.relation = 'pglock.scopes'::regclass AND a.application_name = %s"
+        " WHERE l.locktype = 'relation' AND l.relation = 'pglock.scopes'::regclass AND l.mode = 'RowExclusiveLock'"
+        " AND l.granted AND a.application_name = %s"
     )
     other_writer = psycopg.connect(fault_server.dsn, application_name="pglock other scope writer")
     process = multiprocessing.get_context("spawn").Process(
@@ -195,6 +196,7 @@ def test_a_scope_setup_frozen_while_another_scope_is_written_loses_its_key_by_th
         nemesis = Nemesis(_Pair(fault_server.dsn), LEASE, lambda: [], {}, history, seed=1)  # type: ignore[arg-type]
         os.kill(process.pid, signal.SIGSTOP)
         try:
+            assert nemesis.held_by([8]), "the setup held no key when it was frozen: the scene was not set"
             time.sleep(release_bound(LEASE))
             kept = nemesis.held_by([8])
         finally:

@@ -332,7 +332,7 @@ def test_a_renewal_whose_horizon_raise_fails_is_rolled_back(scopes_db: Any, dsn:
 
     The raise finds the horizon's lock busy (another scope being written) past the session's
     ``lock_timeout`` or ``statement_timeout``. It tries the lock and never waits for it on the
-    server: a writer frozen or cut off in such a wait would keep its session, and its key, past
+    server: a writer frozen in such a wait would keep its session, and its key, past
     the dead-holder bound."""
     import psycopg
 
