@@ -432,7 +432,10 @@ def test_clear_only_failed_runs_the_failed_task_alone_which_fails_as_lost(
     )
     assert cleared.returncode == 0, f"airflow tasks clear failed:\n{cleared.stdout[-3000:]}\n{cleared.stderr[-3000:]}"
     cleared_now = _tries(a, HOLD)
-    assert cleared_now["held.last"][0] != "failed", f"nothing was cleared: {cleared_now}\n{cleared.stderr[-3000:]}"
+    # Cleared: no longer failed, or already tried again (the retry fails before its work, and the
+    # scheduler may have run it before the clear command returned: a dry run saw ('failed', 2) here).
+    state, try_number = cleared_now["held.last"]
+    assert state != "failed" or try_number >= 2, f"nothing was cleared: {cleared_now}\n{cleared.stderr[-3000:]}"
 
     def done_again() -> bool:
         state, try_number = _tries(a, HOLD)["held.last"]
