@@ -68,12 +68,13 @@ GRANTS: tuple[str, ...] = (
 
 #: Serializes the writers of the horizon (a transaction-level lock: gone at the transaction's end).
 HORIZON_LOCK_KEY = LockKey.from_name("airflow-pglock/scope-horizon")
-#: A writer tries the horizon's lock and sleeps between tries (these many seconds, doubling up to
-#: the second figure); it never waits for it on the server. A writer frozen while its
+#: A writer tries the horizon's lock and sleeps between tries (the first pause, doubling up to
+#: the longest); it never waits for it on the server. A writer frozen while its
 #: statement waited there would keep its session, and the key it holds, until the lock's holder
 #: let go (a frozen holder: its whole lease) and then for its own lease: about twice the dead-holder
 #: bound. Between tries its session is idle, so the lease bounds it as it bounds any holder.
-HORIZON_RETRY_SECONDS = (0.002, 0.05)
+HORIZON_FIRST_PAUSE_SECONDS = 0.002
+HORIZON_LONGEST_PAUSE_SECONDS = 0.05
 # The session's lock_timeout and statement_timeout in ms (0: none), which bound the tries as they
 # would bound a wait on the server.
 _TIMEOUTS_MS = ", ".join(
@@ -398,7 +399,7 @@ def lower_horizon(conn: psycopg.Connection[Any]) -> None:
 
 def _under_horizon_lock(conn: psycopg.Connection[Any], when_locked: str, params: dict[str, Any]) -> None:
     """Try the horizon's lock, and evaluate ``when_locked`` in the statement that took it; try
-    again, after a pause, until one does (:data:`HORIZON_RETRY_SECONDS`).
+    again, after a pause, until one does (:data:`HORIZON_FIRST_PAUSE_SECONDS`, doubling).
 
     Unlike a wait on the server, the tries keep no order among writers, and a ``pg_cancel_backend``
     ends one only if it comes while a try runs. Neither matters much: a writer holds the lock for
@@ -412,7 +413,7 @@ def _under_horizon_lock(conn: psycopg.Connection[Any], when_locked: str, params:
         " FROM (SELECT pg_try_advisory_xact_lock(%(lock)s) AS locked OFFSET 0) AS serialized"
     )
     params = {**params, "lock": HORIZON_LOCK_KEY.int64}
-    pause, longest = HORIZON_RETRY_SECONDS
+    pause = HORIZON_FIRST_PAUSE_SECONDS
     started = time.monotonic()
     while True:
         locked, _, *timeouts_ms = _run(conn, statement, params).fetchone()
@@ -425,7 +426,7 @@ def _under_horizon_lock(conn: psycopg.Connection[Any], when_locked: str, params:
                 "session's lock_timeout or statement_timeout: another scope is being written"
             )
         time.sleep(pause)
-        pause = min(longest, pause * 2)
+        pause = min(HORIZON_LONGEST_PAUSE_SECONDS, pause * 2)
 
 
 def live_among(conn: psycopg.Connection[Any], keys: list[LockKey]) -> set[tuple[int, ...]]:
