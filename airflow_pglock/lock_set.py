@@ -28,7 +28,7 @@ from typing import Any
 import psycopg
 
 from airflow_pglock import forks, loss
-from airflow_pglock.exceptions import LockConfigurationError, LockLostError, PgLockError
+from airflow_pglock.exceptions import InvalidLockKeyError, LockConfigurationError, LockLostError, PgLockError
 from airflow_pglock.heartbeat import Heartbeat
 from airflow_pglock.keys import AnyKey, LockKey
 from airflow_pglock.pg import scopes, statements
@@ -56,6 +56,9 @@ class SubLock:
         self._owner = owner
         #: Set once its release was asked (by the caller): from then on its with block no longer owns it.
         self.given_back = False
+        #: Whether an open ``with`` block holds it: only that block, or this SubLock's own
+        #: :meth:`release`, gives it back (not a release by key, nor ``release_all``).
+        self.in_block = False
 
     @property
     def lost(self) -> str | None:
@@ -100,10 +103,21 @@ class HoldForBlock:
         self._entered = True
         taken = self._owner._take([self._key], self._shared, self._timeout)
         self._sub = taken[0] if taken else None
+        if self._sub is not None:
+            self._sub.in_block = True
         return self._sub
 
     def __exit__(self, error_type: type[BaseException] | None, error: BaseException | None, trace: object) -> None:
+        if self._sub is not None:
+            self._sub.in_block = False
         self._owner._end_of_block(self._sub, failed=error_type is not None)
+
+    def __bool__(self) -> bool:
+        # `if lock.try_lock(key):` would always be true and run the work with nothing taken.
+        raise LockConfigurationError(
+            f"try_lock()/lock() of {self._key.describe()} returns a context manager, not whether the key "
+            "was taken: use `with lock.try_lock(key) as sub:` and check `sub is None` (busy)"
+        )
 
 
 class LockSet:
@@ -214,7 +228,7 @@ class LockSet:
         statement fails (cancelled, out of shared memory) raises the driver's error and
         holds none of its keys: those it took before the error are released.
         """
-        return self._take([LockKey.coerce(key) for key in keys], shared, None)
+        return self._take([LockKey.coerce(key) for key in _batch(keys)], shared, None)
 
     def release(self, *locks: SubLock | AnyKey) -> bool:
         """Release keys this set holds (SubLocks or keys; one round trip); whether every one
@@ -225,15 +239,29 @@ class LockSet:
         with self._mutex:
             # A SubLock releases its own hold only: once released, the same key taken again is
             # another SubLock's (a stale one must not free it); a key releases whoever holds it here.
+            # A key an open with block holds is that block's: released by key, the block would run
+            # on without it and end as a success. Refused before anything is released.
             found: dict[tuple[int, ...], SubLock] = {}
             for item in locks:
                 if isinstance(item, SubLock):
                     if self._held.get(item.key.numbers) is item:
                         found[item.key.numbers] = item
-                else:
-                    numbers = LockKey.coerce(item).numbers
-                    if numbers in self._held:
-                        found[numbers] = self._held[numbers]
+                    continue
+                if isinstance(item, list):
+                    raise InvalidLockKeyError(
+                        f"release() takes each key or sub-lock as an argument of its own, got the list {item!r}: "
+                        "pass release(*items), or a tuple for one (int32, int32) pair"
+                    )
+                numbers = LockKey.coerce(item).numbers
+                holder = self._held.get(numbers)
+                if holder is not None and holder.in_block:
+                    raise LockConfigurationError(
+                        f"{holder.key.describe()} is held by an open with block (try_lock/lock), which "
+                        "releases it as it ends: to give it back sooner, release the block's sub-lock "
+                        "(sub.release())"
+                    )
+                if holder is not None:
+                    found[numbers] = holder
             subs = list(found.values())
             reason = self.lost
             if not subs:
@@ -262,10 +290,11 @@ class LockSet:
     def release_all(self) -> bool:
         """Release every key this set holds, and those a failed statement may have left, best
         effort (before its session closes: closing frees them too, but only once the server has
-        ended the backend). Whether all were held (transaction locks: until now, see :meth:`release`)."""
-        held = self.held()
+        ended the backend). Whether all were held (transaction locks: until now, see :meth:`release`).
+        A key an open ``with`` block holds stays held: the block releases it as it ends."""
         try:
             with self._mutex:
+                held = [] if self.lost else [sub for sub in self._held.values() if not sub.in_block]
                 self._settle()
             return self.release(*held) if held else True
         except (PgLockError, psycopg.Error):  # the session is gone, or the release will be settled
@@ -465,6 +494,18 @@ _ENDED = (
     "a ROLLBACK TO SAVEPOINT ends a sub-key taken after the savepoint; an error that aborts the transaction, "
     "or its end, ends them all"
 )
+
+
+def _batch(keys: Iterable[AnyKey]) -> Iterable[AnyKey]:
+    """``keys`` for :meth:`LockSet.try_lock_many`, refused when it is one key rather than keys
+    (a name would be taken letter by letter)."""
+    one_pair = isinstance(keys, tuple) and len(keys) == 2 and all(isinstance(k, int) for k in keys)
+    if isinstance(keys, str | bytes | int | LockKey) or one_pair:
+        raise InvalidLockKeyError(
+            f"try_lock_many() takes an iterable of keys, got one key {keys!r} ({type(keys).__name__}): pass "
+            f"[{keys!r}], or use try_lock"
+        )
+    return keys
 
 
 def _first_key(locks: tuple[SubLock | AnyKey, ...]) -> LockKey | None:

@@ -345,6 +345,67 @@ def test_a_guarded_task_handle_locks_sub_keys_on_its_own_connection(hook: Adviso
 # ------------------------------------ a lost session is never a success (issue: lock lifetime, round two)
 
 
+@pytest.mark.parametrize("how", ["release by key", "release_all"])
+def test_a_key_an_open_with_block_holds_is_given_back_only_by_that_block(
+    hook: AdvisoryLockHook, admin: Any, how: str
+) -> None:
+    """Another thread's release by key or release_all() freed the key of a block still running,
+    which then ended as a success (a second holder could get in meanwhile). The key is the block's:
+    a release by key is refused and release_all() leaves it; the block's own sub-lock still may."""
+    key, other = LockKey.from_name("tenant/acme"), LockKey.from_name("tenant/other")
+    in_block, released, seen = threading.Event(), threading.Event(), {}
+
+    def coordinator(session: Any) -> None:
+        assert in_block.wait(30)
+        try:
+            seen["released"] = session.release("tenant/acme") if how == "release by key" else session.release_all()
+        except BaseException as error:
+            seen["released"] = error
+        seen["foreign"] = _other_process_takes(admin, "tenant/acme")
+        released.set()
+
+    with hook.lock_session() as session:
+        session.try_lock_many([other])
+        thread = threading.Thread(target=coordinator, args=(session,))
+        thread.start()
+        with session.try_lock(key) as sub:
+            assert sub is not None
+            in_block.set()
+            assert released.wait(30)
+            assert session.held() == ([key] if how == "release_all" else [other, key])
+        thread.join(30)
+        if how == "release by key":
+            assert isinstance(seen["released"], LockConfigurationError), seen
+            assert "held by an open with block" in str(seen["released"]) and "tenant/acme" in str(seen["released"])
+        else:
+            assert seen["released"] is True  # the other key, free of any block, was released
+        assert seen["foreign"] is False, "another session took the key while its with block ran"
+        assert session.held() == ([other] if how == "release by key" else [])
+        with session.try_lock(key) as sub:  # the block's own sub-lock may give it back early
+            assert sub is not None and sub.release() is True
+            assert _other_process_takes(admin, "tenant/acme")
+    assert advisory_locks(admin) == []
+
+
+def test_a_lock_session_refuses_a_call_that_reads_as_something_else(hook: AdvisoryLockHook, admin: Any) -> None:
+    """`if try_lock(k):` was always true (nothing taken); try_lock_many("name") took one key per
+    letter; release([a, b]) read the list as one (int32, int32) pair and freed nothing."""
+    with hook.lock_session() as session:
+        with pytest.raises(LockConfigurationError, match=r"returns a context manager.*sub is None"):
+            if session.try_lock("tenant/acme"):
+                pytest.fail("the work ran with nothing taken")
+        for one_key in ("tenant/acme", 5, LockKey.from_name("tenant/acme"), (5, 7), b"acme"):
+            with pytest.raises(InvalidLockKeyError, match=r"takes an iterable of keys, got one key"):
+                session.try_lock_many(one_key)  # type: ignore[arg-type]
+        assert session.held() == [] and advisory_locks(admin) == []
+        taken = session.try_lock_many([5, 7])
+        with pytest.raises(InvalidLockKeyError, match=r"release\(\) takes each key .* got the list \[5, 7\]"):
+            session.release([5, 7])  # type: ignore[arg-type]
+        assert session.held() == [sub.key for sub in taken] and _count(admin, session.server.backend_pid) == 2
+        assert session.release(*taken) is True
+    assert advisory_locks(admin) == []
+
+
 def _other_process_takes(admin: Any, key: str) -> bool:
     """Whether a session of its own (as another process would) takes ``key``; it lets it go again."""
     number = LockKey.from_name(key).int64
