@@ -334,16 +334,16 @@ def _lost(task: BaseOperator, key: str, reason: str, cause: BaseException | None
 
 def _holder_of(context: Context) -> str:
     """The hold's id: the same for every try of one task instance in one DAG run of one deployment
-    (a retry takes over the row an earlier try left: a deferral timeout, a trigger cancelled), and
-    another in any other deployment (its run started at another moment). Random when the run's
-    start is unknown."""
+    (a retry, or the task cleared while deferred, takes over the row an earlier try left: a deferral
+    timeout, a trigger cancelled), and another in any other deployment (its run started at another
+    moment). Not the run's ``clear_number``, which a clear raises: the cleared task skipped behind
+    its own row. Random when the run's start is unknown."""
     identity = task_identity(context)
     dag_run = context.get("dag_run")
     started = getattr(dag_run, "start_date", None)
     if not isinstance(started, dt.datetime):
         return uuid.uuid4().hex
-    parts = [identity.dag_id, identity.task_id, identity.run_id, str(identity.map_index)]
-    parts += [started.isoformat(), str(getattr(dag_run, "clear_number", 0))]
+    parts = [identity.dag_id, identity.task_id, identity.run_id, str(identity.map_index), started.isoformat()]
     return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:32]
 
 

@@ -302,3 +302,53 @@ def test_a_task_airflow_resumes_with_fail_frees_the_hold_it_handed_over_and_stop
     with pytest.raises(Exception, match="Trigger failure") as failed:  # no hold handed over: Airflow's error
         sensor.resume_execution("__fail__", {"error": "Trigger failure"}, context_of(sensor))
     assert "Skip" not in type(failed.value).__name__
+
+
+def test_a_task_cleared_while_deferred_takes_over_its_own_row(airflow_db: Any, scopes_db: Any) -> None:
+    """Clearing a deferred task cancels its trigger (the key is let go, the row stays for the lease)
+    and raises the run's clear_number. The hold's id hashed that number, so the cleared try found
+    its own row another's and skipped, "held by the triggerer", for up to deferral_lease."""
+    import datetime as dt
+    import types
+
+    from airflow.providers.standard.triggers.temporal import DateTimeTrigger
+
+    from airflow_pglock.compat import BaseOperator, TaskDeferred
+    from airflow_pglock.operators.advisory_lock import guarded
+
+    class Defers(BaseOperator):
+        def execute(self, context: Any) -> None:
+            moment = dt.datetime.now(dt.timezone.utc) + dt.timedelta(minutes=5)
+            self.defer(trigger=DateTimeTrigger(moment=moment), method_name="done")
+
+        def done(self, context: Any, event: Any = None) -> str:
+            return "resumed"
+
+    operator = guarded(Defers(task_id="t"), key="defer/cleared", deferral_lease=600, postgres_conn_id="pglock_test")
+    started = dt.datetime(2026, 12, 6, tzinfo=dt.timezone.utc)
+
+    def context_of(try_number: int, clear_number: int) -> Any:
+        ti = types.SimpleNamespace(
+            dag_id="d",
+            task_id="t",
+            run_id="manual__r",
+            map_index=-1,
+            hostname="h",
+            task=operator,
+            try_number=try_number,
+            xcom_push=lambda **_: None,
+        )
+        run = types.SimpleNamespace(start_date=started, clear_number=clear_number)
+        return {"ti": ti, "task": operator, "dag_run": run}
+
+    def holders() -> list[str]:
+        return [row[0] for row in scopes_db.execute("SELECT holder FROM pglock.scopes").fetchall()]
+
+    with pytest.raises(TaskDeferred):
+        operator.execute(context_of(1, 0))  # the first try hands its hold over, and is cleared
+    [first] = holders()
+    with pytest.raises(TaskDeferred):  # was AirflowSkipException: "held by the triggerer"
+        operator.execute(context_of(2, 1))
+    assert holders() == [first], "the cleared try took its own row over"
+    with pytest.raises(Exception, match="held by the deferred task"):  # another run's task is still refused
+        operator.execute({**context_of(1, 0), "dag_run": types.SimpleNamespace(start_date=started + dt.timedelta(1))})
