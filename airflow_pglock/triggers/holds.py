@@ -171,6 +171,14 @@ class HoldHub:
             try:
                 renewed = await self._in_thread(last_write, hold, sub)
             except (PgLockError, psycopg.Error) as error:
+                if self._session_gone():
+                    # The session ended under the write (the lock database restarted, the connection
+                    # broke), its key with it: as on a pass, the key is taken back on a new session
+                    # while the row is still this hold's and live (else lost), then written there.
+                    if hold.sub is sub and hold.state == "held":
+                        hold.state, hold.sub = "taking", None
+                    self._wake.set()
+                    continue
                 renewed = f"the hold's row could not be written as its trigger fired ({type(error).__name__}: {error})"
             if renewed is _REPLACED:
                 continue  # its key was taken back on a new session meanwhile: renew it there
@@ -227,7 +235,7 @@ class HoldHub:
                     f"({hold.lease:g} s): another holder may have run meanwhile"
                 )
         session = self.session
-        if session is None or session.lost is not None or session.connection.closed:
+        if self._session_gone():
             if session is not None:
                 self._drop_session()
                 await self._in_thread(self._close_session)
@@ -246,6 +254,10 @@ class HoldHub:
                     taken = await self._in_thread(self._take, hold)
                     if isinstance(taken, str):
                         hold.lose(taken)
+                    elif taken is None:
+                        # Busy, and the row was this hold's and live (renewed by another copy of the
+                        # trigger, in another triggerer, or read by a guard): the lease runs from now.
+                        hold.lease_ends = max(hold.lease_ends, started + hold.lease)
                     elif taken is not None and (hold not in self.holds or hold.state != "taking"):
                         await self._in_thread(self._release_quietly, taken)  # its trigger ended meanwhile
                     elif taken is not None:
@@ -264,6 +276,11 @@ class HoldHub:
                 await self._in_thread(self._close_session)
                 self._wake.set()
                 return
+
+    def _session_gone(self) -> bool:
+        """Whether the hub's session has ended (a pass replaces it)."""
+        session = self.session
+        return session is None or session.lost is not None or session.connection.closed
 
     def _drop_session(self) -> None:
         """The session is being replaced: its keys go with it; every held key is taken again."""

@@ -373,6 +373,60 @@ def test_a_guarded_trigger_whose_task_ends_in_the_triggerer_frees_the_hold(
     assert advisory_locks_left(scopes_db) == 0
 
 
+def test_a_trigger_that_fires_as_the_hubs_session_ends_is_handed_back_on_a_new_session(
+    hook: Any, scopes_db: Any
+) -> None:
+    """The hub's session ends (the lock database restarted, a failover, the connection broke) just
+    before the trigger fires: the hand-back's write failed and the hold was declared lost (on_kill,
+    a failed task, the row left live behind it), where a pass takes the key back under the lease."""
+    holder = _hand_over(hook, KEYS[0])
+
+    async def body() -> None:
+        async with _one_held(hook, holder) as (hub, hold):
+            pid = scopes_db.execute("SELECT pid FROM pg_stat_activity WHERE application_name = %s", [HUB]).fetchone()
+            scopes_db.execute("SELECT pg_terminate_backend(%s)", [pid[0]])
+            assert await hub.hand_back(hold), hold.reason
+            assert hold.state == "ended" and not hold.lost.is_set()
+            row = await asyncio.to_thread(scopes.read, scopes_db, KEYS[0])
+            assert row is not None and row.live and row.holder == holder
+            assert row.task_now == "dag.op run (deferred, resuming on a worker)"
+            assert await _until(lambda: _holders(scopes_db, KEYS[0]) == []), "handed back: released"
+
+    _run(body)
+    scopes_db.execute("DELETE FROM pglock.scopes")
+    assert advisory_locks_left(scopes_db) == 0
+
+
+def test_a_second_copy_of_a_trigger_waits_while_the_first_renews_the_row_and_takes_over_when_it_stops(
+    hook: Any, scopes_db: Any
+) -> None:
+    """Two triggerers run one trigger (an HA hand-over, a triggerer cut off from Airflow's database):
+    the copy that found the key busy lost its hold once its own lease timer ran out, although the
+    other copy held the key and renewed the row all along; its LOST event failed the task."""
+    holder = _hand_over(hook, KEYS[0], lease=3.0)
+
+    async def body() -> None:
+        first, second = _hub(hook), _hub(hook)
+        held = DeferredHold(KEYS[0], holder, "dag.op run", 3.0)
+        waiting = DeferredHold(KEYS[0], holder, "dag.op run", 3.0)
+        async with contextlib.AsyncExitStack() as second_copy:
+            async with first.holding(held):
+                await asyncio.wait_for(held.settled.wait(), 15)
+                assert held.state == "held", held.reason
+                await second_copy.enter_async_context(second.holding(waiting))
+                await asyncio.sleep(3 * 3.0)  # three leases: the first copy renews the row, the second waits
+                assert held.state == "held", held.reason
+                assert waiting.state == "taking" and not waiting.lost.is_set(), waiting.reason
+            # The first copy is cancelled (its key given back, its row left live): the second takes over.
+            await asyncio.wait_for(waiting.settled.wait(), 15)
+            assert waiting.state == "held", waiting.reason
+            assert await asyncio.to_thread(_holders, scopes_db, KEYS[0]) == [HUB]
+
+    _run(body)
+    scopes_db.execute("DELETE FROM pglock.scopes")
+    assert advisory_locks_left(scopes_db) == 0
+
+
 def _impatient_hub(hook: Any) -> HoldHub:
     """A hub whose session waits at most 0.5 s for a lock (``lock_timeout``), as a role may set."""
 
