@@ -71,6 +71,8 @@ def finish_transaction(ending: Ending) -> Finished:
     if not ending.succeeded:
         held.roll_back()  # the work is undone and the key free before the outcome is reported
         return Finished()
+    if held.connection.closed:  # not a COMMIT whose answer was lost: none is sent
+        return Finished(lost=loss.CLOSED_BEFORE_COMMIT)
     if held.transaction_aborted and ending.seen_aside is not None and ending.seen_aside() is False:
         # An error the work caught, outside a savepoint: the key went at the error (a failed
         # savepoint keeps it, and the COMMIT below then fails as before).
@@ -112,6 +114,11 @@ def finish_session(ending: Ending) -> Finished:
     except psycopg.Error as error:
         if recorded:
             return Finished(note=loss.unlock_failed_after_completion(describe_error(error)))
+        if loss.session_answered(error, held.connection.closed):
+            # A foreign pg_cancel_backend(), say: the session lives, and a session lock ends only with its
+            # session or an unlock on it, so the key was held to the end; the close frees it.
+            note = loss.unlock_failed_while_held(error)
+            return Finished(lost=lost, error=None if lost is not None else commit_error, note=note)
         still_held = False
         lost = describe_error(error)
     if not still_held:

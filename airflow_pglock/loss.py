@@ -55,6 +55,11 @@ SESSION_GONE_SEEN_ASIDE = (
 )
 
 CLOSED_AT_RELEASE = "found at release: the lock connection was closed"
+CLOSED_BEFORE_COMMIT = (
+    "found at release: the lock's connection was closed before its COMMIT (by the work, or it broke): no COMMIT "
+    "was sent, and the server rolls the lock's transaction back (what the work committed itself before, it "
+    "committed under the lock)"
+)
 
 NOT_HELD_AT_FENCING = (
     "found when its fencing token was issued, before the work started: the lock session no longer held the key "
@@ -82,6 +87,11 @@ def is_ordinary_error(sqlstate: str | None) -> bool:
     """An error the session survives, with its locks (e.g. a statement in an aborted transaction)."""
     state = sqlstate or ""
     return bool(state) and state[:2] != "08" and state not in SESSION_ENDED_STATES
+
+
+def session_answered(error: BaseException, connection_closed: bool) -> bool:
+    """Whether ``error`` came from a session that lives on (it answered with an ordinary error)."""
+    return not connection_closed and is_ordinary_error(getattr(error, "sqlstate", None))
 
 
 def session_end_reason(sqlstate: str, detail: str, error_name: str, lease: float) -> tuple[str, bool]:
@@ -230,6 +240,16 @@ def unlock_failed_after_completion(reason: str) -> str:
     return (
         f"the unlock failed after the completion was recorded ({reason}); the work ran under the lock to its "
         "end, and the server frees the key when it ends the session"
+    )
+
+
+def unlock_failed_while_held(error: BaseException) -> str:
+    """A session lock's unlock failed on a session that lives on (a cancelled statement)."""
+    lines = str(error).strip().splitlines()
+    reason = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    return (
+        f"the unlock failed ({reason}) on a session that lives on: a session lock ends only with its session or "
+        "an unlock on it, so the work ran under the lock to its end; closing the connection frees the key"
     )
 
 

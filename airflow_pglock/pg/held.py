@@ -123,8 +123,10 @@ class HeldLock:
             elif self.scope == "transaction" and not self.connection.closed:
                 was_held = is_held(self.connection, self.key, self.shared, self.xact_id)
                 self.roll_back()
-        except psycopg.Error:
-            was_held = False  # the connection broke: the server has dropped the lock with it
+        except psycopg.Error as error:
+            # A session lock on a session that answered (a cancelled unlock) was held to the end: the
+            # close below frees it. Otherwise the connection broke, and the server dropped the lock with it.
+            was_held = self.scope == "session" and loss.session_answered(error, self.connection.closed)
         finally:
             self.connection.close()
         return was_held

@@ -694,6 +694,52 @@ def test_release_that_finds_the_key_gone_is_lost_and_records_nothing(fault_serve
     assert _completions(ledger) == []
 
 
+@pytest.mark.parametrize("path", ["hook.lock", "hook.acquire"])
+def test_a_cancel_that_lands_on_the_unlock_of_a_session_lock_is_not_a_loss(
+    fault_server: FaultServer, fault_admin: Any, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    """A foreign pg_cancel_backend() (a DBA's script, a monitoring tool) that landed on the unlock
+    failed a clean run as lost, "the connection to the lock database broke" (hook.acquire: release()
+    said False), and Airflow would run the work again. A session that answers with an error lives,
+    and a session lock ends only with its session or an unlock on it: the key was held to the end."""
+    import random
+
+    from airflow_pglock.pg import held as held_module
+
+    real_unlock = held_module.unlock
+    landed: list[str] = []
+
+    def unlock_under_a_cancel(conn: Any, key: LockKey, **kwargs: Any) -> bool:
+        pid = conn.info.backend_pid
+        cancel = threading.Timer(
+            random.uniform(0, 0.0006), fault_admin.execute, ["SELECT pg_cancel_backend(%s)", [pid]]
+        )
+        cancel.start()
+        try:
+            return real_unlock(conn, key, **kwargs)
+        except psycopg.errors.QueryCanceled as error:
+            landed.append(str(error))
+            raise
+        finally:
+            cancel.join()
+
+    monkeypatch.setattr(held_module, "unlock", unlock_under_a_cancel)
+    hook = AdvisoryLockHook(dsn=fault_server.dsn)
+    runs, deadline = 0, time.monotonic() + 60
+    while len(landed) < 3 and time.monotonic() < deadline:
+        key = LockKey.from_name(f"cancelled-unlock/{runs}")  # a cancelled unlock's key goes with the close
+        runs += 1
+        if path == "hook.lock":
+            with hook.lock(key) as handle:
+                assert handle is not None
+        else:
+            acquired = hook.acquire(key)
+            assert acquired is not None and acquired.release() is True, landed
+    assert landed, f"no cancel landed on an unlock in {runs} runs"
+    assert "canceling statement" in landed[0]
+    assert advisory_locks_once_exited(fault_admin) == []
+
+
 def test_a_lost_transaction_session_cannot_commit(fault_server: FaultServer, ledger: Any) -> None:
     """The session ends between the last heartbeat and the commit: lost, nothing committed."""
     guard = _guard(fault_server, "lost-before-commit", lease=30, mode="transaction", rules=RunRules(period=PERIOD))

@@ -66,6 +66,55 @@ def test_sigkill_holder_next_contender_acquires_within_2s(fault_server: FaultSer
         assert holder.join(5) == -signal.SIGKILL
 
 
+_PIPELINE_HOLDER = """
+import sys, time
+from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+from airflow_pglock.liveness import Liveness
+
+dsn, key, synced = sys.argv[1], sys.argv[2], sys.argv[3] == "synced"
+hook = AdvisoryLockHook(dsn=dsn, liveness=Liveness(float(sys.argv[4])))
+with hook.lock(key, mode="transaction") as handle, handle.connection.pipeline() as pipeline:
+    handle.connection.execute("SELECT 1")
+    if synced:
+        pipeline.sync()
+    print(f"backend pid {handle.backend_pid}", flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("pipeline", ["synced", "unsynced"])
+def test_a_holder_frozen_inside_a_pipeline(fault_server: FaultServer, fault_admin: Any, pipeline: str) -> None:
+    """docs/failure-modes.md: a pipeline synced and left idle leaves the session idle in its
+    transaction, which the server ends at the lease; one with statements sent but not synced keeps it
+    active, waiting for the client (as inside COPY), and a frozen holder keeps the key: not bounded."""
+    import subprocess
+    import sys
+
+    key = f"fault-pipeline-{pipeline}"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _PIPELINE_HOLDER, fault_server.dsn, key, pipeline, str(LEASE)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None
+        lines = iter(holder.stdout.readline, "")
+        pid = next(int(line.split()[-1]) for line in lines if line.startswith("backend pid "))
+        holder.send_signal(signal.SIGSTOP)
+        frozen = time.monotonic()
+        released = wait_until_released(fault_admin, pid, LEASE + 3)
+        if pipeline == "synced":
+            assert released is not None and released - frozen <= LEASE + MARGIN
+        else:
+            assert released is None, "the server ended a session waiting for its client mid-pipeline"
+            state = fault_admin.execute("SELECT state, wait_event FROM pg_stat_activity WHERE pid = %s", [pid])
+            assert state.fetchone() == ("active", "ClientRead")
+    finally:
+        holder.kill()
+        holder.wait(10)
+    assert wait_until_released(fault_admin, pid, 10) is not None
+
+
 @pytest.mark.parametrize("mode", ["session", "transaction"])
 def test_sigstop_holder_server_releases_within_the_lease(
     fault_server: FaultServer, fault_admin: Any, mode: str

@@ -19,7 +19,7 @@ import pytest
 from airflow_pglock.exceptions import LockLostError
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 from airflow_pglock.keys import LockKey
-from tests.helpers import advisory_locks, allow_connections
+from tests.helpers import advisory_locks, advisory_locks_once_exited, allow_connections
 
 KEY = "txn-work"
 
@@ -85,6 +85,27 @@ def test_what_ends_the_locks_transaction_is_a_loss_and_what_stays_inside_it_comp
             assert committed == ["before"]  # the work's own commit, while it still held the lock
         assert "dropped" not in committed
         assert advisory_locks(admin) == []
+    finally:
+        admin.execute("DROP TABLE IF EXISTS txn_work")
+
+
+def test_work_that_closes_the_lock_connection_is_lost_and_told_nothing_was_committed(
+    hook: AdvisoryLockHook, admin: Any
+) -> None:
+    """The work closed lock.connection: the loss said the COMMIT may have committed ("check the
+    writes before the work runs again"), although none was sent and the server rolled back."""
+    admin.execute("DROP TABLE IF EXISTS txn_work; CREATE TABLE txn_work (v text)")
+    try:
+        with (
+            pytest.raises(LockLostError, match="closed before its COMMIT") as lost,
+            hook.lock(KEY, mode="transaction") as handle,
+        ):
+            assert handle is not None and handle.connection is not None
+            handle.connection.execute("INSERT INTO txn_work VALUES ('inside')")
+            handle.connection.close()
+        assert "may have been committed" not in str(lost.value) and "unknown" not in str(lost.value)
+        assert admin.execute("SELECT count(*) FROM txn_work").fetchone() == (0,)
+        assert advisory_locks_once_exited(admin) == []
     finally:
         admin.execute("DROP TABLE IF EXISTS txn_work")
 
