@@ -114,9 +114,7 @@ def finish_session(ending: Ending) -> Finished:
     except psycopg.Error as error:
         if recorded:
             return Finished(note=loss.unlock_failed_after_completion(describe_error(error)))
-        if loss.session_answered(error, held.connection.closed):
-            # A foreign pg_cancel_backend(), say: the session lives, and a session lock ends only with its
-            # session or an unlock on it, so the key was held to the end; the close frees it.
+        if held.unlock_again_after(error):  # a foreign pg_cancel_backend() that landed on the unlock, say
             note = loss.unlock_failed_while_held(error)
             return Finished(lost=lost, error=None if lost is not None else commit_error, note=note)
         still_held = False

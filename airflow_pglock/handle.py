@@ -94,7 +94,8 @@ class LockHandle:
         return self._keys.held()
 
     def release_all(self) -> bool:
-        """Release every sub-key held now (one round trip; the task's own key stays held)."""
+        """Release every sub-key held now (one round trip; the task's own key stays held), but those
+        an open ``with`` block holds: its end releases them."""
         return self._keys.release_all()
 
     @property

@@ -101,15 +101,11 @@ class HoldForBlock:
                 "is for one with block"
             )
         self._entered = True
-        taken = self._owner._take([self._key], self._shared, self._timeout)
+        taken = self._owner._take([self._key], self._shared, self._timeout, for_block=True)
         self._sub = taken[0] if taken else None
-        if self._sub is not None:
-            self._sub.in_block = True
         return self._sub
 
     def __exit__(self, error_type: type[BaseException] | None, error: BaseException | None, trace: object) -> None:
-        if self._sub is not None:
-            self._sub.in_block = False
         self._owner._end_of_block(self._sub, failed=error_type is not None)
 
     def __bool__(self) -> bool:
@@ -302,6 +298,12 @@ class LockSet:
 
     def _end_of_block(self, sub: SubLock | None, failed: bool) -> None:
         """What the end of a ``with`` block of :meth:`try_lock` or :meth:`lock` does with its key."""
+        with self._mutex:  # no release by key between the block's end and its own release
+            if sub is not None:
+                sub.in_block = False
+            self._end_block_holding_the_mutex(sub, failed)
+
+    def _end_block_holding_the_mutex(self, sub: SubLock | None, failed: bool) -> None:
         if failed:
             if sub is not None:
                 with contextlib.suppress(PgLockError, psycopg.Error):  # the block's own error is the one to see
@@ -325,7 +327,13 @@ class LockSet:
             raise LockLostError(f"lost {sub.key.describe()}: {reason}", sub.key, reason)
 
     def _take(
-        self, keys: list[LockKey], shared: bool, timeout: float | None, *, see_scopes: bool = True
+        self,
+        keys: list[LockKey],
+        shared: bool,
+        timeout: float | None,
+        *,
+        see_scopes: bool = True,
+        for_block: bool = False,
     ) -> list[SubLock]:
         with self._mutex:
             reason = self.lost
@@ -371,6 +379,8 @@ class LockSet:
                 self._unsettle_after(error, [(key, shared) for key in wanted])
                 raise
             taken = [SubLock(self, key, shared) for key, ok in zip(wanted, got, strict=True) if ok]
+            for sub in taken:  # under the mutex: no release by key can come before it is the block's
+                sub.in_block = for_block
             self._held.update((sub.key.numbers, sub) for sub in taken)
             return taken
 

@@ -57,8 +57,7 @@ SESSION_GONE_SEEN_ASIDE = (
 CLOSED_AT_RELEASE = "found at release: the lock connection was closed"
 CLOSED_BEFORE_COMMIT = (
     "found at release: the lock's connection was closed before its COMMIT (by the work, or it broke): no COMMIT "
-    "was sent, and the server rolls the lock's transaction back (what the work committed itself before, it "
-    "committed under the lock)"
+    "was sent, and the server rolled back the transaction open at the close"
 )
 
 NOT_HELD_AT_FENCING = (
@@ -244,13 +243,11 @@ def unlock_failed_after_completion(reason: str) -> str:
 
 
 def unlock_failed_while_held(error: BaseException) -> str:
-    """A session lock's unlock failed on a session that lives on (a cancelled statement)."""
+    """A session lock's unlock failed on a session that lives on (a cancelled statement), and a
+    second unlock found the key still held."""
     lines = str(error).strip().splitlines()
     reason = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
-    return (
-        f"the unlock failed ({reason}) on a session that lives on: a session lock ends only with its session or "
-        "an unlock on it, so the work ran under the lock to its end; closing the connection frees the key"
-    )
+    return f"the unlock failed ({reason}); sent again, it found the key still held: the work ran under the lock"
 
 
 #: How a transaction lock's COMMIT whose answer never came is reported (:func:`commit_unknown`).
@@ -286,7 +283,7 @@ def lost_message(key: str, reason: str, *, transaction: bool) -> str:
             " (transaction mode: the work's writes on the lock's connection may have been committed, under the lock, "
             "or not: check them before the work runs again)"
         )
-    elif transaction and (reason == ENDED_BY_WORK or reason.startswith(SUB_KEY_ENDED)):
+    elif transaction and (reason in (ENDED_BY_WORK, CLOSED_BEFORE_COMMIT) or reason.startswith(SUB_KEY_ENDED)):
         suffix = " (transaction mode: what the work committed itself stays committed; the guard committed nothing)"
     elif transaction:
         suffix = " (transaction mode: nothing written on the lock's connection was committed)"

@@ -124,9 +124,9 @@ class HeldLock:
                 was_held = is_held(self.connection, self.key, self.shared, self.xact_id)
                 self.roll_back()
         except psycopg.Error as error:
-            # A session lock on a session that answered (a cancelled unlock) was held to the end: the
-            # close below frees it. Otherwise the connection broke, and the server dropped the lock with it.
-            was_held = self.scope == "session" and loss.session_answered(error, self.connection.closed)
+            # A cancelled unlock is sent again; otherwise the connection broke, and the server dropped
+            # the lock with it.
+            was_held = self.scope == "session" and self.unlock_again_after(error)
         finally:
             self.connection.close()
         return was_held
@@ -210,6 +210,18 @@ class HeldLock:
         return unlock(
             self.connection, self.key, shared=self.shared, at_release=self._take_at_release(), markers=self.markers
         )
+
+    def unlock_again_after(self, error: psycopg.Error) -> bool:
+        """Session scope: after the unlock failed with ``error``, whether a second unlock found the
+        key still held. Only on a session that answered (an ordinary error, e.g. a cancelled
+        statement): its answer is the proof, as the first one's would have been (the work may have
+        unlocked the key on this session). An unlock that ran before the error makes it False."""
+        if not loss.session_answered(error, self.connection.closed):
+            return False
+        try:
+            return unlock(self.connection, self.key, shared=self.shared, markers=self.markers)
+        except psycopg.Error:
+            return False
 
     def _take_at_release(self) -> WriteAtRelease | None:
         at_release, self.at_release = self.at_release, None  # sent once, with the first release statement

@@ -694,49 +694,60 @@ def test_release_that_finds_the_key_gone_is_lost_and_records_nothing(fault_serve
     assert _completions(ledger) == []
 
 
-@pytest.mark.parametrize("path", ["hook.lock", "hook.acquire"])
-def test_a_cancel_that_lands_on_the_unlock_of_a_session_lock_is_not_a_loss(
-    fault_server: FaultServer, fault_admin: Any, monkeypatch: pytest.MonkeyPatch, path: str
+@pytest.mark.parametrize(
+    ("path", "meanwhile"),
+    [("hook.lock", "held"), ("hook.acquire", "held"), ("LockGuard", "unlocked"), ("hook.acquire", "unlocked")],
+)
+def test_a_cancel_that_lands_on_the_unlock_of_a_session_lock_is_settled_by_a_second_unlock(
+    fault_server: FaultServer, fault_admin: Any, monkeypatch: pytest.MonkeyPatch, path: str, meanwhile: str
 ) -> None:
     """A foreign pg_cancel_backend() (a DBA's script, a monitoring tool) that landed on the unlock
     failed a clean run as lost, "the connection to the lock database broke" (hook.acquire: release()
-    said False), and Airflow would run the work again. A session that answers with an error lives,
-    and a session lock ends only with its session or an unlock on it: the key was held to the end."""
-    import random
-
+    said False), and Airflow would run the work again. The session answered, so the unlock is sent
+    again and its answer decides, as the first one's would have: a key the work unlocked itself on
+    that session (and a contender took) is still a loss."""
     from airflow_pglock.pg import held as held_module
 
     real_unlock = held_module.unlock
-    landed: list[str] = []
+    cancelled: list[str] = []
 
-    def unlock_under_a_cancel(conn: Any, key: LockKey, **kwargs: Any) -> bool:
-        pid = conn.info.backend_pid
-        cancel = threading.Timer(
-            random.uniform(0, 0.0006), fault_admin.execute, ["SELECT pg_cancel_backend(%s)", [pid]]
-        )
-        cancel.start()
-        try:
-            return real_unlock(conn, key, **kwargs)
-        except psycopg.errors.QueryCanceled as error:
-            landed.append(str(error))
-            raise
-        finally:
-            cancel.join()
+    def unlock_cancelled_once(conn: Any, key: LockKey, **kwargs: Any) -> bool:
+        if not cancelled:  # the first unlock's round trip, held up on the server, meets a cancel
+            cancel_sql = ["SELECT pg_cancel_backend(%s)", [conn.info.backend_pid]]
+            cancel = threading.Timer(0.3, fault_admin.execute, cancel_sql)
+            cancel.start()
+            try:
+                conn.execute("SELECT pg_sleep(30)")
+            except psycopg.errors.QueryCanceled as error:
+                cancelled.append(str(error))
+                raise
+            finally:
+                cancel.join()
+        return real_unlock(conn, key, **kwargs)
 
-    monkeypatch.setattr(held_module, "unlock", unlock_under_a_cancel)
+    monkeypatch.setattr(held_module, "unlock", unlock_cancelled_once)
     hook = AdvisoryLockHook(dsn=fault_server.dsn)
-    runs, deadline = 0, time.monotonic() + 60
-    while len(landed) < 3 and time.monotonic() < deadline:
-        key = LockKey.from_name(f"cancelled-unlock/{runs}")  # a cancelled unlock's key goes with the close
-        runs += 1
-        if path == "hook.lock":
-            with hook.lock(key) as handle:
-                assert handle is not None
-        else:
-            acquired = hook.acquire(key)
-            assert acquired is not None and acquired.release() is True, landed
-    assert landed, f"no cancel landed on an unlock in {runs} runs"
-    assert "canceling statement" in landed[0]
+    key = LockKey.from_name(f"cancelled-unlock/{path}/{meanwhile}")
+
+    def contender_takes_the_key_the_work_unlocked(connection: Any) -> None:
+        connection.execute("SELECT pg_advisory_unlock_all()")
+        with psycopg.connect(fault_server.dsn, autocommit=True) as contender:
+            assert contender.execute("SELECT pg_try_advisory_lock(%s)", [key.int64]).fetchone() == (True,)
+
+    if path == "hook.lock":
+        with hook.lock(key) as handle:
+            assert handle is not None
+    elif path == "hook.acquire":
+        acquired = hook.acquire(key)
+        assert acquired is not None
+        if meanwhile == "unlocked":
+            contender_takes_the_key_the_work_unlocked(acquired.connection)
+        assert acquired.release() is (meanwhile == "held")
+    else:
+        guard = _guard(fault_server, key.name or "")
+        with pytest.raises(LockLostError, match="found at release"):
+            guard.run(lambda lock: contender_takes_the_key_the_work_unlocked(guard.held.connection))  # type: ignore[union-attr]
+    assert cancelled and "canceling statement" in cancelled[0]
     assert advisory_locks_once_exited(fault_admin) == []
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Any
@@ -385,6 +386,43 @@ def test_a_key_an_open_with_block_holds_is_given_back_only_by_that_block(
             assert sub is not None and sub.release() is True
             assert _other_process_takes(admin, "tenant/acme")
     assert advisory_locks(admin) == []
+
+
+def test_a_release_by_key_racing_with_blocks_never_frees_one_nor_fails_one(hook: AdvisoryLockHook) -> None:
+    """A block's key became the block's only after its take had let the session go, and stopped
+    being so before its end took it again: a release by key in between freed a running block's
+    key (the block ended as a success without it) or made a block that held its key end lost."""
+    import sys
+
+    counts = {"blocks": 0, "ran_without_its_key": 0, "ended_lost": 0}
+    key = LockKey.from_int(424242)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # thread switches as often as possible: the gaps were a few bytecodes
+    try:
+        with hook.lock_session() as session:
+            stop = time.monotonic() + 3
+
+            def release_by_key() -> None:
+                while time.monotonic() < stop:
+                    with contextlib.suppress(LockConfigurationError):
+                        session.release(key)
+
+            releaser = threading.Thread(target=release_by_key)
+            releaser.start()
+            while time.monotonic() < stop:
+                try:
+                    with session.try_lock(key) as sub:
+                        if sub is None:
+                            continue
+                        counts["blocks"] += 1
+                        time.sleep(0)
+                        counts["ran_without_its_key"] += sub.given_back
+                except LockLostError:
+                    counts["ended_lost"] += 1
+            releaser.join(30)
+    finally:
+        sys.setswitchinterval(switch)
+    assert counts["blocks"] > 100 and counts["ran_without_its_key"] == counts["ended_lost"] == 0, counts
 
 
 def test_a_lock_session_refuses_a_call_that_reads_as_something_else(hook: AdvisoryLockHook, admin: Any) -> None:

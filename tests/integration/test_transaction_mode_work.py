@@ -89,11 +89,13 @@ def test_what_ends_the_locks_transaction_is_a_loss_and_what_stays_inside_it_comp
         admin.execute("DROP TABLE IF EXISTS txn_work")
 
 
-def test_work_that_closes_the_lock_connection_is_lost_and_told_nothing_was_committed(
-    hook: AdvisoryLockHook, admin: Any
+@pytest.mark.parametrize("before_closing", [["INSERT"], ["INSERT", "COMMIT", "BEGIN", "INSERT", "COMMIT"]])
+def test_work_that_closes_the_lock_connection_is_lost_and_told_the_guard_committed_nothing(
+    hook: AdvisoryLockHook, admin: Any, before_closing: list[str]
 ) -> None:
     """The work closed lock.connection: the loss said the COMMIT may have committed ("check the
-    writes before the work runs again"), although none was sent and the server rolled back."""
+    writes before the work runs again"), although none was sent; what the work committed itself
+    (which ends the lock) stays committed, and the message may not say otherwise."""
     admin.execute("DROP TABLE IF EXISTS txn_work; CREATE TABLE txn_work (v text)")
     try:
         with (
@@ -101,10 +103,13 @@ def test_work_that_closes_the_lock_connection_is_lost_and_told_nothing_was_commi
             hook.lock(KEY, mode="transaction") as handle,
         ):
             assert handle is not None and handle.connection is not None
-            handle.connection.execute("INSERT INTO txn_work VALUES ('inside')")
+            for step in before_closing:
+                handle.connection.execute("INSERT INTO txn_work VALUES ('written')" if step == "INSERT" else step)
             handle.connection.close()
         assert "may have been committed" not in str(lost.value) and "unknown" not in str(lost.value)
-        assert admin.execute("SELECT count(*) FROM txn_work").fetchone() == (0,)
+        assert "what the work committed itself stays committed; the guard committed nothing" in str(lost.value)
+        committed = admin.execute("SELECT count(*) FROM txn_work").fetchone()[0]
+        assert committed == before_closing.count("COMMIT")
         assert advisory_locks_once_exited(admin) == []
     finally:
         admin.execute("DROP TABLE IF EXISTS txn_work")
