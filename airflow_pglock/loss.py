@@ -285,8 +285,11 @@ def lost_message(key: str, reason: str, *, transaction: bool) -> str:
         )
     elif transaction and (reason in (ENDED_BY_WORK, CLOSED_BEFORE_COMMIT) or reason.startswith(SUB_KEY_ENDED)):
         suffix = " (transaction mode: what the work committed itself stays committed; the guard committed nothing)"
-    elif transaction:
-        suffix = " (transaction mode: nothing written on the lock's connection was committed)"
+    elif transaction:  # found by the heartbeat too after the work's own COMMIT: never "nothing committed"
+        suffix = (
+            " (transaction mode: the guard committed nothing; only a COMMIT the work ran itself on the lock's "
+            "connection, which ends the lock, committed anything)"
+        )
     return (
         f"lost {key} while the task ran: {reason}. Another worker may now run the same "
         "work; this run is marked failed instead of successful" + suffix

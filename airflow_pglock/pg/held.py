@@ -219,6 +219,8 @@ class HeldLock:
         if not loss.session_answered(error, self.connection.closed):
             return False
         try:
+            if self.connection.info.transaction_status == _INERROR:  # a session lock outlives its rollback
+                self.connection.execute("ROLLBACK")
             return unlock(self.connection, self.key, shared=self.shared, markers=self.markers)
         except psycopg.Error:
             return False

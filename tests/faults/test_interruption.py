@@ -239,7 +239,7 @@ def test_transaction_mode_loss_fails_even_with_warn(fault_server: FaultServer, f
         time.sleep(2.0)  # not interrupted (warn)
         finished.append(True)
 
-    with pytest.raises(LockLostError, match="nothing written on the lock's connection was committed"):
+    with pytest.raises(LockLostError, match="the guard committed nothing; only a COMMIT the work ran itself"):
         _guard(fault_server, "tx-warn", mode="transaction", on_lost="warn").run(work)
     assert finished == [True]
     assert fault_admin.execute("SELECT count(*) FROM tx_warn").fetchone() == (0,)

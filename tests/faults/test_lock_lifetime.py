@@ -711,10 +711,18 @@ def test_a_cancel_that_lands_on_the_unlock_of_a_session_lock_is_settled_by_a_sec
     real_unlock = held_module.unlock
     cancelled: list[str] = []
 
+    def cancel_once_active(pid: int) -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # a cancel that reaches an idle backend is ignored
+            state = fault_admin.execute("SELECT state FROM pg_stat_activity WHERE pid = %s", [pid]).fetchone()
+            if state == ("active",):
+                fault_admin.execute("SELECT pg_cancel_backend(%s)", [pid])
+                return
+            time.sleep(0.01)
+
     def unlock_cancelled_once(conn: Any, key: LockKey, **kwargs: Any) -> bool:
         if not cancelled:  # the first unlock's round trip, held up on the server, meets a cancel
-            cancel_sql = ["SELECT pg_cancel_backend(%s)", [conn.info.backend_pid]]
-            cancel = threading.Timer(0.3, fault_admin.execute, cancel_sql)
+            cancel = threading.Thread(target=cancel_once_active, args=(conn.info.backend_pid,))
             cancel.start()
             try:
                 conn.execute("SELECT pg_sleep(30)")
@@ -744,10 +752,25 @@ def test_a_cancel_that_lands_on_the_unlock_of_a_session_lock_is_settled_by_a_sec
             contender_takes_the_key_the_work_unlocked(acquired.connection)
         assert acquired.release() is (meanwhile == "held")
     else:
-        guard = _guard(fault_server, key.name or "")
+        guard = _guard(fault_server, key.name or "", lease=30)  # no heartbeat before the release
         with pytest.raises(LockLostError, match="found at release"):
             guard.run(lambda lock: contender_takes_the_key_the_work_unlocked(guard.held.connection))  # type: ignore[union-attr]
     assert cancelled and "canceling statement" in cancelled[0]
+    assert advisory_locks_once_exited(fault_admin) == []
+
+
+def test_a_transaction_the_caller_left_aborted_does_not_make_a_held_lock_look_lost(
+    fault_server: FaultServer, fault_admin: Any
+) -> None:
+    """hook.acquire(): the caller's own transaction on the lock's connection, aborted by an error,
+    made the unlock fail (InFailedSqlTransaction) and release() say False although the session held
+    the key throughout; a session lock outlives the transaction's rollback."""
+    acquired = AdvisoryLockHook(dsn=fault_server.dsn).acquire(LockKey.from_name("aborted-by-the-caller"))
+    assert acquired is not None
+    acquired.connection.execute("BEGIN")
+    with pytest.raises(psycopg.errors.DivisionByZero):
+        acquired.connection.execute("SELECT 1/0")
+    assert acquired.release() is True
     assert advisory_locks_once_exited(fault_admin) == []
 
 

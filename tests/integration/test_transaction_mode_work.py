@@ -89,6 +89,31 @@ def test_what_ends_the_locks_transaction_is_a_loss_and_what_stays_inside_it_comp
         admin.execute("DROP TABLE IF EXISTS txn_work")
 
 
+def test_a_loss_the_heartbeat_finds_after_the_works_own_commit_never_says_nothing_was_committed(
+    dsn: str, admin: Any
+) -> None:
+    """The work committed on lock.connection and went on: the heartbeat found the key gone, and the
+    message ended "nothing written on the lock's connection was committed" next to a committed row."""
+    from airflow_pglock.liveness import Liveness
+
+    hook = AdvisoryLockHook(dsn=dsn, liveness=Liveness(3.0))
+    admin.execute("DROP TABLE IF EXISTS txn_work; CREATE TABLE txn_work (v text)")
+    try:
+        with pytest.raises(LockLostError) as lost, hook.lock(KEY, mode="transaction") as handle:
+            assert handle is not None and handle.connection is not None
+            handle.connection.execute("INSERT INTO txn_work VALUES ('committed by the work')")
+            handle.connection.execute("COMMIT")
+            deadline = time.monotonic() + 10
+            while handle.lost is None and time.monotonic() < deadline:  # the heartbeat finds it (L/3)
+                time.sleep(0.05)
+            assert handle.lost is not None
+        assert admin.execute("SELECT count(*) FROM txn_work").fetchone() == (1,)
+        assert "nothing written" not in str(lost.value)
+        assert "the guard committed nothing" in str(lost.value)
+    finally:
+        admin.execute("DROP TABLE IF EXISTS txn_work")
+
+
 @pytest.mark.parametrize("before_closing", [["INSERT"], ["INSERT", "COMMIT", "BEGIN", "INSERT", "COMMIT"]])
 def test_work_that_closes_the_lock_connection_is_lost_and_told_the_guard_committed_nothing(
     hook: AdvisoryLockHook, admin: Any, before_closing: list[str]

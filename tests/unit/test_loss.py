@@ -124,14 +124,15 @@ def test_found_at_release_and_the_lost_message() -> None:
         "this run is marked failed instead of successful"
     )
     assert loss.lost_message("k", "why", transaction=True).endswith(
-        "(transaction mode: nothing written on the lock's connection was committed)"
+        "(transaction mode: the guard committed nothing; only a COMMIT the work ran itself on the lock's connection, "
+        "which ends the lock, committed anything)"
     )
     # The work ended the transaction itself: its own COMMIT did commit.
     ended = loss.lost_message("k", loss.ENDED_BY_WORK, transaction=True)
-    assert "nothing written" not in ended and ended.endswith("the guard committed nothing)")
+    assert "only a COMMIT" not in ended and ended.endswith("the guard committed nothing)")
     # A COMMIT whose answer never came: it may have committed.
     unknown = loss.lost_message("k", loss.commit_unknown("the connection broke", "committed"), transaction=True)
-    assert "nothing written" not in unknown and "whether it committed is unknown" in unknown
+    assert "committed nothing" not in unknown and "whether it committed is unknown" in unknown
     assert "that transaction is 'committed'" in unknown and "check them before the work runs again" in unknown
     assert "said" not in loss.commit_unknown("the connection broke", None)
     assert loss.warned("why") == "why (on_lost='warn': the work went on without the lock)"
