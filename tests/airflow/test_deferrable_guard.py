@@ -239,23 +239,13 @@ def test_the_hold_follows_a_deferred_operator_into_the_triggerer_and_back(
 
 
 @pytest.mark.matrix("deferrable-guard", since=compat.LOCK_SCOPE_SINCE)
-def test_a_task_airflow_resumes_with_fail_frees_the_hold_it_handed_over_and_stops_its_work(
-    airflow_db: Any, scopes_db: Any, tmp_path: Path
-) -> None:
-    """Airflow's ``__fail__`` (a GuardedTrigger the triggerer could not run at all, Airflow's own
-    deferral timeout) bypassed the guard: no on_kill(), the row kept the key until its lease
-    ended, and a guarded sensor with soft_fail was skipped."""
+def _deferring(task_id: str, on_kill: Any = None) -> Any:
+    """An operator that defers for five minutes (Airflow's DateTimeTrigger), then resumes with ``done``."""
     import datetime as dt
-    import types
 
-    from airflow.providers.standard.sensors.python import PythonSensor
     from airflow.providers.standard.triggers.temporal import DateTimeTrigger
 
-    from airflow_pglock.compat import BaseOperator, TaskDeferred
-    from airflow_pglock.exceptions import LockLostError
-    from airflow_pglock.operators.advisory_lock import guarded
-
-    killed = tmp_path / "killed"
+    from airflow_pglock.compat import BaseOperator
 
     class Defers(BaseOperator):
         def execute(self, context: Any) -> None:
@@ -266,24 +256,49 @@ def test_a_task_airflow_resumes_with_fail_frees_the_hold_it_handed_over_and_stop
             return "resumed"
 
         def on_kill(self) -> None:
-            killed.touch()
+            if on_kill is not None:
+                on_kill()
 
-    def context_of(operator: Any) -> Any:
-        ti = types.SimpleNamespace(
-            dag_id="d",
-            task_id=operator.task_id,
-            run_id="manual__r",
-            map_index=-1,
-            hostname="h",
-            task=operator,
-            try_number=1,
-            xcom_push=lambda **_: None,
-        )
-        run = types.SimpleNamespace(start_date=dt.datetime(2026, 12, 6, tzinfo=dt.timezone.utc), clear_number=0)
-        return {"ti": ti, "task": operator, "dag_run": run}
+    return Defers(task_id=task_id)
 
-    operator = guarded(Defers(task_id="t"), key="defer/fail", deferral_lease=600, postgres_conn_id="pglock_test")
-    context = context_of(operator)
+
+def _context_of(operator: Any, *, try_number: int = 1, clear_number: int = 0, started: Any = None) -> Any:
+    """A task's context as a guarded operator reads it outside a DAG run (dag_id 'd', run 'manual__r')."""
+    import datetime as dt
+    import types
+
+    ti = types.SimpleNamespace(
+        dag_id="d",
+        task_id=operator.task_id,
+        run_id="manual__r",
+        map_index=-1,
+        hostname="h",
+        task=operator,
+        try_number=try_number,
+        xcom_push=lambda **_: None,
+    )
+    start = started or dt.datetime(2026, 12, 6, tzinfo=dt.timezone.utc)
+    return {"ti": ti, "task": operator, "dag_run": types.SimpleNamespace(start_date=start, clear_number=clear_number)}
+
+
+def test_a_task_airflow_resumes_with_fail_frees_the_hold_it_handed_over_and_stops_its_work(
+    airflow_db: Any, scopes_db: Any, tmp_path: Path
+) -> None:
+    """Airflow's ``__fail__`` (a GuardedTrigger the triggerer could not run at all, Airflow's own
+    deferral timeout) bypassed the guard: no on_kill(), the row kept the key until its lease
+    ended, and a guarded sensor with soft_fail was skipped."""
+
+    from airflow.providers.standard.sensors.python import PythonSensor
+
+    from airflow_pglock.compat import TaskDeferred
+    from airflow_pglock.exceptions import LockLostError
+    from airflow_pglock.operators.advisory_lock import guarded
+
+    killed = tmp_path / "killed"
+
+    deferring = _deferring("t", on_kill=killed.touch)
+    operator = guarded(deferring, key="defer/fail", deferral_lease=600, postgres_conn_id="pglock_test")
+    context = _context_of(operator)
     with pytest.raises(TaskDeferred):
         operator.execute(context)  # the hand-over: the row holds the key for the trigger
     assert [row[0] for row in scopes_db.execute("SELECT key_name FROM pglock.scopes").fetchall()] == ["defer/fail"]
@@ -300,7 +315,7 @@ def test_a_task_airflow_resumes_with_fail_frees_the_hold_it_handed_over_and_stop
         postgres_conn_id="pglock_test",
     )
     with pytest.raises(Exception, match="Trigger failure") as failed:  # no hold handed over: Airflow's error
-        sensor.resume_execution("__fail__", {"error": "Trigger failure"}, context_of(sensor))
+        sensor.resume_execution("__fail__", {"error": "Trigger failure"}, _context_of(sensor))
     assert "Skip" not in type(failed.value).__name__
 
 
@@ -311,35 +326,14 @@ def test_a_task_cleared_while_deferred_takes_over_its_own_row(airflow_db: Any, s
     import datetime as dt
     import types
 
-    from airflow.providers.standard.triggers.temporal import DateTimeTrigger
-
-    from airflow_pglock.compat import BaseOperator, TaskDeferred
+    from airflow_pglock.compat import TaskDeferred
     from airflow_pglock.operators.advisory_lock import guarded
 
-    class Defers(BaseOperator):
-        def execute(self, context: Any) -> None:
-            moment = dt.datetime.now(dt.timezone.utc) + dt.timedelta(minutes=5)
-            self.defer(trigger=DateTimeTrigger(moment=moment), method_name="done")
-
-        def done(self, context: Any, event: Any = None) -> str:
-            return "resumed"
-
-    operator = guarded(Defers(task_id="t"), key="defer/cleared", deferral_lease=600, postgres_conn_id="pglock_test")
+    operator = guarded(_deferring("t"), key="defer/cleared", deferral_lease=600, postgres_conn_id="pglock_test")
     started = dt.datetime(2026, 12, 6, tzinfo=dt.timezone.utc)
 
     def context_of(try_number: int, clear_number: int) -> Any:
-        ti = types.SimpleNamespace(
-            dag_id="d",
-            task_id="t",
-            run_id="manual__r",
-            map_index=-1,
-            hostname="h",
-            task=operator,
-            try_number=try_number,
-            xcom_push=lambda **_: None,
-        )
-        run = types.SimpleNamespace(start_date=started, clear_number=clear_number)
-        return {"ti": ti, "task": operator, "dag_run": run}
+        return _context_of(operator, try_number=try_number, clear_number=clear_number, started=started)
 
     def holders() -> list[str]:
         return [row[0] for row in scopes_db.execute("SELECT holder FROM pglock.scopes").fetchall()]
