@@ -367,8 +367,9 @@ def _free_after_failed_setup(
         if role.slot is None:
             return
     leave = dataclasses.replace(role, kind="leave")
+    freeing = {**rendered, "once_per": None}  # frees only: no task of the scope ran, so no period is done
     try:
-        run_guarded(spec.member_spec(), context, lambda handle: None, logger, scope=leave, **rendered)
+        run_guarded(spec.member_spec(), context, lambda handle: None, logger, scope=leave, **freeing)
     except BaseException as error:  # the setup's own error is the one to report
         logger.warning("pglock: could not free the lock scope after its setup failed: %s", error)
 

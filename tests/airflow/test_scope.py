@@ -360,13 +360,15 @@ def test_a_deferrable_sensor_woken_behind_a_scope_at_its_deadline_times_out_inst
     assert "at the sensor's deadline (timeout 5 s)" in str(raised.value)
 
 
-@pytest.mark.parametrize("slots", [1, 2], ids=["one-key", "pool"])
+@pytest.mark.parametrize(
+    ("slots", "once_per"), [(1, None), (2, None), (1, "2026-12-01")], ids=["one-key", "pool", "once-per"]
+)
 @pytest.mark.parametrize("error", [RuntimeError, compat.AirflowSkipException], ids=["failed", "skipped"])
 def test_a_setup_that_fails_after_taking_the_scope_frees_it(
-    airflow_db: Any, scopes_db: Any, error: type, slots: int
+    airflow_db: Any, scopes_db: Any, error: type, slots: int, once_per: str | None
 ) -> None:
     """Airflow skips the teardown of a failed (or skipped: on_error="skip") setup: the setup frees
-    what it took itself."""
+    what it took itself, and records no completion (no task of the scope ran)."""
     import types
 
     from airflow.sdk import DAG
@@ -375,7 +377,9 @@ def test_a_setup_that_fails_after_taking_the_scope_frees_it(
 
     with (
         DAG("scope_setup_fails", schedule=None) as dag,
-        scope.advisory_lock_scope("publish", key="scope-key", postgres_conn_id="pglock_test", slots=slots),
+        scope.advisory_lock_scope(
+            "publish", key="scope-key", postgres_conn_id="pglock_test", slots=slots, once_per=once_per
+        ),
     ):
         from airflow_pglock.compat import PythonOperator
 
@@ -398,6 +402,8 @@ def test_a_setup_that_fails_after_taking_the_scope_frees_it(
     with pytest.raises(error, match="the XCom could not be stored"):
         enter.python_callable(ti=ti, task=enter, params={})
     assert _scope_rows(scopes_db) == [], "the failed setup freed its scope"
+    recorded = scopes_db.execute("SELECT period, task_id FROM pglock.completions").fetchall()
+    assert recorded == [], f"a setup that failed recorded its period as done: {recorded}"
     assert run_dag(PLAIN_DAG, "plain_guard").state("plain") == "success"
 
 
