@@ -226,6 +226,11 @@ def slot_keys(pool: LockKey, slots: int) -> list[LockKey]:
         raise InvalidLockKeyError(
             f"slots={slots} needs a key name (the slot keys are named after it), got the numeric {pool.describe()}"
         )
+    if names_a_slot(pool.name):
+        raise InvalidLockKeyError(
+            f"slots={slots} on {pool.describe()}: a pool's name may not end in '{SLOT_SEPARATOR}<number>', "
+            f"which names a slot of another pool (its slots would be read as that pool's): rename the pool"
+        )
     longest = f"{pool.name}{SLOT_SEPARATOR}{slots}"
     if len(longest.encode("utf-8")) > MAX_KEY_NAME_BYTES:
         raise InvalidLockKeyError(
@@ -233,6 +238,13 @@ def slot_keys(pool: LockKey, slots: int) -> list[LockKey]:
             f"a key name (slot names included) is at most {MAX_KEY_NAME_BYTES} bytes: shorten the pool's name"
         )
     return [pool] + [LockKey.from_name(f"{pool.name}{SLOT_SEPARATOR}{i}") for i in range(2, slots + 1)]
+
+
+def names_a_slot(name: str) -> bool:
+    """Whether ``name`` reads as slot 2 or above of some pool (``<pool>#slot<i>``)."""
+    base, separator, number = name.rpartition(SLOT_SEPARATOR)
+    numbered = number.isascii() and number.isdigit() and not number.startswith("0")
+    return bool(separator and base) and numbered and int(number) >= 2
 
 
 #: What a pool's size markers are derived from: SHA-256 of the pool's name followed by this.

@@ -198,10 +198,11 @@ class LockSpec:
             raise LockConfigurationError("on_wait_timeout only applies with on_busy='wait' or on_busy='defer'")
         interval = seconds(given["min_interval"], "min_interval")
         check_key_spec(given["key"], given["tenant"])
-        if policy.slots > 1 and isinstance(given["key"], int | tuple | list | LockKey):
-            slot_keys(
-                LockKey.coerce(tuple(given["key"]) if isinstance(given["key"], list) else given["key"]), policy.slots
-            )
+        key = given["key"]
+        if policy.slots > 1 and isinstance(key, int | tuple | list | LockKey):
+            slot_keys(LockKey.coerce(tuple(key) if isinstance(key, list) else key), policy.slots)
+        if policy.slots > 1 and isinstance(key, str) and not _is_template(key) and given["tenant"] is None:
+            slot_keys(LockKey.from_name(key), policy.slots)  # a name that reads as another pool's slot
         check_once_per(given["once_per"])
         # checks min_interval and fencing now, when the DAG is parsed, and refuses them with a shared lock
         rules = RunRules(period=given["once_per"], min_interval=interval, fencing=given["fencing"])

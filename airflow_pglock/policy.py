@@ -94,7 +94,9 @@ class LockPolicy:
     :param wait_timeout: seconds ``on_busy="wait"`` waits, enforced by the server (with
         ``"defer"``: the whole wait across deferrals).
     :param on_lost: ``"fail"`` (interrupt the work, fail) or ``"warn"`` (log and go on).
-    :param on_error: ``"fail"`` or ``"skip"`` when the lock database cannot be used.
+    :param on_error: ``"fail"`` or ``"skip"`` when the lock cannot be tried: the lock database
+        cannot be used, or a setting must be fixed (a bad key, an unsafe set-up, a pool size that
+        disagrees with another holder's). Never after the lock was taken.
     :param on_wait_timeout: ``"skip"`` or ``"fail"`` when ``on_busy="wait"`` ran out of
         ``wait_timeout`` (for ``"defer"`` the Airflow adapter applies it at the deadline).
     :param slots: the key names a pool of this many slots; a run holds any one free slot

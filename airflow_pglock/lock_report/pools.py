@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from airflow_pglock.keys import MAX_SLOTS, SLOT_SEPARATOR, LockKey, slot_keys
+from airflow_pglock.keys import MAX_SLOTS, SLOT_SEPARATOR, LockKey, names_a_slot, slot_keys
 from airflow_pglock.lock_report.entries import LockEntry
 
 if TYPE_CHECKING:
@@ -107,9 +107,11 @@ def pool_of(registered: RegisteredName) -> str | None:
     size = registered.slots
     if size is None or size < 2:
         return None
-    base, separator, number = registered.name.rpartition(SLOT_SEPARATOR)
-    is_slot = bool(separator and base) and number.isdigit() and 2 <= int(number) <= size
+    base, _, number = registered.name.rpartition(SLOT_SEPARATOR)
+    is_slot = names_a_slot(registered.name) and int(number) <= size
     pool = base if is_slot else registered.name
+    if names_a_slot(pool):
+        return None  # a pool may not have such a name: a row written before that was refused
     coordinates = (registered.classid, registered.objid, registered.objsubid)
     return pool if LockKey.from_name(registered.name).pg_locks == coordinates else None
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from airflow_pglock.exceptions import InvalidLockKeyError
-from airflow_pglock.keys import INT32_MAX, INT32_MIN, INT64_MAX, INT64_MIN, LockKey, int64_from_name
+from airflow_pglock.keys import INT32_MAX, INT32_MIN, INT64_MAX, INT64_MIN, LockKey, int64_from_name, slot_keys
 
 # Computed independently with: printf %s NAME | sha256sum, first 16 hex digits as signed int64.
 GOLDEN = {
@@ -89,3 +91,35 @@ def test_describe_and_sql() -> None:
 )
 def test_pg_locks_coordinates_round_trip(key: LockKey) -> None:
     assert LockKey.from_pg_locks(*key.pg_locks).numbers == key.numbers
+
+
+def test_a_pool_name_that_reads_as_another_pools_slot_is_refused_before_any_connection() -> None:
+    """``jobs#slot2`` with ``slots=3`` would be slot 2 of the pool ``jobs`` and lend it its slots:
+    ``locks`` showed it as pool ``jobs``. Refused wherever a pool is given, before any I/O."""
+    from datetime import datetime, timezone
+
+    from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+    from airflow_pglock.lock_report.pools import pool_of
+    from airflow_pglock.options import FunctionLockOptions, LockSpec
+    from airflow_pglock.pg.key_names import RegisteredName
+
+    message = "a pool's name may not end in '#slot<number>'"
+    for name in ("jobs#slot2", "acme/jobs#slot10"):
+        with pytest.raises(InvalidLockKeyError, match=re.escape(message)):
+            slot_keys(LockKey.from_name(name), 3)
+    with pytest.raises(InvalidLockKeyError, match=re.escape(message)):  # before the connection id is looked up
+        AdvisoryLockHook(postgres_conn_id="pglock_no_such_connection").acquire("jobs#slot2", slots=3)
+    with pytest.raises(InvalidLockKeyError, match=re.escape(message)):  # when the DAG is parsed
+        LockSpec.from_options({"key": "jobs#slot2", "slots": 3}, declaration=FunctionLockOptions, caller="test")
+    LockSpec.from_options({"key": "{{ params.k }}#slot2", "slots": 3}, declaration=FunctionLockOptions, caller="test")
+    assert slot_keys(LockKey.from_name("jobs#slot2"), 1) == [LockKey.from_name("jobs#slot2")]  # a plain key: that slot
+    for fine in ("jobs#slot1", "jobs#slot02", "jobs#slotx", "#slot2"):
+        assert len(slot_keys(LockKey.from_name(fine), 3)) == 3
+    assert [key.name for key in slot_keys(LockKey.from_name("jobs"), 3)][1:] == ["jobs#slot2", "jobs#slot3"]
+
+    def row(name: str, size: int) -> RegisteredName:
+        classid, objid, objsubid = LockKey.from_name(name).pg_locks
+        return RegisteredName(classid, objid, objsubid, name, datetime.now(timezone.utc), None, size)
+
+    assert pool_of(row("jobs#slot2", 3)) == "jobs"
+    assert pool_of(row("jobs#slot7", 3)) is None  # written before such pool names were refused
