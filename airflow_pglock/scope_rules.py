@@ -134,6 +134,8 @@ def check_before_work(
     :raises LockLostError: a member found its scope gone, lapsed or taken; a recording
         ``leave`` found it gone or lapsed (nothing is recorded then).
     """
+    import psycopg
+
     from airflow_pglock.pg import scopes
     from airflow_pglock.pg.key_names import SCOPES_LIVE, scopes_installed
 
@@ -179,6 +181,11 @@ def check_before_work(
     row = scopes.read(conn, key)
     if row is None or row.holder != role.holder or not row.live:
         cause = _why_lost(row, role) + "; no completion recorded"
+        if row is not None and row.holder == role.holder:  # its own row, lapsed: not left behind
+            try:
+                scopes.leave(conn, key, role.holder)
+            except psycopg.Error as error:
+                cause += f" (its lapsed row could not be deleted: {type(error).__name__})"
         raise LockLostError(f"lost the lock scope of {key.describe()} before its teardown: {cause}", key, cause)
     return row.token, row
 
