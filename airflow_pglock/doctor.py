@@ -187,9 +187,12 @@ def _server_checks(info: ServerInfo, pool_mode: str | None) -> list[Check]:
 
 
 def _liveness_check(hook: AdvisoryLockHook, conn: psycopg.Connection[Any], info: ServerInfo) -> Check:
-    hook.database.apply_liveness(conn, local=False, server_version_num=info.version_num)  # as a lock session does
     expected = hook.liveness.server_settings(transaction=False, server_version_num=info.version_num)
-    facts = server_facts(conn, settings=list(expected))
+    # The lock session's values, set and read back in one transaction: set for the session, they would
+    # stay on a pooler's server connection (transaction pooling never resets one) for its next client.
+    with conn.transaction():
+        hook.database.apply_liveness(conn, local=True, server_version_num=info.version_num, session_lock=True)
+        facts = server_facts(conn, settings=list(expected))
     over_tcp = not conn.info.host.startswith("/")  # a Unix socket's "host" is its directory
     in_force: list[str] = []
     wrong: list[str] = []

@@ -247,12 +247,18 @@ class LockDatabase:
 
     # ----------------------------------------------------------------- the server
 
-    def apply_liveness(self, conn: psycopg.Connection[Any], *, local: bool, server_version_num: int) -> None:
+    def apply_liveness(
+        self, conn: psycopg.Connection[Any], *, local: bool, server_version_num: int, session_lock: bool | None = None
+    ) -> None:
         """Set the server-side liveness settings; ``local`` = for the current transaction only.
 
         :param server_version_num: settings this server version lacks are left out.
+        :param session_lock: a session lock's settings or a transaction lock's (by default ``not local``).
         """
-        conn.execute(liveness_statement(self.liveness, local=local, server_version_num=server_version_num))
+        statement = liveness_statement(
+            self.liveness, local=local, server_version_num=server_version_num, session_lock=session_lock
+        )
+        conn.execute(statement)
 
     # ----------------------------------------------------------------- lock sessions
 

@@ -131,14 +131,19 @@ def key_params(key: LockKey) -> dict[str, Any]:
     return {"k1": key.int64}
 
 
-def liveness_statement(liveness: Liveness, *, local: bool, server_version_num: int) -> sql.Composed:
+def liveness_statement(
+    liveness: Liveness, *, local: bool, server_version_num: int, session_lock: bool | None = None
+) -> sql.Composed:
     """``SELECT set_config(...), ...`` for the lease's server settings, values inlined (no
     parameters, so that it can travel with other statements in one simple query).
 
     :param local: for the current transaction only (a transaction lock), else for the session.
     :param server_version_num: settings this server version lacks are left out.
+    :param session_lock: whose settings: a session lock's or a transaction lock's (by default
+        ``not local``). A session lock's set ``local``ly are ``doctor``'s check, which leaves nothing.
     """
-    settings = liveness.server_settings(transaction=local, server_version_num=server_version_num)
+    session = not local if session_lock is None else session_lock
+    settings = liveness.server_settings(transaction=not session, server_version_num=server_version_num)
     selects = sql.SQL(", ").join(
         sql.SQL("set_config({}, {}, {})").format(sql.Literal(name), sql.Literal(value), sql.Literal(local))
         for name, value in settings.items()

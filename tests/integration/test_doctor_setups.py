@@ -55,9 +55,18 @@ def test_doctor_flags_a_standby(primary: Cluster, capsys: Any) -> None:
     assert _checks(primary_result)["recovery"]["status"] == "ok"
 
 
+_LIVENESS_SETTINGS = (
+    "SELECT current_setting('idle_session_timeout'), current_setting('idle_in_transaction_session_timeout'),"
+    " current_setting('tcp_keepalives_idle'), current_setting('statement_timeout')"
+)
+
+
 def test_doctor_flags_pgbouncer_in_transaction_pooling(primary: Cluster, capsys: Any) -> None:
+    """Also: doctor leaves nothing on the pooler's server connection. Transaction pooling never
+    resets one, so a session-level SET would reach the next client of the pool (its idle
+    transactions then killed after the lease)."""
     try:
-        bouncer = PgBouncer(primary.port, pool_mode="transaction").start()
+        bouncer = PgBouncer(primary.port, pool_mode="transaction", pool_size=1).start()
     except PgBouncerUnavailableError as error:
         pytest.skip(f"PgBouncer is not available here: {error}")
     try:
@@ -68,6 +77,11 @@ def test_doctor_flags_pgbouncer_in_transaction_pooling(primary: Cluster, capsys:
         assert "connection pooler is in between" in checks["pooler"]["summary"]
         assert "mode='transaction'" in checks["pooler"]["fix"]
         assert checks["recovery"]["status"] == "ok"
+        with psycopg.connect(primary.dsn_for("doctor_db"), autocommit=True) as direct:
+            defaults = direct.execute(_LIVENESS_SETTINGS).fetchone()
+        with psycopg.connect(bouncer.dsn_for("doctor_db"), autocommit=True, prepare_threshold=None) as after:
+            inherited = after.execute(_LIVENESS_SETTINGS).fetchone()  # the pool's one server connection
+        assert inherited == defaults, f"doctor left its settings on the pooler's server connection: {inherited}"
         # `locks` still works through the pooler (it only reads).
         listed = run_cli("locks", "--dsn", bouncer.dsn_for("doctor_db"), "--output", "json", capsys=capsys)
         assert listed.code == 0 and listed.json()["locks"] == []
