@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from airflow_pglock.keys import LockKey, slot_keys
+from airflow_pglock.keys import SLOT_SEPARATOR, LockKey, names_a_slot, slot_keys
 from airflow_pglock.lock_report.entries import LockEntry, build_entries, filter_entries, parse_key_filter
 from airflow_pglock.lock_report.pools import PoolUsage, group_pools, pool_entries
 
@@ -162,7 +162,12 @@ def collect_lock_report(
     pool_keys = None if pool is None else slot_keys(LockKey.from_name(pool), slots)
     with hook.database.connect(INSPECT_APPLICATION_NAME) as conn:
         snapshot = advisory_locks(conn, all_databases=all_databases)
-        coordinates = sorted({row.coordinates for row in snapshot.rows if row.database == snapshot.database})
+        # Every role may read the scopes (init-db grants PUBLIC), whatever it may read of the registry.
+        scopes = _live_scopes(conn, dag=dag, key=None)
+        coordinates = sorted(
+            {row.coordinates for row in snapshot.rows if row.database == snapshot.database}
+            | {scope.key.pg_locks for scope in scopes}  # a pool whose slot a scope holds: its size
+        )
         registry = REGISTRY_INSTALLED
         try:
             registered = registered_names(conn, coordinates)
@@ -170,22 +175,27 @@ def collect_lock_report(
             registered, registry = None, REGISTRY_NO_ACCESS
         if registered is None and registry == REGISTRY_INSTALLED:
             registry = REGISTRY_MISSING
-        scopes = _live_scopes(conn, dag=dag, key=key if pool is None else pool) if registered is not None else ()
         server = hook.database.describe_target()
     everything = build_entries(snapshot, registered)
+    scope_keys = [scope.key for scope in scopes]
     usage = None
     if pool is not None and pool_keys is not None:
         entries = pool_entries(filter_entries(everything, dag=dag, key=key), pool_keys, snapshot.database)
-        usage = PoolUsage(pool, slots, entries)
+        usage = PoolUsage(pool, slots, entries).with_scopes(scope_keys)
         pools: tuple[PoolUsage, ...] = (usage,)
+        slot_numbers = {slot.numbers for slot in pool_keys}
+        scopes = tuple(scope for scope in scopes if scope.key.numbers in slot_numbers)
     else:
         everything, pools = group_pools(everything, registered, snapshot.database)
+        pools = tuple(p.with_scopes(scope_keys) for p in pools)
         entries = filter_entries(everything, dag=dag, key=key)
         kept = {id(entry) for entry in entries}
         pools = tuple(p for p in pools if p.name == key or any(id(member) in kept for member in p.entries))
         if key is not None and any(p.name == key for p in pools):  # --key POOL: every slot of it
             kept |= {id(member) for p in pools if p.name == key for member in p.entries}
             entries = tuple(e for e in everything if id(e) in kept)
+        if key is not None:
+            scopes = _scopes_of_key(scopes, key)
     return LockReport(
         database=snapshot.database,
         server=server,
@@ -197,6 +207,21 @@ def collect_lock_report(
         pool=usage,
         pools=pools,
         scopes=scopes,
+    )
+
+
+def _scopes_of_key(scopes: tuple[ScopeEntry, ...], key: str) -> tuple[ScopeEntry, ...]:
+    """The scopes of ``key`` (``--key``): of its numbers, and of every slot of a pool of that name."""
+    wanted = {k.numbers for k in parse_key_filter(key)}
+    return tuple(
+        scope
+        for scope in scopes
+        if scope.key.numbers in wanted
+        or (
+            scope.key.name is not None
+            and names_a_slot(scope.key.name)
+            and scope.key.name.rpartition(SLOT_SEPARATOR)[0] == key
+        )
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -22,10 +22,13 @@ class PoolUsage:
     :param name: the pool's key name.
     :param slots: how many slots it has: as given (``--pool NAME --slots N``), or as the
         key-name registry recorded it when a guarded execution took one of its slots.
-    :param entries: the sessions holding or waiting for one of its slots.
+    :param entries: the sessions holding or waiting for one of its slots (a waiter shows here
+        only while the server queues it: a pool's wait tries its slots again and again).
     :param source: where ``slots`` comes from: ``given`` or ``registry``.
     :param recorded: the registry's sizes for the held slots (several: deployments disagree
         on N; ``slots`` is the largest).
+    :param scoped: the slots (1 to ``slots``) a live lock scope's row holds, between its tasks
+        or while one of them holds the slot's key too (docs/scopes.md).
     """
 
     name: str
@@ -33,6 +36,7 @@ class PoolUsage:
     entries: tuple[LockEntry, ...]
     source: str = "given"
     recorded: tuple[int, ...] = ()
+    scoped: tuple[int, ...] = ()
 
     @property
     def key(self) -> LockKey:
@@ -41,15 +45,28 @@ class PoolUsage:
 
     @property
     def held(self) -> int:
-        return len({entry.key.pg_locks for entry in self.entries if entry.holder.granted})
+        """Slots held by a session or by a lock scope's row (each counted once), as a guard finds them busy."""
+        by_sessions = {entry.key.pg_locks for entry in self.entries if entry.holder.granted}
+        by_scopes = {key.pg_locks for number, key in enumerate(self._keys, start=1) if number in self.scoped}
+        return len(by_sessions | by_scopes)
 
     @property
     def waiting(self) -> int:
         return sum(1 for entry in self.entries if not entry.holder.granted)
 
     @functools.cached_property
+    def _keys(self) -> list[LockKey]:
+        return slot_keys(self.key, self.slots)
+
+    @functools.cached_property
     def _numbers(self) -> dict[tuple[int, int, int], int]:
-        return {key.pg_locks: number for number, key in enumerate(slot_keys(self.key, self.slots), start=1)}
+        return {key.pg_locks: number for number, key in enumerate(self._keys, start=1)}
+
+    def with_scopes(self, scope_keys: Iterable[LockKey]) -> PoolUsage:
+        """This pool, its slots among ``scope_keys`` (live lock scopes' keys) counted as held."""
+        held = {key.numbers for key in scope_keys}
+        scoped = tuple(number for number, key in enumerate(self._keys, start=1) if key.numbers in held)
+        return dataclasses.replace(self, scoped=scoped)
 
     def slot_of(self, entry: LockEntry) -> int | None:
         """The slot number (1 to ``slots``) of the key ``entry`` holds or awaits."""
@@ -57,6 +74,8 @@ class PoolUsage:
 
     def describe(self) -> str:
         text = f"{self.held} of {self.slots} held"
+        if self.scoped:
+            text += f" ({len(self.scoped)} by lock scopes)"
         if len(self.recorded) > 1:
             sizes = ", ".join(map(str, self.recorded))
             text += f" (deployments recorded different sizes: {sizes}; keep N the same everywhere)"
@@ -72,6 +91,7 @@ class PoolUsage:
             "slots_source": self.source,
             "slots_recorded": list(self.recorded),
             "held": self.held,
+            "scoped_slots": list(self.scoped),
             "summary": self.describe(),
             "holders": [member(entry) for entry in self.entries if entry.holder.granted],
             "waiting": [member(entry) for entry in self.entries if not entry.holder.granted],

@@ -197,3 +197,32 @@ def test_a_full_pool_names_the_scopes_and_the_sessions_that_hold_it(hook: Any, s
     message = str(busy.value)
     assert "are held, 1 by lock scopes (slot 1: " in message and "; the other 1 by pid " in message, message
     assert "the other holder" in message and message.count("slots of the pool") == 1, message
+
+
+def test_locks_counts_the_slots_scopes_hold_and_lists_every_slots_scope(
+    hook: Any, scopes_db: Any, dsn: str, capsys: Any
+) -> None:
+    """A guard finds a slot busy while a scope's row holds it: `locks` counts it as held too, and
+    `--pool` / `--key` of the pool list the scopes of all its slots, not slot 1's alone."""
+    from tests.ops_helpers import run_cli
+
+    first, second = uuid.uuid4().hex, uuid.uuid4().hex
+    assert _enter(hook, first) == 1
+    session = hook.acquire(POOL, slots=SLOTS)
+    assert session is not None and session.slot == 2, "it passed over the scope's slot"
+    try:
+        for args in (("--pool", POOL.name, "--slots", str(SLOTS)), ()):
+            data = run_cli("locks", "--dsn", dsn, *args, "--output", "json", capsys=capsys).json()
+            [pool] = data["pools"]
+            assert (pool["held"], pool["scoped_slots"]) == (2, [1]), pool
+            assert pool["summary"] == "2 of 2 held (1 by lock scopes)"
+        table = run_cli("locks", "--dsn", dsn, "--pool", POOL.name, "--slots", str(SLOTS), capsys=capsys)
+        assert f"pool {POOL.name!r}: 2 of 2 held (1 by lock scopes)" in table.out, table.out
+    finally:
+        session.release()
+    assert _enter(hook, second) == 2
+    for args in (("--pool", POOL.name, "--slots", str(SLOTS)), ("--key", str(POOL.name))):
+        data = run_cli("locks", "--dsn", dsn, *args, "--output", "json", capsys=capsys).json()
+        assert sorted(scope["key"]["name"] for scope in data["scopes"]) == [POOL.name, f"{POOL.name}#slot2"], args
+    pool = run_cli("locks", "--dsn", dsn, "--pool", POOL.name, "--slots", "2", "--output", "json", capsys=capsys)
+    assert pool.json()["pool"]["summary"] == "2 of 2 held (2 by lock scopes)"

@@ -199,6 +199,31 @@ def test_locks_shows_a_live_scope_in_its_table_and_json(hook: Any, scopes_db: An
     assert other["scopes"] == []
 
 
+def test_locks_shows_a_live_scope_to_a_role_that_may_not_read_the_key_name_registry(
+    hook: Any, scopes_db: Any, dsn: str, capsys: Any
+) -> None:
+    """Every role may read the scopes (init-db grants PUBLIC), not the registry: with another
+    advisory lock held, `locks` asks the registry, is refused, and still lists the scope."""
+    from tests.ops_helpers import run_cli, with_user
+
+    role = "pglock_scope_noregistry"
+    scopes_db.execute(f"DROP ROLE IF EXISTS {role}")
+    scopes_db.execute(f"CREATE ROLE {role} LOGIN")
+    _enter(hook, uuid.uuid4().hex)
+    other = hook.acquire(LockKey.from_int(4242))
+    assert other is not None
+    try:
+        data = run_cli("locks", "--dsn", with_user(dsn, role), "--output", "json", capsys=capsys).json()
+        assert data["registry"] == "no access", data["registry"]
+        assert [scope["key"]["name"] for scope in data["scopes"]] == ["scopes/integration"]
+        only = run_cli("locks", "--dsn", with_user(dsn, role), "--key", "scopes/integration", capsys=capsys)
+        assert only.code == 0 and "- (between tasks)" in only.out, only.out
+    finally:
+        other.release()
+        scopes_db.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", [role])
+        scopes_db.execute(f"DROP ROLE {role}")
+
+
 def test_hook_acquire_finds_the_key_busy_while_another_runs_scope_is_live(hook: Any, scopes_db: Any) -> None:
     _enter(hook, uuid.uuid4().hex)
     assert hook.acquire(KEY) is None
