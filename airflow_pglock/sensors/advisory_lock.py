@@ -93,6 +93,11 @@ class AdvisoryLockSensor(BaseSensorOperator):
         self.postgres_conn_id = postgres_conn_id
         self.slots = slots
         self.deferrable = deferrable
+        if deferrable and not self.poke_interval > 0:  # the trigger re-reads the key every poke_interval
+            raise LockConfigurationError(
+                f"AdvisoryLockSensor {self.task_id!r} with deferrable=True needs poke_interval above 0 seconds "
+                f"(the trigger reads the key again every poke_interval), got {self.poke_interval!r}"
+            )
         self._lock_key: LockKey | None = None
         self._last_holders: str | None = None
 

@@ -218,6 +218,9 @@ class AdvisoryLockTrigger(BaseTrigger):
                 yield TriggerEvent({"status": FREE, "message": f"{key} is free", "deadline": self.deadline})
                 return
             who = await self._holders_text()
+            if who is None:  # released since the hub's last read (a release that announced nothing)
+                yield TriggerEvent({"status": FREE, "message": f"{key} is free", "deadline": self.deadline})
+                return
             message = f"{key} is still held by {who} at the sensor's deadline"
             yield TriggerEvent({"status": TIMEOUT, "holders": who, "message": message, "deadline": self.deadline})
         except Exception as error:  # the hub's error (connection, settings): the task reports it
@@ -226,20 +229,24 @@ class AdvisoryLockTrigger(BaseTrigger):
             event = {"status": ERROR, "error_type": type(error).__name__, "message": message, "deadline": self.deadline}
             yield TriggerEvent(event)
 
-    async def _holders_text(self) -> str:
-        """Who holds the key now (for the deadline's message), on a short connection of its own.
+    async def _holders_text(self) -> str | None:
+        """Who holds the key now (for the deadline's message), on a short connection of its own;
+        None when nothing keeps it (a pool: one of its slots) from being taken.
 
         Its error is the trigger's: the hub's last read may be older than a partition or a frozen
         server it has not noticed yet, and "still held" must come from a server that answered.
         """
         import datetime as dt
 
-        from airflow_pglock.holder import describe_holders
+        from airflow_pglock.holder import blocking_holders, describe_holders
         from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 
         holders = await AdvisoryLockHook(self.postgres_conn_id, connect_timeout=self.connect_timeout).aholders(
             self.key, slots=self.slots
         )
+        busy_slots = {holder.coordinates for holder in blocking_holders(holders, self.shared)}
+        if len(busy_slots) < len(self.slot_keys):
+            return None
         return describe_holders(holders, dt.datetime.now().astimezone())
 
 

@@ -496,3 +496,15 @@ def test_the_wake_up_hold_reads_the_supervisors_own_wait_on_this_line(monkeypatc
 
     # The supervisor's loop waits by this very option (its name, not only its default value).
     assert re.search(r'conf\.get\w*\(\s*"workers",\s*"min_heartbeat_interval"\s*\)', inspect.getsource(supervisor))
+
+
+@pytest.mark.parametrize("interval", [0, 0.0])
+def test_a_deferrable_sensor_that_would_never_poll_is_refused_when_the_dag_is_parsed(interval: float) -> None:
+    """The trigger re-reads the key every poke_interval: 0 was refused only after a first poke (a
+    connection), as the trigger's poll_interval; now at parse time, naming poke_interval."""
+    from airflow_pglock.exceptions import LockConfigurationError
+    from airflow_pglock.sensors.advisory_lock import AdvisoryLockSensor
+
+    with pytest.raises(LockConfigurationError, match=r"deferrable=True needs poke_interval above 0 seconds"):
+        AdvisoryLockSensor(task_id="s", key="k", deferrable=True, poke_interval=interval)
+    AdvisoryLockSensor(task_id="s", key="k", poke_interval=0)  # poke mode: Airflow's own rules

@@ -357,6 +357,34 @@ def test_a_deadline_the_hub_reads_as_held_is_told_only_by_a_server_that_answers(
     assert "could not read who holds" in event["message"], event
 
 
+@pytest.mark.parametrize("slots", [1, 2], ids=["key", "pool"])
+def test_a_release_the_hub_has_not_read_by_the_deadline_is_free_not_held_by_nobody(
+    airflow_db: Any, admin: Any, slots: int
+) -> None:
+    """A foreign client's release announces nothing; the hub reads pg_locks again only at its poll.
+    At the deadline the fresh look at the holders finds the key free: the event is "free". It was
+    "timeout ... still held by nobody", which fails a sensor without a retry."""
+    from airflow_pglock.keys import slot_keys
+
+    pool = slot_keys(LockKey.from_name("wakeups/released-unannounced"), slots)
+    admin.execute("SELECT pg_advisory_lock(k) FROM unnest(%s::bigint[]) AS k", [[key.int64 for key in pool]])
+    trigger = AdvisoryLockTrigger.for_key(
+        pool[0],
+        postgres_conn_id=TEST_CONN_ID,
+        poll_interval=LONG,
+        deadline=time.time() + 4,
+        slots=slots,
+        resume_hold=0,
+    )
+    try:
+        event = asyncio.run(
+            _fires_after(trigger, admin, lambda: admin.execute("SELECT pg_advisory_unlock(%s)", [pool[-1].int64]))
+        )
+    finally:
+        admin.execute("SELECT pg_advisory_unlock_all()")
+    assert event["status"] == FREE, event
+
+
 def test_the_hub_listens_before_every_check(
     airflow_db: Any, holder_hook: AdvisoryLockHook, admin: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
