@@ -68,6 +68,17 @@ class LockHolder:
     blocked_by: tuple[int, ...]
 
     @property
+    def client(self) -> str:
+        """Where the session connects from: its address; ``local`` over a Unix socket; ``hidden``
+        where the reading role may not see it (no ``pg_read_all_stats``: the role is shown, the
+        session's start and address are not); ``?`` when nothing about the session is shown."""
+        if self.client_addr:
+            return self.client_addr
+        if self.user is None:
+            return "?"
+        return "local" if self.since is not None else "hidden"
+
+    @property
     def coordinates(self) -> tuple[int, int, int]:
         return self.classid, self.objid, self.objsubid
 

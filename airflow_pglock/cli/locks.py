@@ -112,7 +112,7 @@ def _pool_row(pool: PoolUsage) -> list[str]:
     holders = "; ".join(f"slot {pool.slot_of(e)}: {_holder_text(e)}" for e in holding) or "-"
     dated = [e for e in holding if e.since is not None]
     oldest = min(dated, key=lambda e: e.since, default=None)  # type: ignore[arg-type,return-value]
-    clients = dict.fromkeys(e.holder.client_addr or ("local" if e.holder.user else "?") for e in holding)
+    clients = dict.fromkeys(e.holder.client for e in holding)
     return [
         f"{pool.name} (pool of {pool.slots})",
         f"{pool.key.numbers_text} (slot 1)",
@@ -157,7 +157,7 @@ def _lock_row(e: LockEntry) -> list[str]:
         holder,
         where_text(e.deployment, e.host),
         str(h.pid) if h.pid is not None else "prepared xact",
-        h.client_addr or ("local" if h.user else "?"),
+        h.client,
         since,
         human_duration(e.seconds),
     ]

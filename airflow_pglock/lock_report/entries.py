@@ -125,6 +125,7 @@ class LockEntry:
             },
             "user": holder.user,
             "client_addr": holder.client_addr,
+            "client": holder.client,
             "client_port": holder.client_port,
             "backend_type": holder.backend_type,
             "session_state": holder.state,
@@ -237,6 +238,14 @@ def filter_entries(
         wanted = {candidate.pg_locks for candidate in parse_key_filter(key)}
         selected = [e for e in selected if e.key.pg_locks in wanted or key in e.names]
     if dag is not None:
-        keys_of_dag = {(e.holder.database, e.key.pg_locks) for e in selected if e.airflow and e.airflow.dag_id == dag}
+        keys_of_dag = {
+            (e.holder.database, e.key.pg_locks) for e in selected if e.airflow and _shows_dag(e.airflow.dag_id, dag)
+        }
         selected = [e for e in selected if (e.holder.database, e.key.pg_locks) in keys_of_dag]
     return tuple(selected)
+
+
+def _shows_dag(shown: str, dag: str) -> bool:
+    """Whether the DAG id an ``application_name`` shows is ``dag``: a long id is shown shortened,
+    ending in ``~`` (:mod:`airflow_pglock.identity`)."""
+    return shown == dag or (shown.endswith("~") and dag.startswith(shown[:-1]))

@@ -133,7 +133,7 @@ _TEMPLATE = """<!doctype html>
     tr.append(holders);
     tr.append(node("td", [...new Set(p.holders.map(where))].join("; ") || "-"));
     tr.append(node("td", p.holders.map((h) => h.pid).join(", "), "num"));
-    const clients = new Set(p.holders.map((h) => h.client_addr || (h.user ? "local" : "?")));
+    const clients = new Set(p.holders.map((h) => h.client));
     tr.append(node("td", [...clients].join(", "), "num"));
     const dated = p.holders.filter((h) => h.since);
     const oldest = dated.reduce((a, b) => (a && a.since <= b.since ? a : b), null);
@@ -189,7 +189,7 @@ _TEMPLATE = """<!doctype html>
     tr.append(holder);
     tr.append(node("td", where(e), "where"));
     tr.append(node("td", e.pid === null ? "prepared xact" : e.pid, "num"));
-    tr.append(node("td", e.client_addr || (e.user ? "local" : "?"), "num"));
+    tr.append(node("td", e.client, "num"));
     const since = node("td", e.since ? e.since.replace("T", " ").slice(0, 19) : "?", "num");
     if (e.since_basis) since.title = e.since_basis;
     tr.append(since);

@@ -39,6 +39,7 @@ ENTRY_KEYS = {
     "airflow",
     "user",
     "client_addr",
+    "client",
     "client_port",
     "backend_type",
     "session_state",
@@ -404,6 +405,33 @@ def test_locks_lists_plain_sessions_waiters_and_filters(ops_dsn: str, capsys: An
         blocked.join(10)
         waiter.close()
         pair_holder.close()
+
+
+def test_locks_says_hidden_where_the_role_may_not_see_the_client_and_finds_a_shortened_dag_id(
+    ops_dsn: str, ops_db_role: str, capsys: Any
+) -> None:
+    """A role without pg_read_all_stats sees another role's session but not its address: the CLIENT
+    column says `hidden`, not `local` (a Unix socket). A DAG id too long for application_name is
+    shown shortened with `~`; `--dag` with the whole id still finds its sessions."""
+    identity = TaskIdentity("customer_billing_reconciliation_nightly_export", "reconcile_ledgers", "manual__2026")
+    shown = parse_application_name(identity.application_name())
+    assert shown is not None and shown.dag_id.endswith("~"), "the id is long enough to be shortened"
+    holder = hold(ops_dsn, (77,), application_name=identity.application_name())
+    try:
+        as_superuser = run_cli("locks", "--dsn", ops_dsn, "--output", "json", capsys=capsys).json()
+        assert [e["client"] for e in as_superuser["locks"]] == ["127.0.0.1"]
+        role_dsn = with_user(ops_dsn, ops_db_role)
+        as_role = run_cli("locks", "--dsn", role_dsn, "--output", "json", capsys=capsys).json()
+        [entry] = as_role["locks"]
+        assert (entry["user"], entry["client_addr"], entry["client"]) == ("postgres", None, "hidden"), entry
+        table = run_cli("locks", "--dsn", role_dsn, capsys=capsys).out
+        assert " hidden " in table and " local " not in table, table
+        by_dag = run_cli("locks", "--dsn", ops_dsn, "--dag", identity.dag_id, "--output", "json", capsys=capsys)
+        assert [e["pid"] for e in by_dag.json()["locks"]] == [holder.info.backend_pid]
+        other = run_cli("locks", "--dsn", ops_dsn, "--dag", "customer_billing", "--output", "json", capsys=capsys)
+        assert other.json()["locks"] == [], "a prefix of the shown id is another DAG"
+    finally:
+        holder.close()
 
 
 def test_locks_names_a_task_default_key_from_its_application_name(ops_dsn: str, capsys: Any) -> None:
