@@ -185,23 +185,28 @@ class AdvisoryLockTrigger(BaseTrigger):
         key = self.key.describe() if self.slots == 1 else f"a slot of the pool {self.key.describe()}"
         hub = wakeups.hub_for(self.postgres_conn_id, self.connect_timeout)
         try:
-            async with contextlib.AsyncExitStack() as watching:
-                waiters = [
-                    await watching.enter_async_context(
-                        hub.watch(slot, shared=self.shared, poll_interval=self.poll_interval)
-                    )
-                    for slot in self.slot_keys
-                ]
-                remaining = None if self.deadline is None else self.deadline - time.time()
-                await _log(
-                    self.log.info,
-                    "pglock waiting: %s until it is free (woken when it is released; re-read every %g s%s)",
-                    key,
-                    self.poll_interval,
-                    "" if remaining is None else f"; deadline in {max(0.0, remaining):.0f} s",
-                )
-                free = await _any_free(waiters, remaining)
-            if free:
+            free, logged = False, False
+            while not free:
+                async with contextlib.AsyncExitStack() as watching:
+                    waiters = [
+                        await watching.enter_async_context(
+                            hub.watch(slot, shared=self.shared, poll_interval=self.poll_interval)
+                        )
+                        for slot in self.slot_keys
+                    ]
+                    remaining = None if self.deadline is None else self.deadline - time.time()
+                    if not logged:
+                        await _log(
+                            self.log.info,
+                            "pglock waiting: %s until it is free (woken when it is released; re-read every %g s%s)",
+                            key,
+                            self.poll_interval,
+                            "" if remaining is None else f"; deadline in {max(0.0, remaining):.0f} s",
+                        )
+                        logged = True
+                    free = await _any_free(waiters, remaining)
+                if not free:
+                    break
                 held_back = started + self.resume_hold - time.monotonic()
                 if self.deadline is not None:
                     held_back = min(held_back, self.deadline - time.time())
@@ -215,6 +220,8 @@ class AdvisoryLockTrigger(BaseTrigger):
                         self.resume_hold,
                     )
                     await asyncio.sleep(held_back)
+                    free = not await self._taken_again()  # then waits again (the hold is over: at most once)
+            if free:
                 yield TriggerEvent({"status": FREE, "message": f"{key} is free", "deadline": self.deadline})
                 return
             who = await self._holders_text()
@@ -228,6 +235,15 @@ class AdvisoryLockTrigger(BaseTrigger):
             await _log(self.log.error, "pglock trigger: %s", message)
             event = {"status": ERROR, "error_type": type(error).__name__, "message": message, "deadline": self.deadline}
             yield TriggerEvent(event)
+
+    async def _taken_again(self) -> bool:
+        """After the wake-up's hold: whether the key (a pool: every slot) was taken again meanwhile.
+        Best effort: an error reads as free (the task that resumes tries the key itself)."""
+        try:
+            return await self._holders_text() is not None
+        except Exception as error:
+            await _log(self.log.warning, "pglock: could not look at %s again after the hold: %s", self.key, error)
+            return False
 
     async def _holders_text(self) -> str | None:
         """Who holds the key now (for the deadline's message), on a short connection of its own;

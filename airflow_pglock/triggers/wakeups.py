@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import weakref
 from collections.abc import AsyncIterator
@@ -127,6 +128,7 @@ class WakeupHub:
         self._checked_all = False  # since the hub (re)started: it read every waiting key once
         self._told_of_foreign = False
         self._unreadable: BaseException | None = None  # its connection went and is not back yet
+        self._poll_due = math.inf  # when every waiting key is read again (monotonic)
 
     @contextlib.asynccontextmanager
     async def watch(self, key: LockKey, *, shared: bool, poll_interval: float) -> AsyncIterator[Waiter]:
@@ -138,6 +140,8 @@ class WakeupHub:
             waiter.unsettle(self._unreadable)
         self.waiters.setdefault(waiter.coordinates, set()).add(waiter)
         self.pending.add(waiter.coordinates)
+        # Read at once, then again within its own interval: a waiter that polls less often must not hold it back.
+        self._poll_due = min(self._poll_due, time.monotonic() + poll_interval)
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._serve(), name="pglock wakeups")
         try:
@@ -212,11 +216,11 @@ class WakeupHub:
                 await asyncio.sleep(RECONNECT_DELAY)
 
     async def _watch(self, conn: psycopg.AsyncConnection[object]) -> None:
-        next_poll = time.monotonic() + self.poll_interval
+        self._poll_due = time.monotonic() + self.poll_interval
         while self.waiters:
-            if time.monotonic() >= next_poll:
+            if time.monotonic() >= self._poll_due:
                 self.pending |= set(self.waiters)
-                next_poll = time.monotonic() + self.poll_interval
+                self._poll_due = time.monotonic() + self.poll_interval
             keys = self.pending & set(self.waiters)
             self.pending.clear()
             if keys:

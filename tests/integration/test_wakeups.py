@@ -385,6 +385,37 @@ def test_a_release_the_hub_has_not_read_by_the_deadline_is_free_not_held_by_nobo
     assert event["status"] == FREE, event
 
 
+def test_a_waiter_that_polls_often_is_not_held_back_by_one_that_came_first_and_polls_rarely(
+    airflow_db: Any, admin: Any
+) -> None:
+    """One hub serves every trigger of a connection id. A sensor with a long poke_interval came
+    first; a trigger that polls every second joins later. Its foreign release (no announcement)
+    is seen at its own poll, long before its deadline; the hub kept the first waiter's interval."""
+    rare, often = LockKey.from_name("wakeups/polls-rarely"), LockKey.from_name("wakeups/polls-often")
+    admin.execute("SELECT pg_advisory_lock(%s), pg_advisory_lock(%s)", [rare.int64, often.int64])
+
+    async def scenario() -> tuple[dict[str, Any], float]:
+        first = asyncio.create_task(_first_payload(_trigger(rare)))  # polls every LONG seconds
+        await asyncio.to_thread(_hub_ready, admin)
+        deadline = time.time() + FIRE_WITHIN
+        second = AdvisoryLockTrigger.for_key(
+            often, postgres_conn_id=TEST_CONN_ID, poll_interval=1, deadline=deadline, resume_hold=0
+        )
+        fired = asyncio.create_task(_first_payload(second))
+        await asyncio.sleep(2)  # its first read (at once) found it held
+        await asyncio.to_thread(admin.execute, "SELECT pg_advisory_unlock(%s)", [often.int64])
+        event = await asyncio.wait_for(fired, FIRE_WITHIN + 10)
+        first.cancel()
+        return event, deadline - time.time()
+
+    try:
+        event, left = asyncio.run(scenario())
+    finally:
+        admin.execute("SELECT pg_advisory_unlock_all()")
+    assert event["status"] == FREE, event
+    assert left > FIRE_WITHIN / 2, f"seen {FIRE_WITHIN - left:.0f} s after the release, at the deadline's read"
+
+
 def test_the_hub_listens_before_every_check(
     airflow_db: Any, holder_hook: AdvisoryLockHook, admin: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -477,6 +508,51 @@ def test_a_release_right_after_the_deferral_wakes_the_task_only_once_the_hold_ha
     assert after >= hold  # a lower bound: slowness cannot break it
     log = "".join(capfd.readouterr()) + caplog.text
     assert "the wake-up waits" in log and "72716" in log
+
+
+def test_a_key_taken_again_during_the_wake_ups_hold_is_waited_for_again(
+    airflow_db: Any, holder_hook: AdvisoryLockHook, admin: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hold delays the wake-up by seconds; a key another run took meanwhile is held again when
+    the hold ends: the trigger looks once more and waits on, instead of reporting it free."""
+    hold = 4.0
+    key = LockKey.from_name("wakeups/taken-during-the-hold")
+    real = wakeups.aheld
+    reads: list[bool] = []
+
+    async def spy(conn: Any, keys: Any) -> Any:
+        held = await real(conn, keys)
+        reads.append(key.pg_locks in held)
+        return held
+
+    monkeypatch.setattr(wakeups, "aheld", spy)
+    first = holder_hook.acquire(key, application_name="announcer")
+    assert first is not None
+    trigger = AdvisoryLockTrigger.for_key(
+        key, postgres_conn_id=TEST_CONN_ID, poll_interval=LONG, deadline=None, resume_hold=hold
+    )
+
+    def seen_free() -> None:
+        limit = time.monotonic() + FIRE_WITHIN
+        while False not in reads:
+            assert time.monotonic() < limit, "the hub never read the release"
+            time.sleep(0.01)
+
+    async def scenario() -> tuple[bool, dict[str, Any]]:
+        fired = asyncio.create_task(_first_payload(trigger))
+        await asyncio.to_thread(_hub_ready, admin)
+        await asyncio.to_thread(first.release)
+        await asyncio.to_thread(seen_free)  # the wake-up's hold has begun
+        second = await asyncio.to_thread(holder_hook.acquire, key, application_name="announcer 2")
+        assert second is not None
+        await asyncio.sleep(hold + 1)
+        fired_while_held = fired.done()
+        await asyncio.to_thread(second.release)
+        return fired_while_held, await asyncio.wait_for(fired, FIRE_WITHIN)
+
+    fired_while_held, event = asyncio.run(scenario())
+    assert not fired_while_held, f"it reported the key free while another run held it: {event}"
+    assert event["status"] == FREE, event
 
 
 def test_the_resume_hold_outlasts_the_late_report_of_a_deferring_process() -> None:
