@@ -48,6 +48,10 @@ RECONNECT_DELAY = 1.0
 #: Keys settled before the hub lets the loop turn: many keys freed at once wake their
 #: triggers a batch per turn, so the loop's timers (Airflow's watchdog) run in between.
 WAKE_BATCH = 20
+#: Seconds a hub whose first connection fails keeps trying before its waiters report the error:
+#: a lock database that blinks as a triggerer (re)starts fails no deferred task, and a connection
+#: the triggerer can never open is still reported soon.
+FIRST_CONNECT_GRACE = 30.0
 #: Unforeseen errors in a row, with no complete check of the waiting keys in between, after
 #: which the waiting triggers report the error instead of waiting on a hub that cannot read.
 FAILURES_REPORTED = 3
@@ -129,6 +133,7 @@ class WakeupHub:
         self._told_of_foreign = False
         self._unreadable: BaseException | None = None  # its connection went and is not back yet
         self._poll_due = math.inf  # when every waiting key is read again (monotonic)
+        self._started = 0.0  # when _serve began (monotonic)
 
     @contextlib.asynccontextmanager
     async def watch(self, key: LockKey, *, shared: bool, poll_interval: float) -> AsyncIterator[Waiter]:
@@ -160,6 +165,7 @@ class WakeupHub:
     async def _serve(self) -> None:
         """Watch while keys wait; after an unforeseen error start again, checking every key."""
         self._connected_once = False
+        self._started = time.monotonic()
         failures = 0
         while self.waiters:
             self._checked_all = False
@@ -194,11 +200,14 @@ class WakeupHub:
             try:
                 conn = await hook.aconnect(WAKEUP_APPLICATION_NAME)
             except (PgLockError, psycopg.Error, OSError) as error:
-                if not self._connected_once or isinstance(error, LockConfigurationError | UnsafeSetupError):
+                never_reached = not self._connected_once and time.monotonic() - self._started > FIRST_CONNECT_GRACE
+                if never_reached or isinstance(error, LockConfigurationError | UnsafeSetupError):
                     self._fail_all(error)  # a setting to fix, or no database at all: the waiters report it
                     return
+                if not self._connected_once:
+                    self._unsettle_all(error)  # a deadline meanwhile reports this error, never "held"
                 await asyncio.to_thread(
-                    log.warning, "pglock wakeups: cannot reconnect to the lock database (%s); retrying", error
+                    log.warning, "pglock wakeups: cannot connect to the lock database (%s); retrying", error
                 )
                 await asyncio.sleep(RECONNECT_DELAY)
                 continue

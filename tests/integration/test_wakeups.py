@@ -332,6 +332,37 @@ def test_a_deadline_while_the_lock_database_is_gone_is_reported_as_an_error_not_
     assert after["status"] == FREE, after
 
 
+def test_a_trigger_that_starts_while_the_lock_database_refuses_connections_waits_for_it(
+    airflow_db: Any, admin: Any, pg_server: str
+) -> None:
+    """No hub yet (no other trigger keeps a connection), and the database refuses connections
+    for a moment, as a triggerer restarting during a failover finds it: the trigger keeps trying
+    and sees the key once the database is back. It reported the connection error at once, which
+    failed the deferred task."""
+    import psycopg
+
+    key = LockKey.from_name("wakeups/starts-during-an-outage")
+    server = psycopg.connect(pg_server, autocommit=True)
+    database = admin.info.dbname
+
+    async def outage() -> dict[str, Any]:
+        allow_connections(server, database, False)
+        fired = asyncio.create_task(_first_payload(_trigger(key, deadline=FIRE_WITHIN)))
+        await asyncio.sleep(3)
+        refused_meanwhile = fired.done()
+        allow_connections(server, database, True)
+        event = await asyncio.wait_for(fired, FIRE_WITHIN)
+        assert not refused_meanwhile, f"it gave up while the database refused connections: {event}"
+        return event
+
+    try:
+        event = asyncio.run(outage())
+    finally:
+        allow_connections(server, database, True)
+        server.close()
+    assert event["status"] == FREE, event
+
+
 def test_a_deadline_the_hub_reads_as_held_is_told_only_by_a_server_that_answers(
     airflow_db: Any, admin: Any, pg_server: str
 ) -> None:
