@@ -168,16 +168,27 @@ def _since(row: LockHolder, holder: AirflowHolder | None) -> tuple[dt.datetime |
 def _pool_markers(rows: Sequence[LockHolder]) -> set[int]:
     """The rows (by ``id``) that are a pool holder's two markers (``keys.pool_size_marker``): not
     locks of their own, left out of the report. A session holds them in shared mode as a pair, one
-    classid with objid 0 (presence) and objid 2..MAX_SLOTS (size), which is what is looked for."""
+    classid with objid 0 (presence) and objid 2..MAX_SLOTS (size), which is what is looked for.
+
+    Any program may hold such a pair of its own: it is left out only when its session is a pool
+    holder (an airflow-pglock session, or one that holds an exclusive lock, its slot) and nobody
+    waits for either marker (a pool's own checks only try them, never wait). A foreign holder
+    is never hidden behind the look of a marker."""
     shared: dict[tuple[str, int | None, int], dict[int, LockHolder]] = {}
+    exclusive = {(row.database, row.pid) for row in rows if row.granted and not row.shared}
     for row in rows:
         if row.granted and row.shared and row.objsubid == 1 and (row.objid == 0 or 2 <= row.objid <= MAX_SLOTS):
             shared.setdefault((row.database, row.pid, row.classid), {})[row.objid] = row
     found: set[int] = set()
-    for by_objid in shared.values():
+    for (database, pid, _), by_objid in shared.items():
         sizes = [objid for objid in by_objid if objid != 0]
-        if 0 in by_objid and len(sizes) == 1:
-            found |= {id(by_objid[0]), id(by_objid[sizes[0]])}
+        if 0 not in by_objid or len(sizes) != 1:
+            continue
+        pair = (by_objid[0], by_objid[sizes[0]])
+        if any(row.waiters for row in pair):
+            continue
+        if (database, pid) in exclusive or is_provider_session(pair[0].application_name):
+            found |= {id(row) for row in pair}
     return found
 
 

@@ -434,6 +434,32 @@ def test_locks_says_hidden_where_the_role_may_not_see_the_client_and_finds_a_sho
         holder.close()
 
 
+def test_locks_never_hides_a_foreign_holder_whose_shared_locks_look_like_pool_markers(
+    ops_dsn: str, capsys: Any
+) -> None:
+    """A pool holder's two shared markers (objid 0 and objid N of one classid) are left out of the
+    report. Another program's shared locks 0 and 2 have that look: they stay in, with whoever
+    waits for them, and so does a pool holder's pair that someone waits for."""
+    billing = psycopg.connect(ops_dsn, autocommit=True, application_name="billing-service")
+    billing.execute("SELECT pg_advisory_lock_shared(0), pg_advisory_lock_shared(2)")
+    writer = psycopg.connect(ops_dsn, autocommit=True, application_name="other-writer")
+    blocked = threading.Thread(target=lambda: writer.execute("SELECT pg_advisory_lock(2)"), daemon=True)
+    try:
+        shown = run_cli("locks", "--dsn", ops_dsn, "--output", "json", capsys=capsys).json()["locks"]
+        assert sorted(e["key"]["numbers"][0] for e in shown if e["pid"] == billing.info.backend_pid) == [0, 2]
+        blocked.start()
+        _wait_for(lambda: any(not granted for *_, granted in advisory_locks(billing)))
+        only = run_cli("locks", "--dsn", ops_dsn, "--key", "2", "--output", "json", capsys=capsys).json()["locks"]
+        assert sorted((e["state"], e["application_name"]) for e in only) == [
+            ("holding", "billing-service"),
+            ("waiting", "other-writer"),
+        ], only
+    finally:
+        billing.close()
+        blocked.join(10)
+        writer.close()
+
+
 def test_locks_names_a_task_default_key_from_its_application_name(ops_dsn: str, capsys: Any) -> None:
     identity = TaskIdentity(
         "nightly_settlement", "settle", "scheduled__2026-01-01T02:00:00+00:00", deployment="eu", host="w1"
