@@ -139,8 +139,11 @@ class LockSnapshot:
     :param taken_at: the server's clock when the snapshot was read.
     :param database: the database connected to.
     :param rows: every holder and waiter, holders before waiters, grouped by key.
+    :param in_recovery: the server is a standby in recovery: it holds no lock of the primary's
+        sessions (advisory locks are not replicated), so an empty snapshot says nothing.
     """
 
     taken_at: dt.datetime
     database: str
     rows: tuple[LockHolder, ...]
+    in_recovery: bool = False

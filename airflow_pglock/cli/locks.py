@@ -49,6 +49,8 @@ def cmd_locks(args: argparse.Namespace, out: TextIO) -> int:
         f"{head}{' matching ' + filters if filters else ''}; key-name registry: {report.registry}; "
         f"server time {report.taken_at.isoformat(timespec='seconds')}\n"
     )
+    if report.standby_warning is not None:
+        out.write(f"WARNING: {report.standby_warning}\n")
     if report.pool is not None:
         out.write(f"pool {report.pool.name!r}: {report.pool.describe()}\n")
     if report.scopes:

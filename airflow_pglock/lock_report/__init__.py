@@ -96,6 +96,17 @@ class LockReport:
     pool: PoolUsage | None = None
     pools: tuple[PoolUsage, ...] = ()
     scopes: tuple[ScopeEntry, ...] = ()
+    in_recovery: bool = False
+
+    @property
+    def standby_warning(self) -> str | None:
+        """What to say when the server read is a standby: its locks are not the primary's."""
+        if not self.in_recovery:
+            return None
+        return (
+            "this server is a standby in recovery: advisory locks are not replicated, so it shows none of the "
+            "primary's holders; point the connection at the primary"
+        )
 
     @functools.cached_property
     def _pooled(self) -> frozenset[int]:
@@ -124,6 +135,8 @@ class LockReport:
             "server_time": self.taken_at.isoformat(),
             "all_databases": self.all_databases,
             "registry": self.registry,
+            "in_recovery": self.in_recovery,
+            "warning": self.standby_warning,
             "filters": dict(self.filters),
             "locks": [self._entry_json(entry) for entry in self.entries],
             "pools": [usage.to_json() for usage in self.pools],
@@ -207,6 +220,7 @@ def collect_lock_report(
         pool=usage,
         pools=pools,
         scopes=scopes,
+        in_recovery=snapshot.in_recovery,
     )
 
 

@@ -82,10 +82,11 @@ def advisory_locks(conn: psycopg.Connection[Any], *, all_databases: bool = False
     """
     query, params = _query(conn.info.server_version, None, all_databases)
     rows = conn.execute(query, params).fetchall()
+    head = conn.execute("SELECT current_database(), clock_timestamp(), pg_is_in_recovery()").fetchone()
+    assert head is not None
+    database, taken_at, in_recovery = head
     if rows:
         database, taken_at = rows[0][18], rows[0][19]
-    else:
-        head = conn.execute("SELECT current_database(), clock_timestamp()").fetchone()
-        assert head is not None
-        database, taken_at = head
-    return LockSnapshot(taken_at=taken_at, database=database, rows=tuple(_holder(row) for row in rows))
+    return LockSnapshot(
+        taken_at=taken_at, database=database, rows=tuple(_holder(row) for row in rows), in_recovery=bool(in_recovery)
+    )

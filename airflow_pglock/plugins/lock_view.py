@@ -72,7 +72,9 @@ def create_app() -> Any:
     from fastapi.responses import HTMLResponse, Response
 
     from airflow_pglock.compat import use_server_connections
-    from airflow_pglock.exceptions import InvalidLockKeyError, LockConfigurationError, LockConnectionError
+    import psycopg
+
+    from airflow_pglock.exceptions import InvalidLockKeyError, LockConfigurationError, LockConnectionError, PgLockError
     from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
     from airflow_pglock.lock_report import collect_lock_report
     from airflow_pglock.plugins.page import render_page
@@ -113,6 +115,9 @@ def create_app() -> Any:
             raise HTTPException(status_code=400, detail=str(error)) from None
         except LockConnectionError as error:
             raise HTTPException(status_code=503, detail=str(error)) from None
+        except (PgLockError, psycopg.Error) as error:  # e.g. a statement_timeout: the page says which
+            detail = f"the lock database refused the read ({type(error).__name__}: {str(error).strip()})"
+            raise HTTPException(status_code=503, detail=detail) from None
         data = report.to_json()
         data["conn_id"] = chosen
         base = ui_base_path()

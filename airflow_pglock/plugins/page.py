@@ -206,9 +206,11 @@ _TEMPLATE = """<!doctype html>
         credentials: "same-origin",
         headers: { Accept: "application/json" },
       });
-      const data = await response.json();
+      const text = await response.text();
+      let data;
+      try { data = JSON.parse(text); } catch (_) { data = { detail: text.slice(0, 200) }; }
       if (!response.ok) throw new Error(data.detail || response.statusText);
-      el("error").textContent = "";
+      el("error").textContent = data.warning || "";
       const tbody = el("locks").querySelector("tbody");
       const pools = data.pools || [];
       const pooled = new Set(pools.flatMap((p) => [...p.holders, ...p.waiting].map(slotId)));
@@ -221,6 +223,11 @@ _TEMPLATE = """<!doctype html>
         data.server + " - key-name registry: " + data.registry + " - updated " +
         new Date().toLocaleTimeString() + " (every " + refreshMs / 1000 + " s)";
     } catch (err) {
+      // Rows from an earlier read may be gone by now (a stopped server holds nothing): none stay up.
+      el("locks").querySelector("tbody").replaceChildren();
+      el("locks").hidden = true;
+      el("empty").hidden = true;
+      el("meta").textContent = "No current data: the last read failed at " + new Date().toLocaleTimeString();
       el("error").textContent = "Could not read the locks: " + err.message;
     }
   }

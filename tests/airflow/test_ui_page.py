@@ -405,6 +405,49 @@ def test_page_shows_a_pool_as_one_row_with_its_holders_in_a_real_browser(api_ser
 
 
 @pytest.mark.matrix("ui-page", since=UI_PAGE_SINCE)
+def test_page_shows_no_holder_from_an_earlier_read_once_the_lock_database_cannot_be_read(
+    api_server: ApiServer, ui_db: str, pg_server: str
+) -> None:
+    """The rows of an earlier read stayed up under the error, as if the session still held its
+    key (a stopped server holds nothing). Now the table is emptied and the page says since when
+    it has no data; it fills again once the database answers."""
+    pytest.importorskip("selenium", reason="the browser test drives Chromium with selenium (test extra)")
+    from selenium.webdriver.common.by import By
+
+    from tests.helpers import allow_connections
+
+    try:
+        chromium = find_chromium()
+    except BrowserUnavailableError as error:
+        pytest.skip(f"no headless browser here: {error}")
+    holder = AdvisoryLockHook(dsn=ui_db).acquire("billing", application_name="billing-service")
+    assert holder is not None
+    server = psycopg.connect(pg_server, autocommit=True)
+    database = psycopg.conninfo.conninfo_to_dict(ui_db)["dbname"]
+    driver = None
+    try:
+        driver = _browser(*chromium)
+        wait = _login_and_open_page(driver, api_server)
+        rows = lambda d: [r.text for r in d.find_elements(By.CSS_SELECTOR, "#locks tbody tr")]  # noqa: E731
+        wait.until(lambda d: any("billing-service" in row for row in rows(d)))
+        allow_connections(server, database, False)
+        wait.until(lambda d: "Could not read the locks" in d.find_element(By.ID, "error").text)
+        during = (rows(driver), driver.find_element(By.ID, "meta").text, driver.find_element(By.ID, "error").text)
+        allow_connections(server, database, True)
+        wait.until(lambda d: any("billing-service" in row for row in rows(d)))
+    finally:
+        allow_connections(server, database, True)
+        server.close()
+        if driver is not None:
+            driver.quit()
+        holder.release()
+    shown, meta, error = during
+    assert shown == [], f"rows of an earlier read stayed up: {shown}"
+    assert meta.startswith("No current data: the last read failed at"), meta
+    assert "not currently accepting connections" in error, error
+
+
+@pytest.mark.matrix("ui-page", since=UI_PAGE_SINCE)
 def test_page_names_a_deferred_task_that_holds_its_key_in_a_real_browser(api_server: ApiServer, ui_db: str) -> None:
     pytest.importorskip("selenium", reason="the browser test drives Chromium with selenium (test extra)")
     from selenium.webdriver.common.by import By

@@ -49,10 +49,17 @@ def test_doctor_flags_a_standby(primary: Cluster, capsys: Any) -> None:
         assert checks["pooler"]["status"] == "ok" and checks["connection"]["status"] == "ok"
         table = run_cli("doctor", "--dsn", standby.dsn_for("doctor_db"), capsys=capsys)
         assert table.code == 1 and "[PROBLEM] recovery" in table.out and "result: problem" in table.out
+        # `locks` on a standby: no lock of the primary's sessions is there, and it says so.
+        listed = run_cli("locks", "--dsn", standby.dsn_for("doctor_db"), "--output", "json", capsys=capsys)
+        assert listed.json()["in_recovery"] is True and "standby in recovery" in listed.json()["warning"]
+        shown = run_cli("locks", "--dsn", standby.dsn_for("doctor_db"), capsys=capsys).out
+        assert "WARNING: this server is a standby in recovery" in shown, shown
     finally:
         standby.destroy()
     primary_result = run_cli("doctor", "--dsn", primary.dsn_for("doctor_db"), "--output", "json", capsys=capsys)
     assert _checks(primary_result)["recovery"]["status"] == "ok"
+    on_primary = run_cli("locks", "--dsn", primary.dsn_for("doctor_db"), "--output", "json", capsys=capsys).json()
+    assert (on_primary["in_recovery"], on_primary["warning"]) == (False, None)
 
 
 _LIVENESS_SETTINGS = (

@@ -50,7 +50,19 @@ ENTRY_KEYS = {
     "blocked_by",
 }
 KEY_KEYS = {"name", "names", "name_source", "collision", "kind", "numbers", "pg_locks", "name_unknown_reason"}
-REPORT_KEYS = {"database", "server", "server_time", "all_databases", "registry", "filters", "locks", "pools", "scopes"}
+REPORT_KEYS = {
+    "database",
+    "server",
+    "server_time",
+    "all_databases",
+    "registry",
+    "in_recovery",
+    "warning",
+    "filters",
+    "locks",
+    "pools",
+    "scopes",
+}
 
 
 @pytest.fixture
