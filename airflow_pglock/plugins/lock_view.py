@@ -66,14 +66,13 @@ def refresh_seconds() -> int:
 
 def create_app() -> Any:
     """The FastAPI app (built on the first request by :class:`LazyApp`)."""
+    import psycopg
     from airflow.api_fastapi.auth.managers.models.resource_details import AccessView
     from airflow.api_fastapi.core_api.security import requires_access_view
     from fastapi import Depends, FastAPI, HTTPException
     from fastapi.responses import HTMLResponse, Response
 
     from airflow_pglock.compat import use_server_connections
-    import psycopg
-
     from airflow_pglock.exceptions import InvalidLockKeyError, LockConfigurationError, LockConnectionError, PgLockError
     from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
     from airflow_pglock.lock_report import collect_lock_report
