@@ -9,7 +9,6 @@ lock (see ``pg/scopes.py``).
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -251,8 +250,7 @@ def end_member_task(role: ScopeRole, key: LockKey, held: HeldLock, logger: loggi
 
 
 def _busy(key: LockKey, row: ScopeRow) -> LockBusyError:
-    until = (row.lease_until - dt.datetime.now(dt.timezone.utc)).total_seconds()  # a hint: clocks may differ
-    return LockBusyError(f"{key.describe()} is held by {row.describe()}", key, retry_after=max(0.0, until))
+    return LockBusyError(f"{key.describe()} is held by {row.describe()}", key, retry_after=max(0.0, row.seconds_left))
 
 
 def _issue_token(held: HeldLock, application_name: str | None) -> int:

@@ -92,6 +92,8 @@ class ScopeRow:
     :param token: the scope's fencing token, or None.
     :param lease_until: when the scope ends if no task of it renews it (database clock).
     :param live: whether ``lease_until`` was in the future when read.
+    :param seconds_left: how long until ``lease_until`` when read, on the database clock (a
+        worker's or a triggerer's clock may differ from it).
     """
 
     holder: str
@@ -100,6 +102,7 @@ class ScopeRow:
     token: int | None
     lease_until: dt.datetime
     live: bool
+    seconds_left: float = 0.0
 
     def describe(self) -> str:
         until = self.lease_until.isoformat(timespec="seconds")
@@ -136,7 +139,10 @@ def is_deferred_hold(task_now: str | None) -> bool:
     return task_now is not None and task_now.endswith((DEFERRED_SUFFIX, RESUMING_SUFFIX))
 
 
-_COLUMNS = "holder, run, task_now, token, lease_until, lease_until > clock_timestamp()"
+_COLUMNS = (
+    "holder, run, task_now, token, lease_until, lease_until > clock_timestamp(),"
+    " extract(epoch FROM lease_until - clock_timestamp())::float8"
+)
 _WHERE = "objsubid = %(objsubid)s AND classid = %(classid)s AND objid = %(objid)s"
 
 

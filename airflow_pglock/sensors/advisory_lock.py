@@ -195,7 +195,7 @@ class AdvisoryLockSensor(BaseSensorOperator):
         # trigger's own deadline ends the wait with an event execute_complete maps.
         self.defer(trigger=trigger, method_name="execute_complete")
 
-    def _defer_behind_scope(self, key: LockKey, lease_until: dt.datetime, event: dict[str, Any]) -> None:
+    def _defer_behind_scope(self, key: LockKey, seconds_left: float, event: dict[str, Any]) -> None:
         """The key is free but a lock scope holds it: wait again, rechecking at the lease's end at the latest."""
         from airflow_pglock.task_guard import SCOPE_RECHECK_SECONDS
         from airflow_pglock.triggers.advisory_lock import AdvisoryLockTrigger, worker_resume_hold
@@ -213,7 +213,7 @@ class AdvisoryLockSensor(BaseSensorOperator):
             slots=self.slots,
             resume_hold=max(
                 worker_resume_hold(),
-                min(SCOPE_RECHECK_SECONDS, (lease_until - dt.datetime.now(dt.timezone.utc)).total_seconds()),
+                min(SCOPE_RECHECK_SECONDS, seconds_left),  # on the database clock, as the lease
             ),
         )
         self.defer(trigger=trigger, method_name="execute_complete")
@@ -260,11 +260,11 @@ class AdvisoryLockSensor(BaseSensorOperator):
             if self.slots > 1:  # a free slot may be one a lock scope holds between its tasks
                 scoped = hook.scopes(key, slots=self.slots)
                 if scoped and not self._free(key, hook.holders(key, slots=self.slots), scoped):
-                    self._defer_behind_scope(key, min(row.lease_until for row in scoped.values()), event)
+                    self._defer_behind_scope(key, min(row.seconds_left for row in scoped.values()), event)
             else:
                 scope = self._scope(hook, key)
                 if scope is not None:
-                    self._defer_behind_scope(key, scope.lease_until, event)
+                    self._defer_behind_scope(key, scope.seconds_left, event)
             self.log.info("pglock sensor: %s", message)
             return
         if status == TIMEOUT:

@@ -224,6 +224,30 @@ def test_locks_shows_a_live_scope_to_a_role_that_may_not_read_the_key_name_regis
         scopes_db.execute(f"DROP ROLE {role}")
 
 
+def test_a_busy_scope_says_when_to_try_again_by_the_database_clock(
+    hook: Any, scopes_db: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A deferral behind a scope wakes at the lease's end (at most 30 s later). The time left was
+    the row's lease_until minus this machine's clock: a worker 10 minutes ahead of the database
+    read 0 s, and deferred again every 8 s instead. It is the database's own reckoning now."""
+    import datetime as dt
+    import types
+
+    from airflow_pglock import scope_rules
+
+    class TenMinutesAhead(dt.datetime):
+        @classmethod
+        def now(cls, tz: Any = None) -> Any:  # type: ignore[override]
+            return dt.datetime.now(tz) + dt.timedelta(minutes=10)
+
+    _enter(hook, uuid.uuid4().hex, lease=300.0)
+    skewed = types.SimpleNamespace(datetime=TenMinutesAhead, timezone=dt.timezone, timedelta=dt.timedelta)
+    monkeypatch.setattr(scope_rules, "dt", skewed, raising=False)
+    with pytest.raises(LockBusyError) as busy, LockGuard(hook.database, KEY, LockPolicy()):
+        pytest.fail("ran inside another run's scope")
+    assert busy.value.retry_after is not None and 250 < busy.value.retry_after <= 300, busy.value.retry_after
+
+
 def test_hook_acquire_finds_the_key_busy_while_another_runs_scope_is_live(hook: Any, scopes_db: Any) -> None:
     _enter(hook, uuid.uuid4().hex)
     assert hook.acquire(KEY) is None
