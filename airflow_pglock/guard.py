@@ -372,8 +372,29 @@ class LockGuard:
                 raise
             if token is not None:
                 self.fencing_token = token
+            if self.scope.kind == "leave" and not self._records_completion:
+                self._say_what_the_teardown_found()
             break
         return held
+
+    def _say_what_the_teardown_found(self) -> None:
+        """A teardown that found its scope gone or lapsed freed nothing: its log says so (it ends
+        well: the scope is free either way, and the tasks of the scope checked it as they ran)."""
+        row = self.scope_row
+        if row is None:
+            self.log.warning(
+                "pglock: the lock scope of %s (holder %s) was already gone when it was to be freed: it had been "
+                "freed, or had lapsed and been taken by another run",
+                self.key.describe(),
+                self.scope.holder,
+            )
+        elif not row.live:
+            self.log.warning(
+                "pglock: the lock scope of %s had lapsed before its teardown (lease until %s, database clock); "
+                "its row is deleted",
+                self.key.describe(),
+                row.lease_until.isoformat(timespec="seconds"),
+            )
 
     def _free_entered_scope(self) -> None:
         """A setup that took its scope failed before its work: free the scope under the lock, the

@@ -282,7 +282,7 @@ def _run_scope_task(
     if kind == "enter":
         task.log.info("pglock: took the lock scope of %s (holder %s)", rendered.get("key"), role.holder)
         return result
-    task.log.info("pglock: freed the lock scope of %s (holder %s)", rendered.get("key"), role.holder)
+    task.log.info("pglock: the lock scope of %s is no longer held by holder %s", rendered.get("key"), role.holder)
     return None
 
 

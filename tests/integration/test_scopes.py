@@ -120,11 +120,19 @@ def test_a_member_that_outlives_the_lease_keeps_and_renews_the_scope(hook: Any, 
     assert live, "the task's end renews the scope for the next task"
 
 
-def test_the_teardown_frees_only_its_own_scope(hook: Any, scopes_db: Any) -> None:
+def test_the_teardown_frees_only_its_own_scope(hook: Any, scopes_db: Any, caplog: Any) -> None:
+    """... and says when it found nothing of its own to free (it said "freed" all the same)."""
+    import logging
+
     holder = uuid.uuid4().hex
     _enter(hook, holder)
-    with LockGuard(hook.database, KEY, LockPolicy(), scope=_role("leave", uuid.uuid4().hex)) as _:
+    quiet = logging.getLogger("pglock-test-teardown")
+    with (
+        caplog.at_level(logging.WARNING, logger=quiet.name),
+        LockGuard(hook.database, KEY, LockPolicy(), scope=_role("leave", uuid.uuid4().hex), logger=quiet) as _,
+    ):
         pass
+    assert "was already gone when it was to be freed" in caplog.text, caplog.text
     assert scopes_db.execute("SELECT count(*) FROM pglock.scopes").fetchone()[0] == 1
     guard = LockGuard(hook.database, KEY, LockPolicy(), scope=_role("leave", holder))
     with guard:
