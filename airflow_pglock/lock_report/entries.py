@@ -9,30 +9,49 @@ or the default key of the DAG / task named by a holder's or waiter's application
 from __future__ import annotations
 
 import datetime as dt
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from airflow_pglock.exceptions import InvalidLockKeyError
 from airflow_pglock.identity import holder_where, is_provider_session, parse_application_name
-from airflow_pglock.keys import MAX_SLOTS, LockKey
+from airflow_pglock.keys import INT32_MAX, INT64_MAX, INT64_MIN, MAX_SLOTS, LockKey
 
 if TYPE_CHECKING:
     from airflow_pglock.holder import LockHolder, LockSnapshot
     from airflow_pglock.pg.key_names import RegisteredName
 
 
+_NUMBERS = re.compile(r"\s*-?\d+\s*(,\s*-?\d+\s*)*")
+#: pg_locks shows a pair key's two int32 as unsigned oids (``-1`` as 4294967295).
+_OID_SPAN = 2**32
+
+
 def parse_key_filter(text: str) -> list[LockKey]:
-    """The keys a ``--key`` value may mean: the name, and also the int64 or ``A,B`` pair it spells."""
+    """The keys a ``--key`` value may mean: the name, and also the int64 or ``A,B`` pair it spells.
+
+    A pair may be copied from ``pg_locks`` (classid, objid): unsigned oids, read back as int32.
+    Numbers that are neither (out of range, three of them) are refused, naming the value: a
+    look-up by them would find nothing and say so as if nothing were held.
+    """
     candidates = [LockKey.from_name(text)]
-    stripped = text.strip()
+    if not _NUMBERS.fullmatch(text):
+        return candidates  # a name only
+    numbers = [int(part) for part in text.split(",")]
     try:
-        if "," in stripped:
-            first, second = (int(part) for part in stripped.split(","))
+        if len(numbers) == 1:
+            candidates.append(LockKey.from_int(numbers[0]))
+        elif len(numbers) == 2:
+            first, second = (n - _OID_SPAN if INT32_MAX < n < _OID_SPAN else n for n in numbers)
             candidates.append(LockKey.from_pair(first, second))
         else:
-            candidates.append(LockKey.from_int(int(stripped)))
-    except ValueError:  # not numbers (or out of range): a name only
-        pass
+            raise InvalidLockKeyError(f"{len(numbers)} numbers")
+    except InvalidLockKeyError as error:
+        raise InvalidLockKeyError(
+            f"--key {text!r} is numbers but no advisory key ({error}): give an int64 ({INT64_MIN} to {INT64_MAX}) "
+            f"or a pair 'A,B' of int32 (as pg_locks shows them, classid,objid: 0 to {_OID_SPAN - 1} also)"
+        ) from None
     return candidates
 
 

@@ -403,6 +403,11 @@ def test_locks_lists_plain_sessions_waiters_and_filters(ops_dsn: str, capsys: An
         }
         only_pair = run_cli("locks", "--dsn", ops_dsn, "--key=-1,7", "--output", "json", capsys=capsys).json()
         assert [e["pid"] for e in only_pair["locks"]] == [pair_holder.info.backend_pid]
+        as_in_pg_locks = run_cli("locks", "--dsn", ops_dsn, "--key", "4294967295,7", "--output", "json", capsys=capsys)
+        assert [e["pid"] for e in as_in_pg_locks.json()["locks"]] == [pair_holder.info.backend_pid]
+        for numbers in ("99999999999999999999", "1,2,3", "4294967296,7"):  # found nothing, said so with rc 0
+            refused = run_cli("locks", "--dsn", ops_dsn, "--key", numbers, capsys=capsys)
+            assert refused.code == 3 and f"--key {numbers!r} is numbers but no advisory key" in refused.err
         only_42 = run_cli("locks", "--dsn", ops_dsn, "--key", "42", "--output", "json", capsys=capsys).json()
         assert sorted(e["state"] for e in only_42["locks"]) == ["holding", "waiting"]
         table = run_cli("locks", "--dsn", ops_dsn, capsys=capsys)
