@@ -78,7 +78,10 @@ def cmd_locks(args: argparse.Namespace, out: TextIO) -> int:
     if any(not e.names for e in report.entries if report.pool is not None or not report.pooled(e)):
         out.write(f"{UNKNOWN_NAME_MARK} = {report.unknown_name_reason}\n")
     if any(e.since_basis and e.since_basis.startswith("session start") for e in report.entries):
-        out.write("~ = the session started then; the lock may be younger (not an airflow-pglock session)\n")
+        out.write(
+            "~ = the session started then; the lock may be younger (not an airflow-pglock session, "
+            "or a lock session that holds several keys)\n"
+        )
     return EXIT_OK
 
 

@@ -174,11 +174,18 @@ def _derived_name(key: LockKey, rows: Sequence[LockHolder]) -> str | None:
     return None
 
 
-def _since(row: LockHolder, holder: AirflowHolder | None) -> tuple[dt.datetime | None, str | None]:
+def _since(row: LockHolder, holder: AirflowHolder | None, keys_held: int) -> tuple[dt.datetime | None, str | None]:
+    """When ``row``'s hold began, as far as pg_stat_activity tells, and on what basis.
+
+    :param keys_held: how many keys ``row``'s session holds: more than one, it is a lock session
+        whose later keys (``lock.try_lock``) are younger than the session.
+    """
     if not row.granted:
         return row.waiting_since, "wait start" if row.waiting_since else None
     if row.since is None:
         return None, None
+    if keys_held > 1:
+        return row.since, "session start (a key this lock session took later is younger)"
     if holder is not None or is_provider_session(row.application_name):  # one session per lock
         return row.since, "lock session start"
     return row.since, "session start (the lock may be younger)"
@@ -221,6 +228,11 @@ def build_entries(snapshot: LockSnapshot, registered: Sequence[RegisteredName] |
     for row in snapshot.rows:
         if id(row) not in markers:
             by_key.setdefault((row.database, row.coordinates), []).append(row)
+    keys_held: dict[tuple[str, int | None], int] = {}
+    for rows_of_key in by_key.values():
+        for row in rows_of_key:
+            if row.granted:
+                keys_held[(row.database, row.pid)] = keys_held.get((row.database, row.pid), 0) + 1
     names_by_coordinates: dict[tuple[int, int, int], list[str]] = {}
     for registered_name in registered or ():
         coordinates = (registered_name.classid, registered_name.objid, registered_name.objsubid)
@@ -238,7 +250,7 @@ def build_entries(snapshot: LockSnapshot, registered: Sequence[RegisteredName] |
                 names, source = [derived], "application_name"
         for row in rows:
             holder = _airflow_holder(row.application_name)
-            since, basis = _since(row, holder)
+            since, basis = _since(row, holder, keys_held.get((row.database, row.pid), 0))
             entries.append(
                 LockEntry(
                     key=key,

@@ -190,7 +190,8 @@ _TEMPLATE = """<!doctype html>
     tr.append(node("td", where(e), "where"));
     tr.append(node("td", e.pid === null ? "prepared xact" : e.pid, "num"));
     tr.append(node("td", e.client, "num"));
-    const since = node("td", e.since ? e.since.replace("T", " ").slice(0, 19) : "?", "num");
+    const approximate = e.since_basis && e.since_basis.startsWith("session start") ? "~" : "";
+    const since = node("td", e.since ? approximate + e.since.replace("T", " ").slice(0, 19) : "?", "num");
     if (e.since_basis) since.title = e.since_basis;
     tr.append(since);
     tr.append(node("td", duration(e.seconds), "num"));

@@ -477,6 +477,28 @@ def test_locks_never_hides_a_foreign_holder_whose_shared_locks_look_like_pool_ma
         writer.close()
 
 
+def test_locks_marks_since_as_the_session_start_for_a_lock_session_holding_several_keys(
+    ops_dsn: str, capsys: Any
+) -> None:
+    """A task's lock session takes keys after its own (`lock.try_lock`): the session's start is
+    not when those were taken, so their SINCE is marked `~`, as another program's is."""
+    identity = TaskIdentity("exports", "per_tenant", "manual__2026-12-06")
+    hook = AdvisoryLockHook(dsn=ops_dsn)
+    with (
+        LockGuard(
+            hook.database, LockKey.from_name("exports/all"), LockPolicy(), application_name=identity.application_name()
+        ) as handle,
+        handle.try_lock("exports/acme") as sub,
+    ):
+        assert sub is not None
+        data = run_cli("locks", "--dsn", ops_dsn, "--output", "json", capsys=capsys).json()
+        table = run_cli("locks", "--dsn", ops_dsn, capsys=capsys).out
+    bases = {tuple(e["key"]["numbers"]): e["since_basis"] for e in data["locks"]}
+    assert set(bases) == {LockKey.from_name(name).numbers for name in ("exports/all", "exports/acme")}, bases
+    assert all(basis.startswith("session start") for basis in bases.values()), bases
+    assert "or a lock session that holds several keys" in table and " ~20" in table, table
+
+
 def test_locks_names_a_task_default_key_from_its_application_name(ops_dsn: str, capsys: Any) -> None:
     identity = TaskIdentity(
         "nightly_settlement", "settle", "scheduled__2026-01-01T02:00:00+00:00", deployment="eu", host="w1"
