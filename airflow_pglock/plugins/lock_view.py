@@ -159,8 +159,8 @@ def add_run_urls(entries: list[dict[str, Any]], ui_base: str) -> None:
         if not holder:
             continue
         deployment = entry.get("deployment")
-        if deployment and deployment != entry.get("host") and here and deployment != name_token(here):
-            continue  # another deployment's run
+        if deployment and deployment != entry.get("host") and (here is None or deployment != name_token(here)):
+            continue  # another (named) deployment's run: this deployment is unnamed, or named otherwise
         ids = (holder["dag_id"], holder["run_id"])
         if ids not in resolved:
             resolved[ids] = _full_run_ids(*ids)

@@ -188,6 +188,18 @@ def test_json_endpoint_needs_authentication_and_an_allowed_connection(api_server
     assert entry["key"]["numbers"] == list(LockKey.from_name("billing").numbers)
 
 
+def test_a_holder_of_a_named_deployment_gets_no_link_from_an_unnamed_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scheduled run ids are the same in every deployment: a link to another deployment's run
+    would open this one's run of the same DAG. An unnamed deployment linked every holder."""
+    from airflow_pglock.plugins import lock_view
+
+    monkeypatch.setattr("airflow_pglock.compat.deployment_name", lambda: None)  # this deployment is unnamed
+    run = "scheduled__2026-12-06T00:00:00+00:00"
+    entries = [{"airflow": {"dag_id": "nightly", "task_id": "t", "run_id": run}, "deployment": "prod-eu", "host": "w1"}]
+    lock_view.add_run_urls(entries, "/")
+    assert entries[0]["run_url"] is None, entries[0]
+
+
 POOL = "ui-exports"
 
 
