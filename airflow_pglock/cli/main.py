@@ -203,7 +203,8 @@ def run(handler: Callable[[argparse.Namespace, TextIO], int], args: argparse.Nam
 
 
 def _error(message: str) -> None:
-    sys.stderr.write(f"{PROG}: error: {message}\n")
+    one_line = " ".join(message.split())  # libpq's messages span lines ("\n\tIs the server running ...")
+    sys.stderr.write(f"{PROG}: error: {one_line}\n")
 
 
 @contextlib.contextmanager

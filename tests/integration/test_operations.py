@@ -743,6 +743,7 @@ def test_clear_errors_and_exit_codes(ops_dsn: str, capsys: Any, monkeypatch: pyt
     unreachable = "postgresql://postgres@127.0.0.1:1/postgres?connect_timeout=2"
     down = run_cli("locks", "--dsn", unreachable, capsys=capsys)
     assert down.code == 4 and "cannot connect" in down.err
+    assert down.err.count("\n") == 1, f"an error is one line (libpq's span several): {down.err!r}"
     doctor_down = run_cli("doctor", "--dsn", unreachable, "--output", "json", capsys=capsys)
     assert doctor_down.code == 4
     assert doctor_down.json()["checks"][0]["name"] == "connection"
