@@ -128,8 +128,12 @@ def describe_holders(holders: Sequence[LockHolder], now: dt.datetime, *, nobody:
 
 
 def blocking_holders(holders: Sequence[LockHolder], shared: bool) -> list[LockHolder]:
-    """The granted holders that keep the key from being taken (only exclusive ones when ``shared``)."""
-    return [h for h in holders if h.granted and (not shared or h.mode == EXCLUSIVE_MODE)]
+    """The sessions that keep the key from being taken: its granted holders; for a ``shared``
+    lock, its exclusive holders and exclusive requests queued (PostgreSQL queues a new shared
+    request behind a waiting exclusive one, so it cannot be taken now)."""
+    if shared:
+        return [h for h in holders if h.mode == EXCLUSIVE_MODE]
+    return [h for h in holders if h.granted]
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,8 @@ async def alisten(conn: psycopg.AsyncConnection[Any]) -> None:
 
 
 async def aheld(conn: psycopg.AsyncConnection[Any], keys: Collection[Coordinates]) -> dict[Coordinates, bool]:
-    """For each held key among ``keys``: True when some session holds it exclusively.
+    """For each held key among ``keys``: True when some session holds it exclusively or waits
+    for it exclusively (a new shared request queues behind that one: not free for a shared lock).
 
     One statement for all the keys; a key absent from the result is free. Reads
     ``pg_locks`` only (takes nothing).
@@ -77,7 +78,7 @@ async def aheld(conn: psycopg.AsyncConnection[Any], keys: Collection[Coordinates
         " FROM pg_catalog.pg_locks l"
         " JOIN unnest(%s::bigint[], %s::bigint[], %s::int[]) AS k(classid, objid, objsubid)"
         " ON l.classid::bigint = k.classid AND l.objid::bigint = k.objid AND l.objsubid::int = k.objsubid"
-        " WHERE l.granted AND " + advisory_here("l.") + " GROUP BY 1, 2, 3",
-        [EXCLUSIVE_MODE, classids, objids, objsubids],
+        " WHERE (l.granted OR l.mode = %s) AND " + advisory_here("l.") + " GROUP BY 1, 2, 3",
+        [EXCLUSIVE_MODE, classids, objids, objsubids, EXCLUSIVE_MODE],
     )
     return {(row[0], row[1], row[2]): bool(row[3]) for row in await cursor.fetchall()}

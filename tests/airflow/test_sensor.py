@@ -15,6 +15,7 @@ import threading
 import time
 from typing import Any
 
+import psycopg
 import pytest
 
 from airflow_pglock.exceptions import LockConnectionError
@@ -356,6 +357,24 @@ def test_shared_sensor_waits_only_for_exclusive_holders(dsn: str, hook: Advisory
         assert writer is not None
         assert (exclusive.poke({}), shared.poke({})) == (False, False)  # type: ignore[arg-type]
         assert (trigger_says(False), trigger_says(True)) == ("timeout", "timeout")
+    # A shared holder and an exclusive request queued behind it: PostgreSQL queues a new shared
+    # request behind that one too, so a shared lock cannot be taken now (the shared sensor said free).
+    reader = hook.acquire(key, shared=True)
+    assert reader is not None
+    waiter = psycopg.connect(dsn, autocommit=True, application_name="exclusive waiter")
+    queued = threading.Thread(target=lambda: waiter.execute("SELECT pg_advisory_lock(%s)", [key.int64]))
+    queued.start()
+    try:
+        while not any(not granted for *_, granted in advisory_locks(admin)):
+            time.sleep(0.01)
+        assert admin.execute("SELECT pg_try_advisory_lock_shared(%s)", [key.int64]).fetchone() == (False,)
+        assert (exclusive.poke({}), shared.poke({})) == (False, False)  # type: ignore[arg-type]
+        assert (trigger_says(False), trigger_says(True)) == ("timeout", "timeout")
+    finally:
+        reader.release()
+        queued.join(10)
+        waiter.execute("SELECT pg_advisory_unlock_all()")  # granted once the reader left: freed now, not at the close
+        waiter.close()
     assert advisory_locks(admin) == []
 
 
