@@ -527,3 +527,21 @@ def test_a_deferrable_sensor_that_would_never_poll_is_refused_when_the_dag_is_pa
     with pytest.raises(LockConfigurationError, match=r"deferrable=True needs poke_interval above 0 seconds"):
         AdvisoryLockSensor(task_id="s", key="k", deferrable=True, poke_interval=interval)
     AdvisoryLockSensor(task_id="s", key="k", poke_interval=0)  # poke mode: Airflow's own rules
+
+
+def test_never_fail_skips_an_error_in_poke_mode_only(unreachable_conn: str) -> None:
+    """Airflow's own never_fail turns an error of its poke loop into a skip (the user asked for it);
+    the first check of a deferrable sensor runs outside that loop, and fails."""
+    from airflow_pglock import compat
+    from airflow_pglock.sensors.advisory_lock import AdvisoryLockSensor
+
+    def sensor(**mode: Any) -> Any:
+        return AdvisoryLockSensor(
+            task_id="s", key="maint/never-fail", postgres_conn_id=unreachable_conn, never_fail=True, timeout=5, **mode
+        )
+
+    context: Any = {"ti": None}
+    with pytest.raises(compat.AirflowSkipException):
+        sensor(mode="poke").execute(context)
+    with pytest.raises(LockConnectionError, match="cannot connect to the lock database"):
+        sensor(deferrable=True).execute(context)
