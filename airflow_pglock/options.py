@@ -233,6 +233,10 @@ def check_key_spec(key: KeySpec, tenant: Any) -> None:
     """Parse-time check of the key options (templates are checked when rendered)."""
     if tenant is not None and not isinstance(tenant, str):
         tenant_text(tenant)  # a dict or an object has no stable text form
+    if isinstance(tenant, str) and not tenant.strip():
+        raise LockConfigurationError(
+            f"tenant={tenant!r} is empty: give the tenant's name or id (or a template), or leave tenant out"
+        )
     for text in (key, tenant):
         if isinstance(text, str) and not _is_template(text):
             name_bytes(text)  # UTF-8 text within the name length (the whole name is checked when it is built)

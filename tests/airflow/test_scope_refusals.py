@@ -67,6 +67,8 @@ needs_scopes = pytest.mark.skipif(not compat.HAS_LOCK_SCOPE, reason="lock scopes
         ({"key": "k", "scope_lease": dt.timedelta.max}, "scope_lease=8.64e+13 s is too long: at most 315,576,000 s"),
         ({"key": "k", "fencing": "yes"}, "fencing must be True or False, got 'yes'"),
         ({"key": "k", "on_busy": "wait"}, "wait_timeout"),
+        ({"key": "k", "tenant": ""}, "tenant='' is empty"),
+        ({"key": "k", "tenant": "  "}, "tenant='  ' is empty"),
     ],
 )
 def test_bad_options_are_refused_at_parse_time(options: dict[str, Any], message: str) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import inspect
+import re
 
 import pytest
 
@@ -127,3 +128,12 @@ def test_dag_default_args_reach_the_lock_options() -> None:
 
         operator = work().operator
     assert operator.lock_spec.postgres_conn_id == "locks_db" and operator.lock_spec.policy.on_busy == "fail"
+
+
+@pytest.mark.parametrize("tenant", ["", " "])
+def test_an_empty_tenant_is_refused_when_the_dag_is_parsed(tenant: str) -> None:
+    """It was refused only when the task ran (a scope's setup: skipped under on_error="skip")."""
+    from airflow_pglock.exceptions import LockConfigurationError
+
+    with pytest.raises(LockConfigurationError, match=re.escape(f"tenant={tenant!r} is empty")):
+        LockSpec.from_options({"key": "k", "tenant": tenant}, declaration=LockOptions, caller="guarded")
