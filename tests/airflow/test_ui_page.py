@@ -134,6 +134,7 @@ def api_server(airflow_db: Path, ui_db: str) -> Iterator[ApiServer]:
         "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{port}",
         "AIRFLOW__PGLOCK__UI_CONN_IDS": CONN_ID,
         "AIRFLOW__PGLOCK__UI_REFRESH_SECONDS": "1",
+        "AIRFLOW__PGLOCK__DEPLOYMENT": "ui-deployment",  # as its task's lock session (the same deployment)
         f"AIRFLOW_CONN_{CONN_ID.upper()}": dsn_uri(ui_db),
     }
     log = workdir / "api-server.log"
