@@ -111,6 +111,18 @@ def _since_text(e: LockEntry) -> str:
     return since
 
 
+def _pool_waiters(pool: PoolUsage) -> str:
+    """``0``, or how many wait for a slot and who: ``1 waiting (pid 12952 behind 16495)``."""
+    waiting = [e for e in pool.entries if not e.holder.granted]
+    if not waiting:
+        return "0"
+    who = ", ".join(
+        f"pid {e.holder.pid}" + (f" behind {','.join(map(str, e.holder.blocked_by))}" if e.holder.blocked_by else "")
+        for e in waiting
+    )
+    return f"{len(waiting)} waiting ({who})"
+
+
 def _pool_row(pool: PoolUsage) -> list[str]:
     """A pool as one row: 'K of N held', then each holder with its slot (oldest since, longest for)."""
     holding = [e for e in pool.entries if e.holder.granted]
@@ -122,7 +134,7 @@ def _pool_row(pool: PoolUsage) -> list[str]:
         f"{pool.name} (pool of {pool.slots})",
         f"{pool.key.numbers_text} (slot 1)",
         pool.describe(),
-        f"{pool.waiting} waiting" if pool.waiting else "0",
+        _pool_waiters(pool),
         holders,
         "; ".join(dict.fromkeys(where_text(e.deployment, e.host) for e in holding)) or "-",
         ",".join(str(e.holder.pid) for e in holding) or "-",

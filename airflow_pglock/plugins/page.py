@@ -122,7 +122,9 @@ _TEMPLATE = """<!doctype html>
     key.append(node("span", "pool of " + p.slots + " slots", "sub"));
     tr.append(key);
     tr.append(node("td", p.summary, "holding"));
-    tr.append(node("td", p.waiting.length ? p.waiting.length + " waiting" : "-", "num"));
+    const behind = (w) => (w.blocked_by.length ? " behind " + w.blocked_by.join(",") : "");
+    const waiters = p.waiting.map((w) => "pid " + w.pid + behind(w));
+    tr.append(node("td", waiters.length ? waiters.length + " waiting (" + waiters.join(", ") + ")" : "-", "num"));
     const holders = node("td");
     p.holders.forEach((h) => {
       const line = node("span", null, "slot");

@@ -356,6 +356,8 @@ def test_locks_groups_every_registered_pool_into_one_row_without_being_told_n(re
     cron = psycopg.connect(registry_dsn, autocommit=True, application_name="cron exporter")
     cron.execute("SELECT pg_advisory_lock(%s)", slot_keys(LockKey.from_name("report-pool"), 3)[2].numbers)
     cron4 = psycopg.connect(registry_dsn, autocommit=True, application_name="cron exporter 4")
+    waiter = psycopg.connect(registry_dsn, autocommit=True, application_name="reporting job")
+    queued: threading.Thread | None = None
     admin = psycopg.connect(registry_dsn, autocommit=True)
     earlier = AdvisoryLockHook(dsn=registry_dsn).acquire("not-in-the-pool")
     assert earlier is not None and earlier.release()  # records its name
@@ -389,6 +391,17 @@ def test_locks_groups_every_registered_pool_into_one_row_without_being_told_n(re
         assert [e["key"]["name"] for e in by_dag["locks"]] == ["report-pool#slot2"]
         assert _locks(registry_dsn, "--key", "not-in-the-pool", "--output", "json")["pools"] == []
 
+        # A session queued for slot 1: the pool's row names it and whom it waits behind.
+        queued = threading.Thread(
+            target=lambda: waiter.execute("SELECT pg_advisory_lock(%s)", [LockKey.from_name("report-pool").int64])
+        )
+        queued.start()
+        while not [e for e in _locks(registry_dsn, "--output", "json")["locks"] if e["state"] == "waiting"]:
+            time.sleep(0.05)
+        [row] = [line for line in _locks(registry_dsn).splitlines() if "report-pool" in line]
+        behind = guards[0].held.server.backend_pid  # type: ignore[union-attr]
+        assert f"1 waiting (pid {waiter.info.backend_pid} behind {behind})" in row, row
+
         # A deployment that says slots=4 while the pool of 3 is held is refused before any slot.
         with pytest.raises(LockConfigurationError, match="refused a pool of slots=4 on key 'report-pool'"):
             _guarded_slot(registry_dsn, "report-pool", 4, "exports_apac")
@@ -406,6 +419,10 @@ def test_locks_groups_every_registered_pool_into_one_row_without_being_told_n(re
     finally:
         for guard in guards:
             guard.__exit__(None, None, None)
+        if queued is not None:
+            queued.join(10)
+            waiter.execute("SELECT pg_advisory_unlock_all()")
+        waiter.close()
         cron.close()
         cron4.close()
         admin.execute("DELETE FROM pglock.key_names WHERE name = 'report-pool#slot4'")
