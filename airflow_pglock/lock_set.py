@@ -18,12 +18,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as dt
+import functools
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 
@@ -38,6 +39,7 @@ from airflow_pglock.pg.release import unlock
 from airflow_pglock.server_rules import Scope, ServerInfo
 
 log = logging.getLogger("airflow_pglock")
+_Answer = TypeVar("_Answer")
 
 
 class SubLock:
@@ -410,20 +412,38 @@ class LockSet:
             return self._give_back(subs)
         if len(subs) == 1:
             sub = subs[0]
-            with self._session_errors(sub.key):
-                return [] if unlock(self.connection, sub.key, shared=sub.shared, cursor=self._cursor) else [sub]
+            held = self._answered(
+                sub.key, lambda: unlock(self.connection, sub.key, shared=sub.shared, cursor=self._cursor)
+            )
+            return [] if held else [sub]
         gone: list[SubLock] = []
-        with self._session_errors(subs[0].key):
-            for shared in (False, True):
-                group = [sub for sub in subs if sub.shared is shared]
-                if len(group) == 1:
-                    answers = [unlock(self.connection, group[0].key, shared=shared)]
-                elif group:
-                    answers = statements.unlock_many(self.connection, [sub.key for sub in group], shared=shared)
-                else:
-                    continue
-                gone += [sub for sub, held in zip(group, answers, strict=True) if not held]
+        for shared in (False, True):
+            group = [sub for sub in subs if sub.shared is shared]
+            if len(group) == 1:
+                one = functools.partial(unlock, self.connection, group[0].key, shared=shared)
+                answers = [self._answered(group[0].key, one)]
+            elif group:
+                keys = [sub.key for sub in group]
+                many = functools.partial(statements.unlock_many, self.connection, keys, shared=shared)
+                answers = self._answered(keys[0], many)
+            else:
+                continue
+            gone += [sub for sub, held in zip(group, answers, strict=True) if not held]
         return gone
+
+    def _answered(self, key: LockKey, statement: Callable[[], _Answer]) -> _Answer:
+        """A session lock's unlock ``statement``, sent once more after an ordinary error on a session
+        that lives on (a foreign ``pg_cancel_backend()``: the cancelled statement unlocked nothing),
+        whose answer then decides, as for the guard's own key (``HeldLock.unlock_again_after``). A
+        transaction the error aborted is rolled back first (a session lock outlives it)."""
+        with self._session_errors(key):
+            try:
+                return statement()
+            except psycopg.Error as error:
+                if not loss.session_answered(error, self.connection.closed):
+                    raise
+                self.connection.rollback()  # nothing when no transaction is open
+                return statement()
 
     def _give_back(self, subs: list[SubLock]) -> list[SubLock]:
         """Transaction locks: no statement ends one before its transaction does. Check that the

@@ -679,6 +679,63 @@ def test_transaction_mode_fencing_token_is_visible_to_other_sessions_at_once(
     _guard(fault_server, "fenced-tx", mode="transaction", rules=RunRules(fencing=True)).run(work)
 
 
+@pytest.mark.parametrize("meanwhile", ["held", "unlocked"])
+def test_a_cancel_that_lands_on_a_sub_keys_unlock_is_settled_by_a_second_unlock(
+    fault_server: FaultServer, fault_admin: Any, monkeypatch: pytest.MonkeyPatch, meanwhile: str
+) -> None:
+    """The guard's own key got a second unlock after a foreign cancel; a key its lock session took
+    (`lock.try_lock`) did not: the block that held it to its end raised QueryCanceled. The session
+    answered, so the unlock is sent again and its answer decides; a key the work unlocked itself
+    on that session is still a loss."""
+    from airflow_pglock import lock_set
+
+    real_unlock = lock_set.unlock
+    cancelled: list[str] = []
+
+    def cancel_once_active(pid: int) -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # a cancel that reaches an idle backend is ignored
+            state = fault_admin.execute("SELECT state FROM pg_stat_activity WHERE pid = %s", [pid]).fetchone()
+            if state == ("active",):
+                fault_admin.execute("SELECT pg_cancel_backend(%s)", [pid])
+                return
+            time.sleep(0.01)
+
+    def unlock_cancelled_once(conn: Any, key: LockKey, **kwargs: Any) -> bool:
+        if key == sub_key and not cancelled:  # the block's unlock, held up on the server, meets a cancel
+            cancel = threading.Thread(target=cancel_once_active, args=(conn.info.backend_pid,))
+            cancel.start()
+            try:
+                conn.execute("SELECT pg_sleep(30)")
+            except psycopg.errors.QueryCanceled as error:
+                cancelled.append(str(error))
+                raise
+            finally:
+                cancel.join()
+        return real_unlock(conn, key, **kwargs)
+
+    monkeypatch.setattr(lock_set, "unlock", unlock_cancelled_once)
+    sub_key = LockKey.from_name(f"cancelled-sub-unlock/{meanwhile}/tenant")
+    guard = _guard(fault_server, f"cancelled-sub-unlock/{meanwhile}", lease=30)  # no heartbeat meanwhile
+
+    def work(lock: LockHandle) -> None:
+        with lock.try_lock(sub_key) as sub:
+            assert sub is not None
+            if meanwhile == "unlocked":
+                guard.held.connection.execute("SELECT pg_advisory_unlock(%s)", [sub_key.int64])  # type: ignore[union-attr]
+
+    if meanwhile == "held":
+        guard.run(work)
+        assert guard.outcome == "completed"
+    else:
+        with pytest.raises(
+            LockLostError, match="the session no longer held key 'cancelled-sub-unlock/unlocked/tenant'"
+        ):
+            guard.run(work)
+    assert cancelled and "canceling statement" in cancelled[0]
+    assert advisory_locks_once_exited(fault_admin) == []
+
+
 # ------------------------------------------------ found correct: keep them so
 
 
