@@ -442,7 +442,10 @@ class LockSet:
             except psycopg.Error as error:
                 if not loss.session_answered(error, self.connection.closed):
                     raise
-                self.connection.rollback()  # nothing when no transaction is open
+                try:
+                    self.connection.rollback()  # nothing when no transaction is open
+                except psycopg.ProgrammingError:  # inside the caller's `with conn.transaction()`: its to end
+                    raise error from None
                 return statement()
 
     def _give_back(self, subs: list[SubLock]) -> list[SubLock]:
