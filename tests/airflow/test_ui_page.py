@@ -253,6 +253,15 @@ def test_json_endpoint_shows_pools_and_passes_pool_and_slots_through(api_server:
     assert status == 200 and data["pools"] == [] and data["locks"] == []
 
 
+def _chromium() -> tuple[str, str]:
+    """Chromium and its driver for a browser test, which is skipped without them (or selenium)."""
+    pytest.importorskip("selenium", reason="the browser test drives Chromium with selenium (test extra)")
+    try:
+        return find_chromium()
+    except BrowserUnavailableError as error:
+        pytest.skip(f"no headless browser here: {error}")
+
+
 def _browser(chromium: str, chromedriver: str) -> Any:
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
@@ -325,11 +334,7 @@ def _watch_in_browser(
 def test_page_shows_the_holding_task_in_a_real_browser(
     api_server: ApiServer, ui_db: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pytest.importorskip("selenium", reason="the browser test drives Chromium with selenium (test extra)")
-    try:
-        chromium = find_chromium()
-    except BrowserUnavailableError as error:
-        pytest.skip(f"no headless browser here: {error}")
+    chromium = _chromium()
     done, shot = tmp_path / "browser-done", tmp_path / "ui-locks.png"
     monkeypatch.setenv("PGLOCK_UI_DONE", str(done))
     monkeypatch.setenv(f"AIRFLOW_CONN_{CONN_ID.upper()}", dsn_uri(ui_db))
@@ -387,13 +392,9 @@ def _login_and_open_page(driver: Any, server: ApiServer) -> Any:
 
 
 def test_page_shows_a_pool_as_one_row_with_its_holders_in_a_real_browser(api_server: ApiServer, ui_db: str) -> None:
-    pytest.importorskip("selenium", reason="the browser test drives Chromium with selenium (test extra)")
+    chromium = _chromium()
     from selenium.webdriver.common.by import By
 
-    try:
-        chromium = find_chromium()
-    except BrowserUnavailableError as error:
-        pytest.skip(f"no headless browser here: {error}")
     plain = AdvisoryLockHook(dsn=ui_db).acquire("billing", application_name="billing-service")
     driver = None
     try:
@@ -424,15 +425,11 @@ def test_page_shows_no_holder_from_an_earlier_read_once_the_lock_database_cannot
     """The rows of an earlier read stayed up under the error, as if the session still held its
     key (a stopped server holds nothing). Now the table is emptied and the page says since when
     it has no data; it fills again once the database answers."""
-    pytest.importorskip("selenium", reason="the browser test drives Chromium with selenium (test extra)")
+    chromium = _chromium()
     from selenium.webdriver.common.by import By
 
     from tests.helpers import allow_connections
 
-    try:
-        chromium = find_chromium()
-    except BrowserUnavailableError as error:
-        pytest.skip(f"no headless browser here: {error}")
     holder = AdvisoryLockHook(dsn=ui_db).acquire("billing", application_name="billing-service")
     assert holder is not None
     server = psycopg.connect(pg_server, autocommit=True)
@@ -462,15 +459,11 @@ def test_page_shows_no_holder_from_an_earlier_read_once_the_lock_database_cannot
 
 @pytest.mark.matrix("ui-page", since=UI_PAGE_SINCE)
 def test_page_names_a_deferred_task_that_holds_its_key_in_a_real_browser(api_server: ApiServer, ui_db: str) -> None:
-    pytest.importorskip("selenium", reason="the browser test drives Chromium with selenium (test extra)")
+    chromium = _chromium()
     from selenium.webdriver.common.by import By
 
     from airflow_pglock.scope_rules import HandOver, ScopeRole
 
-    try:
-        chromium = find_chromium()
-    except BrowserUnavailableError as error:
-        pytest.skip(f"no headless browser here: {error}")
     # What a guarded deferrable operator's deferral leaves while its trigger waits: the lease row
     # (docs/deferrable-operators.md); the JSON marks it deferred and the page says so.
     key = LockKey.from_name("warehouse/refresh")

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -689,33 +689,9 @@ def test_a_cancel_that_lands_on_a_sub_keys_unlock_is_settled_by_a_second_unlock(
     on that session is still a loss."""
     from airflow_pglock import lock_set
 
-    real_unlock = lock_set.unlock
     cancelled: list[str] = []
-
-    def cancel_once_active(pid: int) -> None:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:  # a cancel that reaches an idle backend is ignored
-            state = fault_admin.execute("SELECT state FROM pg_stat_activity WHERE pid = %s", [pid]).fetchone()
-            if state == ("active",):
-                fault_admin.execute("SELECT pg_cancel_backend(%s)", [pid])
-                return
-            time.sleep(0.01)
-
-    def unlock_cancelled_once(conn: Any, key: LockKey, **kwargs: Any) -> bool:
-        if key == sub_key and not cancelled:  # the block's unlock, held up on the server, meets a cancel
-            cancel = threading.Thread(target=cancel_once_active, args=(conn.info.backend_pid,))
-            cancel.start()
-            try:
-                conn.execute("SELECT pg_sleep(30)")
-            except psycopg.errors.QueryCanceled as error:
-                cancelled.append(str(error))
-                raise
-            finally:
-                cancel.join()
-        return real_unlock(conn, key, **kwargs)
-
-    monkeypatch.setattr(lock_set, "unlock", unlock_cancelled_once)
-    sub_key = LockKey.from_name(f"cancelled-sub-unlock/{meanwhile}/tenant")
+    sub_key = LockKey.from_name(f"cancelled-sub-unlock/{meanwhile}/tenant")  # the block's unlock meets the cancel
+    monkeypatch.setattr(lock_set, "unlock", _unlock_cancelled_once(lock_set.unlock, fault_admin, cancelled, sub_key))
     guard = _guard(fault_server, f"cancelled-sub-unlock/{meanwhile}", lease=30)  # no heartbeat meanwhile
 
     def work(lock: LockHandle) -> None:
@@ -751,6 +727,38 @@ def test_release_that_finds_the_key_gone_is_lost_and_records_nothing(fault_serve
     assert _completions(ledger) == []
 
 
+def _unlock_cancelled_once(
+    real_unlock: Callable[..., bool], fault_admin: Any, cancelled: list[str], only: LockKey | None = None
+) -> Callable[..., bool]:
+    """``real_unlock``, whose first call (on ``only``, else any key) is held up on the server and
+    meets a foreign ``pg_cancel_backend()`` (sent once the backend is active: a cancel that reaches
+    an idle backend is ignored); the cancel's message goes to ``cancelled``."""
+
+    def cancel_once_active(pid: int) -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            state = fault_admin.execute("SELECT state FROM pg_stat_activity WHERE pid = %s", [pid]).fetchone()
+            if state == ("active",):
+                fault_admin.execute("SELECT pg_cancel_backend(%s)", [pid])
+                return
+            time.sleep(0.01)
+
+    def unlock(conn: Any, key: LockKey, **kwargs: Any) -> bool:
+        if not cancelled and (only is None or key == only):
+            cancel = threading.Thread(target=cancel_once_active, args=(conn.info.backend_pid,))
+            cancel.start()
+            try:
+                conn.execute("SELECT pg_sleep(30)")
+            except psycopg.errors.QueryCanceled as error:
+                cancelled.append(str(error))
+                raise
+            finally:
+                cancel.join()
+        return real_unlock(conn, key, **kwargs)
+
+    return unlock
+
+
 @pytest.mark.parametrize(
     ("path", "meanwhile"),
     [("hook.lock", "held"), ("hook.acquire", "held"), ("LockGuard", "unlocked"), ("hook.acquire", "unlocked")],
@@ -765,32 +773,8 @@ def test_a_cancel_that_lands_on_the_unlock_of_a_session_lock_is_settled_by_a_sec
     that session (and a contender took) is still a loss."""
     from airflow_pglock.pg import held as held_module
 
-    real_unlock = held_module.unlock
     cancelled: list[str] = []
-
-    def cancel_once_active(pid: int) -> None:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:  # a cancel that reaches an idle backend is ignored
-            state = fault_admin.execute("SELECT state FROM pg_stat_activity WHERE pid = %s", [pid]).fetchone()
-            if state == ("active",):
-                fault_admin.execute("SELECT pg_cancel_backend(%s)", [pid])
-                return
-            time.sleep(0.01)
-
-    def unlock_cancelled_once(conn: Any, key: LockKey, **kwargs: Any) -> bool:
-        if not cancelled:  # the first unlock's round trip, held up on the server, meets a cancel
-            cancel = threading.Thread(target=cancel_once_active, args=(conn.info.backend_pid,))
-            cancel.start()
-            try:
-                conn.execute("SELECT pg_sleep(30)")
-            except psycopg.errors.QueryCanceled as error:
-                cancelled.append(str(error))
-                raise
-            finally:
-                cancel.join()
-        return real_unlock(conn, key, **kwargs)
-
-    monkeypatch.setattr(held_module, "unlock", unlock_cancelled_once)
+    monkeypatch.setattr(held_module, "unlock", _unlock_cancelled_once(held_module.unlock, fault_admin, cancelled))
     hook = AdvisoryLockHook(dsn=fault_server.dsn)
     key = LockKey.from_name(f"cancelled-unlock/{path}/{meanwhile}")
 
