@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import TYPE_CHECKING, TextIO
 
 from airflow_pglock.cli.common import (
@@ -39,6 +40,8 @@ def cmd_locks(args: argparse.Namespace, out: TextIO) -> int:
         )
     except InvalidLockKeyError as error:
         raise CliError(str(error), EXIT_CONFIG) from None
+    if report.key_note is not None:
+        sys.stderr.write(f"airflow-pglock: note: {report.key_note}\n")
     if args.output == "json":
         print_json(report.to_json(), out)
         return EXIT_OK

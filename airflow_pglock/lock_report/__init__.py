@@ -18,7 +18,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from airflow_pglock.keys import SLOT_SEPARATOR, LockKey, names_a_slot, slot_keys
-from airflow_pglock.lock_report.entries import LockEntry, build_entries, filter_entries, parse_key_filter
+from airflow_pglock.lock_report.entries import (
+    LockEntry,
+    build_entries,
+    filter_entries,
+    key_filter_note,
+    parse_key_filter,
+)
 from airflow_pglock.lock_report.pools import PoolUsage, group_pools, pool_entries
 
 if TYPE_CHECKING:
@@ -97,6 +103,12 @@ class LockReport:
     pools: tuple[PoolUsage, ...] = ()
     scopes: tuple[ScopeEntry, ...] = ()
     in_recovery: bool = False
+    key_note: str | None = None
+
+    @property
+    def warning(self) -> str | None:
+        """What the reader must know first: a standby's empty answer, or ``--key`` numbers that are no key."""
+        return self.standby_warning or self.key_note
 
     @property
     def standby_warning(self) -> str | None:
@@ -136,7 +148,7 @@ class LockReport:
             "all_databases": self.all_databases,
             "registry": self.registry,
             "in_recovery": self.in_recovery,
-            "warning": self.standby_warning,
+            "warning": self.warning,
             "filters": dict(self.filters),
             "locks": [self._entry_json(entry) for entry in self.entries],
             "pools": [usage.to_json() for usage in self.pools],
@@ -171,12 +183,13 @@ def collect_lock_report(
     from airflow_pglock.pg.key_names import registered_names
 
     if key is not None:
-        parse_key_filter(key)  # a bad key is a usage error before any connection
+        parse_key_filter(key)  # a bad name is a usage error before any connection
     pool_keys = None if pool is None else slot_keys(LockKey.from_name(pool), slots)
     with hook.database.connect(INSPECT_APPLICATION_NAME) as conn:
         snapshot = advisory_locks(conn, all_databases=all_databases)
         # Every role may read the scopes (init-db grants PUBLIC), whatever it may read of the registry.
-        scopes = _live_scopes(conn, dag=dag, key=None)
+        # All of them count in their pools ("K of N held"), whatever --dag lists.
+        scopes = _live_scopes(conn)
         coordinates = sorted(
             {row.coordinates for row in snapshot.rows if row.database == snapshot.database}
             | {scope.key.pg_locks for scope in scopes}  # a pool whose slot a scope holds: its size
@@ -189,8 +202,10 @@ def collect_lock_report(
         if registered is None and registry == REGISTRY_INSTALLED:
             registry = REGISTRY_MISSING
         server = hook.database.describe_target()
-    everything = build_entries(snapshot, registered)
+    everything = build_entries(snapshot, registered, pools=() if pool is None else (pool,))
     scope_keys = [scope.key for scope in scopes]
+    if dag is not None:
+        scopes = tuple(scope for scope in scopes if f": {dag} " in scope.run)
     usage = None
     if pool is not None and pool_keys is not None:
         entries = pool_entries(filter_entries(everything, dag=dag, key=key), pool_keys, snapshot.database)
@@ -221,6 +236,7 @@ def collect_lock_report(
         pools=pools,
         scopes=scopes,
         in_recovery=snapshot.in_recovery,
+        key_note=None if key is None or entries or scopes else key_filter_note(key),
     )
 
 
@@ -239,7 +255,7 @@ def _scopes_of_key(scopes: tuple[ScopeEntry, ...], key: str) -> tuple[ScopeEntry
     )
 
 
-def _live_scopes(conn: Any, *, dag: str | None, key: str | None) -> tuple[ScopeEntry, ...]:
+def _live_scopes(conn: Any) -> tuple[ScopeEntry, ...]:
     """The live lock scopes (none before init-db version 5, or when this role may not read them)."""
     from airflow_pglock.exceptions import LockConfigurationError
     from airflow_pglock.pg.scopes import live_scopes
@@ -248,9 +264,4 @@ def _live_scopes(conn: Any, *, dag: str | None, key: str | None) -> tuple[ScopeE
         found = live_scopes(conn)
     except LockConfigurationError:
         return ()
-    wanted = None if key is None else {k.numbers for k in parse_key_filter(key)}
-    return tuple(
-        ScopeEntry(scope_key, row.run, row.task_now, row.lease_until, row.token)
-        for scope_key, row in found
-        if (wanted is None or scope_key.numbers in wanted) and (dag is None or f": {dag} " in row.run)
-    )
+    return tuple(ScopeEntry(key, row.run, row.task_now, row.lease_until, row.token) for key, row in found)

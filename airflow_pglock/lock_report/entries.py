@@ -10,13 +10,22 @@ from __future__ import annotations
 
 import datetime as dt
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from airflow_pglock.exceptions import InvalidLockKeyError
 from airflow_pglock.identity import holder_where, is_provider_session, parse_application_name
-from airflow_pglock.keys import INT32_MAX, INT64_MAX, INT64_MIN, MAX_SLOTS, LockKey
+from airflow_pglock.keys import (
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    MAX_SLOTS,
+    SLOT_SEPARATOR,
+    LockKey,
+    names_a_slot,
+    pool_presence_marker,
+)
 
 if TYPE_CHECKING:
     from airflow_pglock.holder import LockHolder, LockSnapshot
@@ -32,27 +41,46 @@ def parse_key_filter(text: str) -> list[LockKey]:
     """The keys a ``--key`` value may mean: the name, and also the int64 or ``A,B`` pair it spells.
 
     A pair may be copied from ``pg_locks`` (classid, objid): unsigned oids, read back as int32.
-    Numbers that are neither (out of range, three of them) are refused, naming the value: a
-    look-up by them would find nothing and say so as if nothing were held.
+    Numbers that are no key (out of range, three of them) leave the name alone: a key name may
+    be made of digits (``2024,01,15``); :func:`key_filter_note` says so when nothing matched.
     """
     candidates = [LockKey.from_name(text)]
+    numbers = _numbers_key(text)
+    if numbers is not None:
+        candidates.append(numbers)
+    return candidates
+
+
+def key_filter_note(text: str) -> str | None:
+    """Why ``--key`` numbers found nothing as numbers: they are no advisory key (read as a name only)."""
     if not _NUMBERS.fullmatch(text):
-        return candidates  # a name only
+        return None
+    try:
+        _numbers_key(text, strict=True)
+    except InvalidLockKeyError as error:
+        return (
+            f"--key {text!r} is numbers but no advisory key ({error}), so it was looked up as a key name only: "
+            f"an int64 is {INT64_MIN} to {INT64_MAX}, a pair 'A,B' two int32 (as pg_locks shows them, "
+            f"classid,objid: 0 to {_OID_SPAN - 1} also)"
+        )
+    return None
+
+
+def _numbers_key(text: str, *, strict: bool = False) -> LockKey | None:
+    if not _NUMBERS.fullmatch(text):
+        return None
     numbers = [int(part) for part in text.split(",")]
     try:
         if len(numbers) == 1:
-            candidates.append(LockKey.from_int(numbers[0]))
-        elif len(numbers) == 2:
+            return LockKey.from_int(numbers[0])
+        if len(numbers) == 2:
             first, second = (n - _OID_SPAN if INT32_MAX < n < _OID_SPAN else n for n in numbers)
-            candidates.append(LockKey.from_pair(first, second))
-        else:
-            raise InvalidLockKeyError(f"{len(numbers)} numbers")
-    except InvalidLockKeyError as error:
-        raise InvalidLockKeyError(
-            f"--key {text!r} is numbers but no advisory key ({error}): give an int64 ({INT64_MIN} to {INT64_MAX}) "
-            f"or a pair 'A,B' of int32 (as pg_locks shows them, classid,objid: 0 to {_OID_SPAN - 1} also)"
-        ) from None
-    return candidates
+            return LockKey.from_pair(first, second)
+        raise InvalidLockKeyError(f"{len(numbers)} numbers")
+    except InvalidLockKeyError:
+        if strict:
+            raise
+        return None
 
 
 @dataclass(frozen=True)
@@ -191,40 +219,52 @@ def _since(row: LockHolder, holder: AirflowHolder | None, keys_held: int) -> tup
     return row.since, "session start (the lock may be younger)"
 
 
-def _pool_markers(rows: Sequence[LockHolder]) -> set[int]:
+def pool_marker_classes(names: Iterable[str]) -> frozenset[int]:
+    """The pg_locks classids of the markers of pools with these names (``keys.pool_size_marker``)."""
+    return frozenset(pool_presence_marker(LockKey.from_name(name)).pg_locks[0] for name in names)
+
+
+def _pool_markers(rows: Sequence[LockHolder], known: frozenset[int]) -> set[int]:
     """The rows (by ``id``) that are a pool holder's two markers (``keys.pool_size_marker``): not
     locks of their own, left out of the report. A session holds them in shared mode as a pair, one
     classid with objid 0 (presence) and objid 2..MAX_SLOTS (size), which is what is looked for.
 
-    Any program may hold such a pair of its own: it is left out only when its session is a pool
-    holder (an airflow-pglock session, or one that holds an exclusive lock, its slot) and nobody
-    waits for either marker (a pool's own checks only try them, never wait). A foreign holder
-    is never hidden behind the look of a marker."""
+    Any program may hold such a pair of its own: it is left out only when its classid is that of
+    a pool the report knows (``known``: from the registry, or ``--pool``), or its session is an
+    airflow-pglock one, and nobody waits for either marker (a pool's own checks only try them,
+    never wait). A foreign holder is never hidden behind the look of a marker."""
     shared: dict[tuple[str, int | None, int], dict[int, LockHolder]] = {}
-    exclusive = {(row.database, row.pid) for row in rows if row.granted and not row.shared}
     for row in rows:
         if row.granted and row.shared and row.objsubid == 1 and (row.objid == 0 or 2 <= row.objid <= MAX_SLOTS):
             shared.setdefault((row.database, row.pid, row.classid), {})[row.objid] = row
     found: set[int] = set()
-    for (database, pid, _), by_objid in shared.items():
+    for (_, _, classid), by_objid in shared.items():
         sizes = [objid for objid in by_objid if objid != 0]
         if 0 not in by_objid or len(sizes) != 1:
             continue
         pair = (by_objid[0], by_objid[sizes[0]])
         if any(row.waiters for row in pair):
             continue
-        if (database, pid) in exclusive or is_provider_session(pair[0].application_name):
+        if classid in known or is_provider_session(pair[0].application_name):
             found |= {id(row) for row in pair}
     return found
 
 
-def build_entries(snapshot: LockSnapshot, registered: Sequence[RegisteredName] | None) -> tuple[LockEntry, ...]:
+def build_entries(
+    snapshot: LockSnapshot, registered: Sequence[RegisteredName] | None, pools: Iterable[str] = ()
+) -> tuple[LockEntry, ...]:
     """Name and explain every row of ``snapshot``.
 
     :param registered: the registry's names for the snapshot's keys (None: no registry).
+    :param pools: names of pools known otherwise (``--pool``), whose markers are left out too.
     """
     by_key: dict[tuple[str, tuple[int, int, int]], list[LockHolder]] = {}
-    markers = _pool_markers(snapshot.rows)
+    pool_names = set(pools)
+    for recorded in registered or ():
+        if recorded.slots is not None and recorded.slots > 1:  # a slot of a pool: the name, or its base
+            name = recorded.name
+            pool_names.add(name.rpartition(SLOT_SEPARATOR)[0] if names_a_slot(name) else name)
+    markers = _pool_markers(snapshot.rows, pool_marker_classes(pool_names))
     for row in snapshot.rows:
         if id(row) not in markers:
             by_key.setdefault((row.database, row.coordinates), []).append(row)

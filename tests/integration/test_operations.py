@@ -405,9 +405,18 @@ def test_locks_lists_plain_sessions_waiters_and_filters(ops_dsn: str, capsys: An
         assert [e["pid"] for e in only_pair["locks"]] == [pair_holder.info.backend_pid]
         as_in_pg_locks = run_cli("locks", "--dsn", ops_dsn, "--key", "4294967295,7", "--output", "json", capsys=capsys)
         assert [e["pid"] for e in as_in_pg_locks.json()["locks"]] == [pair_holder.info.backend_pid]
-        for numbers in ("99999999999999999999", "1,2,3", "4294967296,7"):  # found nothing, said so with rc 0
-            refused = run_cli("locks", "--dsn", ops_dsn, "--key", numbers, capsys=capsys)
-            assert refused.code == 3 and f"--key {numbers!r} is numbers but no advisory key" in refused.err
+        for numbers in ("99999999999999999999", "1,2,3", "4294967296,7"):  # found nothing: it said nothing
+            noted = run_cli("locks", "--dsn", ops_dsn, "--key", numbers, "--output", "json", capsys=capsys)
+            assert noted.code == 0 and noted.json()["locks"] == []
+            assert f"--key {numbers!r} is numbers but no advisory key" in noted.err, noted.err
+            assert "looked up as a key name only" in noted.json()["warning"]
+        # ... and a key *name* made of digits is still found by its name (a date, say).
+        dated = hold(ops_dsn, LockKey.from_name("2024,01,15").numbers, application_name="dated job")
+        try:
+            found = run_cli("locks", "--dsn", ops_dsn, "--key", "2024,01,15", "--output", "json", capsys=capsys)
+            assert [e["pid"] for e in found.json()["locks"]] == [dated.info.backend_pid] and found.err == ""
+        finally:
+            dated.close()
         only_42 = run_cli("locks", "--dsn", ops_dsn, "--key", "42", "--output", "json", capsys=capsys).json()
         assert sorted(e["state"] for e in only_42["locks"]) == ["holding", "waiting"]
         table = run_cli("locks", "--dsn", ops_dsn, capsys=capsys)
@@ -459,11 +468,12 @@ def test_locks_never_hides_a_foreign_holder_whose_shared_locks_look_like_pool_ma
     waits for them, and so does a pool holder's pair that someone waits for."""
     billing = psycopg.connect(ops_dsn, autocommit=True, application_name="billing-service")
     billing.execute("SELECT pg_advisory_lock_shared(0), pg_advisory_lock_shared(2)")
+    billing.execute("SELECT pg_advisory_lock(42)")  # an exclusive lock of its own does not make it a pool
     writer = psycopg.connect(ops_dsn, autocommit=True, application_name="other-writer")
     blocked = threading.Thread(target=lambda: writer.execute("SELECT pg_advisory_lock(2)"), daemon=True)
     try:
         shown = run_cli("locks", "--dsn", ops_dsn, "--output", "json", capsys=capsys).json()["locks"]
-        assert sorted(e["key"]["numbers"][0] for e in shown if e["pid"] == billing.info.backend_pid) == [0, 2]
+        assert sorted(e["key"]["numbers"][0] for e in shown if e["pid"] == billing.info.backend_pid) == [0, 2, 42]
         blocked.start()
         _wait_for(lambda: any(not granted for *_, granted in advisory_locks(billing)))
         only = run_cli("locks", "--dsn", ops_dsn, "--key", "2", "--output", "json", capsys=capsys).json()["locks"]

@@ -226,3 +226,19 @@ def test_locks_counts_the_slots_scopes_hold_and_lists_every_slots_scope(
         assert sorted(scope["key"]["name"] for scope in data["scopes"]) == [POOL.name, f"{POOL.name}#slot2"], args
     pool = run_cli("locks", "--dsn", dsn, "--pool", POOL.name, "--slots", "2", "--output", "json", capsys=capsys)
     assert pool.json()["pool"]["summary"] == "2 of 2 held (2 by lock scopes)"
+    # --dag lists one DAG's scopes, and still counts every scope's slot as held (a guard finds it busy).
+    other = run_cli(
+        "locks",
+        "--dsn",
+        dsn,
+        "--pool",
+        POOL.name,
+        "--slots",
+        "2",
+        "--dag",
+        "another_dag",
+        "--output",
+        "json",
+        capsys=capsys,
+    ).json()
+    assert other["pool"]["summary"] == "2 of 2 held (2 by lock scopes)" and other["scopes"] == []

@@ -439,6 +439,37 @@ def test_locks_groups_every_registered_pool_into_one_row_without_being_told_n(re
         resized.__exit__(None, None, None)
 
 
+def test_a_pool_waiter_named_by_its_caller_shows_no_markers_as_locks_of_its_own(registry_dsn: str) -> None:
+    """A pool's wait tries its slots again and again, holding the pool's two markers meanwhile.
+    With an application_name of the caller's choosing (not an airflow-pglock session name) those
+    showed as two unnamed shared locks; the registry knows the pool, so they are its markers."""
+    _earlier_run(registry_dsn, "wait-pool", 2, 2)  # the registry learns the pool and its size
+    hook = AdvisoryLockHook(dsn=registry_dsn)
+    held = [hook.acquire("wait-pool", slots=2) for _ in range(2)]
+    assert all(h is not None for h in held)
+    waiting = threading.Thread(
+        target=lambda: hook.acquire("wait-pool", slots=2, timeout=5, application_name="etl-waiter"), daemon=True
+    )
+    waiting.start()
+    try:
+        with psycopg.connect(registry_dsn, autocommit=True) as admin:
+            limit = time.monotonic() + 5
+            while not admin.execute(
+                "SELECT 1 FROM pg_locks l JOIN pg_stat_activity a USING (pid)"
+                " WHERE l.locktype = 'advisory' AND a.application_name = 'etl-waiter'"
+            ).fetchone():
+                assert time.monotonic() < limit, "the waiter never took the pool's markers"
+                time.sleep(0.02)
+        data = _locks(registry_dsn, "--output", "json")
+        assert [e for e in data["locks"] if e["application_name"] == "etl-waiter"] == []
+        assert [p["summary"] for p in data["pools"]] == ["2 of 2 held"]
+    finally:
+        for h in held:
+            if h is not None:
+                h.release()
+        waiting.join(10)
+
+
 def test_without_the_registry_pool_slots_stay_separate_rows(dsn: str, hook: AdvisoryLockHook) -> None:
     held = [hook.acquire("plain-pool", slots=2) for _ in range(2)]
     try:
