@@ -238,12 +238,13 @@ class AdvisoryLockTrigger(BaseTrigger):
 
     async def _taken_again(self) -> bool:
         """After the wake-up's hold: whether the key (a pool: every slot) was taken again meanwhile.
-        Best effort: an error reads as free (the task that resumes tries the key itself)."""
+        A look that fails says nothing: True, so the trigger waits again and the hub's next read
+        (from a connection that answers) decides, or its error ends the wait."""
         try:
             return await self._holders_text() is not None
         except Exception as error:
             await _log(self.log.warning, "pglock: could not look at %s again after the hold: %s", self.key, error)
-            return False
+            return True
 
     async def _holders_text(self) -> str | None:
         """Who holds the key now (for the deadline's message), on a short connection of its own;

@@ -71,6 +71,7 @@ class Waiter:
     woken: asyncio.Event = field(default_factory=asyncio.Event)  # free, or the hub failed
     error: BaseException | None = None
     unreadable: BaseException | None = None  # why the hub cannot read the key now (its connection went)
+    reached: bool = True  # whether the hub's connection ever opened (else it is still trying its first)
 
     async def wait(self, timeout: float | None) -> bool:
         """True once the key is free; False at ``timeout`` when the hub's last read, on a
@@ -93,6 +94,8 @@ class Waiter:
         return False
 
     def _unread(self) -> LockConnectionError:
+        if self.unreadable is not None and not self.reached:
+            return LockConnectionError(f"could not connect to the lock database ({self.unreadable})")
         if self.unreadable is not None:
             return LockConnectionError(
                 f"the wake-up connection to the lock database was lost ({self.unreadable}) and is not back"
@@ -107,9 +110,11 @@ class Waiter:
         self.unreadable = None
         self.checked.set()
 
-    def unsettle(self, error: BaseException) -> None:
-        """The hub lost its connection: its last read of the key no longer counts."""
+    def unsettle(self, error: BaseException, *, reached: bool = True) -> None:
+        """The hub lost its connection (``reached``), or cannot open its first: its last read of
+        the key, if any, no longer counts."""
         self.unreadable = error
+        self.reached = reached
         self.checked.clear()
 
     def fail(self, error: BaseException) -> None:
@@ -142,7 +147,7 @@ class WakeupHub:
         if self._task is None or self._task.done():
             self._unreadable = None  # an outage the last waiters left behind says nothing of now
         elif self._unreadable is not None:
-            waiter.unsettle(self._unreadable)
+            waiter.unsettle(self._unreadable, reached=self._connected_once)
         self.waiters.setdefault(waiter.coordinates, set()).add(waiter)
         self.pending.add(waiter.coordinates)
         # Read at once, then again within its own interval: a waiter that polls less often must not hold it back.
@@ -205,7 +210,7 @@ class WakeupHub:
                     self._fail_all(error)  # a setting to fix, or no database at all: the waiters report it
                     return
                 if not self._connected_once:
-                    self._unsettle_all(error)  # a deadline meanwhile reports this error, never "held"
+                    self._unsettle_all(error, reached=False)  # a deadline meanwhile reports this error, never "held"
                 await asyncio.to_thread(
                     log.warning, "pglock wakeups: cannot connect to the lock database (%s); retrying", error
                 )
@@ -270,11 +275,11 @@ class WakeupHub:
                 payload,
             )
 
-    def _unsettle_all(self, error: BaseException) -> None:
+    def _unsettle_all(self, error: BaseException, *, reached: bool = True) -> None:
         self._unreadable = error
         for waiters in self.waiters.values():
             for waiter in waiters:
-                waiter.unsettle(error)
+                waiter.unsettle(error, reached=reached)
 
     def _fail_all(self, error: BaseException) -> None:
         for waiters in self.waiters.values():

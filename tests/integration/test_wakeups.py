@@ -363,6 +363,29 @@ def test_a_trigger_that_starts_while_the_lock_database_refuses_connections_waits
     assert event["status"] == FREE, event
 
 
+def test_a_deadline_before_the_first_connection_opens_says_it_could_not_connect(
+    airflow_db: Any, admin: Any, pg_server: str
+) -> None:
+    """A trigger whose deadline passes while the hub is still trying its first connection reports
+    that it could not connect (with the database's answer), not that a connection "was lost"."""
+    import psycopg
+
+    key = LockKey.from_name("wakeups/never-connected")
+    server = psycopg.connect(pg_server, autocommit=True)
+    database = admin.info.dbname
+    trigger = _trigger(key, deadline=1)
+    trigger.connect_timeout = 2  # a hub of its own, and a short read grace (connect timeout + 1 s)
+    allow_connections(server, database, False)
+    try:
+        event = asyncio.run(asyncio.wait_for(_first_payload(trigger), FIRE_WITHIN))
+    finally:
+        allow_connections(server, database, True)
+        server.close()
+    assert event["status"] == "error" and event["error_type"] == "LockConnectionError", event
+    assert "could not connect to the lock database" in event["message"], event
+    assert "not currently accepting connections" in event["message"] and "was lost" not in event["message"], event
+
+
 def test_a_deadline_the_hub_reads_as_held_is_told_only_by_a_server_that_answers(
     airflow_db: Any, admin: Any, pg_server: str
 ) -> None:
@@ -541,13 +564,25 @@ def test_a_release_right_after_the_deferral_wakes_the_task_only_once_the_hold_ha
     assert "the wake-up waits" in log and "72716" in log
 
 
+@pytest.mark.parametrize("look", ["answered", "refused"])
 def test_a_key_taken_again_during_the_wake_ups_hold_is_waited_for_again(
-    airflow_db: Any, holder_hook: AdvisoryLockHook, admin: Any, monkeypatch: pytest.MonkeyPatch
+    airflow_db: Any,
+    holder_hook: AdvisoryLockHook,
+    admin: Any,
+    pg_server: str,
+    monkeypatch: pytest.MonkeyPatch,
+    look: str,
 ) -> None:
     """The hold delays the wake-up by seconds; a key another run took meanwhile is held again when
-    the hold ends: the trigger looks once more and waits on, instead of reporting it free."""
+    the hold ends: the trigger looks once more and waits on, instead of reporting it free. A look
+    the database refuses (no new connection) says nothing: it waits on too, and the hub's own
+    connection reads the key."""
+    import psycopg
+
     hold = 4.0
-    key = LockKey.from_name("wakeups/taken-during-the-hold")
+    key = LockKey.from_name(f"wakeups/taken-during-the-hold/{look}")
+    server = psycopg.connect(pg_server, autocommit=True)
+    database = admin.info.dbname
     real = wakeups.aheld
     reads: list[bool] = []
 
@@ -576,12 +611,19 @@ def test_a_key_taken_again_during_the_wake_ups_hold_is_waited_for_again(
         await asyncio.to_thread(seen_free)  # the wake-up's hold has begun
         second = await asyncio.to_thread(holder_hook.acquire, key, application_name="announcer 2")
         assert second is not None
+        if look == "refused":
+            await asyncio.to_thread(allow_connections, server, database, False)
         await asyncio.sleep(hold + 1)
         fired_while_held = fired.done()
+        await asyncio.to_thread(allow_connections, server, database, True)
         await asyncio.to_thread(second.release)
         return fired_while_held, await asyncio.wait_for(fired, FIRE_WITHIN)
 
-    fired_while_held, event = asyncio.run(scenario())
+    try:
+        fired_while_held, event = asyncio.run(scenario())
+    finally:
+        allow_connections(server, database, True)
+        server.close()
     assert not fired_while_held, f"it reported the key free while another run held it: {event}"
     assert event["status"] == FREE, event
 
