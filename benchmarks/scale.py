@@ -134,7 +134,7 @@ def measure_reading(servers: Servers, result: ScaleResult, rounds: int, process_
                 timed(
                     "airflow-pglock locks (in-process, table)", lambda out=out: cli_main(["locks", "--dsn", dsn], out)
                 )
-                result.rows_seen[count] = max(0, out.getvalue().count("\n") - 2)
+                result.rows_seen[count] = _table_rows(out.getvalue())
                 timed(
                     "airflow-pglock locks (in-process, --output json)",
                     lambda: cli_main(["locks", "--dsn", dsn, "--output", "json"], io.StringIO()),
@@ -258,6 +258,12 @@ def measure_connections(servers: Servers, result: ScaleResult, tasks: int, runs:
                 break
             time.sleep(0.05)
         result.left_sessions, result.left_locks = list(left), int(locks[0]) if locks else -1
+
+
+def _table_rows(printed: str) -> int:
+    """The lock rows of a `locks` table: its lines but the header line, the column titles and
+    the footnotes (`?* = ...`, `~ = ...`: each holder session here holds many keys)."""
+    return sum(1 for line in printed.splitlines()[2:] if not line.startswith(("?* = ", "~ = ")))
 
 
 def run_scale(
