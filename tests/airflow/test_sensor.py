@@ -365,7 +365,9 @@ def test_shared_sensor_waits_only_for_exclusive_holders(dsn: str, hook: Advisory
     queued = threading.Thread(target=lambda: waiter.execute("SELECT pg_advisory_lock(%s)", [key.int64]))
     queued.start()
     try:
+        queued_by = time.monotonic() + 30
         while not any(not granted for *_, granted in advisory_locks(admin)):
+            assert time.monotonic() < queued_by, "the exclusive request never queued"
             time.sleep(0.01)
         assert admin.execute("SELECT pg_try_advisory_lock_shared(%s)", [key.int64]).fetchone() == (False,)
         assert (exclusive.poke({}), shared.poke({})) == (False, False)  # type: ignore[arg-type]

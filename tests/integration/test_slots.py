@@ -396,7 +396,9 @@ def test_locks_groups_every_registered_pool_into_one_row_without_being_told_n(re
             target=lambda: waiter.execute("SELECT pg_advisory_lock(%s)", [LockKey.from_name("report-pool").int64])
         )
         queued.start()
+        queued_by = time.monotonic() + 30
         while not [e for e in _locks(registry_dsn, "--output", "json")["locks"] if e["state"] == "waiting"]:
+            assert time.monotonic() < queued_by, "the session never queued for slot 1"
             time.sleep(0.05)
         [row] = [line for line in _locks(registry_dsn).splitlines() if "report-pool" in line]
         behind = guards[0].held.server.backend_pid  # type: ignore[union-attr]
