@@ -444,7 +444,7 @@ class LockSet:
                     raise
                 try:
                     self.connection.rollback()  # nothing when no transaction is open
-                except psycopg.ProgrammingError:  # inside the caller's `with conn.transaction()`: its to end
+                except psycopg.ProgrammingError:  # inside the caller's `with conn.transaction()`, which it ends
                     raise error from None
                 return statement()
 
