@@ -18,13 +18,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as dt
-import functools
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from typing import Any
 
 import psycopg
 
@@ -39,7 +38,6 @@ from airflow_pglock.pg.release import unlock
 from airflow_pglock.server_rules import Scope, ServerInfo
 
 log = logging.getLogger("airflow_pglock")
-_Answer = TypeVar("_Answer")
 
 
 class SubLock:
@@ -417,35 +415,32 @@ class LockSet:
             )
             return [] if held else [sub]
         gone: list[SubLock] = []
-        for shared in (False, True):
-            group = [sub for sub in subs if sub.shared is shared]
-            if len(group) == 1:
-                one = functools.partial(unlock, self.connection, group[0].key, shared=shared)
-                answers = [self._answered(group[0].key, one)]
-            elif group:
-                keys = [sub.key for sub in group]
-                many = functools.partial(statements.unlock_many, self.connection, keys, shared=shared)
-                answers = self._answered(keys[0], many)
-            else:
-                continue
-            gone += [sub for sub, held in zip(group, answers, strict=True) if not held]
+        with self._session_errors(subs[0].key):  # a batch may stop part-way: its error stands
+            for shared in (False, True):
+                group = [sub for sub in subs if sub.shared is shared]
+                if len(group) == 1:
+                    answers = [unlock(self.connection, group[0].key, shared=shared)]
+                elif group:
+                    answers = statements.unlock_many(self.connection, [sub.key for sub in group], shared=shared)
+                else:
+                    continue
+                gone += [sub for sub, held in zip(group, answers, strict=True) if not held]
         return gone
 
-    def _answered(self, key: LockKey, statement: Callable[[], _Answer]) -> _Answer:
-        """A session lock's unlock ``statement``, sent once more after an ordinary error on a session
-        that lives on (a foreign ``pg_cancel_backend()``: the cancelled statement unlocked nothing),
-        whose answer then decides, as for the guard's own key (``HeldLock.unlock_again_after``). A
-        transaction the error aborted is rolled back first (a session lock outlives it)."""
+    def _answered(self, key: LockKey, statement: Callable[[], bool]) -> bool:
+        """One key's unlock ``statement``, sent once more when a cancel (a foreign
+        ``pg_cancel_backend()``, a ``statement_timeout``) stopped it on a session that lives on with no
+        transaction open: its answer then decides, as for the guard's own key
+        (``HeldLock.unlock_again_after``). In a transaction (the work's own, on this connection) the
+        error stands, and the transaction is the work's to end."""
         with self._session_errors(key):
             try:
                 return statement()
-            except psycopg.Error as error:
-                if not loss.session_answered(error, self.connection.closed):
+            except psycopg.errors.QueryCanceled:
+                with self.connection.lock:
+                    idle = self.connection.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+                if self.connection.closed or not idle:
                     raise
-                try:
-                    self.connection.rollback()  # nothing when no transaction is open
-                except psycopg.ProgrammingError:  # inside the caller's `with conn.transaction()`, which it ends
-                    raise error from None
                 return statement()
 
     def _give_back(self, subs: list[SubLock]) -> list[SubLock]:

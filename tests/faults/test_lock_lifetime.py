@@ -712,6 +712,46 @@ def test_a_cancel_that_lands_on_a_sub_keys_unlock_is_settled_by_a_second_unlock(
     assert advisory_locks_once_exited(fault_admin) == []
 
 
+@pytest.mark.parametrize("kind", ["in the work's transaction", "a batch"])
+def test_a_cancelled_sub_key_unlock_is_not_sent_again_where_that_would_not_be_the_truth(
+    fault_server: FaultServer, fault_admin: Any, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """Sent once more, the unlock would roll back the work's own transaction on the session's
+    connection (or end it as a success without its writes), and a batch may stop part-way (the keys
+    it unlocked before the cancel would read as lost): there the cancel's error stands, as before,
+    the work's transaction is left to the work, and no key stays held (review -56)."""
+    from airflow_pglock import lock_set
+
+    cancelled: list[str] = []
+    hook = AdvisoryLockHook(dsn=fault_server.dsn)
+    first, second = (LockKey.from_name(f"cancelled-unlock/{kind}/{n}") for n in (1, 2))
+    with pytest.raises(psycopg.errors.QueryCanceled), hook.lock_session() as session:
+        if kind == "a batch":
+            monkeypatch.setattr(
+                lock_set.statements,
+                "unlock_many",
+                _unlock_cancelled_once(lock_set.statements.unlock_many, fault_admin, cancelled),
+            )
+            taken = session.try_lock_many([first, second])
+            assert len(taken) == 2
+            session.release(*taken)
+        else:
+            monkeypatch.setattr(
+                lock_set, "unlock", _unlock_cancelled_once(lock_set.unlock, fault_admin, cancelled, first)
+            )
+            session.connection.execute("BEGIN")
+            try:
+                with session.try_lock(first) as sub:
+                    assert sub is not None
+            finally:
+                status = session.connection.info.transaction_status
+                session.connection.rollback()  # the work ends its transaction
+    assert cancelled and "canceling statement" in cancelled[0]
+    if kind != "a batch":
+        assert status == psycopg.pq.TransactionStatus.INERROR, "the work's transaction is the work's to end"
+    assert advisory_locks_once_exited(fault_admin) == []
+
+
 # ------------------------------------------------ found correct: keep them so
 
 
