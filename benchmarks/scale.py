@@ -262,8 +262,10 @@ def measure_connections(servers: Servers, result: ScaleResult, tasks: int, runs:
 
 def _table_rows(printed: str) -> int:
     """The lock rows of a `locks` table: its lines but the header line, the column titles and
-    the footnotes (`?* = ...`, `~ = ...`: each holder session here holds many keys)."""
-    return sum(1 for line in printed.splitlines()[2:] if not line.startswith(("?* = ", "~ = ")))
+    the footnotes (each holder session here holds many keys: SINCE gets the session-start one)."""
+    from airflow_pglock.cli.locks import FOOTNOTE_PREFIXES
+
+    return sum(1 for line in printed.splitlines()[2:] if not line.startswith(FOOTNOTE_PREFIXES))
 
 
 def run_scale(

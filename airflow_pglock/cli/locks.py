@@ -82,7 +82,7 @@ def cmd_locks(args: argparse.Namespace, out: TextIO) -> int:
         out.write(f"{UNKNOWN_NAME_MARK} = {report.unknown_name_reason}\n")
     if any(e.since_basis and e.since_basis.startswith("session start") for e in report.entries):
         out.write(
-            "~ = the session started then; the lock may be younger (not an airflow-pglock session, "
+            f"{SESSION_START_MARK} = the session started then; the lock may be younger (not an airflow-pglock session, "
             "or a lock session that holds several keys)\n"
         )
     return EXIT_OK
@@ -90,6 +90,10 @@ def cmd_locks(args: argparse.Namespace, out: TextIO) -> int:
 
 #: What the KEY column shows for a key without a known name (the footnote says why).
 UNKNOWN_NAME_MARK = "?*"
+#: What starts a SINCE that is its session's start, not the lock's (the footnote says why).
+SESSION_START_MARK = "~"
+#: How each footnote under the table starts (a reader counting the table's rows skips them).
+FOOTNOTE_PREFIXES = (f"{UNKNOWN_NAME_MARK} = ", f"{SESSION_START_MARK} = ")
 
 
 def where_text(deployment: str | None, host: str | None) -> str:
@@ -110,7 +114,7 @@ def _holder_text(e: LockEntry) -> str:
 def _since_text(e: LockEntry) -> str:
     since = "?" if e.since is None else e.since.isoformat(timespec="seconds")
     if e.since_basis and e.since_basis.startswith("session start"):
-        since = "~" + since
+        since = SESSION_START_MARK + since
     return since
 
 
