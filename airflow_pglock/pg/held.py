@@ -89,7 +89,11 @@ class HeldLock:
             return False
         try:
             return is_held(self.connection, self.key, self.shared, self.xact_id)
-        except psycopg.OperationalError as error:  # AdminShutdown, IdleSessionTimeout, a broken connection...
+        except psycopg.Error as error:
+            # AdminShutdown, IdleSessionTimeout, a broken connection... and the idle-in-transaction
+            # timeout of a transaction lock (25P03, an InternalError): the session ended.
+            if not isinstance(error, psycopg.OperationalError) and loss.session_answered(error, self.connection.closed):
+                raise
             log.warning(
                 "pglock %s is no longer held: its session ended (%s: %s)",
                 self.key.describe(),
@@ -171,8 +175,9 @@ class HeldLock:
         """Transaction scope: commit the lock's transaction (which releases the lock).
 
         Raises ``NoActiveSqlTransaction`` when the work ended the lock's transaction (whatever
-        ran afterwards ran without the lock) and ``InFailedSqlTransaction`` when an error had
-        aborted it: nothing is committed then.
+        ran afterwards ran without the lock), ``InFailedSqlTransaction`` when an error had
+        aborted it, and the session's end (e.g. ``IdleInTransactionSessionTimeout`` after the
+        lease) when it ended: nothing is committed then.
         """
         ended = psycopg.errors.NoActiveSqlTransaction(
             "the lock's transaction was ended on its connection (a COMMIT or ROLLBACK by the work): the lock "

@@ -113,11 +113,13 @@ def test_a_bad_wait_timeout_is_refused_before_connecting(bad: object) -> None:
         pass
 
 
-def test_is_held_answers_false_once_the_lease_expired(dsn: str, admin: Any) -> None:
-    """An idle hook lock past its lease: the server ended the session; is_held() says so, no driver error."""
+@pytest.mark.parametrize("mode", ["session", "transaction"])
+def test_is_held_answers_false_once_the_lease_expired(dsn: str, admin: Any, mode: str) -> None:
+    """An idle hook lock past its lease: the server ended the session; is_held() says so, no driver
+    error (transaction mode: the idle-in-transaction timeout's 25P03, an InternalError, was raised)."""
     from airflow_pglock.liveness import Liveness
 
-    held = AdvisoryLockHook(dsn=dsn, liveness=Liveness(lease=3)).acquire("expiring")
+    held = AdvisoryLockHook(dsn=dsn, liveness=Liveness(lease=3)).acquire(f"expiring-{mode}", mode=mode)
     assert held is not None
     deadline = time.monotonic() + 30
     while held.server.backend_pid in [row[0] for row in advisory_locks(admin)]:  # the server's timer, not ours
@@ -125,6 +127,9 @@ def test_is_held_answers_false_once_the_lease_expired(dsn: str, admin: Any) -> N
         time.sleep(0.2)
     assert held.is_held() is False
     assert held.is_held() is False  # asked again on the dead connection: the same answer
+    if mode == "transaction":
+        with pytest.raises(psycopg.OperationalError):  # nothing committed: the session is gone
+            held.commit()
     assert held.release() is False
 
 
