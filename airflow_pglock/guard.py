@@ -45,7 +45,7 @@ from airflow_pglock.finish import Ending, finish, finish_session, finish_transac
 from airflow_pglock.handle import LockHandle
 from airflow_pglock.heartbeat import Heartbeat
 from airflow_pglock.holder import LockHolder, describe_holders
-from airflow_pglock.identity import DEFERRED_HOLDS_APPLICATION_NAME, TaskIdentity
+from airflow_pglock.identity import DEFERRED_HOLDS_APPLICATION_NAME, TaskIdentity, check_application_name
 from airflow_pglock.interruption import Interruption, protect_clean_up
 from airflow_pglock.keys import LockKey, slot_keys
 from airflow_pglock.outcome import OutcomeContext, OutcomeLine, Reported, WorkEnding
@@ -202,6 +202,7 @@ class LockGuard:
         self._records_completion = self.rules.records_completion and scope.kind in ("outside", "leave")
         check_not_shared(self.rules, policy.shared)
         check_not_pooled(self.rules, policy.slots)
+        check_application_name(application_name)
         self.identity = identity
         self.key = key
         self.policy = policy

@@ -35,6 +35,8 @@ import socket
 import sys
 from dataclasses import dataclass
 
+from airflow_pglock.exceptions import LockConfigurationError
+
 PREFIX = "pglock"
 #: Prefix of the application_name of a lock taken through the hook without one.
 HOOK_PREFIX = "pglock-hook"
@@ -204,6 +206,14 @@ class ParsedHookName:
     @property
     def where(self) -> str | None:
         return None if self.host is None else _where(self.deployment, self.host)
+
+
+def check_application_name(application_name: object) -> None:
+    """Refuse a caller's ``application_name`` that is not a string, or holds a NUL (None: the default)."""
+    if application_name is not None and (not isinstance(application_name, str) or "\x00" in application_name):
+        raise LockConfigurationError(
+            f"application_name must be a string without NUL characters, or None, got {application_name!r}"
+        )
 
 
 def hook_application_name(deployment: str | None = None, host: str | None = None) -> str:

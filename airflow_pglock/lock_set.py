@@ -35,6 +35,7 @@ from airflow_pglock.pg import scopes, statements
 from airflow_pglock.pg.database import LockDatabase
 from airflow_pglock.pg.probe import ProbeResult, probe
 from airflow_pglock.pg.release import unlock
+from airflow_pglock.policy import check_shared
 from airflow_pglock.server_rules import Scope, ServerInfo
 
 log = logging.getLogger("airflow_pglock")
@@ -195,11 +196,14 @@ class LockSet:
     def try_lock(self, key: AnyKey, shared: bool = False) -> HoldForBlock:
         """Try once to take ``key`` for the ``with`` block; None when busy, also when this session
         holds it already (PostgreSQL would count it twice)."""
-        return HoldForBlock(self, LockKey.coerce(key), shared, None)
+        lock_key = LockKey.coerce(key)
+        check_shared(shared)
+        return HoldForBlock(self, lock_key, shared, None)
 
     def lock(self, key: AnyKey, *, timeout: float, shared: bool = False) -> HoldForBlock:
         """Wait at most ``timeout`` seconds (server-side) for ``key``; None if it ran out."""
         lock_key = LockKey.coerce(key)
+        check_shared(shared)
         statements.check_wait_timeout(timeout)
         if not self._can_wait:
             raise LockConfigurationError(
@@ -224,7 +228,9 @@ class LockSet:
         statement fails (cancelled, out of shared memory) raises the driver's error and
         holds none of its keys: those it took before the error are released.
         """
-        return self._take([LockKey.coerce(key) for key in _batch(keys)], shared, None)
+        batch = [LockKey.coerce(key) for key in _batch(keys)]
+        check_shared(shared)
+        return self._take(batch, shared, None)
 
     def release(self, *locks: SubLock | AnyKey) -> bool:
         """Release keys this set holds (SubLocks or keys; one round trip); whether every one

@@ -71,8 +71,22 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
         raise LockConfigurationError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
 
 
+def check_mode(mode: Any) -> None:
+    """Refuse a mode other than ``"session"`` or ``"transaction"``."""
+    _check_choice("mode", mode, MODE_CHOICES)
+
+
+def check_shared(shared: Any) -> None:
+    """Refuse a ``shared`` that is not a bool (``"false"`` is truthy: a shared lock where an
+    exclusive one was meant; a lock session would also lose track of it)."""
+    if not isinstance(shared, bool):
+        raise LockConfigurationError(f"shared must be True or False, got {shared!r}")
+
+
 def check_slots(slots: Any, shared: Any) -> None:
-    """Refuse a slot count that is not an integer from 1 to ``MAX_SLOTS``, or a shared pool."""
+    """Refuse a slot count that is not an integer from 1 to ``MAX_SLOTS``, a ``shared`` that is
+    not a bool, or a shared pool."""
+    check_shared(shared)
     if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS:
         raise LockConfigurationError(f"slots must be an integer from 1 to {MAX_SLOTS}, got {slots!r}")
     if slots > 1 and shared is True:
@@ -117,13 +131,11 @@ class LockPolicy:
 
     def __post_init__(self) -> None:
         check_slots(self.slots, self.shared)
-        _check_choice("mode", self.mode, MODE_CHOICES)
+        check_mode(self.mode)
         _check_choice("on_busy", self.on_busy, ON_BUSY_CHOICES)
         _check_choice("on_lost", self.on_lost, ON_LOST_CHOICES)
         _check_choice("on_error", self.on_error, ON_ERROR_CHOICES)
         _check_choice("on_wait_timeout", self.on_wait_timeout, ON_WAIT_TIMEOUT_CHOICES)
-        if not isinstance(self.shared, bool):
-            raise LockConfigurationError(f"shared must be True or False, got {self.shared!r}")
         if self.on_busy in ("wait", "defer"):
             timeout = self.wait_timeout
             if wait_timeout_problem(timeout) is not None:

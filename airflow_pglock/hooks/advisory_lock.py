@@ -34,7 +34,7 @@ from airflow_pglock.pg.holders import aread_holders
 from airflow_pglock.pg.scopes import ScopeRow, live_scope, live_scopes_of
 from airflow_pglock.pg.settings import POOL_MODES, ConnectionSettings, from_dsn
 from airflow_pglock.pg.statements import check_wait_timeout
-from airflow_pglock.policy import LockPolicy, OnBusy, OnLost, check_slots
+from airflow_pglock.policy import LockPolicy, OnBusy, OnLost, check_mode, check_slots
 from airflow_pglock.registry import record_acquisition
 from airflow_pglock.scope_rules import OUTSIDE
 from airflow_pglock.scope_rules import check_before_work as check_scope
@@ -168,6 +168,8 @@ class AdvisoryLockHook(BaseHook):
         :param application_name: names the holder in ``pg_stat_activity`` (default: this
             deployment, host, program and pid).
         """
+        if timeout is not None:
+            check_wait_timeout(timeout)  # its own words: the policy's would name on_busy and wait_timeout
         on_busy: OnBusy = "skip" if timeout is None else "wait"
         policy = LockPolicy(mode=mode, shared=shared, on_busy=on_busy, wait_timeout=timeout, on_lost=on_lost)
         guard = LockGuard(
@@ -259,7 +261,8 @@ class AdvisoryLockHook(BaseHook):
         slots that scopes hold are passed over; with a ``timeout`` every slot is tried again
         about every second until one is taken or the time is up.
         """
-        check_slots(slots, shared)  # before any I/O, as the key and the timeout
+        check_mode(mode)  # before any I/O, as the key and the timeout
+        check_slots(slots, shared)
         pool = slot_keys(LockKey.coerce(key), slots)
         if timeout is not None:
             check_wait_timeout(timeout)  # before any I/O, and before the deadline is computed from it

@@ -26,7 +26,7 @@ import psycopg
 from airflow_pglock import forks, loss, server_rules
 from airflow_pglock.exceptions import LockConfigurationError, LockConnectionError, PgLockError
 from airflow_pglock.holder import LockHolder
-from airflow_pglock.identity import hook_application_name
+from airflow_pglock.identity import check_application_name, hook_application_name
 from airflow_pglock.keys import LockKey
 from airflow_pglock.liveness import Liveness
 from airflow_pglock.pg import scopes, statements
@@ -39,6 +39,7 @@ from airflow_pglock.pg.settings import ConnectionSettings, redact
 from airflow_pglock.pg.sql import NOT_POSTGRES_ERRORS, liveness_statement
 from airflow_pglock.pg.statements import check_wait_timeout
 from airflow_pglock.pg.take import take
+from airflow_pglock.policy import check_mode
 from airflow_pglock.server_rules import Scope, ServerInfo
 
 DEFAULT_CONNECT_TIMEOUT = 10
@@ -79,6 +80,10 @@ class LockDatabase:
         if isinstance(connect_timeout, bool) or not isinstance(connect_timeout, int) or connect_timeout < 1:
             raise LockConfigurationError(
                 f"connect_timeout must be a whole number of seconds >= 1, got {connect_timeout!r}"
+            )
+        if liveness is not None and not isinstance(liveness, Liveness):
+            raise LockConfigurationError(
+                f"liveness must be a Liveness (e.g. Liveness(lease=60)) or None, got {liveness!r}"
             )
         self._resolve = resolve
         self.liveness = liveness or Liveness()
@@ -136,6 +141,7 @@ class LockDatabase:
         :param settings: where to connect (default: :meth:`resolve_settings`).
         :param server_settings: server settings to send in the start-up packet.
         """
+        check_application_name(application_name)  # before any I/O
         settings = settings or self.resolve_settings()
         self._last_settings = settings  # for side_connection(), see there
         opened = _open(
@@ -277,6 +283,7 @@ class LockDatabase:
             leave the rest to the first lock statement (:func:`~airflow_pglock.pg.take.take`),
             which answers the same questions; the returned facts are the handshake's then.
         """
+        check_mode(scope)  # anything but "transaction" would take a session lock, with no lease
         settings = self.resolve_settings()
         startup = None
         if scope == "session" and settings.pool_mode is None:

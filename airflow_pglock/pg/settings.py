@@ -147,6 +147,12 @@ def from_dsn(dsn: str) -> ConnectionSettings:
     Cached: a DSN's settings never change, and parsing it was a measurable share of a short
     guarded execution's CPU (the settings are immutable; ``session_params`` copies them).
     """
+    if not isinstance(dsn, str) or not dsn.strip():
+        # "" is valid libpq: its defaults (PGHOST, a local socket, the OS user's database), maybe a
+        # database nobody else locks in
+        raise LockConfigurationError(
+            f"the lock database's DSN must be a non-empty libpq connection string or URI, got {dsn!r}"
+        )
     try:
         return ConnectionSettings(params=dict(psycopg.conninfo.conninfo_to_dict(dsn)), source="DSN")
     except psycopg.ProgrammingError as error:

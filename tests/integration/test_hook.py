@@ -472,3 +472,39 @@ def test_expiring_settings_are_resolved_for_each_lock(dsn: str, admin: Any, monk
             assert handle is not None
     assert reads == ["iam_conn", "iam_conn"]
     assert advisory_locks(admin) == []
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"mode": "Session"}, "mode must be one of 'session', 'transaction'; got 'Session'"),
+        ({"shared": "false"}, "shared must be True or False, got 'false'"),
+        ({"shared": 1}, "shared must be True or False, got 1"),
+        ({"application_name": 5}, "application_name must be a string .* got 5"),
+    ],
+)
+def test_a_bad_mode_shared_or_name_is_refused_before_connecting(options: dict[str, Any], named: str) -> None:
+    """Review -57: acquire() took a lock with no lease for a mode it did not know (anything but
+    "transaction" took a session lock, and only "session" got the lease), and shared="false" a
+    shared lock; a non-str application_name failed hook.lock() only after its work had run."""
+    from devtools.pgcluster import free_port
+
+    down = AdvisoryLockHook(dsn=f"postgresql://postgres@127.0.0.1:{free_port()}/postgres", connect_timeout=2)
+    with pytest.raises(LockConfigurationError, match=named):
+        down.acquire("k", **options)
+    ran = []
+    with pytest.raises(LockConfigurationError, match=named), down.lock("k", **options):
+        ran.append(True)
+    assert ran == []
+    if "application_name" in options:
+        with pytest.raises(LockConfigurationError, match=named), down.lock_session(**options):
+            ran.append(True)
+        assert ran == []
+
+
+def test_a_bad_timeout_of_hook_lock_is_named_as_its_timeout() -> None:
+    """It named on_busy='wait' and wait_timeout, options of the decorator the caller never used."""
+    hook = AdvisoryLockHook(dsn="host=nowhere.invalid")
+    named = "wait timeout must be a positive number of seconds, got 0"
+    with pytest.raises(LockConfigurationError, match=named), hook.lock("k", timeout=0):
+        pass

@@ -172,6 +172,24 @@ def test_bad_key_refuses_the_whole_batch_before_anything_is_taken(hook: Advisory
         assert advisory_locks(admin) == []
 
 
+@pytest.mark.parametrize("shared", [1, "false", None])
+def test_a_shared_that_is_not_a_bool_is_refused_before_anything_is_taken(
+    hook: AdvisoryLockHook, admin: Any, shared: object
+) -> None:
+    """Review -57: shared=1 took both keys shared, and release() then freed neither (its groups are
+    True and False) yet answered True: the session forgot keys the server still held."""
+    with hook.lock_session() as session:
+        named = f"shared must be True or False, got {shared!r}"
+        with pytest.raises(LockConfigurationError, match=named):
+            session.try_lock_many(["a", "b"], shared=shared)  # type: ignore[arg-type]
+        with pytest.raises(LockConfigurationError, match=named):
+            session.try_lock("a", shared=shared)  # type: ignore[arg-type]
+        with pytest.raises(LockConfigurationError, match=named):
+            session.lock("a", timeout=1, shared=shared)  # type: ignore[arg-type]
+        assert session.held() == []
+        assert _count(admin, session.server.backend_pid) == 0
+
+
 def test_a_wait_is_bounded_by_the_server(hook: AdvisoryLockHook, admin: Any) -> None:
     key = LockKey.from_name("waited")
     admin.execute("SELECT pg_advisory_lock(%s)", [key.numbers[0]])

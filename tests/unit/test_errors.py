@@ -40,6 +40,24 @@ def test_a_pool_mode_declared_to_a_dsn_hook_is_in_its_settings() -> None:
     assert hook.resolve_settings().pool_mode == "session"
 
 
+@pytest.mark.parametrize("dsn", ["", "   ", 123])
+def test_an_empty_or_non_str_dsn_is_refused_naming_it_before_any_connection(dsn: object) -> None:
+    """Review -57: dsn="" connected to libpq's defaults (a local socket, the OS user's database),
+    where a lock excludes nobody else; dsn=123 raised a builtin AttributeError."""
+    from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+
+    with pytest.raises(LockConfigurationError, match=f"DSN must be a non-empty .*got {dsn!r}"):
+        AdvisoryLockHook(dsn=dsn).acquire("k")  # type: ignore[arg-type]
+
+
+def test_a_liveness_that_is_not_one_is_refused_naming_it() -> None:
+    from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+
+    named = r"liveness must be a Liveness \(e.g. Liveness\(lease=60\)\) or None, got 60"
+    with pytest.raises(LockConfigurationError, match=named):
+        AdvisoryLockHook(dsn="host=nowhere.invalid", liveness=60)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("lease", [0, 1, float("nan"), "30", True])
 def test_a_bad_lease_is_a_pglock_error_naming_the_value(lease: object) -> None:
     with pytest.raises(LockConfigurationError, match="lease must be") as error:
