@@ -25,6 +25,7 @@ from airflow_pglock.identity import holder_where
 from airflow_pglock.keys import LockKey
 from airflow_pglock.metrics import metric_tags, record_outcome
 from airflow_pglock.pg.database import LockDatabase
+from airflow_pglock.pg.settings import shown_param
 from airflow_pglock.policy import LockPolicy
 from airflow_pglock.server_rules import ServerInfo
 
@@ -237,7 +238,8 @@ def configured_target(database: LockDatabase) -> tuple[str | None, str | None]:
         params = database.resolve_settings().params
     except Exception:  # the connection itself may be what is wrong; the error says why
         return None, None
-    return params.get("dbname"), f"{params.get('host') or 'local socket'}:{params.get('port') or 5432}"
+    host = shown_param("host", params.get("host")) or "local socket"
+    return shown_param("dbname", params.get("dbname")), f"{host}:{params.get('port') or 5432}"
 
 
 def _one_line(text: str) -> str:

@@ -41,6 +41,14 @@ def from_airflow(conn_id: str, get_connection: Callable[[str], Any]) -> Connecti
             f"Airflow connection {conn_id!r} has conn_type {airflow_conn.conn_type!r}; "
             "advisory locks need a PostgreSQL connection (conn_type 'postgres')"
         )
+    # Checked before PostgresHook resolves the password into this frame: Airflow 3.0's console
+    # prints a failing frame's local variables.
+    pool_mode = airflow_conn.extra_dejson.get("pool_mode")
+    if pool_mode is not None and pool_mode not in POOL_MODES:  # a typo would read as "no pooler declared"
+        raise LockConfigurationError(
+            f"Airflow connection {conn_id!r} has extra pool_mode {pool_mode!r}; expected one of "
+            f"{', '.join(map(repr, POOL_MODES))} (the pooler's pooling mode), or no pool_mode without a pooler"
+        )
     captured: dict[str, Any] = {}
 
     class _ConnArgsOnly(PostgresHook):
@@ -58,12 +66,6 @@ def from_airflow(conn_id: str, get_connection: Callable[[str], Any]) -> Connecti
         raise LockConfigurationError(
             "this apache-airflow-providers-postgres is too old for airflow-pglock (PostgresHook has no "
             "_create_connection); upgrade it to 6.8 or newer"
-        )
-    pool_mode = airflow_conn.extra_dejson.get("pool_mode")
-    if pool_mode is not None and pool_mode not in POOL_MODES:  # a typo would read as "no pooler declared"
-        raise LockConfigurationError(
-            f"Airflow connection {conn_id!r} has extra pool_mode {pool_mode!r}; expected one of "
-            f"{', '.join(map(repr, POOL_MODES))} (the pooler's pooling mode), or no pool_mode without a pooler"
         )
     return ConnectionSettings(
         params={k: v for k, v in captured.items() if v is not None and k not in _NON_LIBPQ_EXTRAS},

@@ -420,7 +420,7 @@ def _open(settings: ConnectionSettings, kwargs: dict[str, Any]) -> psycopg.Conne
     try:
         return _left_to_the_parent_in_a_fork(psycopg.Connection.connect(autocommit=True, **kwargs))
     except psycopg.Error as error:
-        return _NotConnected(error, connection_settings.describe_params(kwargs, settings.source))
+        return _NotConnected(_redacted(error, kwargs), connection_settings.describe_params(kwargs, settings.source))
 
 
 async def _aopen(settings: ConnectionSettings, kwargs: dict[str, Any]) -> psycopg.AsyncConnection[Any] | _NotConnected:
@@ -428,4 +428,17 @@ async def _aopen(settings: ConnectionSettings, kwargs: dict[str, Any]) -> psycop
     try:
         return _left_to_the_parent_in_a_fork(await psycopg.AsyncConnection.connect(autocommit=True, **kwargs))
     except psycopg.Error as error:
-        return _NotConnected(error, connection_settings.describe_params(kwargs, settings.source))
+        return _NotConnected(_redacted(error, kwargs), connection_settings.describe_params(kwargs, settings.source))
+
+
+def _redacted(error: psycopg.Error, params: Mapping[str, Any]) -> psycopg.Error:
+    """``error``, or one of its class whose message hides what may be a password
+    (:func:`~airflow_pglock.pg.settings.redact_params`): it is raised, chained or logged as it is."""
+    message = str(error)
+    safe = connection_settings.redact_params(message, params)
+    if safe == message:
+        return error
+    try:
+        return type(error)(safe)
+    except Exception:  # a class that wants other arguments
+        return psycopg.OperationalError(safe)

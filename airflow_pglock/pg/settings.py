@@ -133,11 +133,42 @@ def refused_startup_options(error: BaseException) -> bool:
 
 def describe_params(params: Mapping[str, Any], source: str) -> str:
     """``'db' on host:port as user (source)`` from libpq parameters; never the password."""
-    host = params.get("host") or "local socket"
+    host = shown_param("host", params.get("host")) or "local socket"
     port = params.get("port") or 5432
-    database = params.get("dbname") or "(default database)"
-    user = params.get("user") or "(default user)"
+    database = shown_param("dbname", params.get("dbname")) or "(default database)"
+    user = shown_param("user", params.get("user")) or "(default user)"
     return f"{database!r} on {host}:{port} as {user!r} ({source})"
+
+
+#: The parameters a message names, where a password can land by mistake.
+_SHOWN_PARAMS = ("host", "dbname", "user")
+
+
+def shown_param(name: str, value: Any) -> Any:
+    """A connection parameter as a message shows it. A password can be in the host, database or
+    user field: a whole URI or keyword string pasted there (an Airflow connection's Host or Schema;
+    Airflow masks its Password field only), or, in a URI DSN, the rest of a password after an
+    unencoded ``@`` (libpq reads it as the host)."""
+    if not isinstance(value, str):
+        return value
+    text = redact(value)
+    if name == "host":
+        text = ",".join(f"***@{part.rsplit('@', 1)[1]}" if "@" in part else part for part in text.split(","))
+    return text
+
+
+def redact_params(text: str, params: Mapping[str, Any]) -> str:
+    """:func:`redact` of ``text``, a driver's message about connecting with ``params``, in which
+    each host, database and user value shows as :func:`shown_param` shows it."""
+    for name in _SHOWN_PARAMS:
+        value = params.get(name)
+        if not isinstance(value, str) or not value:
+            continue
+        for part in sorted({value, *value.split(",")} if name == "host" else {value}, key=len, reverse=True):
+            hidden = shown_param(name, part)
+            if part and hidden != part:
+                text = text.replace(part, hidden)
+    return redact(text)
 
 
 @functools.lru_cache(maxsize=32)

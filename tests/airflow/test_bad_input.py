@@ -58,8 +58,22 @@ def bad_input():
     def unknown_tenant_param():
         raise AssertionError("must not run")
 
+    # a URI pasted into the Host field, a keyword string into Schema (Airflow masks only Password)
+    @task.advisory_lock(postgres_conn_id="uri_in_host")
+    def uri_in_host():
+        raise AssertionError("must not run")
+
+    @task.advisory_lock(postgres_conn_id="uri_in_schema")
+    def uri_in_schema():
+        raise AssertionError("must not run")
+
+    @task.advisory_lock(postgres_conn_id="pool_mode_typo")
+    def pool_mode_typo():
+        raise AssertionError("must not run")
+
     for t in (unknown_conn, not_postgres, unreachable, unreachable_but_skip_asked, wrong_credentials,
-              renders_empty, tenant_renders_empty, unknown_param, unknown_tenant_param):
+              renders_empty, tenant_renders_empty, unknown_param, unknown_tenant_param, uri_in_host,
+              uri_in_schema, pool_mode_typo):
         t()
 
 
@@ -121,6 +135,21 @@ def bad_connections(dsn: str) -> Any:
         "AIRFLOW_CONN_NOT_PG": "mysql://user:s3cret-pw@127.0.0.1:3306/db",
         "AIRFLOW_CONN_UNREACHABLE": f"postgresql://postgres:s3cret-pw@127.0.0.1:{free_port()}/postgres?connect_timeout=2",
         "AIRFLOW_CONN_BAD_ROLE": os.environ["AIRFLOW_CONN_PGLOCK_TEST"].replace("postgres@", "no_such_role@"),
+        "AIRFLOW_CONN_URI_IN_HOST": json.dumps(
+            {"conn_type": "postgres", "host": "postgresql://app:s3cret-pw@db.invalid:5432/locks", "login": "app"}
+        ),
+        "AIRFLOW_CONN_URI_IN_SCHEMA": json.dumps(
+            {
+                "conn_type": "postgres",
+                "host": "127.0.0.1",
+                "port": free_port(),
+                "schema": "host=x password=s3cret-pw",
+                "login": "postgres",
+                "extra": {"connect_timeout": 2},
+            }
+        ),
+        "AIRFLOW_CONN_POOL_MODE_TYPO": f"postgresql://postgres:s3cret-pw@127.0.0.1:{free_port()}/postgres"
+        "?pool_mode=transactoin",
     }
     os.environ.update(names)
     yield
@@ -145,6 +174,9 @@ def test_bad_input_fails_with_a_clear_message(
         "tenant_renders_empty",
         "unknown_param",
         "unknown_tenant_param",
+        "uri_in_host",
+        "uri_in_schema",
+        "pool_mode_typo",
     ]
     assert {task: result.state(task) for task in expected_failures} == dict.fromkeys(expected_failures, "failed")
     assert result.state("unreachable_but_skip_asked") == "skipped"
@@ -160,6 +192,8 @@ def test_bad_input_fails_with_a_clear_message(
     # The option as the DAG author wrote it (tenant=), not an internal attribute name.
     assert "lock_tenant" not in log, [line for line in log.splitlines() if "lock_tenant" in line]
     assert "field 'tenant'" in log and "no_such_tenant" in log, log[-3000:]
+    assert "on ***@db.invalid:5432/locks:5432 as 'app'" in log and "'host=x password=***'" in log
+    assert "has extra pool_mode 'transactoin'" in log
     leaked = [line for line in _outside_airflow_3_0s_own(log) if "s3cret-pw" in line]
     assert leaked == [], f"a password reached the task log: {leaked}"
     assert advisory_locks(admin) == []
