@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, TypedDict
 
 from airflow_pglock.exceptions import InvalidLockKeyError, LockConfigurationError, UnknownLockOptionError
 from airflow_pglock.hooks import DEFAULT_CONN_ID
-from airflow_pglock.keys import LockKey, name_bytes, slot_keys, tenant_text
+from airflow_pglock.keys import LockKey, slot_keys, tenant_text
 from airflow_pglock.liveness import DEFAULT_LEASE_SECONDS, Liveness
 from airflow_pglock.policy import DEFAULT_DEFER_AFTER_SECONDS, LockPolicy, OnBusy, OnError, OnLost, check_defer_after
 from airflow_pglock.run_rules import RunRules, check_not_pooled, check_not_shared, seconds
@@ -165,6 +165,11 @@ class LockSpec:
             raise LockConfigurationError(f"postgres_conn_id must be a non-empty string, got {postgres_conn_id!r}")
         if tenant_arg is not None and (not isinstance(tenant_arg, str) or not tenant_arg.isidentifier()):
             raise LockConfigurationError(f"tenant_arg must be the name of a function argument, got {tenant_arg!r}")
+        if tenant_arg == "lock":
+            raise LockConfigurationError(
+                "tenant_arg='lock' names the argument that receives the lock handle, not a tenant: name the "
+                "function argument that holds the tenant"
+            )
         wait_timeout, lease = given["wait_timeout"], given["lease"]
         if isinstance(wait_timeout, dt.timedelta):
             wait_timeout = wait_timeout.total_seconds()
@@ -239,7 +244,8 @@ def check_key_spec(key: KeySpec, tenant: Any) -> None:
         )
     for text in (key, tenant):
         if isinstance(text, str) and not _is_template(text):
-            name_bytes(text)  # UTF-8 text within the name length (the whole name is checked when it is built)
+            # non-empty UTF-8 text without NUL within the name length (the whole name is checked when built)
+            LockKey.from_name(text)
     if key is None or isinstance(key, str | LockKey):
         return
     if isinstance(key, int | tuple | list):

@@ -554,7 +554,20 @@ def render_lock_options(spec: LockSpec, context: Mapping[str, Any]) -> dict[str,
                 f"the {option} template {value!r} of task {task.task_id!r} cannot be rendered: "
                 f"{type(error).__name__}: {error}"
             ) from None
+    check_rendered(spec, rendered, task.task_id)
     return rendered
+
+
+def check_rendered(spec: LockSpec, rendered: Mapping[str, Any], task_id: str) -> None:
+    """Refuse an option the DAG author gave that rendered to None (a native template whose param or
+    XCom is None): left out, the key would be the task's own (no exclusion across DAGs), the tenant
+    dropped (every tenant one key: busy runs skip) or once_per off (the work runs again)."""
+    for option, written in spec.templated.items():
+        if written is not None and rendered.get(option) is None:
+            raise LockConfigurationError(
+                f"the {option} template {written!r} of task {task_id!r} rendered to None (a native template, "
+                f"render_template_as_native_obj=True, whose value is None?); give it a value, or leave {option} out"
+            )
 
 
 def guard_callable(python_callable: Callable[..., T], spec: LockSpec) -> Callable[..., T]:

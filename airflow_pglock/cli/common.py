@@ -51,6 +51,8 @@ def hook_from_args(args: argparse.Namespace, lease: float | None = None) -> Any:
             hook = AdvisoryLockHook(dsn=args.dsn, liveness=liveness, pool_mode=pool_mode)
         else:
             use_server_connections()  # like `airflow connections get`: read the metadata database too
+            if args.conn_id is not None and not args.conn_id.strip():  # an unset shell variable: never the default
+                raise CliError(f"--conn-id is empty ({args.conn_id!r}); give an Airflow connection id", EXIT_CONFIG)
             conn_id = args.conn_id or os.environ.get("PGLOCK_CONN_ID") or DEFAULT_CONN_ID
             hook = AdvisoryLockHook(conn_id, liveness=liveness, pool_mode=pool_mode)
     except LockConfigurationError as error:

@@ -10,6 +10,7 @@ from airflow_pglock.cli.common import (
     EXIT_DATABASE,
     EXIT_OK,
     EXIT_PROBLEM,
+    EXIT_USAGE,
     CliError,
     hook_from_args,
     print_json,
@@ -47,10 +48,23 @@ def cmd_doctor(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def cmd_init_db(args: argparse.Namespace, out: TextIO) -> int:
-    from airflow_pglock.pg.schema import LATEST_VERSION, SCHEMA, grant_usage, migrate, schema_status
+    from airflow_pglock.pg.schema import LATEST_VERSION, SCHEMA, grant_usage, migrate, missing_roles, schema_status
 
+    roles = list(args.grant or ())
+    if args.status and roles:
+        raise CliError("--status only reads the schema's state; give --grant without --status", EXIT_USAGE)
+    blank = [role for role in roles if not role.strip()]
+    if blank:
+        raise CliError(f"--grant {blank[0]!r} is empty; give the role tasks connect as", EXIT_CONFIG)
     hook = hook_from_args(args)
     with hook.database.connect("pglock-cli init-db") as conn:
+        missing = missing_roles(conn, roles)  # before any migration: nothing is changed for a typo
+        if missing:
+            raise CliError(
+                f"--grant: no role {', '.join(map(repr, missing))} in this cluster (role names are case-sensitive "
+                "here, as written); nothing was changed",
+                EXIT_CONFIG,
+            )
         if args.status:
             status = schema_status(conn)
             data: dict[str, Any] = {

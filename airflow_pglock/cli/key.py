@@ -135,6 +135,8 @@ def cmd_key(args: argparse.Namespace, out: TextIO) -> int:
     data = key_description(key)
     data["verified"] = None
     if getattr(args, "slots", None) is not None:
+        if args.verify:  # it would be left undone
+            raise CliError("--verify checks one key: give it without --slots (or verify a slot's own name)", EXIT_USAGE)
         return _print_slots(key, parse_int(args.slots, "--slots"), args.output, out)
     code = EXIT_OK
     if args.verify:

@@ -10,6 +10,7 @@ from airflow_pglock.exceptions import LockConfigurationError
 from airflow_pglock.options import TEMPLATED, FunctionLockOptions, LockSpec, declared, signature_with_options
 from airflow_pglock.task_guard import (
     check_callable,
+    check_rendered,
     fail_for_configuration,
     guard_callable,
     hand_over_lock,
@@ -82,13 +83,14 @@ class _AdvisoryLockDecoratedOperator(DecoratedOperator, PythonOperator):
 
     def _execute_guarded(self, context: Context, deadline: float | None, failed_wait: str | None = None) -> Any:
         rendered = {name: getattr(self, name) for name in TEMPLATED}
-        if self.lock_spec.tenant_arg is not None:
-            try:
+        try:
+            check_rendered(self.lock_spec, rendered, self.task_id)
+            if self.lock_spec.tenant_arg is not None:
                 rendered["tenant"] = tenant_from_arguments(
                     self.python_callable, self.lock_spec.tenant_arg, self.op_args, self.op_kwargs
                 )
-            except LockConfigurationError as error:  # a setting to fix: no retry
-                fail_for_configuration(self.lock_spec, error, self.log)
+        except LockConfigurationError as error:  # a setting to fix: no retry
+            fail_for_configuration(self.lock_spec, error, self.log)
         return run_guarded(
             self.lock_spec,
             context,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from airflow_pglock.exceptions import InvalidLockKeyError
-from airflow_pglock.identity import holder_where, is_provider_session, parse_application_name
+from airflow_pglock.identity import holder_where, is_provider_session, name_token, parse_application_name
 from airflow_pglock.keys import (
     INT32_MAX,
     INT64_MAX,
@@ -328,6 +328,8 @@ def filter_entries(
 
 
 def _shows_dag(shown: str, dag: str) -> bool:
-    """Whether the DAG id an ``application_name`` shows is ``dag``: a long id is shown shortened,
-    ending in ``~`` (:mod:`airflow_pglock.identity`)."""
-    return shown == dag or (shown.endswith("~") and dag.startswith(shown[:-1]))
+    """Whether the DAG id an ``application_name`` shows is ``dag``: spelt as a name token (ASCII:
+    another character as ``?``; a space or ``@`` as ``_``), and a long id shortened, ending in
+    ``~`` (:mod:`airflow_pglock.identity`)."""
+    spelt = name_token(dag)
+    return shown == spelt or (shown.endswith("~") and spelt.startswith(shown[:-1]))

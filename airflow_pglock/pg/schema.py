@@ -240,6 +240,19 @@ def migrate(conn: psycopg.Connection[Any], migrations: Sequence[Migration] = MIG
     return MigrationResult(before=before, after=after, applied=tuple(pending))
 
 
+def missing_roles(conn: psycopg.Connection[Any], roles: list[str]) -> list[str]:
+    """The names in ``roles`` that are no role of the cluster (exact names, as :func:`grant_usage`
+    quotes them)."""
+    if not roles:
+        return []
+    rows = conn.execute(
+        "SELECT name FROM unnest(%s::text[]) WITH ORDINALITY AS given(name, n) "
+        "WHERE NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = given.name) ORDER BY n",
+        [roles],
+    ).fetchall()
+    return [row[0] for row in rows]
+
+
 def grant_usage(conn: psycopg.Connection[Any], role: str) -> list[str]:
     """Let ``role`` (a role tasks connect as) use every installed table: each applied
     migration's :attr:`Migration.grants`, plus USAGE on the schema and SELECT on the

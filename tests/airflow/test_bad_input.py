@@ -82,11 +82,16 @@ bad_input_dag = bad_input()
 
 NATIVE_DAG = """
 import pendulum
+from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.sdk import dag, task
+
+from airflow_pglock.decorators.advisory_lock import advisory_lock
+from airflow_pglock.operators.advisory_lock import guarded
 
 
 @dag(dag_id="bad_native_keys", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False,
-     render_template_as_native_obj=True, params={"big": 2 ** 63, "fraction": 3.5, "pair": [1, 2 ** 31]})
+     render_template_as_native_obj=True,
+     params={"big": 2 ** 63, "fraction": 3.5, "pair": [1, 2 ** 31], "nothing": None})
 def bad_native_keys():
     @task.advisory_lock(postgres_conn_id="pglock_test", key="{{ params.big }}")
     def int_out_of_range():
@@ -100,9 +105,33 @@ def bad_native_keys():
     def pair_out_of_range():
         raise AssertionError("must not run")
 
+    # rendered to None: the key would be the task's own, the tenant dropped, once_per off
+    @task.advisory_lock(postgres_conn_id="pglock_test", key="{{ params.nothing }}")
+    def key_none():
+        print("RAN key_none")  # the task succeeds if it runs: the test sees it
+
+    @task.advisory_lock(postgres_conn_id="pglock_test", tenant="{{ params.nothing }}")
+    def tenant_none():
+        print("RAN tenant_none")  # the task succeeds if it runs: the test sees it
+
+    @task.advisory_lock(postgres_conn_id="pglock_test", key="once", once_per="{{ params.nothing }}")
+    def once_per_none():
+        print("RAN once_per_none")  # the task succeeds if it runs: the test sees it
+
+    @task
+    @advisory_lock(postgres_conn_id="pglock_test", key="shared-name", tenant="{{ params.nothing }}")
+    def composable_tenant_none():
+        print("RAN composable_tenant_none")  # the task succeeds if it runs: the test sees it
+
+    guarded(EmptyOperator(task_id="guarded_key_none"), postgres_conn_id="pglock_test", key="{{ params.nothing }}")
+
     int_out_of_range()
     wrong_type()
     pair_out_of_range()
+    key_none()
+    tenant_none()
+    once_per_none()
+    composable_tenant_none()
 
 
 bad_native_keys_dag = bad_native_keys()
@@ -215,7 +244,21 @@ def test_bad_native_keys_fail_naming_the_value(airflow_db: Any, admin: Any, capf
         ("int_out_of_range", -1): "failed",
         ("wrong_type", -1): "failed",
         ("pair_out_of_range", -1): "failed",
+        ("key_none", -1): "failed",
+        ("tenant_none", -1): "failed",
+        ("once_per_none", -1): "failed",
+        ("composable_tenant_none", -1): "failed",
+        ("guarded_key_none", -1): "failed",
     }
+    for option, task_id in [
+        ("key", "key_none"),
+        ("tenant", "tenant_none"),
+        ("once_per", "once_per_none"),
+        ("tenant", "composable_tenant_none"),
+        ("key", "guarded_key_none"),
+    ]:
+        assert f"the {option} template '{{{{ params.nothing }}}}' of task {task_id!r} rendered to None" in log, task_id
+    assert "RAN " not in log
     assert str(2**63) in log and "between" in log
     assert "3.5" in log and "(float)" in log
     assert str(2**31) in log
@@ -254,6 +297,11 @@ def test_bad_native_keys_fail_naming_the_value(airflow_db: Any, admin: Any, capf
         ({"tenant": 1.5}, "tenant must be a str, an int or a UUID"),
         ({"postgres_conn_id": ""}, "postgres_conn_id must be a non-empty string"),
         ({"shared": "yes"}, "shared must be True or False"),
+        # review -57: refused only when the task ran (a blank key as "rendered to an empty name")
+        ({"key": "   "}, "lock key name must be non-empty text, got '   '"),
+        ({"key": "a\x00b"}, "lock key name must not contain NUL characters, got 'a\\x00b'"),
+        ({"key": "k", "tenant": "a\x00b"}, "lock key name must not contain NUL characters, got 'a\\x00b'"),
+        ({"tenant_arg": "lock"}, "tenant_arg='lock' names the argument that receives the lock handle"),
     ],
 )
 def test_bad_options_are_refused_when_the_dag_is_parsed(options: dict[str, Any], fragment: str) -> None:
