@@ -49,7 +49,8 @@ class UnsafeSetupError(PgLockError):
 
 
 class LockConnectionError(PgLockError):
-    """The lock database could not be reached or refused the login."""
+    """The lock database could not be reached or refused the login (or could not make a fencing
+    token durable: its synchronous standby did not confirm it)."""
 
 
 class LockBusyError(PgLockError):

@@ -56,7 +56,7 @@ class KeptAlive(Protocol):
     @property
     def scope(self) -> Scope: ...
     @property
-    def acquired_monotonic(self) -> float:
+    def answered_monotonic(self) -> float:
         """``time.monotonic()`` when the session last answered before the heartbeat started."""
 
     def probe(
@@ -265,7 +265,8 @@ class Heartbeat:
         held = self.held
         liveness = self.database.liveness
         interval = liveness.heartbeat_interval
-        confirmed = held.acquired_monotonic  # the lock statement was answered: the session is not idle before
+        # The lock statement, then the checks before the work, were answered: the session was not idle before
+        confirmed = held.answered_monotonic
 
         def no_answer() -> str:
             return loss.no_answer_reason(time.monotonic() - confirmed, held.server.server, liveness.lease)

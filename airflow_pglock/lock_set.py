@@ -580,7 +580,7 @@ class _SessionKeptAlive:
 
     connection: psycopg.Connection[Any]
     server: ServerInfo
-    acquired_monotonic: float
+    answered_monotonic: float
     key: LockKey | None = None
     scope: Scope = "session"
 

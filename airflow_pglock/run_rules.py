@@ -82,6 +82,7 @@ def check_before_work(
     conn: Any = held.connection
     if rules.period is not None:
         done = ledger.completion_for_period(conn, held.key, rules.period)
+        held.answered()
         if done is not None:
             raise AlreadyDoneError(
                 f"{held.key.describe()} already done for period {rules.period!r} {done.describe()} (once_per)",
@@ -90,6 +91,7 @@ def check_before_work(
             )
     if rules.min_interval is not None:
         latest = ledger.last_completion(conn, held.key)
+        held.answered()
         if latest is not None and latest.age_seconds < rules.min_interval:
             raise AlreadyDoneError(
                 f"{held.key.describe()} completed {latest.age_seconds:.1f} s ago, less than "
@@ -128,7 +130,9 @@ def _issue_fencing_token(held: HeldLock, database: LockDatabase, application_nam
                 shared=held.shared,
                 xact_id=held.xact_id,
             )
-    return ledger.issue_fencing_token(held.connection, held.key, application_name, shared=held.shared)
+    token = ledger.issue_fencing_token(held.connection, held.key, application_name, shared=held.shared)
+    held.answered()  # its commit may have waited long for a synchronous standby: the session was not idle
+    return token
 
 
 def record_success(rules: RunRules, held: HeldLock, identity: TaskIdentity | None, token: int | None) -> bool:

@@ -133,8 +133,6 @@ def check_before_work(
     :raises LockLostError: a member found its scope gone, lapsed or taken; a recording
         ``leave`` found it gone or lapsed (nothing is recorded then).
     """
-    import psycopg
-
     from airflow_pglock.pg import scopes
     from airflow_pglock.pg.key_names import SCOPES_LIVE, scopes_installed
 
@@ -143,6 +141,7 @@ def check_before_work(
         if key.name is None or held.registry != SCOPES_LIVE:
             return None, None  # no table, or no scope live anywhere (the horizon passed): nothing to read
         row = scopes.read(conn, key)
+        held.answered()
         if row is not None and row.live and role.hands_over and row.holder == role.holder:
             # The hold an earlier try of this task instance left (a deferral timeout, a trigger
             # cancelled): that try is over; this one starts without it.
@@ -155,6 +154,20 @@ def check_before_work(
         raise LockConfigurationError(f"a lock scope needs a named key, got {key.describe()}")
     if not scopes_installed(held.registry):
         raise scopes.missing_table_error()
+    checked = _check_own_scope(role, key, held, application_name, records)
+    held.answered()  # each path ran its statements on the lock's session (a commit may wait for a standby)
+    return checked
+
+
+def _check_own_scope(
+    role: ScopeRole, key: LockKey, held: HeldLock, application_name: str | None, records: bool
+) -> tuple[int | None, ScopeRow | None]:
+    """:func:`check_before_work` of a task of the scope (``enter``, ``member``, ``resume``, ``leave``)."""
+    import psycopg
+
+    from airflow_pglock.pg import scopes
+
+    conn: Any = held.connection
     assert role.holder is not None
     if role.kind == "enter":
         taken, row = scopes.enter(conn, key, role.holder, role.run or role.holder, role.lease)

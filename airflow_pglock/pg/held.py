@@ -53,6 +53,10 @@ class HeldLock:
     :param markers: session scope, a pool's slot: the pool's markers held in shared mode
         (:func:`~airflow_pglock.pg.pools.pool_markers`), given back by the unlock.
     :param slot: a pool's slot: its number (1 to the pool's size); None for a plain key.
+    :param answered_monotonic: ``time.monotonic()`` when the lock's session last answered a
+        statement before the work (the lock statement, then the checks: a fencing token's
+        commit may wait long for a synchronous standby); the server's idle timers started no
+        earlier. The heartbeat counts from it.
     """
 
     key: LockKey
@@ -69,18 +73,25 @@ class HeldLock:
     at_release: WriteAtRelease | None = None
     markers: tuple[LockKey, ...] = ()
     slot: int | None = None
+    answered_monotonic: float = field(default_factory=time.monotonic)
 
     def is_held(self) -> bool:
         """Ask the server whether this session still holds the key (a round trip).
 
         False once the session has ended (the lease ran out while the connection sat idle,
         the session was terminated, the connection broke): the server released the lock
-        with it. The reason is logged as a warning; the error never reaches the caller.
+        with it. The reason is logged as a warning; that error never reaches the caller.
 
-        Transaction scope: False as well while an error has aborted the lock's transaction.
-        Outside a savepoint that error released the lock (PostgreSQL frees a transaction's
-        locks at the error, not at its later ROLLBACK); inside one the lock stays, but the
-        session can answer nothing until the work rolls back to its savepoint.
+        A cancelled check (a foreign ``pg_cancel_backend()``, a ``statement_timeout``) ended no
+        session: a session lock is asked once more (its answer decides; another error is
+        raised), and the connection stays open. A transaction your code left aborted on a
+        session lock's connection raises the driver's error (the session still holds the key:
+        roll that transaction back first).
+
+        Transaction scope: False as well while an error has aborted the lock's transaction (a
+        cancelled check too). Outside a savepoint that error released the lock (PostgreSQL
+        frees a transaction's locks at the error, not at its later ROLLBACK); inside one the
+        lock stays, but the session can answer nothing until the work rolls back to its savepoint.
         """
         if self.connection.closed:
             return False
@@ -90,10 +101,15 @@ class HeldLock:
         try:
             return is_held(self.connection, self.key, self.shared, self.xact_id)
         except psycopg.Error as error:
+            if loss.session_answered(error, self.connection.closed):  # a cancel (QueryCanceled), ...: it lives
+                if self.scope == "transaction":  # the error aborted the lock's transaction
+                    log.warning("pglock %s: %s", self.key.describe(), loss.ABORTED_UNLESS_IN_A_SAVEPOINT)
+                    return False
+                if self.transaction_aborted:  # the caller's own transaction, which only it may roll back
+                    raise
+                return is_held(self.connection, self.key, self.shared, self.xact_id)
             # AdminShutdown, IdleSessionTimeout, a broken connection... and the idle-in-transaction
             # timeout of a transaction lock (25P03, an InternalError): the session ended.
-            if not isinstance(error, psycopg.OperationalError) and loss.session_answered(error, self.connection.closed):
-                raise
             log.warning(
                 "pglock %s is no longer held: its session ended (%s: %s)",
                 self.key.describe(),
@@ -134,6 +150,10 @@ class HeldLock:
         finally:
             self.connection.close()
         return was_held
+
+    def answered(self) -> None:
+        """Note that the lock's session just answered a statement on :attr:`connection`."""
+        self.answered_monotonic = time.monotonic()
 
     @property
     def held_seconds(self) -> float:

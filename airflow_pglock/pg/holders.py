@@ -14,6 +14,7 @@ from psycopg import sql
 
 from airflow_pglock.holder import LockHolder, LockSnapshot
 from airflow_pglock.keys import LockKey
+from airflow_pglock.pg.sql import IN_RECOVERY, refuse_a_standby
 
 #: Below this server version pg_locks has no waitstart.
 WAITSTART_VERSION = 140000
@@ -62,16 +63,24 @@ def _holder(row: Sequence[Any]) -> LockHolder:
 
 def read_holders(conn: psycopg.Connection[Any], key: LockKey, *more: LockKey) -> list[LockHolder]:
     """Holders and waiters of ``key`` (and of ``more`` keys: a pool's slots) in the connection's
-    database, holders first."""
+    database, holders first. Nobody is an answer only from a primary (:data:`IN_RECOVERY`)."""
     query, params = _query(conn.info.server_version, [key, *more], all_databases=False)
-    return [_holder(row) for row in conn.execute(query, params).fetchall()]
+    holders = [_holder(row) for row in conn.execute(query, params).fetchall()]
+    if not holders:
+        row = conn.execute(IN_RECOVERY).fetchone()
+        refuse_a_standby(conn.info, bool(row and row[0]))
+    return holders
 
 
 async def aread_holders(conn: psycopg.AsyncConnection[Any], key: LockKey, *more: LockKey) -> list[LockHolder]:
     """Async :func:`read_holders` (for triggers): reads ``pg_locks``, takes nothing."""
     query, params = _query(conn.info.server_version, [key, *more], all_databases=False)
     cursor = await conn.execute(query, params)
-    return [_holder(row) for row in await cursor.fetchall()]
+    holders = [_holder(row) for row in await cursor.fetchall()]
+    if not holders:
+        row = await (await conn.execute(IN_RECOVERY)).fetchone()
+        refuse_a_standby(conn.info, bool(row and row[0]))
+    return holders
 
 
 def advisory_locks(conn: psycopg.Connection[Any], *, all_databases: bool = False) -> LockSnapshot:

@@ -28,7 +28,7 @@ from typing import Any
 
 import psycopg
 
-from airflow_pglock.exceptions import LockConfigurationError
+from airflow_pglock.exceptions import LockConfigurationError, LockConnectionError
 from airflow_pglock.identity import TaskIdentity
 from airflow_pglock.keys import LockKey
 from airflow_pglock.pg.sql import execute_contained, held_condition, held_params
@@ -315,11 +315,47 @@ def issue_fencing_token(
     # statement may run on another server session.
     drawn = _run(conn, "fencing", "SELECT nextval('pglock.fencing_token_seq')", {}).fetchone()
     assert drawn is not None
+    warnings: list[str] = []
+
+    def heard(notice: psycopg.errors.Diagnostic) -> None:
+        if notice.severity_nonlocalized == "WARNING":
+            warnings.append(f"{notice.message_primary} {notice.message_detail or ''}".strip())
+
+    conn.add_notice_handler(heard)
+    try:
+        row = _record_token(conn, key, condition, drawn[0], shared, holder_pid, xact_id, issued_to)
+    finally:
+        conn.remove_notice_handler(heard)
+    if row is not None and warnings:
+        # A wait for the synchronous standby that was cancelled (pg_cancel_backend, a statement
+        # timeout) commits locally and says so in a WARNING only: the standby may not have the
+        # token, and a failover to it would issue the same number again.
+        raise LockConnectionError(
+            f"the fencing token {row} of {key.describe()} was committed on the primary, but the commit "
+            f"warned: {'; '.join(warnings)}. A synchronous standby may not have it (after a failover the "
+            "same token could be issued again): not handed to the work"
+        )
+    return row
+
+
+def _record_token(
+    conn: psycopg.Connection[Any],
+    key: LockKey,
+    condition: str,
+    token: int,
+    shared: bool,
+    holder_pid: int | None,
+    xact_id: int | None,
+    issued_to: str | None,
+) -> int | None:
+    # synchronous_commit is on for this statement's commit whatever the role or the database sets
+    # (local, off): the token must reach a synchronous standby before the work gets it.
     cursor = _run(
         conn,
         "fencing",
         "INSERT INTO pglock.fencing_tokens (objsubid, classid, objid, key_name, token, issued_at, issued_to)"
         " SELECT %(objsubid)s, %(classid)s, %(objid)s, %(name)s, %(token)s, clock_timestamp(), %(issued_to)s"
+        " FROM (SELECT set_config('synchronous_commit', 'on', true)) AS durable"
         f" WHERE {condition}"
         " ON CONFLICT (objsubid, classid, objid) DO UPDATE SET token = excluded.token,"
         " key_name = excluded.key_name, issued_at = excluded.issued_at, issued_to = excluded.issued_to"
@@ -331,7 +367,7 @@ def issue_fencing_token(
             "holder_pid": holder_pid,
             "xact_id": xact_id,
             "name": key.name,
-            "token": drawn[0],
+            "token": token,
             "issued_to": issued_to,
         },
     )

@@ -171,22 +171,38 @@ def redact_params(text: str, params: Mapping[str, Any]) -> str:
     return redact(text)
 
 
-@functools.lru_cache(maxsize=32)
 def from_dsn(dsn: str) -> ConnectionSettings:
-    """Settings from a libpq connection string or URI (checked, never echoed with its password).
-
-    Cached: a DSN's settings never change, and parsing it was a measurable share of a short
-    guarded execution's CPU (the settings are immutable; ``session_params`` copies them).
-    """
+    """Settings from a libpq connection string or URI (checked, never echoed with its password)."""
     if not isinstance(dsn, str) or not dsn.strip():
         # "" is valid libpq: its defaults (PGHOST, a local socket, the OS user's database), maybe a
         # database nobody else locks in
         raise LockConfigurationError(
             f"the lock database's DSN must be a non-empty libpq connection string or URI, got {dsn!r}"
         )
+    return _parsed_dsn(dsn)
+
+
+#: The parameters of a URI that never hold an ``@`` of their own.
+_NO_AT_IN_A_URI = ("host", "hostaddr", "port", "dbname")
+
+
+@functools.lru_cache(maxsize=32)
+def _parsed_dsn(dsn: str) -> ConnectionSettings:
+    """Cached: a DSN's settings never change, and parsing it was a measurable share of a short
+    guarded execution's CPU (the settings are immutable; ``session_params`` copies them)."""
     try:
-        return ConnectionSettings(params=dict(psycopg.conninfo.conninfo_to_dict(dsn)), source="DSN")
+        params = dict(psycopg.conninfo.conninfo_to_dict(dsn))
     except psycopg.ProgrammingError as error:
         raise LockConfigurationError(
             f"invalid DSN for the lock database: {redact_dsn_error(str(error), dsn)}"
         ) from None
+    unencoded_ats = dsn.split("?", 1)[0].count("@")  # a database named with %40 is fine
+    if "://" in dsn and unencoded_ats > 1 and any("@" in str(params.get(name) or "") for name in _NO_AT_IN_A_URI):
+        # libpq ends the user part at the first @: the rest of a password with an unencoded @ is
+        # read as the host, the port or the database, and would be shown wherever they are
+        raise LockConfigurationError(
+            "invalid DSN for the lock database: its host, port or database holds an '@', as when a password "
+            "holds an unencoded '@' (libpq ends the user part at the first one); percent-encode '@' in the user "
+            "or password as %40 (the DSN is not shown: it may hold a password)"
+        )
+    return ConnectionSettings(params=params, source="DSN")

@@ -14,6 +14,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from airflow_pglock.exceptions import UnsafeSetupError
 from airflow_pglock.holder import EXCLUSIVE_MODE, SHARED_MODE
 from airflow_pglock.keys import LockKey
 from airflow_pglock.liveness import Liveness
@@ -157,3 +158,18 @@ def liveness_statement(
 #: read of the rows), as timestamps: ``extract(epoch ...)`` and a numeric comparison cost a fresh
 #: backend 0.4 ms more to plan (measured), paid by every lock statement of a named key.
 HORIZON_LIVE = "to_timestamp(coalesce(pg_sequence_last_value(to_regclass('pglock.scope_horizon')), 0)) >= now()"
+
+
+# Asked only when a read of pg_locks finds a key free (the answer a standby must not give: it holds
+# none of the primary's locks), so a busy key costs no round trip more.
+IN_RECOVERY = "SELECT pg_is_in_recovery()"
+
+
+def refuse_a_standby(info: psycopg.ConnectionInfo, in_recovery: bool) -> None:
+    """Raise :class:`~airflow_pglock.exceptions.UnsafeSetupError` when the server is in recovery."""
+    if in_recovery:
+        raise UnsafeSetupError(
+            f"the lock database {info.dbname!r} at {info.host}:{info.port} is a standby in recovery: advisory "
+            "locks are not replicated, so it shows none of the primary's holders and every key would look free; "
+            "point the connection at the primary (with several hosts: target_session_attrs=read-write)"
+        )

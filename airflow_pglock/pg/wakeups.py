@@ -17,7 +17,7 @@ import psycopg
 
 from airflow_pglock.holder import EXCLUSIVE_MODE
 from airflow_pglock.keys import LockKey
-from airflow_pglock.pg.sql import advisory_here
+from airflow_pglock.pg.sql import IN_RECOVERY, advisory_here, refuse_a_standby
 
 #: The channel a released key is announced on.
 RELEASED_CHANNEL = "pglock_released"
@@ -81,4 +81,8 @@ async def aheld(conn: psycopg.AsyncConnection[Any], keys: Collection[Coordinates
         " WHERE (l.granted OR l.mode = %s) AND " + advisory_here("l.") + " GROUP BY 1, 2, 3",
         [EXCLUSIVE_MODE, classids, objids, objsubids, EXCLUSIVE_MODE],
     )
-    return {(row[0], row[1], row[2]): bool(row[3]) for row in await cursor.fetchall()}
+    held = {(row[0], row[1], row[2]): bool(row[3]) for row in await cursor.fetchall()}
+    if len(held) < len(set(keys)):  # a key is free: only a primary may say so
+        row = await (await conn.execute(IN_RECOVERY)).fetchone()
+        refuse_a_standby(conn.info, bool(row and row[0]))
+    return held

@@ -189,12 +189,40 @@ def test_standby_is_refused(fault_server: FaultServer, fault_admin: Any) -> None
             with pytest.raises(UnsafeSetupError, match="standby in recovery") as error, _guard(dsn, "standby", mode):
                 raise AssertionError("must not run")
             assert "primary" in str(error.value)
+        _reads_of_who_holds_are_refused(dsn, fault_server)
         with psycopg.connect(dsn, autocommit=True) as conn:
             # A closed client's backend exits a moment later (a 2.11 CI leg under load saw it still there).
             left = wait_until_no_sessions(conn)
             assert left == [], f"the refused lock connections were left open on the standby: {left}"
     finally:
         standby.destroy()
+
+
+def _reads_of_who_holds_are_refused(standby_dsn: str, fault_server: FaultServer) -> None:
+    """Review -59: hook.holders() (the sensor's poke), aholders() and the triggers' poll read the
+    standby's pg_locks, which hold none of the primary's locks: a key held on the primary was
+    reported free there, and the sensor succeeded while it was held."""
+    import asyncio
+
+    from airflow_pglock.pg import wakeups
+
+    key = LockKey.from_name("standby-read")
+    primary = AdvisoryLockHook(dsn=fault_server.cluster.dsn_for(FAULT_DATABASE))
+    on_standby = AdvisoryLockHook(dsn=standby_dsn)
+
+    async def triggers_poll() -> Any:
+        async with await psycopg.AsyncConnection.connect(standby_dsn, autocommit=True) as conn:
+            return await wakeups.aheld(conn, [key.pg_locks])
+
+    with primary.lock(key) as held:
+        assert held is not None
+        for read in (
+            lambda: on_standby.holders(key),
+            lambda: asyncio.run(on_standby.aholders(key)),
+            lambda: asyncio.run(triggers_poll()),
+        ):
+            with pytest.raises(UnsafeSetupError, match=r"standby in recovery: .* every key would look free"):
+                read()
 
 
 def test_frozen_holder_through_pgbouncer_loses_its_lock_within_the_lease(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -306,18 +307,24 @@ def test_password_never_in_errors(dsn: str, admin: Any, capfd: Any, caplog: Any)
     with pytest.raises(LockConnectionError) as error:
         hook.acquire("secret")
     assert "s3cret-pw" not in str(error.value)
-    # An unencoded @ in the password: libpq reads the rest of it as the host (review -60: it was
-    # printed by the error, its chained driver error and the outcome line's server=).
-    hook = AdvisoryLockHook(
-        dsn=f"postgresql://postgres:pw@s3cret-pw@127.0.0.1:{free_port()}/postgres", connect_timeout=2
-    )
-    for attempt in (lambda: hook.acquire("secret"), lambda: hook.lock("secret").__enter__()):
-        with pytest.raises(LockConnectionError) as error:
-            attempt()
-        shown = f"{error.value} {error.value.__cause__!r} {error.value.__cause__}"
-        assert "s3cret-pw" not in shown and "***@127.0.0.1" in shown, shown
+    # An unencoded @ in a URI's password: libpq ends the user part at the first @ and reads the
+    # rest as the host, the port or the database, which messages show (reviews -60, -61). Refused
+    # before any connection, showing none of it.
+    port = free_port()
+    for tail in ("s3cret-pw@127.0.0.1", "s3cret/pw@127.0.0.1", "s3cret:pw@127.0.0.1", "s3,cret@127.0.0.1"):
+        hook = AdvisoryLockHook(dsn=f"postgresql://postgres:pw@{tail}:{port}/postgres", connect_timeout=2)
+        for attempt in (lambda h=hook: h.acquire("secret"), lambda h=hook: h.lock("secret").__enter__()):
+            with pytest.raises(
+                LockConfigurationError, match="percent-encode '@' in the user or password as %40"
+            ) as refused:
+                attempt()
+            shown = f"{refused.value} {refused.value.__cause__!r}"
+            assert "s3" not in shown and "cret" not in shown, shown
     log = "".join(capfd.readouterr()) + caplog.text  # the outcome lines
-    assert "server=***@127.0.0.1" in log and "s3cret-pw" not in log, log
+    assert "percent-encode" in log and "s3cret" not in log and "cret@" not in log, log
+    encoded = AdvisoryLockHook(dsn=f"postgresql://postgres:pw%40s3cret@127.0.0.1:{port}/postgres", connect_timeout=2)
+    with pytest.raises(LockConnectionError):  # percent-encoded: read as meant (and the server is not there)
+        encoded.acquire("secret")
 
 
 def test_a_second_guard_in_the_same_process_is_busy(hook: AdvisoryLockHook, admin: Any) -> None:
@@ -520,3 +527,71 @@ def test_a_bad_timeout_of_hook_lock_is_named_as_its_timeout() -> None:
     named = "wait timeout must be a positive number of seconds, got 0"
     with pytest.raises(LockConfigurationError, match=named), hook.lock("k", timeout=0):
         pass
+
+
+def _is_held_cancelled_once(real: Callable[..., bool], admin: Any) -> Callable[..., bool]:
+    """``real`` (the check is_held() sends), whose first call is held up on the server and meets a
+    foreign ``pg_cancel_backend()`` (sent once the backend is active: an idle one ignores it)."""
+    calls: list[int] = []
+
+    def cancel_once_active(pid: int) -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if admin.execute("SELECT state FROM pg_stat_activity WHERE pid = %s", [pid]).fetchone() == ("active",):
+                admin.execute("SELECT pg_cancel_backend(%s)", [pid])
+                return
+            time.sleep(0.01)
+
+    def check(conn: Any, *args: Any) -> bool:
+        calls.append(1)
+        if len(calls) == 1:
+            cancel = threading.Thread(target=cancel_once_active, args=(conn.info.backend_pid,))
+            cancel.start()
+            try:
+                conn.execute("SELECT pg_sleep(30)")
+            finally:
+                cancel.join()
+        return real(conn, *args)
+
+    return check
+
+
+@pytest.mark.parametrize("mode", ["session", "transaction"])
+def test_a_cancel_that_lands_on_is_held_ends_no_session(
+    hook: AdvisoryLockHook, admin: Any, monkeypatch: pytest.MonkeyPatch, caplog: Any, mode: str
+) -> None:
+    """Review -61: is_held() took a cancelled check (QueryCanceled, an OperationalError) for an ended
+    session, closed the connection and so freed the key it held. A session lock is asked once more;
+    a transaction lock's check that was cancelled aborted its transaction: False, and why."""
+    import airflow_pglock.pg.held as held_module
+
+    held = hook.acquire(f"cancelled-check-{mode}", mode=mode)
+    assert held is not None
+    monkeypatch.setattr(held_module, "is_held", _is_held_cancelled_once(held_module.is_held, admin))
+    try:
+        if mode == "session":
+            assert held.is_held() is True
+            assert not held.connection.closed and held.server.backend_pid in [r[0] for r in advisory_locks(admin)]
+        else:
+            assert held.is_held() is False
+            assert "an error aborted the lock's transaction" in caplog.text
+            assert not held.connection.closed  # inside a savepoint the key would stay: the caller decides
+    finally:
+        held.release()
+
+
+def test_is_held_raises_on_a_transaction_the_caller_left_aborted_and_keeps_the_key(
+    hook: AdvisoryLockHook, admin: Any
+) -> None:
+    """The session lock outlives the caller's aborted transaction: neither False nor a rollback of it."""
+    held = hook.acquire("left-aborted")
+    assert held is not None
+    held.connection.execute("BEGIN")
+    with pytest.raises(psycopg.errors.DivisionByZero):
+        held.connection.execute("SELECT 1/0")
+    with pytest.raises(psycopg.errors.InFailedSqlTransaction):
+        held.is_held()
+    assert held.server.backend_pid in [r[0] for r in advisory_locks(admin)]
+    held.connection.execute("ROLLBACK")
+    assert held.is_held() is True
+    assert held.release() is True

@@ -248,3 +248,94 @@ def test_a_commit_whose_answer_is_lost_is_never_reported_as_not_committed(standb
     assert "whether it committed is unknown" in message, message
     assert "that transaction is 'committed'" in message, message
     assert "the guard committed nothing" not in message, message
+
+
+def _fenced(cluster: Cluster, name: str, mode: Scope, dsn: str | None = None) -> tuple[Callable[[], None], list[Any]]:
+    """A fenced guard's run, and what it came to: the token its work got, or the error."""
+    from airflow_pglock.exceptions import LockConnectionError
+
+    hook = AdvisoryLockHook(dsn=dsn or cluster.dsn)
+    came_to: list[Any] = []
+
+    def fenced() -> None:
+        try:
+            with LockGuard(
+                hook.database, LockKey.from_name(name), LockPolicy(mode=mode), rules=RunRules(fencing=True)
+            ) as handle:
+                came_to.append(handle.fencing_token)
+        except LockConnectionError as error:
+            came_to.append(error)
+
+    return fenced, came_to
+
+
+@pytest.mark.parametrize("mode", ["session", "transaction"])
+def test_a_fencing_token_whose_wait_for_the_standby_was_cancelled_never_reaches_the_work(
+    standby_down: Cluster, mode: Scope
+) -> None:
+    """Review -59: a cancelled wait for the synchronous standby commits the token locally, with only
+    a WARNING; the work got the token, and after a failover to a standby without it the next
+    holder was issued the same number."""
+    _install_registry(standby_down)
+    fenced, came_to = _fenced(standby_down, f"sync-rep/fenced-{mode}", mode)
+    _run(standby_down, fenced)  # (its record of the waits keeps one statement per session)
+    assert len(came_to) == 1 and isinstance(came_to[0], Exception), f"the work ran with token {came_to}"
+    message = str(came_to[0])
+    assert "was committed on the primary, but the commit warned: canceling wait for synchronous replication" in message
+    assert "not handed to the work" in message
+    with psycopg.connect(standby_down.dsn, autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'").fetchone() == (0,)
+
+
+def test_a_fencing_token_waits_for_the_standby_whatever_synchronous_commit_the_session_has(
+    standby_down: Cluster,
+) -> None:
+    """With synchronous_commit=local (or off) for the role or the database, the token's commit did not
+    wait for the standby, and doctor still said the tokens survive a failover (review -59)."""
+    _install_registry(standby_down)
+    local = psycopg.conninfo.make_conninfo(standby_down.dsn, options="-c synchronous_commit=local")
+    fenced, came_to = _fenced(standby_down, "sync-rep/fenced-local", "session", dsn=local)
+    ran = _run(standby_down, fenced, until_a_wait=True)
+    assert not ran.finished, f"the token was issued without waiting for the standby: {came_to}"
+    assert any("pglock.fencing_tokens" in query for query in ran.waits.values()), ran.waits
+
+
+def test_a_token_whose_commit_waited_past_the_lease_is_no_loss(standby_down: Cluster) -> None:
+    """Review -59: the heartbeat counted from the lock statement; a fencing token's commit that waited
+    longer than the lease for the synchronous standby (which then answered) left it no time, and the
+    run was failed as lost ("no answer for 4.8 s") while its session had held the key throughout
+    (busy, never idle). It counts from the token's answer now."""
+    from airflow_pglock.liveness import Liveness
+
+    _install_registry(standby_down)
+    hook = AdvisoryLockHook(dsn=standby_down.dsn, liveness=Liveness(lease=3))
+    came_to: list[Any] = []
+
+    def fenced() -> None:
+        try:
+            with LockGuard(
+                hook.database, LockKey.from_name("sync-rep/fenced-slow"), LockPolicy(), rules=RunRules(fencing=True)
+            ) as handle:
+                time.sleep(2.5)  # the heartbeat probes meanwhile
+                came_to.append(handle.fencing_token)
+        except BaseException as error:  # checked below
+            came_to.append(error)
+
+    thread = threading.Thread(target=fenced, daemon=True)
+    local = "-c synchronous_commit=local"
+    with psycopg.connect(standby_down.dsn, autocommit=True, options=local) as admin:
+        thread.start()
+        deadline = time.monotonic() + HANG
+        while not _sync_rep_waits(admin):
+            assert time.monotonic() < deadline and thread.is_alive(), f"the token did not wait: {came_to}"
+            time.sleep(0.05)
+        time.sleep(4.0)  # past the lease (3 s) while the token's commit waits
+        try:
+            admin.execute("ALTER SYSTEM SET synchronous_standby_names = ''")  # the waits end, committed
+            admin.execute("SELECT pg_reload_conf()")
+            thread.join(HANG)
+        finally:
+            admin.execute("ALTER SYSTEM RESET synchronous_standby_names")
+            admin.execute("SELECT pg_reload_conf()")
+    assert not thread.is_alive()
+    assert len(came_to) == 1 and isinstance(came_to[0], int), came_to

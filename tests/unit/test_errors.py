@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import re
 import uuid
 from pathlib import Path
 
@@ -40,13 +41,13 @@ def test_a_pool_mode_declared_to_a_dsn_hook_is_in_its_settings() -> None:
     assert hook.resolve_settings().pool_mode == "session"
 
 
-@pytest.mark.parametrize("dsn", ["", "   ", 123])
+@pytest.mark.parametrize("dsn", ["", "   ", 123, ["x"]])
 def test_an_empty_or_non_str_dsn_is_refused_naming_it_before_any_connection(dsn: object) -> None:
     """Review -57: dsn="" connected to libpq's defaults (a local socket, the OS user's database),
     where a lock excludes nobody else; dsn=123 raised a builtin AttributeError."""
     from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 
-    with pytest.raises(LockConfigurationError, match=f"DSN must be a non-empty .*got {dsn!r}"):
+    with pytest.raises(LockConfigurationError, match=f"DSN must be a non-empty .*got {re.escape(repr(dsn))}"):
         AdvisoryLockHook(dsn=dsn).acquire("k")  # type: ignore[arg-type]
 
 
