@@ -65,7 +65,7 @@ def from_airflow(conn_id: str, get_connection: Callable[[str], Any]) -> Connecti
             opened.close()
         raise LockConfigurationError(
             "this apache-airflow-providers-postgres is too old for airflow-pglock (PostgresHook has no "
-            "_create_connection); upgrade it to 6.8 or newer"
+            "_create_connection); upgrade it to 7.1 or newer"
         )
     return ConnectionSettings(
         params={k: v for k, v in captured.items() if v is not None and k not in _NON_LIBPQ_EXTRAS},

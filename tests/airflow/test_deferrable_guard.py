@@ -238,7 +238,6 @@ def test_the_hold_follows_a_deferred_operator_into_the_triggerer_and_back(
     assert advisory_locks_once_exited(scopes_db) == []  # lost holds close without an unlock
 
 
-@pytest.mark.matrix("deferrable-guard", since=compat.LOCK_SCOPE_SINCE)
 def _deferring(task_id: str, on_kill: Any = None) -> Any:
     """An operator that defers for five minutes (Airflow's DateTimeTrigger), then resumes with ``done``."""
     import datetime as dt

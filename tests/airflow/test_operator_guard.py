@@ -15,6 +15,7 @@ import psutil
 import psycopg
 import pytest
 
+from airflow_pglock.compat import HAS_LOCK_SCOPE, LOCK_SCOPE_SINCE
 from airflow_pglock.exceptions import LockConfigurationError
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 from airflow_pglock.keys import LockKey
@@ -176,6 +177,26 @@ def test_guarded_operators(
     assert advisory_locks(guarded_rows) == []
 
 
+@pytest.mark.matrix("deferrable-guard", since=LOCK_SCOPE_SINCE)
+@pytest.mark.skipif(HAS_LOCK_SCOPE, reason="Airflow 3 hands the hold over (tests/airflow/test_deferrable_guard.py)")
+def test_a_deferrable_operator_guard_is_refused_before_airflow_3() -> None:
+    """The matrix's 'absent' on 2.11 (the marker sat on a helper of test_deferrable_guard.py, so the
+    refusal was never recorded there)."""
+    from airflow_pglock.operators.advisory_lock import guarded
+    from tests.sdk import DAG, BashOperator
+
+    class Deferrable(BashOperator):
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.deferrable = True
+
+    with DAG("guard_deferrable_on_2", schedule=None), pytest.raises(LockConfigurationError) as refused:
+        guarded(Deferrable(task_id="d", bash_command="true"), key="k")
+    assert "is deferrable, and its hold cannot pass to the triggerer: that needs Airflow 3.0 or newer" in str(
+        refused.value
+    )
+
+
 def test_guarded_dag_survives_serialization_and_keeps_the_operator_class() -> None:
     from airflow_pglock.operators.advisory_lock import OperatorGuard, guarded
     from tests.sdk import DAG, BashOperator, DagSerialization
@@ -193,7 +214,6 @@ def test_guarded_dag_survives_serialization_and_keeps_the_operator_class() -> No
 
 
 def test_bad_guards_are_refused_when_the_dag_is_parsed() -> None:
-    from airflow_pglock.compat import HAS_LOCK_SCOPE
     from airflow_pglock.operators.advisory_lock import guarded
     from tests.sdk import DAG, BashOperator
 

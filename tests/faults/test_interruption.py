@@ -246,11 +246,13 @@ def test_transaction_mode_loss_fails_even_with_warn(fault_server: FaultServer, f
     fault_admin.execute("DROP TABLE tx_warn")
 
 
-def test_a_give_back_on_a_silent_server_is_bounded(fault_server: FaultServer, fault_admin: Any) -> None:
-    """A guard that gives up before its work frees the key with a bounded unlock: a frozen backend
-    (a paused server, a stalled proxy) must not hold up a skip; the close frees the key then."""
+@pytest.mark.parametrize("mode", ["session", "transaction"])
+def test_a_give_back_on_a_silent_server_is_bounded(fault_server: FaultServer, fault_admin: Any, mode: str) -> None:
+    """A guard that gives up before its work frees the key with a bounded unlock (transaction mode:
+    rollback): a frozen backend (a paused server, a stalled proxy) must not hold up a skip; the
+    close frees the key then."""
     hook = AdvisoryLockHook(dsn=fault_server.dsn, liveness=Liveness(3))
-    held = hook.acquire(LockKey.from_name("give-back-frozen"))
+    held = hook.acquire(LockKey.from_name(f"give-back-frozen-{mode}"), mode=mode)
     assert held is not None
     pid = held.server.backend_pid
     os.kill(pid, signal.SIGSTOP)

@@ -108,9 +108,10 @@ def test_sdist_and_wheel_contents(artifacts: dict[str, Path]) -> None:
     assert not any(name.startswith(("tests/", "devtools/", "dags/", "benchmarks/")) for name in names)
     assert "airflow_pglock/py.typed" in names
     assert "airflow_pglock/_version.py" in names  # __version__ at run time, where there is no git
-    # The metadata states the supported matrix.
-    assert "Requires-Dist: apache-airflow>=2.11" in metadata
-    assert "Requires-Python: >=3.10" in metadata
+    # The metadata admits what the matrix tests, nothing more (Python 3.14 and Airflow 3.5 untested).
+    assert "Requires-Dist: apache-airflow<3.5,>=2.11" in metadata
+    assert "Requires-Dist: apache-airflow-providers-postgres>=7.1" in metadata
+    assert "Requires-Python: <3.14,>=3.10" in metadata
     assert all(f"Classifier: Programming Language :: Python :: 3.{minor}" in metadata for minor in (10, 11, 12, 13))
     assert "Classifier: Framework :: Apache Airflow :: Provider" in metadata
     assert "provider_info = airflow_pglock.get_provider_info:get_provider_info" in entry_points

@@ -71,3 +71,29 @@ def test_the_postgres_provider_floor_is_the_one_pyproject_requires() -> None:
         and not re.search(rf"{re.escape(floor[1])}(\+| or newer)", line)
     ]
     assert wrong == []
+
+
+def test_the_init_db_output_the_getting_started_guide_shows_is_the_one_printed_now() -> None:
+    """Review -58: the guide showed four migrations after a fifth (lock scopes) was added."""
+    from airflow_pglock.pg.schema import LATEST_VERSION, MIGRATIONS
+
+    guide = (ROOT / "docs" / "getting-started.md").read_text()
+    printed = "\n".join(
+        [f"schema pglock: nothing -> version {LATEST_VERSION}"]
+        + [f"  applied {m.version}: {m.description}" for m in MIGRATIONS]
+    )
+    assert f"```\n{printed}\n```" in guide
+
+
+def test_the_grants_the_docs_list_are_the_ones_init_db_grants() -> None:
+    """Review -58: the list a DBA grants by hand from missed the version table and the scopes' grants."""
+    from airflow_pglock.pg.schema import MIGRATIONS
+
+    page = (ROOT / "docs" / "once-per-period.md").read_text()
+    listed = set(re.findall(r"^GRANT .+;$", page, re.MULTILINE))
+    granted = {
+        "GRANT USAGE ON SCHEMA pglock TO airflow_tasks;",
+        "GRANT SELECT ON pglock.schema_version TO airflow_tasks;",
+    }
+    granted |= {grant.format(role="airflow_tasks") + ";" for m in MIGRATIONS for grant in m.grants}
+    assert listed == granted
