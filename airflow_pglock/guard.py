@@ -209,6 +209,9 @@ class LockGuard:
         self.application_name = application_name
         self.log = logger or log
         self.held: HeldLock | None = None
+        #: Whether a try took the key (a scope's setup checks under it before it is held for the
+        #: work): an error from then on is never the database's refusal of the lock (on_error).
+        self.took_the_lock = False
         self.fencing_token: int | None = None
         #: the busy / already-done refusal this guard raised itself (an adapter turns only
         #: that one into a skip; the same error raised by the work is a failure).
@@ -325,6 +328,7 @@ class LockGuard:
             if scoped and remaining is not None:
                 remaining = min(remaining, SCOPE_POLL_SECONDS)  # a scoped slot frees by its row, not a lock
             held = None
+            self.took_the_lock = False  # a try after a give-back: its own take decides
             if candidates != []:
                 held = self.database.acquire_lock(
                     pool,
@@ -347,6 +351,7 @@ class LockGuard:
                 if self.scope.slot is not None:  # a task of a scope over a pool: its own slot was busy
                     raise busy_error(self.database, [pool[self.scope.slot - 1]], timeout, self.log)
                 raise busy_error(self.database, pool, timeout, self.log)
+            self.took_the_lock = True
             if self.scope.kind in ("member", "resume"):
                 break  # checked with the run rules: a lost scope is reported as lost
             try:

@@ -356,11 +356,11 @@ def run_guarded(
     except LockLostError:
         raise
     except (InvalidLockKeyError, LockConfigurationError, UnsafeSetupError) as error:
-        if nested or (guard is not None and guard.held is not None):  # after work began: never a skip
+        if nested or (guard is not None and guard.took_the_lock):  # after the lock was taken: never a skip
             raise AirflowFailException(f"{type(error).__name__}: {error}") from error
         fail_for_configuration(spec, error, logger)
     except (PgLockError, psycopg.OperationalError) as error:
-        if not nested and (guard is None or guard.held is None):  # the lock could not be taken: the database's fault
+        if not nested and (guard is None or not guard.took_the_lock):  # not taken: the database's fault
             _skip_if_asked(spec, error, logger)
         raise
 

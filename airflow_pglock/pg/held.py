@@ -101,23 +101,32 @@ class HeldLock:
         try:
             return is_held(self.connection, self.key, self.shared, self.xact_id)
         except psycopg.Error as error:
-            if loss.session_answered(error, self.connection.closed):  # a cancel (QueryCanceled), ...: it lives
-                if self.scope == "transaction":  # the error aborted the lock's transaction
-                    log.warning("pglock %s: %s", self.key.describe(), loss.ABORTED_UNLESS_IN_A_SAVEPOINT)
-                    return False
-                if self.transaction_aborted:  # the caller's own transaction, which only it may roll back
-                    raise
-                return is_held(self.connection, self.key, self.shared, self.xact_id)
-            # AdminShutdown, IdleSessionTimeout, a broken connection... and the idle-in-transaction
-            # timeout of a transaction lock (25P03, an InternalError): the session ended.
-            log.warning(
-                "pglock %s is no longer held: its session ended (%s: %s)",
-                self.key.describe(),
-                type(error).__name__,
-                str(error).strip(),
-            )
-            self.connection.close()
-            return False
+            if not loss.session_answered(error, self.connection.closed):
+                return self._ended(error)
+            # A cancel (QueryCanceled), ...: the session lives.
+            if self.scope == "transaction":  # the error aborted the lock's transaction
+                log.warning("pglock %s: %s", self.key.describe(), loss.ABORTED_UNLESS_IN_A_SAVEPOINT)
+                return False
+            if self.transaction_aborted:  # the caller's own transaction, which only it may roll back
+                raise
+        try:  # a cancelled check: asked once more
+            return is_held(self.connection, self.key, self.shared, self.xact_id)
+        except psycopg.Error as error:
+            if not loss.session_answered(error, self.connection.closed):
+                return self._ended(error)
+            raise
+
+    def _ended(self, error: psycopg.Error) -> bool:
+        """is_held()'s answer once its session ended with ``error`` (AdminShutdown, IdleSessionTimeout,
+        a broken connection, a transaction lock's idle-in-transaction timeout): False, the reason logged."""
+        log.warning(
+            "pglock %s is no longer held: its session ended (%s: %s)",
+            self.key.describe(),
+            type(error).__name__,
+            str(error).strip(),
+        )
+        self.connection.close()
+        return False
 
     def release(self) -> bool:
         """Release the lock and close its connection. Idempotent.

@@ -22,7 +22,9 @@ every session at once, not only when the lock's transaction commits.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -321,21 +323,72 @@ def issue_fencing_token(
         if notice.severity_nonlocalized == "WARNING":
             warnings.append(f"{notice.message_primary} {notice.message_detail or ''}".strip())
 
+    # statement_timeout does not end a commit's wait for the synchronous standby, and the key is
+    # held meanwhile: the wait is bounded here, by a cancel (which commits locally and warns).
+    bound = _CommitBound(conn, TOKEN_COMMIT_WAIT_SECONDS)
     conn.add_notice_handler(heard)
     try:
-        row = _record_token(conn, key, condition, drawn[0], shared, holder_pid, xact_id, issued_to)
+        with bound:
+            row = _record_token(conn, key, condition, drawn[0], shared, holder_pid, xact_id, issued_to)
+    except psycopg.errors.QueryCanceled:
+        if not bound.fired:
+            raise
+        row = None
     finally:
         conn.remove_notice_handler(heard)
+    if bound.fired:
+        raise LockConnectionError(
+            f"the fencing token of {key.describe()} was not confirmed by the synchronous standby within "
+            f"{TOKEN_COMMIT_WAIT_SECONDS:g} s (is it down?): not handed to the work"
+        )
     if row is not None and warnings:
-        # A wait for the synchronous standby that was cancelled (pg_cancel_backend, a statement
-        # timeout) commits locally and says so in a WARNING only: the standby may not have the
-        # token, and a failover to it would issue the same number again.
+        # A wait for the synchronous standby that was cancelled (pg_cancel_backend) commits locally
+        # and says so in a WARNING only: the standby may not have the token, and a failover to it
+        # would issue the same number again.
         raise LockConnectionError(
             f"the fencing token {row} of {key.describe()} was committed on the primary, but the commit "
             f"warned: {'; '.join(warnings)}. A synchronous standby may not have it (after a failover the "
             "same token could be issued again): not handed to the work"
         )
     return row
+
+
+#: The longest a fencing token's commit waits for the synchronous standby before the run fails
+#: (neither statement_timeout nor the lease ends that wait, and the key is held during it).
+TOKEN_COMMIT_WAIT_SECONDS = 30.0
+
+
+class _CommitBound:
+    """Cancels the statement on ``conn`` once ``seconds`` have passed (from a timer thread). A
+    cancel that fired makes the statement's outcome void, whatever it was: it may have crossed
+    the statement's end and land on the next one, which only the failure path then sends."""
+
+    def __init__(self, conn: psycopg.Connection[Any], seconds: float) -> None:
+        self._conn = conn
+        self._seconds = seconds
+        self._mutex = threading.Lock()
+        self._done = False
+        self.fired = False
+        self._timer: threading.Timer | None = None
+
+    def _fire(self) -> None:
+        with self._mutex:
+            if self._done:
+                return
+            self.fired = True
+            with contextlib.suppress(Exception):  # the connection broke meanwhile: the statement fails
+                self._conn.cancel_safe()
+
+    def __enter__(self) -> None:
+        self._timer = threading.Timer(self._seconds, self._fire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def __exit__(self, *exc: object) -> None:
+        with self._mutex:
+            self._done = True
+        assert self._timer is not None
+        self._timer.cancel()
 
 
 def _record_token(
@@ -349,13 +402,16 @@ def _record_token(
     issued_to: str | None,
 ) -> int | None:
     # synchronous_commit is on for this statement's commit whatever the role or the database sets
-    # (local, off): the token must reach a synchronous standby before the work gets it.
+    # (local, off): the token must reach a synchronous standby before the work gets it; and the
+    # commit's WARNING when that wait was cancelled reaches the client whatever client_min_messages
+    # it sets (error would hide it).
     cursor = _run(
         conn,
         "fencing",
         "INSERT INTO pglock.fencing_tokens (objsubid, classid, objid, key_name, token, issued_at, issued_to)"
         " SELECT %(objsubid)s, %(classid)s, %(objid)s, %(name)s, %(token)s, clock_timestamp(), %(issued_to)s"
-        " FROM (SELECT set_config('synchronous_commit', 'on', true)) AS durable"
+        " FROM (SELECT set_config('synchronous_commit', 'on', true),"
+        " set_config('client_min_messages', 'warning', true)) AS durable"
         f" WHERE {condition}"
         " ON CONFLICT (objsubid, classid, objid) DO UPDATE SET token = excluded.token,"
         " key_name = excluded.key_name, issued_at = excluded.issued_at, issued_to = excluded.issued_to"

@@ -59,7 +59,11 @@ def coordinates(text: str) -> Coordinates | None:
 
 
 async def alisten(conn: psycopg.AsyncConnection[Any]) -> None:
-    """Start listening for released keys on ``conn`` (autocommit)."""
+    """Start listening for released keys on ``conn`` (autocommit); a standby in recovery is refused
+    (:class:`~airflow_pglock.exceptions.UnsafeSetupError`): it cannot LISTEN, and its pg_locks
+    holds none of the primary's locks."""
+    row = await (await conn.execute(IN_RECOVERY)).fetchone()
+    refuse_a_standby(conn.info, bool(row and row[0]))
     await conn.execute(f"LISTEN {RELEASED_CHANNEL}")
 
 

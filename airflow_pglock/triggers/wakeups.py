@@ -222,6 +222,9 @@ class WakeupHub:
                     await wakeups.alisten(conn)
                     self.pending |= set(self.waiters)  # anything released while we were away
                     await self._watch(conn)
+            except UnsafeSetupError as error:  # a standby: a setting to fix, the waiters report it
+                self._fail_all(error)
+                return
             except (psycopg.Error, OSError) as error:
                 self._unsettle_all(error)
                 await asyncio.to_thread(

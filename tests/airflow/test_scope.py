@@ -179,6 +179,39 @@ def test_a_scope_without_its_table_fails_naming_init_db(
     assert "run `airflow-pglock init-db --conn-id" in "".join(capfd.readouterr()) + caplog.text
 
 
+SKIP_ON_ERROR_DAG = """
+import pendulum
+from airflow.sdk import dag, task
+from airflow_pglock.operators.scope import advisory_lock_scope
+
+
+@dag(dag_id="scoped_skip_on_error", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False)
+def scoped_skip_on_error():
+    with advisory_lock_scope("publish", key="scope-key", postgres_conn_id="pglock_test", on_error="skip"):
+        @task
+        def work():
+            return "ran"
+
+        work()
+
+
+scoped_skip_on_error_dag = scoped_skip_on_error()
+"""
+
+
+def test_an_error_after_the_setup_took_the_key_fails_it_whatever_on_error_says(
+    airflow_db: Any, admin: Any, capfd: Any, caplog: Any
+) -> None:
+    """Review -62: on_error applies when the lock cannot be tried, never after it was taken. A setup
+    checks under the key it took (its table, a fencing token that did not reach the synchronous
+    standby): those errors were skipped with on_error="skip", as if the database had refused the lock."""
+    admin.execute("DROP SCHEMA IF EXISTS pglock CASCADE")
+    result = run_dag(SKIP_ON_ERROR_DAG, "scoped_skip_on_error")
+    assert result.state("publish.pglock_scope_enter") == "failed"
+    assert result.state("publish.work") != "success"
+    assert "run `airflow-pglock init-db --conn-id" in "".join(capfd.readouterr()) + caplog.text
+
+
 DEFER_DAG = """
 import pendulum
 from airflow.sdk import dag, task

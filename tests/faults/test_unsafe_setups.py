@@ -223,6 +223,24 @@ def _reads_of_who_holds_are_refused(standby_dsn: str, fault_server: FaultServer)
         ):
             with pytest.raises(UnsafeSetupError, match=r"standby in recovery: .* every key would look free"):
                 read()
+        # The triggerer's hub (review -62: LISTEN fails on a standby, and the hub reconnected every
+        # second until the trigger's deadline, never saying why): its waiters report the standby.
+        from airflow_pglock.triggers.advisory_lock import AdvisoryLockTrigger
+
+        async def first_event(trigger: AdvisoryLockTrigger) -> dict[str, Any]:
+            async for event in trigger.run():
+                return dict(event.payload)
+            raise AssertionError("the trigger ended without an event")
+
+        os.environ["AIRFLOW_CONN_PGLOCK_ON_A_STANDBY"] = standby_dsn
+        try:
+            trigger = AdvisoryLockTrigger.for_key(
+                key, postgres_conn_id="pglock_on_a_standby", poll_interval=60, deadline=time.time() + 120, resume_hold=0
+            )
+            event = asyncio.run(asyncio.wait_for(first_event(trigger), 60))
+        finally:
+            del os.environ["AIRFLOW_CONN_PGLOCK_ON_A_STANDBY"]
+        assert event["status"] == "error" and "standby in recovery" in event["message"], event
 
 
 def test_frozen_holder_through_pgbouncer_loses_its_lock_within_the_lease(

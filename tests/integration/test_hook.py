@@ -529,9 +529,12 @@ def test_a_bad_timeout_of_hook_lock_is_named_as_its_timeout() -> None:
         pass
 
 
-def _is_held_cancelled_once(real: Callable[..., bool], admin: Any) -> Callable[..., bool]:
+def _is_held_cancelled_once(
+    real: Callable[..., bool], admin: Any, then_terminated: bool = False
+) -> Callable[..., bool]:
     """``real`` (the check is_held() sends), whose first call is held up on the server and meets a
-    foreign ``pg_cancel_backend()`` (sent once the backend is active: an idle one ignores it)."""
+    foreign ``pg_cancel_backend()`` (sent once the backend is active: an idle one ignores it);
+    ``then_terminated``: the session is terminated before the second call."""
     calls: list[int] = []
 
     def cancel_once_active(pid: int) -> None:
@@ -551,6 +554,8 @@ def _is_held_cancelled_once(real: Callable[..., bool], admin: Any) -> Callable[.
                 conn.execute("SELECT pg_sleep(30)")
             finally:
                 cancel.join()
+        elif then_terminated:
+            admin.execute("SELECT pg_terminate_backend(%s)", [conn.info.backend_pid])
         return real(conn, *args)
 
     return check
@@ -578,6 +583,20 @@ def test_a_cancel_that_lands_on_is_held_ends_no_session(
             assert not held.connection.closed  # inside a savepoint the key would stay: the caller decides
     finally:
         held.release()
+
+
+def test_a_session_ended_between_is_helds_two_asks_is_false_not_an_error(
+    hook: AdvisoryLockHook, admin: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review -62: a cancel, then pg_terminate_backend() (a DBA's usual sequence) raised AdminShutdown
+    from the second ask."""
+    import airflow_pglock.pg.held as held_module
+
+    held = hook.acquire("cancelled-then-terminated")
+    assert held is not None
+    monkeypatch.setattr(held_module, "is_held", _is_held_cancelled_once(held_module.is_held, admin, True))
+    assert held.is_held() is False
+    assert held.release() is False
 
 
 def test_is_held_raises_on_a_transaction_the_caller_left_aborted_and_keeps_the_key(

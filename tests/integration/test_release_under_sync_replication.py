@@ -269,16 +269,21 @@ def _fenced(cluster: Cluster, name: str, mode: Scope, dsn: str | None = None) ->
     return fenced, came_to
 
 
+@pytest.mark.parametrize("client_min_messages", [None, "error"])
 @pytest.mark.parametrize("mode", ["session", "transaction"])
 def test_a_fencing_token_whose_wait_for_the_standby_was_cancelled_never_reaches_the_work(
-    standby_down: Cluster, mode: Scope
+    standby_down: Cluster, mode: Scope, client_min_messages: str | None
 ) -> None:
     """Review -59: a cancelled wait for the synchronous standby commits the token locally, with only
     a WARNING; the work got the token, and after a failover to a standby without it the next
-    holder was issued the same number."""
+    holder was issued the same number. Review -62: a role or connection with client_min_messages
+    = error is sent no WARNING at all."""
     _install_registry(standby_down)
-    fenced, came_to = _fenced(standby_down, f"sync-rep/fenced-{mode}", mode)
-    _run(standby_down, fenced)  # (its record of the waits keeps one statement per session)
+    dsn = None
+    if client_min_messages is not None:
+        dsn = psycopg.conninfo.make_conninfo(standby_down.dsn, options=f"-c client_min_messages={client_min_messages}")
+    fenced, came_to = _fenced(standby_down, f"sync-rep/fenced-{mode}-{client_min_messages}", mode, dsn=dsn)
+    _run(standby_down, fenced, until_a_wait=True)  # then it cancels every wait (the provider's bound is 30 s)
     assert len(came_to) == 1 and isinstance(came_to[0], Exception), f"the work ran with token {came_to}"
     message = str(came_to[0])
     assert "was committed on the primary, but the commit warned: canceling wait for synchronous replication" in message
@@ -339,3 +344,29 @@ def test_a_token_whose_commit_waited_past_the_lease_is_no_loss(standby_down: Clu
             admin.execute("SELECT pg_reload_conf()")
     assert not thread.is_alive()
     assert len(came_to) == 1 and isinstance(came_to[0], int), came_to
+
+
+def test_a_fencing_tokens_wait_for_an_absent_standby_is_bounded(
+    standby_down: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review -62: statement_timeout does not end a commit's wait for the synchronous standby, and
+    the key is held meanwhile: with the standby down a fenced run hung for ever, every other run
+    skipping. The provider cancels the wait after TOKEN_COMMIT_WAIT_SECONDS; the run fails."""
+    from airflow_pglock.pg import ledger
+
+    _install_registry(standby_down)
+    monkeypatch.setattr(ledger, "TOKEN_COMMIT_WAIT_SECONDS", 2.0)
+    fenced, came_to = _fenced(standby_down, "sync-rep/fenced-bounded", "session")
+    thread = threading.Thread(target=fenced, daemon=True)
+    thread.start()
+    thread.join(HANG)
+    if thread.is_alive():  # leave the module's cluster usable for the next test
+        with psycopg.connect(standby_down.dsn, autocommit=True) as admin:
+            for pid in _sync_rep_waits(admin):
+                admin.execute("SELECT pg_cancel_backend(%s)", [pid])
+        thread.join(HANG)
+        raise AssertionError("the token's commit waited for the absent standby without a bound")
+    assert len(came_to) == 1 and isinstance(came_to[0], Exception), came_to
+    assert "was not confirmed by the synchronous standby within 2 s" in str(came_to[0])
+    with psycopg.connect(standby_down.dsn, autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'").fetchone() == (0,)
