@@ -91,6 +91,9 @@ class Deployment:
                 "AIRFLOW__SCHEDULER__DAG_DIR_LIST_INTERVAL": "5",  # Airflow 2's name for the refresh interval
                 "PATH": f"{Path(self.python).parent}{os.pathsep}{os.environ.get('PATH', '')}",
                 "PGLOCK_E2E_DEPLOYMENT": self.name,
+                # A crash of a process (a dry run once saw the trigger runner die of SIGSEGV 3 s after
+                # the triggerer started, not reproduced) prints each thread's Python stack to its log.
+                "PYTHONFAULTHANDLER": "1",
             }
         )
         env.update(self.extra_env)
