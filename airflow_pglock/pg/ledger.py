@@ -315,7 +315,11 @@ def issue_fencing_token(
     # condition that reads no table row before it evaluates the row (a later holder could draw
     # in between). Passed on as a value, not currval(): behind a transaction pooler the next
     # statement may run on another server session.
-    drawn = _run(conn, "fencing", "SELECT nextval('pglock.fencing_token_seq')", {}).fetchone()
+    # The draw commits without waiting for a synchronous standby (nextval writes to the WAL now and
+    # then, and that commit would wait with no bound): the record's commit below comes later in the
+    # WAL, so the standby that confirms it has the draw too.
+    draw = "SELECT nextval('pglock.fencing_token_seq'), set_config('synchronous_commit', 'local', true)"
+    drawn = _run(conn, "fencing", draw, {}).fetchone()
     assert drawn is not None
     warnings: list[str] = []
 
@@ -338,8 +342,8 @@ def issue_fencing_token(
         conn.remove_notice_handler(heard)
     if bound.fired:
         raise LockConnectionError(
-            f"the fencing token of {key.describe()} was not confirmed by the synchronous standby within "
-            f"{TOKEN_COMMIT_WAIT_SECONDS:g} s (is it down?): not handed to the work"
+            f"the fencing token of {key.describe()} was not recorded and committed within "
+            f"{TOKEN_COMMIT_WAIT_SECONDS:g} s (a synchronous standby that does not answer?): not handed to the work"
         )
     if row is not None and warnings:
         # A wait for the synchronous standby that was cancelled (pg_cancel_backend) commits locally
@@ -356,6 +360,9 @@ def issue_fencing_token(
 #: The longest a fencing token's commit waits for the synchronous standby before the run fails
 #: (neither statement_timeout nor the lease ends that wait, and the key is held during it).
 TOKEN_COMMIT_WAIT_SECONDS = 30.0
+#: How long the bound's cancel request may take to reach the server (it then gives up: the statement
+#: goes on, and its answer is void all the same).
+CANCEL_TIMEOUT_SECONDS = 5.0
 
 
 class _CommitBound:
@@ -377,7 +384,7 @@ class _CommitBound:
                 return
             self.fired = True
             with contextlib.suppress(Exception):  # the connection broke meanwhile: the statement fails
-                self._conn.cancel_safe()
+                self._conn.cancel_safe(timeout=CANCEL_TIMEOUT_SECONDS)
 
     def __enter__(self) -> None:
         self._timer = threading.Timer(self._seconds, self._fire)

@@ -147,8 +147,8 @@ _SHOWN_PARAMS = ("host", "dbname", "user")
 def shown_param(name: str, value: Any) -> Any:
     """A connection parameter as a message shows it. A password can be in the host, database or
     user field: a whole URI or keyword string pasted there (an Airflow connection's Host or Schema;
-    Airflow masks its Password field only), or, in a URI DSN, the rest of a password after an
-    unencoded ``@`` (libpq reads it as the host)."""
+    Airflow masks its Password field only), or ``user:password@host`` typed into the Host field
+    (a DSN URI whose host holds an ``@`` is refused: :func:`from_dsn`)."""
     if not isinstance(value, str):
         return value
     text = redact(value)

@@ -222,9 +222,13 @@ class WakeupHub:
                     await wakeups.alisten(conn)
                     self.pending |= set(self.waiters)  # anything released while we were away
                     await self._watch(conn)
-            except UnsafeSetupError as error:  # a standby: a setting to fix, the waiters report it
-                self._fail_all(error)
-                return
+            except UnsafeSetupError as error:  # a standby (alisten): maybe one being promoted in a failover
+                if time.monotonic() - self._started > FIRST_CONNECT_GRACE:
+                    self._fail_all(error)  # a setting to fix: the waiters report it
+                    return
+                self._unsettle_all(error)  # a deadline meanwhile reports this error, never "free"
+                await asyncio.to_thread(log.warning, "pglock wakeups: %s; retrying", error)
+                await asyncio.sleep(RECONNECT_DELAY)
             except (psycopg.Error, OSError) as error:
                 self._unsettle_all(error)
                 await asyncio.to_thread(
