@@ -160,8 +160,9 @@ def liveness_statement(
 HORIZON_LIVE = "to_timestamp(coalesce(pg_sequence_last_value(to_regclass('pglock.scope_horizon')), 0)) >= now()"
 
 
-# Asked only when a read of pg_locks finds a key free (the answer a standby must not give: it holds
-# none of the primary's locks), so a busy key costs no round trip more.
+# Asked when a read of pg_locks finds a key free (the answer a standby must not give: it holds none
+# of the primary's locks), so a busy key costs no round trip more; and by the wake-ups' connection
+# as it connects (a standby cannot LISTEN).
 IN_RECOVERY = "SELECT pg_is_in_recovery()"
 
 

@@ -139,6 +139,7 @@ class WakeupHub:
         self._unreadable: BaseException | None = None  # its connection went and is not back yet
         self._poll_due = math.inf  # when every waiting key is read again (monotonic)
         self._started = 0.0  # when _serve began (monotonic)
+        self._standby_since: float | None = None  # the first look at a standby since the last primary
 
     @contextlib.asynccontextmanager
     async def watch(self, key: LockKey, *, shared: bool, poll_interval: float) -> AsyncIterator[Waiter]:
@@ -220,10 +221,13 @@ class WakeupHub:
             try:
                 async with conn:
                     await wakeups.alisten(conn)
+                    self._standby_since = None
                     self.pending |= set(self.waiters)  # anything released while we were away
                     await self._watch(conn)
             except UnsafeSetupError as error:  # a standby (alisten): maybe one being promoted in a failover
-                if time.monotonic() - self._started > FIRST_CONNECT_GRACE:
+                if self._standby_since is None:
+                    self._standby_since = time.monotonic()
+                if time.monotonic() - self._standby_since > FIRST_CONNECT_GRACE:
                     self._fail_all(error)  # a setting to fix: the waiters report it
                     return
                 self._unsettle_all(error)  # a deadline meanwhile reports this error, never "free"
