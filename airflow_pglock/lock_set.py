@@ -200,11 +200,11 @@ class LockSet:
         check_shared(shared)
         return HoldForBlock(self, lock_key, shared, None)
 
-    def lock(self, key: AnyKey, *, timeout: float, shared: bool = False) -> HoldForBlock:
-        """Wait at most ``timeout`` seconds (server-side) for ``key``; None if it ran out."""
+    def lock(self, key: AnyKey, *, timeout: float | dt.timedelta, shared: bool = False) -> HoldForBlock:
+        """Wait at most ``timeout`` (seconds or a ``timedelta``, server-side) for ``key``; None if it ran out."""
         lock_key = LockKey.coerce(key)
         check_shared(shared)
-        statements.check_wait_timeout(timeout)
+        timeout = statements.wait_seconds(timeout)
         if not self._can_wait:
             raise LockConfigurationError(
                 "lock(key, timeout=...) cannot wait on a connection inside the task's transaction "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime as dt
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -33,7 +34,7 @@ from airflow_pglock.pg.held import HeldLock
 from airflow_pglock.pg.holders import aread_holders
 from airflow_pglock.pg.scopes import ScopeRow, live_scope, live_scopes_of
 from airflow_pglock.pg.settings import POOL_MODES, ConnectionSettings, from_dsn
-from airflow_pglock.pg.statements import check_wait_timeout
+from airflow_pglock.pg.statements import wait_seconds
 from airflow_pglock.policy import LockPolicy, OnBusy, OnLost, check_mode, check_slots
 from airflow_pglock.registry import record_acquisition
 from airflow_pglock.scope_rules import OUTSIDE
@@ -147,7 +148,7 @@ class AdvisoryLockHook(BaseHook):
         *,
         mode: Scope = "session",
         shared: bool = False,
-        timeout: float | None = None,
+        timeout: float | dt.timedelta | None = None,
         on_lost: OnLost = "fail",
         application_name: str | None = None,
     ) -> Iterator[LockHandle | None]:
@@ -163,13 +164,13 @@ class AdvisoryLockHook(BaseHook):
         :param mode: ``"session"``, or ``"transaction"``: do the database work on
             ``handle.connection``; it commits when the block ends normally.
         :param shared: take the key in shared mode (readers; an exclusive holder excludes them).
-        :param timeout: None to try once, or seconds to wait for the key (server-side).
+        :param timeout: None to try once, or seconds (or a ``timedelta``) to wait for the key (server-side).
         :param on_lost: ``"fail"`` or ``"warn"``.
         :param application_name: names the holder in ``pg_stat_activity`` (default: this
             deployment, host, program and pid).
         """
         if timeout is not None:
-            check_wait_timeout(timeout)  # its own words: the policy's would name on_busy and wait_timeout
+            timeout = wait_seconds(timeout)  # its own words: the policy's would name on_busy and wait_timeout
         on_busy: OnBusy = "skip" if timeout is None else "wait"
         policy = LockPolicy(mode=mode, shared=shared, on_busy=on_busy, wait_timeout=timeout, on_lost=on_lost)
         guard = LockGuard(
@@ -232,7 +233,7 @@ class AdvisoryLockHook(BaseHook):
         self,
         key: AnyKey,
         *,
-        timeout: float | None = None,
+        timeout: float | dt.timedelta | None = None,
         shared: bool = False,
         mode: Scope = "session",
         slots: int = 1,
@@ -247,7 +248,7 @@ class AdvisoryLockHook(BaseHook):
         Release it yourself, in a ``finally``; use :meth:`lock` for anything that may take a while.
 
         :param key: a name, an int64, an (int32, int32) pair or a :class:`~airflow_pglock.keys.LockKey`.
-        :param timeout: None to try once, or seconds to wait for the key (server-side).
+        :param timeout: None to try once, or seconds (or a ``timedelta``) to wait for the key (server-side).
         :param shared: take the key in shared mode.
         :param mode: ``"session"``, or ``"transaction"``: a transaction is opened and stays
             open on ``held.connection``; ``held.commit()`` commits it (and ends the lock),
@@ -265,7 +266,7 @@ class AdvisoryLockHook(BaseHook):
         check_slots(slots, shared)
         pool = slot_keys(LockKey.coerce(key), slots)
         if timeout is not None:
-            check_wait_timeout(timeout)  # before any I/O, and before the deadline is computed from it
+            timeout = wait_seconds(timeout)  # before any I/O, and before the deadline is computed from it
         every_slot = None if slots == 1 else list(range(slots))
         passed_over: set[int] = set()  # slots that other runs' lock scopes hold between their tasks
         deadline = None if timeout is None else time.monotonic() + timeout

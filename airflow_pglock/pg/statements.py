@@ -11,6 +11,7 @@ Take (``try_lock``, ``wait_lock``, a pool's ``try_slot`` / ``wait_slot``, batche
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -35,6 +36,17 @@ def check_wait_timeout(timeout: object) -> None:
         raise LockConfigurationError(
             f"wait timeout must be a positive number of seconds, got {timeout!r}; {longest_wait_text()}"
         )
+
+
+def wait_seconds(timeout: float | dt.timedelta) -> float:
+    """A wait timeout given in seconds or as a ``timedelta``, checked, in seconds."""
+    seconds = timeout.total_seconds() if isinstance(timeout, dt.timedelta) else timeout
+    if wait_timeout_problem(seconds) is not None:
+        raise LockConfigurationError(
+            f"wait timeout must be a positive number of seconds, got {timeout!r} (a timedelta is also taken); "
+            f"{longest_wait_text()}"
+        )
+    return float(seconds)
 
 
 def try_lock(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -94,6 +96,27 @@ def test_bounded_wait_succeeds_when_released_in_time(hook: AdvisoryLockHook, adm
     # lock_timeout was local to the acquiring transaction: the session keeps no timeout.
     assert waited.connection.execute("SHOW lock_timeout").fetchone()[0] == "0"
     assert waited.release()
+
+
+def test_a_wait_timeout_may_be_a_timedelta(hook: AdvisoryLockHook, admin: Any) -> None:
+    """As the decorator's wait_timeout: hook.acquire, hook.lock and a lock session's lock take one."""
+    key = LockKey.from_name("timedelta-wait")
+    holder = hook.acquire(key)
+    assert holder is not None
+    started = time.monotonic()
+    assert hook.acquire(key, timeout=dt.timedelta(milliseconds=300)) is None
+    with hook.lock(key, timeout=dt.timedelta(milliseconds=300)) as busy:
+        assert busy is None
+    with hook.lock_session() as session, session.lock(key, timeout=dt.timedelta(milliseconds=300)) as waited:
+        assert waited is None
+    assert time.monotonic() - started >= 0.85  # each of the three waited
+    assert holder.release()
+    with hook.lock(key, timeout=dt.timedelta(seconds=5)) as handle:
+        assert handle is not None
+    for bad in (dt.timedelta(0), dt.timedelta(seconds=-1)):
+        with pytest.raises(LockConfigurationError, match=re.escape(f"got {bad!r} (a timedelta is also taken)")):
+            hook.acquire(key, timeout=bad)
+    assert advisory_locks(admin) == []
 
 
 @pytest.mark.parametrize("bad", [0, -1, float("inf") * 0, True])
