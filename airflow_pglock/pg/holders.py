@@ -14,7 +14,7 @@ from psycopg import sql
 
 from airflow_pglock.holder import LockHolder, LockSnapshot
 from airflow_pglock.keys import LockKey
-from airflow_pglock.pg.sql import IN_RECOVERY, refuse_a_standby
+from airflow_pglock.pg.sql import refuse_a_standby
 
 #: Below this server version pg_locks has no waitstart.
 WAITSTART_VERSION = 140000
@@ -40,18 +40,22 @@ def _query(
             objids=[c[1] for c in coordinates],
             objsubids=[c[2] for c in coordinates],
         )
+    # One row more than the locks' whatever they are (NULLs where no lock): the server's facts travel with
+    # them, in the same statement (two statements behind a pooler could reach two different servers).
     query = sql.SQL(
-        "SELECT d.datname, l.classid::bigint, l.objid::bigint, l.objsubid::int, l.pid, l.granted, l.mode,"
-        " a.application_name, host(a.client_addr), a.client_port, a.backend_start, {wait_start}, a.xact_start,"
-        " a.usename, a.state, a.backend_type,"
+        "SELECT h.*, r.standby, current_database(), clock_timestamp()"
+        " FROM (SELECT pg_is_in_recovery() AS standby) r LEFT JOIN LATERAL ("
+        "SELECT d.datname, l.classid::bigint AS classid, l.objid::bigint AS objid, l.objsubid::int AS objsubid,"
+        " l.pid, l.granted, l.mode, a.application_name, host(a.client_addr), a.client_port, a.backend_start,"
+        " {wait_start} AS waitstart, a.xact_start, a.usename, a.state, a.backend_type,"
         " count(*) FILTER (WHERE NOT l.granted) OVER (PARTITION BY l.database, l.classid, l.objid, l.objsubid),"
-        " CASE WHEN l.granted OR l.pid IS NULL THEN ARRAY[]::int[] ELSE pg_blocking_pids(l.pid) END,"
-        " current_database(), clock_timestamp()"
+        " CASE WHEN l.granted OR l.pid IS NULL THEN ARRAY[]::int[] ELSE pg_blocking_pids(l.pid) END"
         " FROM pg_catalog.pg_locks l"
         " JOIN pg_catalog.pg_database d ON d.oid = l.database"
         " LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid"
         " WHERE l.locktype = 'advisory' AND (%(all)s OR d.datname = current_database()){only_key}"
-        " ORDER BY d.datname, l.classid, l.objid, l.objsubid, l.granted DESC, {wait_start} NULLS FIRST, l.pid"
+        ") h ON true"
+        " ORDER BY h.datname, h.classid, h.objid, h.objsubid, h.granted DESC, h.waitstart NULLS FIRST, h.pid"
     ).format(wait_start=wait_start, only_key=only_key)
     return query, params
 
@@ -61,25 +65,32 @@ def _holder(row: Sequence[Any]) -> LockHolder:
     return LockHolder(*(*row[:16], int(row[16]), tuple(row[17] or ())))
 
 
+def _holders(rows: Sequence[Sequence[Any]]) -> list[LockHolder]:
+    return [_holder(row) for row in rows if row[0] is not None]  # datname is NULL only in the row of no lock
+
+
+def _standby(rows: Sequence[Sequence[Any]]) -> bool:
+    return bool(rows[0][18])
+
+
 def read_holders(conn: psycopg.Connection[Any], key: LockKey, *more: LockKey) -> list[LockHolder]:
     """Holders and waiters of ``key`` (and of ``more`` keys: a pool's slots) in the connection's
-    database, holders first. Nobody is an answer only from a primary (:data:`IN_RECOVERY`)."""
+    database, holders first. Nobody is an answer only from a primary (a standby has none of its locks)."""
     query, params = _query(conn.info.server_version, [key, *more], all_databases=False)
-    holders = [_holder(row) for row in conn.execute(query, params).fetchall()]
+    rows = conn.execute(query, params).fetchall()
+    holders = _holders(rows)
     if not holders:
-        row = conn.execute(IN_RECOVERY).fetchone()
-        refuse_a_standby(conn.info, bool(row and row[0]))
+        refuse_a_standby(conn.info, _standby(rows))
     return holders
 
 
 async def aread_holders(conn: psycopg.AsyncConnection[Any], key: LockKey, *more: LockKey) -> list[LockHolder]:
     """Async :func:`read_holders` (for triggers): reads ``pg_locks``, takes nothing."""
     query, params = _query(conn.info.server_version, [key, *more], all_databases=False)
-    cursor = await conn.execute(query, params)
-    holders = [_holder(row) for row in await cursor.fetchall()]
+    rows = await (await conn.execute(query, params)).fetchall()
+    holders = _holders(rows)
     if not holders:
-        row = await (await conn.execute(IN_RECOVERY)).fetchone()
-        refuse_a_standby(conn.info, bool(row and row[0]))
+        refuse_a_standby(conn.info, _standby(rows))
     return holders
 
 
@@ -91,11 +102,6 @@ def advisory_locks(conn: psycopg.Connection[Any], *, all_databases: bool = False
     """
     query, params = _query(conn.info.server_version, None, all_databases)
     rows = conn.execute(query, params).fetchall()
-    head = conn.execute("SELECT current_database(), clock_timestamp(), pg_is_in_recovery()").fetchone()
-    assert head is not None
-    database, taken_at, in_recovery = head
-    if rows:
-        database, taken_at = rows[0][18], rows[0][19]
     return LockSnapshot(
-        taken_at=taken_at, database=database, rows=tuple(_holder(row) for row in rows), in_recovery=bool(in_recovery)
+        taken_at=rows[0][20], database=rows[0][19], rows=tuple(_holders(rows)), in_recovery=_standby(rows)
     )

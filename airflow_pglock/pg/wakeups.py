@@ -77,16 +77,18 @@ async def aheld(conn: psycopg.AsyncConnection[Any], keys: Collection[Coordinates
     if not keys:
         return {}
     classids, objids, objsubids = (list(column) for column in zip(*keys, strict=True))
+    # Whether the server is a standby travels with the read (a row of NULLs when no key is held).
     cursor = await conn.execute(
+        "SELECT h.*, r.standby FROM (SELECT pg_is_in_recovery() AS standby) r LEFT JOIN LATERAL ("
         "SELECT l.classid::bigint, l.objid::bigint, l.objsubid::int, bool_or(l.mode = %s)"
         " FROM pg_catalog.pg_locks l"
         " JOIN unnest(%s::bigint[], %s::bigint[], %s::int[]) AS k(classid, objid, objsubid)"
         " ON l.classid::bigint = k.classid AND l.objid::bigint = k.objid AND l.objsubid::int = k.objsubid"
-        " WHERE (l.granted OR l.mode = %s) AND " + advisory_here("l.") + " GROUP BY 1, 2, 3",
+        " WHERE (l.granted OR l.mode = %s) AND " + advisory_here("l.") + " GROUP BY 1, 2, 3) h ON true",
         [EXCLUSIVE_MODE, classids, objids, objsubids, EXCLUSIVE_MODE],
     )
-    held = {(row[0], row[1], row[2]): bool(row[3]) for row in await cursor.fetchall()}
+    rows = await cursor.fetchall()
+    held = {(row[0], row[1], row[2]): bool(row[3]) for row in rows if row[0] is not None}
     if len(held) < len(set(keys)):  # a key is free: only a primary may say so
-        row = await (await conn.execute(IN_RECOVERY)).fetchone()
-        refuse_a_standby(conn.info, bool(row and row[0]))
+        refuse_a_standby(conn.info, bool(rows[0][4]))
     return held

@@ -198,3 +198,20 @@ def test_only_while_a_lock_scope_is_live_does_a_named_guard_read_its_scope_row(
 
         _count(counter, teardown)
         assert _count(counter, guarded) == FLOOR, "the teardown lowered the horizon"
+
+
+def test_who_holds_a_free_key_is_read_in_one_statement(relay: tuple[Relay, str], dsn: str) -> None:
+    """Nobody is an answer only from a primary: the standby check travels with the read of pg_locks.
+    It was a second statement, and behind a pooler whose servers are a primary and a standby the two
+    could reach different servers (the standby's empty pg_locks, the primary's 'not in recovery')."""
+    import asyncio
+
+    counter, relayed_dsn = relay
+    hook = AdvisoryLockHook(dsn=relayed_dsn)
+    connect_and_close = 3  # SSL request, start-up, terminate
+    assert _count(counter, lambda: hook.holders("round-trips-free")) == connect_and_close + 1
+    assert _count(counter, lambda: asyncio.run(hook.aholders("round-trips-free", slots=3))) == connect_and_close + 1
+    held = AdvisoryLockHook(dsn=dsn).acquire("round-trips-held")  # not through the relay: it stays open
+    assert held is not None
+    assert _count(counter, lambda: hook.holders("round-trips-held")) == connect_and_close + 1
+    assert held.release()
