@@ -244,10 +244,13 @@ class LockSet:
             # A key an open with block holds is that block's: released by key, the block would run
             # on without it and end as a success. Refused before anything is released.
             found: dict[tuple[int, ...], SubLock] = {}
+            unheld = False  # one of them was not held here (a key named twice is one key)
             for item in locks:
                 if isinstance(item, SubLock):
                     if self._held.get(item.key.numbers) is item:
                         found[item.key.numbers] = item
+                    else:
+                        unheld = True
                     continue
                 if isinstance(item, list):
                     raise InvalidLockKeyError(
@@ -264,6 +267,8 @@ class LockSet:
                     )
                 if holder is not None:
                     found[numbers] = holder
+                else:
+                    unheld = True
             subs = list(found.values())
             reason = self.lost
             if not subs:
@@ -287,7 +292,7 @@ class LockSet:
             finally:
                 for sub in subs:
                     self._held.pop(sub.key.numbers, None)
-            return len(subs) == len(locks) and not gone
+            return not unheld and not gone
 
     def release_all(self) -> bool:
         """Release every key this set holds, and those a failed statement may have left, best
@@ -500,15 +505,22 @@ class LockSet:
         if self.connection.info.transaction_status == psycopg.pq.TransactionStatus.INERROR:
             return
         entries = list(self._unsettled.values())
-        try:
-            with self._session_errors(entries[0][0]):
-                for shared in (False, True):
-                    keys = [key for key, mode in entries if mode is shared]
-                    if keys:
-                        statements.unlock_held_among(self.connection, keys, shared=shared)
-        except psycopg.Error as error:  # e.g. cancelled as well: they stay busy, tried again next time
-            log.warning("pglock could not release %d keys of a failed statement yet: %s", len(entries), error)
-            return
+        for attempt in range(_SETTLE_ATTEMPTS):
+            try:
+                with self._session_errors(entries[0][0]):
+                    for shared in (False, True):
+                        keys = [key for key, mode in entries if mode is shared]
+                        if keys:
+                            statements.unlock_held_among(self.connection, keys, shared=shared)
+            except psycopg.errors.QueryCanceled as error:  # a cancel as well: once more, as an unlock is sent again
+                if attempt + 1 < _SETTLE_ATTEMPTS and self.lost is None and not self.connection.closed:
+                    continue
+                log.warning("pglock could not release %d keys of a failed statement yet: %s", len(entries), error)
+                return
+            except psycopg.Error as error:  # they stay busy, tried again next time
+                log.warning("pglock could not release %d keys of a failed statement yet: %s", len(entries), error)
+                return
+            break
         self._unsettled.clear()
 
     def _session_errors(self, key: LockKey) -> _SessionErrors:
@@ -523,6 +535,9 @@ class LockSet:
         self._held.clear()
         self._unsettled.clear()
 
+
+#: How many times the release of a failed statement's keys is sent when a cancel stops it.
+_SETTLE_ATTEMPTS = 2
 
 _ENDED = (
     "a ROLLBACK TO SAVEPOINT ends a sub-key taken after the savepoint; an error that aborts the transaction, "
@@ -643,6 +658,11 @@ class LockSession(LockSet):
             forks.forget(self)
 
     def _release_at_end(self) -> None:
+        if self.lost is None and not self.connection.closed:
+            # What a failed statement may have left (tracked nowhere else): the close alone frees it
+            # only once the backend exits, or never through a session pooler that resets nothing.
+            with contextlib.suppress(LockLostError):  # the session ended: _lose said why
+                self._settle()
         subs = list(self._held.values())
         if self.lost is not None or not subs:
             return

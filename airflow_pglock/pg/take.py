@@ -268,6 +268,7 @@ def take(
             position = wait_slot(conn, [pool[index] for index in tried], timeout, scope=scope)
             slot = None if position is None else tried[position]
         if slot is None:
+            give_back_all(conn, scope)  # the pool's markers: the close alone frees them only once the backend exits
             return None
         held_key = pool[slot]
     elif not answer.taken:

@@ -209,3 +209,73 @@ def test_a_plain_key_refused_after_its_wait_gives_it_back_before_the_close(
             helper.join()
             pool.execute("SELECT pg_advisory_unlock_all()")
     pooler.assert_left_clean()
+
+
+@pytest.mark.parametrize("mode", ["session", "transaction"])
+@pytest.mark.parametrize("wait", [False, True], ids=["try", "wait"])
+def test_a_pool_found_full_gives_back_its_markers_before_the_close(
+    hook: Any, pooler: ServerSessions, mode: str, wait: bool
+) -> None:
+    """Review -64: every slot busy (or still busy when the wait ran out), the guard and
+    hook.acquire returned busy with the pool's presence and size markers still held by the server
+    session: every plain key and every other size of the name was then refused for good."""
+    from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+
+    policy = LockPolicy(mode=mode, slots=2, on_busy="wait" if wait else "skip", wait_timeout=0.3 if wait else None)  # type: ignore[arg-type]
+    with LockGuard(hook.database, KEY, LockPolicy(slots=2)), LockGuard(hook.database, KEY, LockPolicy(slots=2)):
+        with pytest.raises(LockBusyError), LockGuard(pooler.database, KEY, policy):
+            pytest.fail("a third holder of a pool of two")
+        pooled = AdvisoryLockHook(dsn=pooler.dsn, pool_mode="session")
+        assert pooled.acquire(KEY, slots=2, mode=mode, timeout=0.3 if wait else None) is None  # type: ignore[arg-type]
+        pooler.assert_left_clean()
+    with LockGuard(pooler.database, KEY, LockPolicy(mode=mode)):  # type: ignore[arg-type]
+        pass  # the plain key of the name, now that no pool of it is in use
+    pooler.assert_left_clean()
+
+
+def _cancelled_on_the_server(conn: psycopg.Connection[Any]) -> None:
+    """A statement that the server cancels (a foreign pg_cancel_backend), as a cancelled clean-up would meet."""
+    timer = threading.Timer(0.3, conn.cancel_safe)
+    timer.start()
+    try:
+        conn.execute("SELECT pg_sleep(30)")
+    finally:
+        timer.cancel()
+
+
+@pytest.mark.parametrize("cancels", [1, 2], ids=["cleanup-cancelled-once", "cleanup-cancelled-twice"])
+def test_a_failed_batch_whose_cleanup_is_cancelled_is_released_by_the_end(
+    pooler: ServerSessions, monkeypatch: pytest.MonkeyPatch, cancels: int
+) -> None:
+    """Review -64: a try_lock_many that failed after it took keys, whose clean-up was cancelled too,
+    left the keys held, untracked, by the session: its block's end did not release them, and
+    through a session pooler that resets nothing they stayed held for good. The clean-up is now
+    sent once more after a cancel; failing that, the block's end releases them."""
+    from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+    from airflow_pglock.pg import statements
+
+    real_try, real_cleanup = statements.try_lock_many, statements.unlock_held_among
+    left = {"cleanup": cancels}
+
+    def took_then_cancelled(conn: psycopg.Connection[Any], keys: list[LockKey], **options: Any) -> list[bool]:
+        real_try(conn, keys, **options)  # the batch took its keys, then its statement was cancelled
+        _cancelled_on_the_server(conn)
+        raise AssertionError("not reached")
+
+    def cleanup(conn: psycopg.Connection[Any], keys: list[LockKey], **options: Any) -> int:
+        if left["cleanup"]:
+            left["cleanup"] -= 1
+            _cancelled_on_the_server(conn)
+        return real_cleanup(conn, keys, **options)
+
+    monkeypatch.setattr(statements, "try_lock_many", took_then_cancelled)
+    monkeypatch.setattr(statements, "unlock_held_among", cleanup)
+    keys = [LockKey.from_name(f"give-up/batch/{i}") for i in range(3)]
+    with AdvisoryLockHook(dsn=pooler.dsn, pool_mode="session").lock_session() as session:
+        with pytest.raises(psycopg.errors.QueryCanceled):
+            session.try_lock_many(keys)
+        assert session.held() == []
+        server_pid = session.connection.execute("SELECT pg_backend_pid()").fetchone()[0]  # type: ignore[index]
+        still = [row for row in advisory_locks(pooler.admin) if row[0] == server_pid]
+        assert len(still) == (0 if cancels == 1 else len(keys))  # sent once more: released at once
+    pooler.assert_left_clean()

@@ -584,3 +584,18 @@ def test_a_wait_longer_than_the_lease_is_not_a_loss(dsn: str, admin: Any) -> Non
             assert got is not None and session.lost is None
         assert session.lost is None
     assert advisory_locks(admin) == []
+
+
+def test_a_key_named_twice_in_one_release_was_held_to_the_end(hook: AdvisoryLockHook, admin: Any) -> None:
+    """Review -64: release(sub, sub) and release(name, its int64) answered False ("not every one was
+    held until now") for a key held to the end: a caller would have thrown finished work away."""
+    with hook.lock_session() as session:
+        (sub,) = session.try_lock_many(["twice"])
+        assert session.release(sub, sub) is True
+        session.try_lock_many(["twice-2"])
+        number = LockKey.from_name("twice-2").int64
+        assert session.release("twice-2", number) is True
+        assert advisory_locks(admin) == []
+        (sub,) = session.try_lock_many(["twice-3"])
+        assert session.release(sub, "never-taken") is False  # one of them was not held
+        assert session.release(sub) is False  # a stale sub-lock: released already
