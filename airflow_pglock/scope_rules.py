@@ -43,6 +43,10 @@ class ScopeRole:
         tasks and its teardown re-enter; None for the setup and for a scope over one key.
     :param hands_over: a guarded deferrable operator (``outside``, or ``resume`` after a deferral):
         when its work returns a :class:`HandOver`, the hold passes to the triggerer under a lease row.
+    :param lineage: a setup (``enter``): the start of its holder id that every try of this setup in
+        this DAG run shares. A live row an earlier try left is taken over (a task of the scope cleared
+        while its scope is live runs the setup again): the setup holds the key, so no task of that
+        acquisition is inside, and they find another holder id from then on (lost).
 
     ``resume``: a guarded deferrable operator resumes after its trigger fired. It re-enters the
     hold its deferral handed over (like ``member``); its end frees the row, or hands the hold
@@ -57,10 +61,21 @@ class ScopeRole:
     fencing: bool = False
     slot: int | None = None
     hands_over: bool = False
+    lineage: str | None = None
 
     def __post_init__(self) -> None:
         if (self.kind != "outside" or self.hands_over) and not self.holder:
             raise LockConfigurationError(f"a scope's {self.kind} needs the scope's holder id, got {self.holder!r}")
+        if self.lineage is not None and (
+            not self.lineage
+            or self.kind != "enter"
+            or not self.holder
+            or len(self.holder) <= len(self.lineage)
+            or not self.holder.startswith(self.lineage)
+        ):
+            raise LockConfigurationError(
+                f"a lineage {self.lineage!r} is a setup's, and starts its holder id (got {self.kind}, {self.holder!r})"
+            )
 
 
 OUTSIDE = ScopeRole()
@@ -170,7 +185,7 @@ def _check_own_scope(
     conn: Any = held.connection
     assert role.holder is not None
     if role.kind == "enter":
-        taken, row = scopes.enter(conn, key, role.holder, role.run or role.holder, role.lease)
+        taken, row = scopes.enter(conn, key, role.holder, role.run or role.holder, role.lease, lineage=role.lineage)
         if not taken:
             assert row is not None
             raise _busy(key, row)

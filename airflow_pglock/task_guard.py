@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime as dt
 import functools
+import hashlib
 import inspect
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -204,6 +206,19 @@ def task_identity(context: Mapping[str, Any]) -> TaskIdentity:
         deployment=deployment_name(),
         host=hostname if isinstance(hostname, str) and hostname else None,
     )
+
+
+def task_instance_digest(context: Mapping[str, Any]) -> str | None:
+    """32 hex digits, the same for every try of one task instance in one DAG run of one deployment,
+    and others in any other deployment (its run started at another moment); None when the run's
+    start is unknown. Not the run's ``clear_number``, which a clear raises: a cleared task must
+    find what its earlier try left (a deferred hold, a scope's row) as its own."""
+    identity = task_identity(context)
+    started = getattr(context.get("dag_run"), "start_date", None)
+    if not isinstance(started, dt.datetime):
+        return None
+    parts = [identity.dag_id, identity.task_id, identity.run_id, str(identity.map_index), started.isoformat()]
+    return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:32]
 
 
 def run_label(identity: TaskIdentity) -> str:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import hashlib
 import time
 import uuid
 from collections.abc import Mapping
@@ -50,6 +49,7 @@ from airflow_pglock.task_guard import (
     run_label,
     stop_external_work,
     task_identity,
+    task_instance_digest,
     trigger_error,
     unholdable_endings_refused,
 )
@@ -145,6 +145,19 @@ class OperatorGuard:
             return None
         return {"holder": holder, "key_name": key.name, "method": TRIGGER_FAILED, "lease": self.deferral_lease}
 
+    def _earlier_try_still_holds(self, context: Context, rendered: dict[str, Any], holder: str) -> bool:
+        """Whether a live hold row of this task instance is there (read without the key): an earlier
+        try's, left in the triggerer. Any error: False (the guard meets it itself)."""
+        from airflow_pglock.task_guard import resolve_key
+
+        identity = task_identity(context)
+        try:
+            key = resolve_key(rendered["key"], rendered.get("tenant"), identity.dag_id, identity.task_id)
+            row = self.spec.hook().scope(key) if key.name is not None else None
+        except Exception:
+            return False
+        return row is not None and row.live and row.holder == holder
+
     def resume_deferred(self, context: Context, event: Any = None, **kwargs: Any) -> Any:
         """Resume after the operator's own deferral (``pglock_resume_deferred``): re-enter the hold
         the triggerer handed back, then run the operator's resume method under it.
@@ -225,7 +238,7 @@ class OperatorGuard:
             rendered = render_lock_options(self.spec, context)
         except LockConfigurationError as error:
             fail_for_configuration(self.spec, error, task.log)
-        role = OUTSIDE
+        role, spec = OUTSIDE, self.spec
         if self.deferral_lease is not None:
             role = ScopeRole(
                 holder=_holder_of(context),
@@ -234,6 +247,18 @@ class OperatorGuard:
                 lease=self.deferral_lease,
                 hands_over=True,
             )
+            if self._earlier_try_still_holds(context, rendered, role.holder or ""):
+                # Cleared while deferred: its earlier try's trigger holds the key until the triggerer
+                # cancels it, a moment later. Not a busy key to skip: wait for it, as a resume does.
+                task.log.info("pglock: the earlier try of this task still holds its key in the triggerer: waiting")
+                policy = dataclasses.replace(
+                    self.spec.policy,
+                    on_busy="wait",
+                    wait_timeout=max(RESUME_WAIT_SECONDS, self.spec.policy.wait_timeout or 0.0),
+                    on_wait_timeout="fail",
+                    defer_after=0.0,
+                )
+                spec, deadline = dataclasses.replace(self.spec, policy=policy), None
         handing: list[bool] = []
 
         def work(handle: LockHandle) -> Any:
@@ -244,7 +269,7 @@ class OperatorGuard:
 
         try:
             result = run_guarded(
-                self.spec, context, work, task.log, deadline=deadline, scope=role, trigger_error=failed_wait, **rendered
+                spec, context, work, task.log, deadline=deadline, scope=role, trigger_error=failed_wait, **rendered
             )
         except LockLostError:
             stop_external_work(task)
@@ -333,18 +358,10 @@ def _lost(task: BaseOperator, key: str, reason: str, cause: BaseException | None
 
 
 def _holder_of(context: Context) -> str:
-    """The hold's id: the same for every try of one task instance in one DAG run of one deployment
-    (a retry, or the task cleared while deferred, takes over the row an earlier try left: a deferral
-    timeout, a trigger cancelled), and another in any other deployment (its run started at another
-    moment). Not the run's ``clear_number``, which a clear raises: the cleared task skipped behind
-    its own row. Random when the run's start is unknown."""
-    identity = task_identity(context)
-    dag_run = context.get("dag_run")
-    started = getattr(dag_run, "start_date", None)
-    if not isinstance(started, dt.datetime):
-        return uuid.uuid4().hex
-    parts = [identity.dag_id, identity.task_id, identity.run_id, str(identity.map_index), started.isoformat()]
-    return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:32]
+    """The hold's id: :func:`~airflow_pglock.task_guard.task_instance_digest` (a retry, or the task
+    cleared while deferred, takes over the row an earlier try left: a deferral timeout, a trigger
+    cancelled); random when the run's start is unknown."""
+    return task_instance_digest(context) or uuid.uuid4().hex
 
 
 def _failing(spec: LockSpec) -> Any:

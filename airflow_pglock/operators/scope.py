@@ -61,6 +61,7 @@ from airflow_pglock.task_guard import (
     stop_external_work,
     task_begins,
     task_identity,
+    task_instance_digest,
     trigger_error,
     unholdable_endings_refused,
 )
@@ -139,7 +140,8 @@ class ScopeSpec:
         """This task's role in the scope; a member and the teardown find the holder id in the setup's XCom."""
         identity = task_identity(context)
         run = run_label(identity)
-        holder: str | None = uuid.uuid4().hex
+        lineage = task_instance_digest(context) if kind == "enter" else None
+        holder: str | None = (lineage or "") + uuid.uuid4().hex
         slot = None
         if kind != "enter":
             entered = context["ti"].xcom_pull(task_ids=self.enter_task_id, key=SCOPE_XCOM_KEY)
@@ -158,6 +160,7 @@ class ScopeSpec:
             lease=self.scope_lease,
             fencing=self.fencing,
             slot=slot,
+            lineage=lineage,
         )
 
 

@@ -230,16 +230,21 @@ def enter(
     lease_seconds: float,
     *,
     task: str | None = None,
+    lineage: str | None = None,
 ) -> tuple[bool, ScopeRow | None]:
     """Take the scope of ``key`` for ``holder`` unless another one's row is live.
 
     :param task: the row's ``task_now`` (a deferred operator's hold: its task, marked deferred).
+    :param lineage: a live row whose holder id starts with it is taken over too (an earlier try of
+        the same setup in the same DAG run: :attr:`~airflow_pglock.scope_rules.ScopeRole.lineage`).
 
-    :returns: ``(True, the row)`` when taken (new, lapsed, or ``holder``'s own again);
+    :returns: ``(True, the row)`` when taken (new, lapsed, ``holder``'s own again, or its lineage's);
         ``(False, the live row of another holder)`` when busy.
     :raises LockConfigurationError: PUBLIC may not read the scopes (every guard of a named key
         must, whatever its role: a scope it cannot see would not exclude it).
     """
+    if lineage == "":
+        raise LockConfigurationError("a scope's lineage must not be empty: it would take over every live row")
     readable = _run(conn, f"SELECT {_PUBLIC_MAY_READ}", {}).fetchone()
     if not (readable and readable[0]):
         raise LockConfigurationError(
@@ -261,6 +266,7 @@ def enter(
             " acquired_at = CASE WHEN s.holder = excluded.holder THEN s.acquired_at ELSE excluded.acquired_at END,"
             " lease_until = excluded.lease_until"
             " WHERE s.holder = excluded.holder OR s.lease_until <= clock_timestamp()"
+            " OR left(s.holder, length(%(lineage)s::text)) = %(lineage)s::text"
             f" RETURNING {_COLUMNS}",
             {
                 **_coordinates(key),
@@ -269,6 +275,7 @@ def enter(
                 "run": run,
                 "task": task,
                 "lease": lease_seconds,
+                "lineage": lineage,
             },
         )
         taken = _row(cursor.fetchone())

@@ -87,6 +87,7 @@ class GuardedTrigger(BaseTrigger):
         self.connect_timeout = connect_timeout
         self.resume_hold = checked_resume_hold(resume_hold)
         self._operator_trigger: BaseTrigger | None = None
+        self._started: float | None = None  # when it began to run in the triggerer (monotonic)
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         """Class path and kwargs: the operator's trigger, the key, the connection *id* (no secret), the hold.
@@ -143,6 +144,7 @@ class GuardedTrigger(BaseTrigger):
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         """Take the hold, run the operator's trigger, hand the hold back with its first event (or report the loss)."""
+        self._started = time.monotonic()
         holds = await asyncio.to_thread(importlib.import_module, "airflow_pglock.triggers.holds")
         hub = holds.hub_for(self.postgres_conn_id, self.connect_timeout)
         hold = holds.DeferredHold(self.key, self.holder, self.task_label, self.lease)
@@ -211,8 +213,12 @@ class GuardedTrigger(BaseTrigger):
     async def _hold_back_the_resume(self) -> None:
         """Whatever the event, the task resumes no sooner than ``resume_hold`` after its deferral
         (apache/airflow#72716: a sooner resume may be failed by the executor's late report, before
-        it could free its hold and stop the external work)."""
+        it could free its hold and stop the external work). Counted from the deferral on the worker's
+        clock, and at least from this trigger's start on the triggerer's (a worker's clock behind the
+        triggerer's would shorten it)."""
         held_back = resume_held_back(self.deferred_at, time.time(), self.resume_hold)
+        if self._started is not None:
+            held_back = max(held_back, self._started + self.resume_hold - time.monotonic())
         if held_back > 0:
             await asyncio.sleep(held_back)
 

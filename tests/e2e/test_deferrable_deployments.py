@@ -26,6 +26,8 @@ real triggerer process and back to another worker.
 
 - While A's triggerer holds the key of a deferred task, a refused guard names the deferred
   task and its deployment (read from its row), next to the triggerer's hold session.
+- A deferred guarded sensor cleared (``airflow tasks clear``): its next try waits for the earlier
+  try's hold to let go (the triggerer cancels that trigger), takes the key over and defers again.
 
 (``guarded(TriggerDagRunOperator(...))`` is refused on Airflow 3: its task runner triggers the
 run after ``execute`` returned, outside any guard; tests/airflow/test_operator_guard.py.)
@@ -73,6 +75,7 @@ if not airflow_compat.AIRFLOW_V_3_PLUS:
 
 DAGS = Path(__file__).parent / "deferrable_dags"
 RUN_ID = "scheduled__2026-01-01T00:00:00+00:00"  # the one run of every gated DAG of e2e_deferrable.py
+RUN_DATE = "2026-01-01T00:00:00+00:00"  # its logical date
 HOLDS = "airflow-pglock deferred holds"  # application_name of a triggerer's hold session
 DEFERRED_SUFFIX = " (deferred, held by the triggerer)"
 FILE_TRIGGER = "airflow.providers.standard.triggers.file.FileTrigger"
@@ -523,6 +526,44 @@ def test_a_guard_refused_while_the_triggerer_holds_the_key_names_the_deferred_ta
     assert [name for _, name in holders] == [HOLDS] and f"{described} is held by" in refusal, refusal
     named = f"{described} is held by the deferred task {dag_id}.named {RUN_ID} of deployment-A: {dag_id} {RUN_ID}"
     assert named in refusal, refusal
+
+
+def test_a_task_cleared_while_deferred_waits_for_its_earlier_hold_instead_of_skipping(setup: Setup) -> None:
+    """Review -65: cleared while deferred, the task's next try started within a second or two, while
+    the triggerer still held the key for the earlier try's trigger (it lets go once it cancels that
+    trigger): the try was skipped as busy, naming itself, and the row stayed until its lease. It now
+    waits for its own earlier hold, takes the key over and defers again."""
+    a = setup.a
+    dag_id, key = "e2e_deferrable_clear", "e2e/deferrable/clear"
+    setup.go(dag_id, a)
+    _wait(setup, dag_id, _deferred_and_held(setup, a, dag_id, "clear", key), "A's sensor deferred, the key held")
+    with setup.connect() as conn:
+        before = _row(conn, key)
+    cleared = a.airflow("tasks", "clear", dag_id, "-t", "clear", "-s", RUN_DATE, "-e", RUN_DATE, "-y", timeout=180)
+    assert cleared.returncode == 0, f"airflow tasks clear failed:\n{cleared.stdout[-3000:]}\n{cleared.stderr[-3000:]}"
+
+    def tried_again() -> tuple[str | None, int]:
+        [(state, try_number)] = a.query(
+            "SELECT state, try_number FROM task_instance WHERE dag_id = %s AND task_id = 'clear'", [dag_id]
+        )
+        return state, try_number
+
+    deferred_again = _deferred_and_held(setup, a, dag_id, "clear", key)
+    _wait(
+        setup,
+        dag_id,
+        lambda: tried_again()[1] >= 2 and (tried_again()[0] in FINISHED or deferred_again()),
+        "A's cleared sensor deferred again (or ended)",
+    )
+    state, try_number = tried_again()
+    with setup.connect() as conn:
+        after = _row(conn, key)
+    print(f"e2e deferrable clear: try {try_number} {state}; the row before {before}, after {after}")
+    assert state == "deferred", _diagnosis(setup, dag_id)
+    assert before is not None and after is not None and after.live and after.holder == before.holder, (before, after)
+    setup.fire("clear")
+    _wait(setup, dag_id, lambda: _states(a, dag_id).get("clear") in FINISHED, "A's cleared sensor resumed")
+    assert _states(a, dag_id)["clear"] == "success", _diagnosis(setup, dag_id)
 
 
 def test_the_lock_database_restarts_and_the_triggerer_takes_the_hold_back(setup: Setup) -> None:

@@ -12,6 +12,7 @@ clock) in the lock database:
 - retries and clearing (A alone): a task of the scope that fails its first try retries in the
   same scope (same holder id and fencing token); ``airflow tasks clear`` of that task runs the
   setup and teardown again, so the cleared run takes a new scope (new holder id, new token);
+  cleared while its scope is still live (the task up for retry), the setup takes that scope over;
 - deferring (B's triggerer): B's setup with ``on_busy="defer"`` waits in the triggerer while
   A's scope on the same key is live, between A's tasks, and runs its task after A's scope ended
   (A's last scope task fails: its teardown frees the scope all the same, long before its lease);
@@ -54,6 +55,7 @@ DAGS = Path(__file__).parent / "scope_dags"
 INGEST = "e2e_scope_ingest"
 CRASH = "e2e_scope_crash"
 RETRY = "e2e_scope_retry"  # deployment A only
+MIDCLEAR = "e2e_scope_midclear"  # deployment A only
 HOLD = "e2e_scope_hold"  # deployment A only
 DEFER = "e2e_scope_defer"  # deployment B only
 TIMEOUT = "e2e_scope_timeout"  # deployment A only; dagrun_timeout 40 s, triggered by its test
@@ -412,6 +414,49 @@ def test_a_deferring_setup_waits_in_the_triggerer(deployments: dict[str, Deploym
 
 POOLS = ("e2e_scope_pool_1", "e2e_scope_pool_2")  # in both deployments: four runs on a pool of two slots
 POOL_ALL = ("pooled.pglock_scope_enter", "pooled.start", "pooled.wait", "pooled.promote", "pooled.pglock_scope_exit")
+
+
+def test_a_task_cleared_while_its_scope_is_live_runs_the_scope_again(
+    deployments: dict[str, Deployment], cluster: Cluster
+) -> None:
+    """Review -65: ``flaky`` fails and waits for its retry (the scope live, held by its row); the user
+    clears it. Airflow clears the setup and teardown with it; the setup ran again, found its own run's
+    earlier row live and skipped the whole scope (the cleared task never ran), the row then blocking
+    the key until its lease ran out. Now the setup takes the scope over (a new holder id and token)."""
+    a = deployments["A"]
+    lock_uri = cluster.dsn_for("locks")
+    with psycopg.connect(lock_uri, autocommit=True) as conn:
+        conn.execute("INSERT INTO e2e_go (dag_id, deployment) VALUES (%s, 'A')", [MIDCLEAR])
+    _wait_until(
+        a, lambda: _tries(a, MIDCLEAR).get("cleared.flaky", (None, 0))[0] == "up_for_retry", "flaky failed", MIDCLEAR
+    )
+    with psycopg.connect(lock_uri, autocommit=True) as conn:
+        before = conn.execute("SELECT holder, token FROM pglock.scopes WHERE key_name = 'e2e/midclear'").fetchall()
+    assert len(before) == 1, before
+    cleared = a.airflow(
+        "tasks", "clear", MIDCLEAR, "-t", "cleared.flaky", "-s", LOGICAL_DATE, "-e", LOGICAL_DATE, "-y", timeout=180
+    )
+    assert cleared.returncode == 0, f"airflow tasks clear failed:\n{cleared.stdout[-3000:]}\n{cleared.stderr[-3000:]}"
+    _wait_until(a, lambda: _run_state(a, MIDCLEAR) in ("success", "failed"), f"A's cleared {MIDCLEAR} run", MIDCLEAR)
+    after = _tries(a, MIDCLEAR)
+    with psycopg.connect(lock_uri, autocommit=True) as conn:
+        holders = _holders(conn, MIDCLEAR)
+        rows = conn.execute("SELECT holder FROM pglock.scopes WHERE key_name = 'e2e/midclear'").fetchall()
+    print(f"e2e scope cleared mid-scope: {after}; {holders}")
+
+    assert _run_state(a, MIDCLEAR) == "success", after
+    assert after["cleared.pglock_scope_enter"] == ("success", 2), after
+    assert after["cleared.flaky"][0] == "success" and after["cleared.last"] == ("success", 1), after
+    assert after["cleared.pglock_scope_exit"][0] == "success", after
+    [(old_holder, old_token)] = before
+    tasks = [(task_id, try_number) for task_id, try_number, *_ in holders]
+    assert tasks[0] == ("cleared.flaky", 1) and tasks[-1] == ("cleared.last", 1), tasks
+    assert tasks[-2][0] == "cleared.flaky" and tasks[-2][1] >= 2, tasks
+    new_holder, new_token = holders[-1][2], holders[-1][3]
+    assert new_holder != old_holder and new_token > old_token, (before, holders)
+    assert new_holder[:32] == old_holder[:32], "the same setup of the same run: the same lineage"
+    assert all(row[2] == new_holder for row in holders[-2:]), holders
+    assert rows == [], "the teardown freed the scope"
 
 
 def test_clear_only_failed_runs_the_failed_task_alone_which_fails_as_lost(

@@ -373,6 +373,64 @@ def test_a_guarded_trigger_whose_task_ends_in_the_triggerer_frees_the_hold(
     assert advisory_locks_left(scopes_db) == 0
 
 
+class FiresAtOnce:
+    """An operator's trigger whose event comes at once (imported by its class path)."""
+
+    def __new__(cls, **kwargs: Any) -> Any:
+        from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+        class _FiresAtOnce(BaseTrigger):
+            def serialize(self) -> tuple[str, dict[str, Any]]:
+                return f"{__name__}.FiresAtOnce", {}
+
+            async def run(self) -> Any:
+                yield TriggerEvent({"fired": True})
+
+        return _FiresAtOnce()
+
+
+def test_a_worker_clock_behind_the_triggerers_does_not_shorten_the_resume_hold(
+    hook: Any, scopes_db: Any, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review -65: the hold against apache/airflow#72716 counted only from the deferral on the
+    worker's clock: a worker 1,000 s behind the triggerer had its task resumed at once. It also
+    counts from the trigger's own start in the triggerer now (never longer than the hold)."""
+    import json
+
+    from psycopg.conninfo import conninfo_to_dict
+
+    from airflow_pglock.triggers.guarded import GuardedTrigger
+
+    parts = conninfo_to_dict(dsn)
+    connection = {"conn_type": "postgres", "host": parts.get("host"), "port": int(parts.get("port") or 5432)}
+    connection |= {"login": parts.get("user"), "schema": parts.get("dbname")}
+    monkeypatch.setenv("AIRFLOW_CONN_PGLOCK_TEST_AT_ONCE", json.dumps(connection))
+    holder = _hand_over(hook, KEYS[0])
+    trigger = GuardedTrigger(
+        trigger_classpath=f"{__name__}.FiresAtOnce",
+        trigger_kwargs={},
+        key_name=str(KEYS[0].name),
+        key_numbers=list(KEYS[0].numbers),
+        postgres_conn_id="pglock_test_at_once",
+        holder=holder,
+        task="dag.op run",
+        lease=30.0,
+        deferred_at=time.time() - 1000.0,  # the worker's clock, far behind
+        resume_hold=2.0,
+    )
+
+    async def body() -> tuple[list[Any], float]:
+        started = time.monotonic()
+        events = [event async for event in trigger.run()]
+        return events, time.monotonic() - started
+
+    events, took = asyncio.run(body())
+    assert len(events) == 1 and events[0].payload["pglock"] == "held", events
+    assert took >= 1.9, f"resumed {took:.2f} s after the trigger started, before the 2 s hold"
+    scopes_db.execute("DELETE FROM pglock.scopes")
+    assert advisory_locks_left(scopes_db) == 0
+
+
 def test_a_trigger_that_fires_as_the_hubs_session_ends_is_handed_back_on_a_new_session(
     hook: Any, scopes_db: Any
 ) -> None:

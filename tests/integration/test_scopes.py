@@ -80,6 +80,45 @@ def test_the_setup_takes_a_lapsed_scope_and_refuses_a_live_one_keeping_its_token
     assert newer is not None and newer > token, "a new acquisition gets a newer token"
 
 
+def test_a_setup_run_again_takes_over_the_live_scope_its_earlier_try_left(hook: Any, scopes_db: Any) -> None:
+    """Review -65: a task of a scope cleared while the scope was live (up for retry) runs the setup
+    again, which found its own run's earlier row live and skipped the whole scope, the row then
+    blocking the key until its lease ran out. A setup with the same lineage (the same setup of the
+    same DAG run) takes it over with a new holder id and token; the earlier acquisition's tasks are
+    lost; another setup (another lineage) is still refused."""
+    lineage = uuid.uuid4().hex
+
+    def enter(holder: str, lineage: str | None) -> int | None:
+        role = _role("enter", holder, fencing=True, lineage=lineage)
+        with LockGuard(hook.database, KEY, LockPolicy(), scope=role) as handle:
+            return handle.fencing_token
+
+    earlier = lineage + uuid.uuid4().hex
+    token = enter(earlier, lineage)
+    with pytest.raises(LockBusyError, match="is held by the lock scope"):
+        other = uuid.uuid4().hex  # another setup, or another run's
+        enter(other + uuid.uuid4().hex, other)
+    with pytest.raises(LockBusyError, match="is held by the lock scope"):
+        enter(uuid.uuid4().hex, None)
+    again = lineage + uuid.uuid4().hex
+    newer = enter(again, lineage)
+    assert token is not None and newer is not None and newer > token, "a new acquisition gets a newer token"
+    row = scopes_db.execute("SELECT holder, token FROM pglock.scopes").fetchall()
+    assert row == [(again, newer)], row
+    with pytest.raises(LockLostError), LockGuard(hook.database, KEY, LockPolicy(), scope=_role("member", earlier)):
+        pytest.fail("a task of the earlier acquisition ran in the new one")
+    with LockGuard(hook.database, KEY, LockPolicy(), scope=_role("member", again)) as handle:
+        assert handle.fencing_token == newer
+    with LockGuard(hook.database, KEY, LockPolicy(), scope=_role("leave", again)):
+        pass
+    assert scopes_db.execute("SELECT count(*) FROM pglock.scopes").fetchone() == (0,)
+    for bad in ("", lineage):  # empty, or the whole holder id: a lineage starts it and is shorter
+        with pytest.raises(LockConfigurationError, match="lineage"):
+            ScopeRole(kind="enter", holder=lineage if bad else earlier, lineage=bad)
+    with pytest.raises(LockConfigurationError, match="lineage"):
+        ScopeRole(kind="member", holder=earlier, lineage=lineage)
+
+
 def test_members_reenter_with_the_scopes_token_and_fail_as_lost_once_it_lapsed_or_went(
     hook: Any, scopes_db: Any
 ) -> None:

@@ -17,6 +17,8 @@ may restart at any time.
   same key, let go while A's triggerer is down: the lease row alone keeps the key, it skips.
 - ``e2e_deferrable_named`` (A): the FileSensor on ``e2e/deferrable/named``; while A's triggerer
   holds the key, the test's own guard of the key is refused.
+- ``e2e_deferrable_clear`` (A): the FileSensor on ``e2e/deferrable/clear``; the test clears it
+  while it is deferred (its triggerer holding the key), and fires it once the cleared try deferred.
 - ``e2e_deferrable_restart`` (B): the FileSensor on ``e2e/deferrable/restart``; the lock
   database restarts while it waits.
 - ``e2e_deferrable_lapse`` (A): ``DateTimeSensorAsync`` (its moment far ahead) on
@@ -126,6 +128,7 @@ e2e_deferrable_race_dag = e2e_deferrable_race()
 if DEPLOYMENT == "A":
     e2e_deferrable_kill_dag = gated_file_sensor("kill")
     e2e_deferrable_named_dag = gated_file_sensor("named")
+    e2e_deferrable_clear_dag = gated_file_sensor("clear")
     e2e_deferrable_lapse_dag = e2e_deferrable_lapse()
 if DEPLOYMENT == "B":
     e2e_deferrable_peek_dag = e2e_deferrable_peek()

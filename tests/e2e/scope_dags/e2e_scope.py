@@ -20,7 +20,7 @@ lock database alone whether the two deployments' scopes ever interleaved.
   took (XCom), after checking that the slot's scope row names it. At most two scopes at once,
   each in its own slot.
 
-Deployment A alone (``PGLOCK_E2E_DEPLOYMENT``) has these three:
+Deployment A alone (``PGLOCK_E2E_DEPLOYMENT``) has these four:
 
 - ``e2e_scope_retry``: ``first >> flaky >> last`` in a scope on ``e2e/retried`` with
   ``fencing=True``; ``flaky`` fails its first try (``retries=1``). Every try of every task of
@@ -30,6 +30,11 @@ Deployment A alone (``PGLOCK_E2E_DEPLOYMENT``) has these three:
 - ``e2e_scope_hold``: a scope on ``e2e/deferred`` whose tasks ``hold`` and ``last`` have
   ``pause`` (outside the scope, 20 s) between them: the row alone keeps the scope meanwhile.
   ``last`` fails: the teardown frees the scope after a failed task.
+
+- ``e2e_scope_midclear``: ``flaky >> last`` in a scope on ``e2e/midclear`` with ``fencing=True``
+  and ``on_busy="skip"``; ``flaky`` fails its first try and waits ten minutes for its retry
+  (``up_for_retry``, the scope live): the test clears it meanwhile, which runs the setup again
+  while the run's scope is still held by its row.
 
 - ``e2e_scope_timeout`` (unscheduled: the test triggers it): a scope on ``e2e/timeout`` with a
   ten-minute ``scope_lease`` in a DAG whose ``dagrun_timeout`` is 40 s; its first task ``long``
@@ -246,6 +251,36 @@ def e2e_scope_retry() -> None:
 
 
 @dag(
+    dag_id="e2e_scope_midclear",
+    schedule="@daily",
+    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    end_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    catchup=True,
+)
+def e2e_scope_midclear() -> None:
+    @task
+    def wait_for_go() -> None:
+        gate("e2e_scope_midclear")
+
+    with advisory_lock_scope(
+        "cleared", key="e2e/midclear", postgres_conn_id=CONN, on_busy="skip", fencing=True, scope_lease=300
+    ) as cleared:
+
+        @task(retries=1, retry_delay=dt.timedelta(minutes=10))
+        def flaky() -> None:
+            if record_scope("e2e_scope_midclear", "e2e/midclear", "cleared") == 1:
+                raise RuntimeError("e2e: flaky fails its first try; its retry is ten minutes away")
+
+        @task
+        def last() -> None:
+            record_scope("e2e_scope_midclear", "e2e/midclear", "cleared")
+
+        flaky() >> last()
+
+    wait_for_go() >> cleared
+
+
+@dag(
     dag_id="e2e_scope_hold",
     schedule="@daily",
     start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
@@ -390,6 +425,7 @@ e2e_scope_crash_dag = e2e_scope_crash()
 # Only one deployment has each of these (the other would run it too, on the same key).
 if DEPLOYMENT == "A":
     e2e_scope_retry_dag = e2e_scope_retry()
+    e2e_scope_midclear_dag = e2e_scope_midclear()
     e2e_scope_hold_dag = e2e_scope_hold()
     e2e_scope_timeout_dag = e2e_scope_timeout()
 if DEPLOYMENT == "B":
