@@ -47,6 +47,10 @@ Each of these is a failure of the run (:attr:`Report.violations`):
     explains it (a guard that kept its connection after its hold: the process's exit at the end
     closes it before rule 6 looks).
 
+14. **believed held, not held on the server**: after a lock session's early release, the worker
+    found that its session no longer held another key it believed it held (an ``unheld`` event),
+    and no fault of that session or of the server explains it.
+
 Two holds taken ``shared=True`` (readers, unfenced) may overlap: rules 3, 4 and 8 judge only pairs
 of which at least one is exclusive.
 
@@ -459,6 +463,10 @@ def check(
     idle_violations, watch = _idle_sessions(events, faults, lease)
     violations += idle_violations
 
+    # 14. a key believed held is held on the server
+    unheld = _unheld(events, runs, faults)
+    violations += unheld
+
     # figures
     detect: dict[str, list[float]] = defaultdict(list)
     freed: dict[str, list[float]] = defaultdict(list)
@@ -503,11 +511,29 @@ def check(
         "runs_that_held": sum(1 for run in runs.values() if run.holds),
         "shared_holds": sum(1 for run in runs.values() for hold in run.holds if hold.shared),
         "writes_outside_holds": len(outside),
+        "unheld": len(unheld),
         "skips": skips,
         "terminated_holds": sum(1 for f in faults if f.kind == "terminate" and f.terminated),
         "session_watch": watch,
     }
     return Report(violations, figures)
+
+
+def _unheld(events: Sequence[dict[str, Any]], runs: dict[str, Run], faults: Sequence[Fault]) -> list[str]:
+    """Rule 14: a worker's look found a key it believed held no longer held by its session."""
+    violations = []
+    for e in events:
+        if e["event"] != "unheld" or e["run"] not in runs:
+            continue
+        run = runs[e["run"]]
+        holds = [hold for hold in run.holds if hold.key == e["key"] and hold.acquired <= e["t"]]
+        if any(_affected(fault, hold) and fault.start <= e["t"] for fault in faults for hold in holds):
+            continue  # its session or the server was hit: the loss is the fault's
+        violations.append(
+            f"believed held, not held on the server: {run.run} ({run.kind}) found {e['key']!r} no longer held by "
+            f"its backend {e['backend']} at {e['t']:.3f}, no fault explaining it"
+        )
+    return violations
 
 
 def _exclusive(older: Hold, newer: Hold) -> bool:
@@ -558,7 +584,7 @@ def _judge_skips(runs: dict[str, Run], by_key: dict[str, list[Hold]]) -> dict[st
         if skip is None or run.ended is None:
             continue
         counts["judged"] += 1
-        named = {holder.get("key") for holder in skip.get("holders") or []}
+        named = {holder.get("key") for holder in skip.get("holders") or []}  # a session, or a scope's row
         unexplained = []
         for key in skip.get("tried") or []:
             if key in named or skip.get("scope_row"):

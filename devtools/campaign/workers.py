@@ -18,7 +18,10 @@ The kinds (every public way to hold a lock, see docs/safety.md):
   quarter ``mode="transaction"``, a quarter wait for it (``timeout=HOOK_WAIT``);
 * ``lock-session``: ``hook.lock_session()`` with ``try_lock_many`` batches, a waiting
   ``lock(key, timeout=...)`` or a single ``try_lock(key)`` (of a hot key or the numeric key; a
-  third of the single tries ``shared=True``), and an early ``release``;
+  third of the single tries ``shared=True``), and an early ``release``, after which it looks whether
+  its session still holds its other keys (an ``unheld`` event when not); its batch ends with a key
+  of its own (``campaign/own/<n>``, which no one else takes), so that it holds two keys or more
+  whenever it holds a hot one;
 * ``guard-sub-keys``: a guard's own key plus sub-keys through its ``lock`` handle (a batch, or a
   single ``try_lock`` block of a hot key or the numeric key), in session mode or, a third of the
   time, in transaction mode (the sub-keys are then transaction locks, ended by the commit; now
@@ -144,6 +147,8 @@ class Worker:
         self.history = HistoryWriter(config.history, worker=config.index, pid=os.getpid(), kind=config.kind)
         self.hook = AdvisoryLockHook(dsn=config.lock_dsn, liveness=Liveness(config.lease), connect_timeout=2)
         self.name = f"campaign w{config.index}"
+        #: A key only this worker takes (a lock session's batch): ``campaign/own/<index>``.
+        self._own_key = f"campaign/own/{config.index}"
         self._register: Any = None
         self.runs = 0
 
@@ -309,13 +314,32 @@ class Worker:
                 for holder in holders
                 if holder.granted
             ]
+            if isinstance(key, str):  # a named key: another run's lock scope may hold it between its tasks
+                with contextlib.suppress(Exception):
+                    row = self.hook.scope(key)
+                    if row is not None:
+                        found.append({"key": label, "scope": row.describe()})
         return found
+
+    def _still_held(self, run: str, backend: int, held: dict[str, int | None]) -> None:
+        """After an early release, whether the session still holds its other keys (as the product
+        says): a key it believes it holds that its backend no longer holds is an ``unheld`` event
+        (the checker's rule 14; a fault of the session or the server excuses it)."""
+        for key in held:
+            try:
+                holders = self.hook.holders(key)
+            except Exception:  # the server is away: nothing learned
+                continue
+            if not any(holder.granted and holder.pid == backend for holder in holders):
+                self.history.emit("unheld", run=run, key=key, backend=backend)
 
     def _lock_session(self, run: str, keys: list[str]) -> None:
         with self.hook.lock_session(application_name=self.name) as session:
             backend = session.server.backend_pid
             try:
-                subs = session.try_lock_many(keys[:-1])
+                # The batch ends with a key of this worker's own (no one else takes it): the session
+                # holds two keys or more whenever it holds a hot one, which the early release needs.
+                subs = session.try_lock_many([*keys[:-1], self._own_key])
                 held: dict[str, int | None] = {}
                 for sub in subs:
                     held[str(sub.key.name)] = None
@@ -338,7 +362,7 @@ class Worker:
                         self.history.emit(
                             "acquired", run=run, key=label, token=None, backend=backend, at=at, shared=shared
                         )
-                    if not held:  # every key busy: the session says no more; who holds them, looked at at once
+                    if not set(held) - {self._own_key}:  # every hot key busy: who holds them, looked at at once
                         tried: dict[str, Any] = {name: name for name in keys[:-1]}
                         tried[label] = last_key
                         raise _Busy(list(tried), shared=shared, looked=self._holders(tried))
@@ -351,6 +375,7 @@ class Worker:
                             held.pop(str(subs[0].key.name), None)
                             self.history.emit("released", run=run, key=subs[0].key.name)  # no longer used from here
                             session.release(subs[0])
+                            self._still_held(run, backend, held)
                             if held:  # (a session holding nothing has nothing to work on)
                                 self._work(run, held, lost=lambda: session.lost, finish=False)
                     finally:
