@@ -70,6 +70,7 @@ from typing import Any
 
 from devtools.campaign.nemesis import FAULT_KINDS, WORKER_FAULTS, release_bound
 from devtools.campaign.watch import idle_bound
+from devtools.campaign.workers import SCOPE_LEASE_FACTOR
 
 #: What every bound allows for: scheduling and the spacing of the history's events (a
 #: process writes its ``lost`` or ``done`` line a moment after it acted on it).
@@ -451,7 +452,7 @@ def check(
     violations += outside
 
     # 11. a skip names a holder, or another run's hold explains it
-    skips = _judge_skips(runs, by_key)
+    skips = _judge_skips(runs, by_key, lease)
     violations += skips.pop("violations")  # type: ignore[arg-type]
 
     # 12. a hold its own fault ended is not reported as success
@@ -569,9 +570,15 @@ def _family(key: str, hold: Hold) -> bool:
     return hold.key == key or hold.key.startswith(f"{key}#slot")
 
 
-def _judge_skips(runs: dict[str, Run], by_key: dict[str, list[Hold]]) -> dict[str, Any]:
+def _judge_skips(runs: dict[str, Run], by_key: dict[str, list[Hold]], lease: float) -> dict[str, Any]:
     """Rule 11: every key a skipped run tried was named held (a holder, a scope's row, a recorded
-    period) or another run believed it held it within :data:`JITTER` of the run."""
+    period) or another run believed it held it within :data:`JITTER` of the run.
+
+    A scope's or a deferred operator's row may outlive its run's hold by its lease (a teardown or a
+    hand-over that failed: the row lapses on its own): meanwhile a guard that takes the key to read
+    the row gives it back at once, and another's try may find the key busy with no holder left to
+    name; such a hold explains a skip until its lease after its end."""
+    row_lease = SCOPE_LEASE_FACTOR * lease
     recorded: dict[tuple[str, str], float] = {}
     for run in runs.values():
         for key, period, at in run.recorded:
@@ -598,7 +605,7 @@ def _judge_skips(runs: dict[str, Run], by_key: dict[str, list[Hold]]) -> dict[st
                 hold.run != run.run
                 and _family(key, hold)
                 and hold.acquired - JITTER <= run.ended
-                and hold.end + JITTER >= run.start
+                and hold.end + JITTER + (row_lease if hold.kind in ("scope", "deferred") else 0.0) >= run.start
                 for hold in holds
             ):
                 counts["explained"] += 1

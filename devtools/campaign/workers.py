@@ -19,9 +19,9 @@ The kinds (every public way to hold a lock, see docs/safety.md):
 * ``lock-session``: ``hook.lock_session()`` with ``try_lock_many`` batches, a waiting
   ``lock(key, timeout=...)`` or a single ``try_lock(key)`` (of a hot key or the numeric key; a
   third of the single tries ``shared=True``), and an early ``release``, after which it looks whether
-  its session still holds its other keys (an ``unheld`` event when not); its batch ends with a key
-  of its own (``campaign/own/<n>``, which no one else takes), so that it holds two keys or more
-  whenever it holds a hot one;
+  its session still holds its other keys (an ``unheld`` event when not); its batch ends with two keys
+  of its own (``campaign/own/<n>/1`` and ``/2``, which no one else takes), so that whatever it
+  gives back, another key of the batch stays held;
 * ``guard-sub-keys``: a guard's own key plus sub-keys through its ``lock`` handle (a batch, or a
   single ``try_lock`` block of a hot key or the numeric key), in session mode or, a third of the
   time, in transaction mode (the sub-keys are then transaction locks, ended by the commit; now
@@ -147,8 +147,8 @@ class Worker:
         self.history = HistoryWriter(config.history, worker=config.index, pid=os.getpid(), kind=config.kind)
         self.hook = AdvisoryLockHook(dsn=config.lock_dsn, liveness=Liveness(config.lease), connect_timeout=2)
         self.name = f"campaign w{config.index}"
-        #: A key only this worker takes (a lock session's batch): ``campaign/own/<index>``.
-        self._own_key = f"campaign/own/{config.index}"
+        #: Keys only this worker takes (a lock session's batch): ``campaign/own/<index>/<1|2>``.
+        self._own_keys = (f"campaign/own/{config.index}/1", f"campaign/own/{config.index}/2")
         self._register: Any = None
         self.runs = 0
 
@@ -337,9 +337,9 @@ class Worker:
         with self.hook.lock_session(application_name=self.name) as session:
             backend = session.server.backend_pid
             try:
-                # The batch ends with a key of this worker's own (no one else takes it): the session
-                # holds two keys or more whenever it holds a hot one, which the early release needs.
-                subs = session.try_lock_many([*keys[:-1], self._own_key])
+                # The batch ends with two keys of this worker's own (no one else takes them): whatever
+                # it gives back early, the session goes on holding another key of the batch.
+                subs = session.try_lock_many([*keys[:-1], *self._own_keys])
                 held: dict[str, int | None] = {}
                 for sub in subs:
                     held[str(sub.key.name)] = None
@@ -362,7 +362,7 @@ class Worker:
                         self.history.emit(
                             "acquired", run=run, key=label, token=None, backend=backend, at=at, shared=shared
                         )
-                    if not set(held) - {self._own_key}:  # every hot key busy: who holds them, looked at at once
+                    if not set(held) - set(self._own_keys):  # every hot key busy: who holds them, looked at at once
                         tried: dict[str, Any] = {name: name for name in keys[:-1]}
                         tried[label] = last_key
                         raise _Busy(list(tried), shared=shared, looked=self._holders(tried))

@@ -340,3 +340,12 @@ def test_a_session_left_idle_holding_nothing_while_its_worker_runs_is_a_violatio
     assert check([spawn, other, _idle(20.0, 2.2)], [], lease=LEASE).violations
     hub = check([spawn, _idle(20.0, 2.2, "campaign w1 holds")], [], lease=LEASE)
     assert hub.violations and "'campaign w1 holds'" in hub.violations[0]
+
+
+def test_a_scopes_row_explains_a_skip_until_its_lease_after_the_scope_ended() -> None:
+    """A scope whose teardown failed leaves its row until its lease (2 leases) ends: a guard that takes
+    the key to read the row gives it back, and another's try finds it busy with nobody to name."""
+    scope = _run("a", 1, "k", 10, 11, "completed")
+    scope[0]["kind"] = "scope"
+    assert check([*scope, *_skip("s", 3, ["k"], 16.0, 16.01)], [], lease=LEASE).passed
+    assert check([*scope, *_skip("s", 3, ["k"], 19.0, 19.01)], [], lease=LEASE).violations
