@@ -35,8 +35,8 @@ Each of these is a failure of the run (:attr:`Report.violations`):
     that ends it; a SIGKILLed run's holds end at the kill, which may land up to the fault's end);
 11. **error reported as a skip**: a run reported ``skipped`` for a key that its refusal (or, where
     the API says only "busy", a look right after it) named no holder of, no lock scope's row and no
-    recorded ``once_per`` period for, and that no other run believed it held within
-    :data:`JITTER` of the run (a database error reported as a busy key);
+    recorded ``once_per`` period for, and that no other run's hold let go within :data:`JITTER` of
+    the run (a database error reported as a busy key; see :func:`_judge_skips`);
 12. **lost hold reported as success (its own fault)**: a run reported ``completed`` although the
     nemesis terminated the backend of one of its holds while it believed it held it (for the kinds
     whose hold lives on one session throughout: :data:`ONE_SESSION_KINDS`), or although a fault of
@@ -81,6 +81,9 @@ SIDE_LOOK = 1.0
 #: Rule 10's tolerance: a write event and the event that ends its hold are written by one process
 #: one after the other; what is left is the rounding of a handle's ``acquired_at`` (microseconds).
 WRITE_SLACK = 0.001
+#: Rule 11: how long after a server fault's recorded start a refusal may still come from a session
+#: of before it (the nemesis notes the start before it stops or promotes a server).
+SERVER_FAULT_SLACK = 0.2
 #: Rule 12's margin after a ``terminate`` returned: the backend exits a moment after the signal, and
 #: a hold whose work ended meanwhile may release on a session that still answered.
 TERMINATE_SLACK = 0.05
@@ -452,7 +455,7 @@ def check(
     violations += outside
 
     # 11. a skip names a holder, or another run's hold explains it
-    skips = _judge_skips(runs, by_key, lease)
+    skips = _judge_skips(runs, by_key, faults, lease)
     violations += skips.pop("violations")  # type: ignore[arg-type]
 
     # 12. a hold its own fault ended is not reported as success
@@ -570,22 +573,61 @@ def _family(key: str, hold: Hold) -> bool:
     return hold.key == key or hold.key.startswith(f"{key}#slot")
 
 
-def _judge_skips(runs: dict[str, Run], by_key: dict[str, list[Hold]], lease: float) -> dict[str, Any]:
+def _judge_skips(
+    runs: dict[str, Run], by_key: dict[str, list[Hold]], faults: Sequence[Fault], lease: float
+) -> dict[str, Any]:
     """Rule 11: every key a skipped run tried was named held (a holder, a scope's row, a recorded
-    period) or another run believed it held it within :data:`JITTER` of the run.
+    period) or another run's hold of it ended within :data:`JITTER` of the run.
 
-    A scope's or a deferred operator's row may outlive its run's hold by its lease (a teardown or a
-    hand-over that failed: the row lapses on its own): meanwhile a guard that takes the key to read
-    the row gives it back at once, and another's try may find the key busy with no holder left to
-    name; such a hold explains a skip until its lease after its end."""
+    A refusal names the sessions holding the key when it looks, right after the try (a guard's
+    refusal; ``hook.lock()`` and a lock session's worker look themselves): it names nobody only when
+    the holder let the key go between the try and the look. So a believed hold explains an unnamed
+    skip only if it ended about then (a hot key is held by someone nearly all the time: a hold that
+    merely overlapped the skip would explain every error), except a scope's or a deferred
+    operator's, whose sessions change while it is held (its tasks, its hand-overs: a try at such a
+    moment finds the key busy and the look finds it free): those explain a skip they overlap. Any
+    other hold explains it only if no fault of the server began between its acquisition and the
+    skip (more than :data:`SERVER_FAULT_SLACK` before the skip's end): a restart or a failover ends
+    every session, so a hold from before it held nothing after it, however long its run went on
+    believing (a database error reported as a skip happens there). A scope's or a deferred
+    operator's row outlives the server's faults and may outlive its run's hold by its lease (a
+    teardown or a hand-over that failed: the row lapses on its own): meanwhile a guard that takes the
+    key to read the row gives it back at once, and another's try may find the key busy with no holder
+    left to name. Such a hold explains a skip until its lease after its end, when another run's
+    refusal within :data:`JITTER` read that row from the server (named it).
+    """
     row_lease = SCOPE_LEASE_FACTOR * lease
+    server = sorted(f.start for f in faults if f.kind in SERVER_FAULTS)
     recorded: dict[tuple[str, str], float] = {}
+    row_named: dict[str, list[float]] = defaultdict(list)  # key: when a refusal named a scope's row for it
     for run in runs.values():
         for key, period, at in run.recorded:
             recorded[(key, period)] = min(at, recorded.get((key, period), at))
+        if run.skip is not None and run.ended is not None:
+            for holder in run.skip.get("holders") or []:
+                if "scope" in holder:
+                    row_named[holder["key"]].append(run.ended)
+            if run.skip.get("scope_row"):
+                for key in run.skip.get("tried") or []:
+                    row_named[key].append(run.ended)
     counts = {"judged": 0, "named": 0, "explained": 0}
     violations: list[str] = []
     holds = [hold for keyed in by_key.values() for hold in keyed]
+
+    def explains(hold: Hold, run: Run, key: str) -> bool:
+        assert run.ended is not None
+        if hold.run == run.run or not _family(key, hold) or hold.acquired - JITTER > run.ended:
+            return False
+        if hold.kind in ("scope", "deferred"):
+            if hold.end + JITTER >= run.start:  # held throughout, its sessions changing (tasks, hand-overs)
+                return True
+            return hold.end + JITTER + row_lease >= run.start and any(
+                abs(at - run.ended) <= JITTER for at in row_named.get(hold.key, ())
+            )
+        return run.start - JITTER <= hold.end <= run.ended + JITTER and not any(
+            hold.acquired <= start and start + SERVER_FAULT_SLACK < run.ended for start in server
+        )  # it let the key go about then (after the try, before the look), no server fault between
+
     for run in runs.values():
         skip = run.skip
         if skip is None or run.ended is None:
@@ -601,13 +643,7 @@ def _judge_skips(runs: dict[str, Run], by_key: dict[str, list[Hold]], lease: flo
             if done_period is not None and recorded.get((key, done_period), math.inf) <= run.ended + JITTER:
                 counts["named"] += 1
                 continue
-            if any(
-                hold.run != run.run
-                and _family(key, hold)
-                and hold.acquired - JITTER <= run.ended
-                and hold.end + JITTER + (row_lease if hold.kind in ("scope", "deferred") else 0.0) >= run.start
-                for hold in holds
-            ):
+            if any(explains(hold, run, key) for hold in holds):
                 counts["explained"] += 1
                 continue
             unexplained.append(key)

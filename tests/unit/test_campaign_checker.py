@@ -272,10 +272,17 @@ def test_a_skip_that_names_no_holder_must_be_explained_by_another_runs_hold() ->
     assert check(held, [], lease=LEASE).passed
     long_ago = [*_run("a", 1, "k", 10.0, 12.0, "completed"), *nobody]
     assert check(long_ago, [], lease=LEASE).violations
+    # a hold that went on long after: its session would have been named (a hot key is nearly always held)
+    went_on = [*_run("a", 1, "k", 18.0, 30.0, "completed"), *nobody]
+    assert check(went_on, [], lease=LEASE).violations
+    # a hold from before a restart held nothing after it, however long its run believed it
+    restart = _fault("restart-fast", 19.5, 21.0, [])
+    lost_late = [*_run("a", 1, "k", 18.0, 20.5, "lost", lost=True), restart, *nobody]
+    assert check(lost_late, [], lease=LEASE).violations
     # a pool's name is busy when its slots are: a hold of a slot explains it; a lock session tries each key
-    slot = [*_run("a", 1, "p#slot2", 19.0, 21.0, "completed"), *_skip("s", 3, ["p"], 20.0, 20.01)]
+    slot = [*_run("a", 1, "p#slot2", 19.0, 20.5, "completed"), *_skip("s", 3, ["p"], 20.0, 20.01)]
     assert check(slot, [], lease=LEASE).passed
-    batch = [*_run("a", 1, "k", 19.0, 21.0, "completed"), *_skip("s", 3, ["k", "j"], 20.0, 20.01)]
+    batch = [*_run("a", 1, "k", 19.0, 20.5, "completed"), *_skip("s", 3, ["k", "j"], 20.0, 20.01)]
     assert any("skipped ['j']" in v for v in check(batch, [], lease=LEASE).violations)
 
 
@@ -347,5 +354,8 @@ def test_a_scopes_row_explains_a_skip_until_its_lease_after_the_scope_ended() ->
     the key to read the row gives it back, and another's try finds it busy with nobody to name."""
     scope = _run("a", 1, "k", 10, 11, "completed")
     scope[0]["kind"] = "scope"
-    assert check([*scope, *_skip("s", 3, ["k"], 16.0, 16.01)], [], lease=LEASE).passed
-    assert check([*scope, *_skip("s", 3, ["k"], 19.0, 19.01)], [], lease=LEASE).violations
+    read = _skip("r", 4, ["k"], 16.2, 16.21, scope_row=True)  # another's refusal read the row then
+    assert check([*scope, *read, *_skip("s", 3, ["k"], 16.0, 16.01)], [], lease=LEASE).passed
+    assert check([*scope, *_skip("s", 3, ["k"], 16.0, 16.01)], [], lease=LEASE).violations  # nobody read it
+    late = _skip("r", 4, ["k"], 19.2, 19.21, scope_row=True)
+    assert check([*scope, *late, *_skip("s", 3, ["k"], 19.0, 19.01)], [], lease=LEASE).violations  # lapsed
