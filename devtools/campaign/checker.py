@@ -610,7 +610,7 @@ def _judge_skips(
             if run.skip.get("scope_row"):
                 for key in run.skip.get("tried") or []:
                     row_named[key].append(run.ended)
-    counts = {"judged": 0, "named": 0, "explained": 0}
+    counts = {"judged": 0, "named": 0, "explained": 0, "unexplained": 0}  # judged: runs; the others: keys
     violations: list[str] = []
     holds = [hold for keyed in by_key.values() for hold in keyed]
 
@@ -648,11 +648,12 @@ def _judge_skips(
                 continue
             unexplained.append(key)
         if unexplained:
+            counts["unexplained"] += len(unexplained)
             violations.append(
                 f"error reported as a skip: {run.run} ({run.kind}) skipped {unexplained} from {run.start:.3f} to "
                 f"{run.ended:.3f}; its refusal named no holder, and no other run held them then"
             )
-    return {**counts, "unexplained": len(violations), "violations": violations}
+    return {**counts, "violations": violations}
 
 
 def _own_faults_completed(runs: dict[str, Run], faults: Sequence[Fault]) -> list[str]:

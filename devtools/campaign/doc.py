@@ -43,8 +43,8 @@ def _newer_rows(report: dict[str, Any]) -> list[str]:
     skips = report.get("skips")
     if skips:
         rows.append(
-            "| skipped keys: named held by the refusal / held by another run then / neither: an error reported as "
-            f"a skip (goal 0) | {skips['named']} / {skips['explained']} / {skips['unexplained']} |"
+            "| skipped keys: named held by the refusal / explained by another run's hold / neither: an error reported "
+            f"as a skip (goal 0) | {skips['named']} / {skips['explained']} / {skips['unexplained']} |"
         )
     watch = report.get("session_watch")
     if watch and "looks" in watch:
