@@ -577,7 +577,8 @@ def _judge_skips(
     runs: dict[str, Run], by_key: dict[str, list[Hold]], faults: Sequence[Fault], lease: float
 ) -> dict[str, Any]:
     """Rule 11: every key a skipped run tried was named held (a holder, a scope's row, a recorded
-    period) or another run's hold of it ended within :data:`JITTER` of the run.
+    period) or another run's hold of it was let go (between its work's end and its run's outcome)
+    within :data:`JITTER` of the run.
 
     A refusal names the sessions holding the key when it looks, right after the try (a guard's
     refusal; ``hook.lock()`` and a lock session's worker look themselves): it names nobody only when
@@ -624,9 +625,16 @@ def _judge_skips(
             return hold.end + JITTER + row_lease >= run.start and any(
                 abs(at - run.ended) <= JITTER for at in row_named.get(hold.key, ())
             )
-        return run.start - JITTER <= hold.end <= run.ended + JITTER and not any(
-            hold.acquired <= start and start + SERVER_FAULT_SLACK < run.ended for start in server
-        )  # it let the key go about then (after the try, before the look), no server fault between
+        # It let the key go about then (after the try, before the look), no server fault between: the
+        # release lies between the work's end and the run's outcome (a holder frozen or starved between
+        # the two releases late).
+        holder = runs[hold.run]
+        released_by = holder.ended if holder.ended is not None else (holder.death_end or hold.end)
+        return (
+            hold.end <= run.ended + JITTER
+            and released_by >= run.start - JITTER
+            and not any(hold.acquired <= start and start + SERVER_FAULT_SLACK < run.ended for start in server)
+        )
 
     for run in runs.values():
         skip = run.skip
