@@ -28,7 +28,31 @@ Each of these is a failure of the run (:attr:`Report.violations`):
    judge one key's (the slots of two sizes are partly different keys, which rule 3 alone misses);
 9. **kept past the lease**: a worker frozen or cut off for longer than
    :func:`~devtools.campaign.nemesis.release_bound` still had an advisory lock granted to one of
-   its sessions at that bound (the nemesis looks then: a fault's ``kept``), or the look failed.
+   its sessions at that bound (the nemesis looks then: a fault's ``kept``), or the look failed;
+10. **write outside a hold**: a run wrote to the register for a key outside every hold of that key
+    it believed (from its ``acquired``'s ``at`` to the hold's end, within :data:`WRITE_SLACK`: the
+    events of one process are sequential, so a write inside a hold is written before the event
+    that ends it; a SIGKILLed run's holds end at the kill, which may land up to the fault's end);
+11. **error reported as a skip**: a run reported ``skipped`` for a key that its refusal (or, where
+    the API says only "busy", a look right after it) named no holder of, no lock scope's row and no
+    recorded ``once_per`` period for, and that no other run's hold let go within :data:`JITTER` of
+    the run (a database error reported as a busy key; see :func:`_judge_skips`);
+12. **lost hold reported as success (its own fault)**: a run reported ``completed`` although the
+    nemesis terminated the backend of one of its holds while it believed it held it (for the kinds
+    whose hold lives on one session throughout: :data:`ONE_SESSION_KINDS`), or although a fault of
+    its own (``caught-error``, ``savepoint-rollback``) ended its lock while it ran;
+13. **connection kept open for nothing**: while the workers ran, the session watch
+    (:mod:`devtools.campaign.watch`) found a worker's session idle, holding no advisory lock, for
+    longer than :func:`~devtools.campaign.watch.idle_bound`, and no freeze or cut of that worker
+    explains it (a guard that kept its connection after its hold: the process's exit at the end
+    closes it before rule 6 looks).
+
+14. **believed held, not held on the server**: after a lock session's early release, the worker
+    found that its session no longer held another key it believed it held (an ``unheld`` event),
+    and no fault of that session or of the server explains it.
+
+Two holds taken ``shared=True`` (readers, unfenced) may overlap: rules 3, 4 and 8 judge only pairs
+of which at least one is exclusive.
 
 Besides, the figures docs/safety.md shows: operations, faults by kind, believed-held overlap
 windows, time to detect and time until the key is free again, by fault kind.
@@ -37,6 +61,7 @@ windows, time to detect and time until the key is free again, by fault kind.
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
@@ -44,6 +69,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from devtools.campaign.nemesis import FAULT_KINDS, WORKER_FAULTS, release_bound
+from devtools.campaign.watch import idle_bound
+from devtools.campaign.workers import SCOPE_LEASE_FACTOR
 
 #: What every bound allows for: scheduling and the spacing of the history's events (a
 #: process writes its ``lost`` or ``done`` line a moment after it acted on it).
@@ -51,6 +78,21 @@ JITTER = 1.0
 #: A heartbeat's look from a side connection: a connect and one statement, milliseconds on the
 #: campaign's loopback; the second is for a loaded machine (a connect that fails waits up to 2 s).
 SIDE_LOOK = 1.0
+#: Rule 10's tolerance: a write event and the event that ends its hold are written by one process
+#: one after the other; what is left is the rounding of a handle's ``acquired_at`` (microseconds).
+WRITE_SLACK = 0.001
+#: Rule 11: how long after a server fault's recorded start a refusal may still come from a session
+#: of before it (the nemesis notes the start before it stops or promotes a server).
+SERVER_FAULT_SLACK = 0.2
+#: Rule 12's margin after a ``terminate`` returned: the backend exits a moment after the signal, and
+#: a hold whose work ended meanwhile may release on a session that still answered.
+TERMINATE_SLACK = 0.05
+#: The kinds whose hold lives on one session from its take to its release (rule 12): a terminated
+#: backend of theirs ended the hold. Not ``scope`` nor ``deferred``: their holds move between
+#: sessions (tasks, the hold hub), and a lease row holds them in between.
+ONE_SESSION_KINDS = frozenset(
+    {"guard-session", "guard-transaction", "guard-wait", "hook-lock", "lock-session", "guard-sub-keys", "pool"}
+)
 
 
 #: A worker's own doing, which it writes in the history itself: a savepoint of the work's own
@@ -105,6 +147,7 @@ class Hold:
     slot: int | None = None  # a scope over the pool: the slot its setup took
     pool: str | None = None  # a slot of a pool, or the plain key of a pool's name: the pool's name
     size: int | None = None  # ... and the size its run said (1: the plain key)
+    shared: bool = False  # taken shared (a reader): it may overlap other shared holds
 
 
 @dataclass
@@ -121,6 +164,10 @@ class Run:
     refused: int = 0
     writes: int = 0
     recorded: list[tuple[str, str, float]] = field(default_factory=list)  # (key, period, after the record)
+    written: list[tuple[float, str]] = field(default_factory=list)  # (when the write's event came, key)
+    ended: float | None = None  # when its outcome came
+    skip: dict[str, Any] | None = None  # a skip's refusal: tried, holders, scope_row, done_period
+    death_end: float | None = None  # a run that died: the end of the kill (rule 10's last moment)
 
 
 @dataclass
@@ -133,6 +180,7 @@ class Fault:
     detail: str = ""
     kept: list[str] | None = None  # a long freeze or cut: its workers' advisory locks at the release bound
     waiter: bool = False  # sigstop-waiter: its target was found waiting for a key
+    terminated: bool | None = None  # terminate: whether it signalled the backend (None: not said)
 
 
 def _spread(values: Sequence[float]) -> dict[str, float | int | None]:
@@ -179,6 +227,7 @@ def build(events: Iterable[dict[str, Any]]) -> tuple[dict[str, Run], list[Fault]
                     e.get("detail", ""),
                     e.get("kept"),
                     e.get("waiter", False),
+                    e.get("terminated"),
                 )
             )
             continue
@@ -206,6 +255,7 @@ def build(events: Iterable[dict[str, Any]]) -> tuple[dict[str, Run], list[Fault]
                     slot=e.get("slot"),
                     pool=e.get("pool"),
                     size=e.get("size"),
+                    shared=bool(e.get("shared", False)),
                 )
             )
         elif kind == "recorded":
@@ -213,6 +263,7 @@ def build(events: Iterable[dict[str, Any]]) -> tuple[dict[str, Run], list[Fault]
         elif kind == "write":
             run.writes += 1
             run.refused += 0 if e["accepted"] else 1
+            run.written.append((e["t"], e["key"]))
         elif kind == "released":
             for hold in run.holds:
                 if hold.key == e["key"] and hold.end == float("inf"):
@@ -223,16 +274,19 @@ def build(events: Iterable[dict[str, Any]]) -> tuple[dict[str, Run], list[Fault]
             for hold in run.holds:  # ``at``: the work stopped using its keys earlier than the event was written
                 hold.end = min(hold.end, e.get("at", e["t"]))
         elif kind == "outcome":
-            run.outcome, run.detail = e["outcome"], e.get("detail", "")
+            run.outcome, run.detail, run.ended = e["outcome"], e.get("detail", ""), e["t"]
+            if run.outcome == "skipped" and "tried" in e:  # (a history from before rule 11 has no tried)
+                run.skip = {name: e.get(name) for name in ("tried", "holders", "scope_row", "done_period", "shared")}
             for hold in run.holds:
                 hold.end = min(hold.end, e["t"])
     # A run with no outcome died with its process: its holds end with the SIGKILL (or the kill
     # of a worker the runner had to stop); failing that, with the process's last event.
-    kills = sorted((f.start, pid) for f in faults if f.kind in ("sigkill", "runner-kill") for pid in f.pids)
+    kills = sorted((f.start, pid, f.end) for f in faults if f.kind in ("sigkill", "runner-kill") for pid in f.pids)
     for run in runs.values():
         if run.outcome is None:
-            death = next(
-                (t for t, pid in kills if pid == run.pid and t >= run.start), last_seen.get(run.pid, run.start)
+            seen = last_seen.get(run.pid, run.start)
+            death, run.death_end = next(
+                ((t, end) for t, pid, end in kills if pid == run.pid and t >= run.start), (seen, seen)
             )
             for hold in run.holds:
                 hold.end = min(hold.end, death)
@@ -307,6 +361,7 @@ def check(
 ) -> Report:
     """Check a campaign's history (events), the register's writes (seq, key, run, token,
     accepted, at) and what the runner found left at the end."""
+    events = list(events)
     runs, faults = build(events)
     violations: list[str] = [f"left behind: {item}" for item in leftovers]
     reported_success = 0
@@ -335,7 +390,7 @@ def check(
     for run in runs.values():
         for hold in run.holds:
             by_key[hold.key].append(hold)
-    overlap_violations, completed_older, overlaps = _check_overlaps(by_key, runs, faults, lease)
+    overlap_violations, completed_older, overlaps = _check_overlaps(by_key, runs, faults, lease, excludes=_exclusive)
     violations += overlap_violations
     reported_success += completed_older
 
@@ -346,7 +401,11 @@ def check(
             if hold.pool is not None:
                 by_pool[f"{hold.pool} (sizes)"].append(hold)
     size_violations, size_completed, size_overlaps = _check_overlaps(
-        by_pool, runs, faults, lease, excludes=lambda older, newer: older.size != newer.size and older.key != newer.key
+        by_pool,
+        runs,
+        faults,
+        lease,
+        excludes=lambda older, newer: older.size != newer.size and older.key != newer.key and _exclusive(older, newer),
     )  # two holds of one key: rules 3 and 4 judged them already
     violations += [f"one pool in two sizes: {v}" for v in size_violations]
     reported_success += size_completed
@@ -391,6 +450,27 @@ def check(
                 f"{fault.start:.3f} ({fault.detail}): " + "; ".join(fault.kept)
             )
 
+    # 10. every write lies inside a hold of its run and key
+    outside = _writes_outside(runs)
+    violations += outside
+
+    # 11. a skip names a holder, or another run's hold explains it
+    skips = _judge_skips(runs, by_key, faults, lease)
+    violations += skips.pop("violations")  # type: ignore[arg-type]
+
+    # 12. a hold its own fault ended is not reported as success
+    own_fault_violations = _own_faults_completed(runs, faults)
+    violations += own_fault_violations
+    reported_success += len(own_fault_violations)
+
+    # 13. no worker session idle, holding nothing, past the bound while the workers ran
+    idle_violations, watch = _idle_sessions(events, faults, lease)
+    violations += idle_violations
+
+    # 14. a key believed held is held on the server
+    unheld = _unheld(events, runs, faults)
+    violations += unheld
+
     # figures
     detect: dict[str, list[float]] = defaultdict(list)
     freed: dict[str, list[float]] = defaultdict(list)
@@ -432,5 +512,227 @@ def check(
             "frozen_waiters": sum(1 for fault in faults if fault.waiter),
         },
         "lease": lease,
+        "runs_that_held": sum(1 for run in runs.values() if run.holds),
+        "shared_holds": sum(1 for run in runs.values() for hold in run.holds if hold.shared),
+        "writes_outside_holds": len(outside),
+        "unheld": len(unheld),
+        "skips": skips,
+        "terminated_holds": sum(1 for f in faults if f.kind == "terminate" and f.terminated),
+        "session_watch": watch,
     }
     return Report(violations, figures)
+
+
+def _unheld(events: Sequence[dict[str, Any]], runs: dict[str, Run], faults: Sequence[Fault]) -> list[str]:
+    """Rule 14: a worker's look found a key it believed held no longer held by its session."""
+    violations = []
+    for e in events:
+        if e["event"] != "unheld" or e["run"] not in runs:
+            continue
+        run = runs[e["run"]]
+        holds = [hold for hold in run.holds if hold.key == e["key"] and hold.acquired <= e["t"]]
+        if any(_affected(fault, hold) and fault.start <= e["t"] for fault in faults for hold in holds):
+            continue  # its session or the server was hit: the loss is the fault's
+        violations.append(
+            f"believed held, not held on the server: {run.run} ({run.kind}) found {e['key']!r} no longer held by "
+            f"its backend {e['backend']} at {e['t']:.3f}, no fault explaining it"
+        )
+    return violations
+
+
+def _exclusive(older: Hold, newer: Hold) -> bool:
+    """Whether two holds of a key exclude each other: not when both were taken shared."""
+    return not (older.shared and newer.shared)
+
+
+def _writes_outside(runs: dict[str, Run]) -> list[str]:
+    """Rule 10: a write of a run for a key outside every hold of it the run believed."""
+    violations = []
+    for run in runs.values():
+        for at, key in run.written:
+            holds = [hold for hold in run.holds if hold.key == key]
+            inside = False
+            for hold in holds:
+                end = hold.end
+                if run.outcome is None and run.death_end is not None and end < float("inf"):
+                    end = max(end, run.death_end)  # the kill lands after the fault's start, by its end
+                if hold.acquired - WRITE_SLACK <= at <= end + WRITE_SLACK:
+                    inside = True
+                    break
+            if not inside:
+                spans = ", ".join(f"{hold.acquired:.3f}-{hold.end:.3f}" for hold in holds) or "none"
+                violations.append(
+                    f"write outside a hold: {run.run} ({run.kind}, {run.outcome}) wrote {key!r} at {at:.3f}; "
+                    f"its holds of it: {spans}"
+                )
+    return violations
+
+
+def _family(key: str, hold: Hold) -> bool:
+    """Whether ``hold`` holds ``key``, or a slot of the pool named ``key`` (``<name>#slot<i>``)."""
+    return hold.key == key or hold.key.startswith(f"{key}#slot")
+
+
+def _judge_skips(
+    runs: dict[str, Run], by_key: dict[str, list[Hold]], faults: Sequence[Fault], lease: float
+) -> dict[str, Any]:
+    """Rule 11: every key a skipped run tried was named held (a holder, a scope's row, a recorded
+    period) or another run's hold of it was let go (between its work's end and its run's outcome)
+    within :data:`JITTER` of the run.
+
+    A refusal names the sessions holding the key when it looks, right after the try (a guard's
+    refusal; ``hook.lock()`` and a lock session's worker look themselves): it names nobody only when
+    the holder let the key go between the try and the look. So a believed hold explains an unnamed
+    skip only if it ended about then (a hot key is held by someone nearly all the time: a hold that
+    merely overlapped the skip would explain every error), except a scope's or a deferred
+    operator's, whose sessions change while it is held (its tasks, its hand-overs: a try at such a
+    moment finds the key busy and the look finds it free): those explain a skip they overlap. Any
+    other hold explains it only if no fault of the server began between its acquisition and the
+    skip (more than :data:`SERVER_FAULT_SLACK` before the skip's end): a restart or a failover ends
+    every session, so a hold from before it held nothing after it, however long its run went on
+    believing (a database error reported as a skip happens there). A scope's or a deferred
+    operator's row outlives the server's faults and may outlive its run's hold by its lease (a
+    teardown or a hand-over that failed: the row lapses on its own): meanwhile a guard that takes the
+    key to read the row gives it back at once, and another's try may find the key busy with no holder
+    left to name. Such a hold explains a skip until its lease after its end, when another run's
+    refusal within :data:`JITTER` read that row from the server (named it).
+    """
+    row_lease = SCOPE_LEASE_FACTOR * lease
+    server = sorted(f.start for f in faults if f.kind in SERVER_FAULTS)
+    recorded: dict[tuple[str, str], float] = {}
+    row_named: dict[str, list[float]] = defaultdict(list)  # key: when a refusal named a scope's row for it
+    for run in runs.values():
+        for key, period, at in run.recorded:
+            recorded[(key, period)] = min(at, recorded.get((key, period), at))
+        if run.skip is not None and run.ended is not None:
+            for holder in run.skip.get("holders") or []:
+                if "scope" in holder:
+                    row_named[holder["key"]].append(run.ended)
+            if run.skip.get("scope_row"):
+                for key in run.skip.get("tried") or []:
+                    row_named[key].append(run.ended)
+    counts = {"judged": 0, "named": 0, "explained": 0, "unexplained": 0}  # judged: runs; the others: keys
+    violations: list[str] = []
+    holds = [hold for keyed in by_key.values() for hold in keyed]
+
+    def explains(hold: Hold, run: Run, key: str) -> bool:
+        assert run.ended is not None
+        if hold.run == run.run or not _family(key, hold) or hold.acquired - JITTER > run.ended:
+            return False
+        if hold.kind in ("scope", "deferred"):
+            if hold.end + JITTER >= run.start:  # held throughout, its sessions changing (tasks, hand-overs)
+                return True
+            return hold.end + JITTER + row_lease >= run.start and any(
+                abs(at - run.ended) <= JITTER for at in row_named.get(hold.key, ())
+            )
+        # It let the key go about then (after the try, before the look), no server fault between: the
+        # release lies between the work's end and the run's outcome (a holder frozen or starved between
+        # the two releases late).
+        holder = runs[hold.run]
+        released_by = holder.ended if holder.ended is not None else (holder.death_end or hold.end)
+        return (
+            hold.end <= run.ended + JITTER
+            and released_by >= run.start - JITTER
+            and not any(hold.acquired <= start and start + SERVER_FAULT_SLACK < run.ended for start in server)
+        )
+
+    for run in runs.values():
+        skip = run.skip
+        if skip is None or run.ended is None:
+            continue
+        counts["judged"] += 1
+        named = {holder.get("key") for holder in skip.get("holders") or []}  # a session, or a scope's row
+        unexplained = []
+        for key in skip.get("tried") or []:
+            if key in named or skip.get("scope_row"):
+                counts["named"] += 1
+                continue
+            done_period = skip.get("done_period")
+            if done_period is not None and recorded.get((key, done_period), math.inf) <= run.ended + JITTER:
+                counts["named"] += 1
+                continue
+            if any(explains(hold, run, key) for hold in holds):
+                counts["explained"] += 1
+                continue
+            unexplained.append(key)
+        if unexplained:
+            counts["unexplained"] += len(unexplained)
+            violations.append(
+                f"error reported as a skip: {run.run} ({run.kind}) skipped {unexplained} from {run.start:.3f} to "
+                f"{run.ended:.3f}; its refusal named no holder, and no other run held them then"
+            )
+    return {**counts, "violations": violations}
+
+
+def _own_faults_completed(runs: dict[str, Run], faults: Sequence[Fault]) -> list[str]:
+    """Rule 12: runs reported completed although their own fault ended a hold while they ran."""
+    violations = []
+    for fault in faults:
+        if fault.kind in WORKER_OWN_FAULTS:
+            run = runs.get(fault.target)
+            if run is not None and run.outcome == "completed":
+                violations.append(
+                    f"lost hold reported as success: {run.run} ({run.kind}) completed after its own "
+                    f"{fault.kind} at {fault.start:.3f}"
+                )
+        if fault.kind != "terminate" or not fault.terminated:
+            continue
+        for run in runs.values():
+            if run.kind not in ONE_SESSION_KINDS or run.outcome != "completed":
+                continue
+            hit = [
+                hold
+                for hold in run.holds
+                if hold.backend in fault.pids
+                and hold.acquired <= fault.start
+                and fault.end + TERMINATE_SLACK < hold.end
+            ]
+            if hit:
+                violations.append(
+                    f"lost hold reported as success: {run.run} ({run.kind}) completed although its backend "
+                    f"{hit[0].backend} was terminated at {fault.start:.3f}-{fault.end:.3f} while it held "
+                    f"{hit[0].key!r} (until {hit[0].end:.3f})"
+                )
+    return violations
+
+
+def _idle_sessions(events: Sequence[dict[str, Any]], faults: Sequence[Fault], lease: float) -> tuple[list[str], Any]:
+    """Rule 13: a worker's session found idle, holding nothing, past :func:`idle_bound`, unless a
+    freeze, cut or kill of that worker overlapped its idle time (its process could not close it)."""
+    bound = idle_bound(lease)
+    pids_of: dict[int, set[int]] = defaultdict(set)  # a worker's processes (restarted after a kill)
+    found: list[dict[str, Any]] = []
+    looks: dict[str, Any] = {}
+    for e in events:
+        if "worker" in e and "pid" in e:
+            pids_of[e["worker"]].add(e["pid"])
+        elif e["event"] == "idle-session":
+            found.append(e)
+        elif e["event"] == "session-watch":
+            looks = {"looks": e["looks"], "failed": e["failed"]}
+    violations = []
+    longest_excused, longest = 0.0, 0.0
+    for e in found:
+        match = re.match(r"campaign w(\d+)(?: |$)", e.get("application_name") or "")
+        if match is None or e["idle"] <= bound:
+            longest = max(longest, e["idle"]) if match is not None else longest
+            continue
+        worker = int(match.group(1))
+        since = e["t"] - e["idle"]
+        excused = any(
+            fault.kind in WORKER_FAULTS
+            and set(fault.pids) & pids_of[worker]
+            and fault.start - JITTER <= e["t"]
+            and fault.end + JITTER >= since
+            for fault in faults
+        )
+        if excused:
+            longest_excused = max(longest_excused, e["idle"])
+            continue
+        violations.append(
+            f"connection kept open for nothing: {e['application_name']!r} (backend {e['backend']}) idle and holding "
+            f"no advisory lock for {e['idle']:.2f} s at {e['t']:.3f} (bound {bound:.2f} s), its worker neither frozen "
+            "nor cut off"
+        )
+    watch = {**looks, "bound": bound, "longest_within_bound": round(longest, 3), "excused": round(longest_excused, 3)}
+    return violations, watch

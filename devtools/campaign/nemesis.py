@@ -9,7 +9,8 @@ are drawn at random, with a quiet gap of 1 to 3 s between two faults. What each 
   may be granted the key while frozen), or any worker when none waits within
   :data:`WAITER_SEARCH_SECONDS`;
 * ``netcut``: cut a network namespace (a "host" of workers) off for 1.5-2.5 leases, then heal it;
-* ``terminate``: ``pg_terminate_backend`` of a session that holds an advisory lock;
+* ``terminate``: ``pg_terminate_backend`` of a session that holds an advisory lock (the fault's
+  ``terminated`` says whether it signalled the backend, or found it gone);
 * ``cancel``: ``pg_cancel_backend`` of every campaign session (a running batch, wait or unlock);
 * ``restart-fast`` / ``restart-immediate``: the primary restarted (``pg_ctl -m fast|immediate``);
 * ``failover``: the primary stopped at once, the synchronous standby promoted;
@@ -83,6 +84,7 @@ class Injected:
     kept: list[str] | None = None
     began: float | None = None  # when the fault itself began, after a search for its target (default: the call)
     waiter: bool | None = None  # sigstop-waiter: whether its target was found waiting for a key
+    terminated: bool | None = None  # terminate: whether pg_terminate_backend() signalled the backend
 
 
 @dataclass
@@ -141,9 +143,11 @@ class Nemesis:
         called = time.time()
         done: Injected = getattr(self, "_" + kind.replace("-", "_"))()
         self.counts[kind] += 1
-        looked = {} if done.kept is None else {"kept": done.kept}
+        looked: dict[str, Any] = {} if done.kept is None else {"kept": done.kept}
         if done.waiter is not None:
             looked["waiter"] = done.waiter
+        if done.terminated is not None:
+            looked["terminated"] = done.terminated
         self.history.emit(
             "fault",
             kind=kind,
@@ -275,8 +279,13 @@ class Nemesis:
         pid = self.rng.choice(holding)
         began = time.time()
         with psycopg.connect(self.pair.primary_dsn(), autocommit=True) as conn:
-            conn.execute("SELECT pg_terminate_backend(%s)", [pid])
-        return Injected(f"backend {pid}", [pid], began=began)
+            row = conn.execute("SELECT pg_terminate_backend(%s)", [pid]).fetchone()
+        # False: the backend had gone already (its session ended between the look and the signal):
+        # nothing was terminated, and the checker's rule 12 must not count on a loss.
+        terminated = bool(row is not None and row[0])
+        return Injected(
+            f"backend {pid}", [pid], "terminated" if terminated else "already gone", began=began, terminated=terminated
+        )
 
     def _cancel(self) -> Injected:
         pids = self._backends(holding=False)

@@ -33,6 +33,7 @@ from devtools.campaign.checker import Report, check
 from devtools.campaign.history import HistoryWriter, read_events
 from devtools.campaign.nemesis import Nemesis, Target
 from devtools.campaign.servers import FailoverPair, Register
+from devtools.campaign.watch import SessionWatch
 from devtools.campaign.workers import KINDS, WorkerConfig, worker_main
 from devtools.netns import NetNamespace, NetNamespaceUnavailableError
 
@@ -153,6 +154,20 @@ def _stop_workers(campaign: Campaign, nemesis_history: HistoryWriter, timeout: f
             process.join(5)
 
 
+def git_commit() -> str:
+    """The checkout's commit (``git describe --always --dirty``), or ``unknown`` outside a git checkout."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        done = subprocess.run(
+            ["git", "describe", "--always", "--dirty"], cwd=root, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else "unknown"
+
+
 def run_campaign(
     seconds: float, seed: int, out: Path, *, lease: float = 3.0, plot: bool = False, command: str | None = None
 ) -> Report:
@@ -173,6 +188,7 @@ def run_campaign(
     pair = FailoverPair(listen=listen, trusted_subnets=subnets)
     campaign = Campaign(out, seed, lease, pair, register, namespaces)
     started = time.time()
+    commit = git_commit()  # the code the run judged: the report and docs/safety.md say which
     try:
         register.start()
         pair.start()
@@ -204,9 +220,13 @@ def run_campaign(
         nemesis_history = HistoryWriter(history_dir / "nemesis.jsonl")
         by_name = {namespace.name: namespace for namespace in namespaces}
         nemesis = Nemesis(pair, lease, campaign.targets, by_name, nemesis_history, seed)
+        # Connections kept open for nothing while the workers run (their exit closes them: the end's look cannot)
+        watch = SessionWatch(pair.primary_dsn, HistoryWriter(history_dir / "watch.jsonl")).start()
         time.sleep(2 * lease)  # everyone working before the first fault
         nemesis.run(seconds, stop=lambda: False)
         time.sleep(2 * lease)  # the last fault's aftermath
+        watch.stop()
+        watch.history.close()
         _stop_workers(campaign, nemesis_history)
         supervisor.join(5)
         leftovers = _leftovers(campaign)
@@ -219,6 +239,7 @@ def run_campaign(
             hosts=1 + len(namespaces),
             workers=len(campaign.configs),
             failovers=pair.failovers,
+            commit=commit,
             command=command or f"python3 devtools/dev.py campaign --minutes {seconds / 60:g} --seed {seed}",
         )
         (out / "report.json").write_text(

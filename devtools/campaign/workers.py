@@ -13,10 +13,15 @@ The kinds (every public way to hold a lock, see docs/safety.md):
   (``LockGuard.run``), in session and transaction mode;
 * ``guard-wait``: the same with ``on_busy="wait"``;
 * ``hook-lock``: ``hook.lock(key)`` (no fencing), now and then on the numeric key (taken by its
-  number: no name, so no registry state and no scope row asked);
+  number: no name, so no registry state and no scope row asked); a quarter of its runs take the
+  key ``shared=True`` (two shared holders may overlap, a shared and an exclusive one may not), a
+  quarter ``mode="transaction"``, a quarter wait for it (``timeout=HOOK_WAIT``);
 * ``lock-session``: ``hook.lock_session()`` with ``try_lock_many`` batches, a waiting
-  ``lock(key, timeout=...)`` or a single ``try_lock(key)`` (of a hot key or the numeric key), and
-  an early ``release``;
+  ``lock(key, timeout=...)`` or a single ``try_lock(key)`` (of a hot key or the numeric key; a
+  third of the single tries ``shared=True``), and an early ``release``, after which it looks whether
+  its session still holds its other keys (an ``unheld`` event when not); its batch ends with two keys
+  of its own (``campaign/own/<n>/1`` and ``/2``, which no one else takes), so that whatever it
+  gives back, another key of the batch stays held;
 * ``guard-sub-keys``: a guard's own key plus sub-keys through its ``lock`` handle (a batch, or a
   single ``try_lock`` block of a hot key or the numeric key), in session mode or, a third of the
   time, in transaction mode (the sub-keys are then transaction locks, ended by the commit; now
@@ -85,6 +90,9 @@ SCOPE_LEASE_FACTOR = 2.0
 PERIOD_SECONDS = 20
 #: The length of an era of the pool kind's size, in seconds of the wall clock (every worker's the same).
 SIZE_ERA = 5.0
+#: How long a ``hook-lock`` run that waits for its key waits (``hook.lock(key, timeout=...)``): under
+#: :data:`WAIT_TIMEOUT`, which the nemesis's release check allows for.
+HOOK_WAIT = 0.5
 
 
 @dataclass(frozen=True)
@@ -139,6 +147,8 @@ class Worker:
         self.history = HistoryWriter(config.history, worker=config.index, pid=os.getpid(), kind=config.kind)
         self.hook = AdvisoryLockHook(dsn=config.lock_dsn, liveness=Liveness(config.lease), connect_timeout=2)
         self.name = f"campaign w{config.index}"
+        #: Keys only this worker takes (a lock session's batch): ``campaign/own/<index>/<1|2>``.
+        self._own_keys = (f"campaign/own/{config.index}/1", f"campaign/own/{config.index}/2")
         self._register: Any = None
         self.runs = 0
 
@@ -259,7 +269,7 @@ class Worker:
             raise
         except BaseException as error:
             if getattr(guard, "refusal", None) is error:
-                raise _Busy from error
+                raise _Busy([key], error) from error
             raise
 
     def _pool_size(self) -> int:
@@ -271,43 +281,105 @@ class Worker:
 
     def _hook_lock(self, run: str, name: str) -> None:
         label, key = self._maybe_numeric(name, 0.3)
-        with self.hook.lock(key, application_name=self.name) as handle:
-            if handle is None:
-                raise _Busy
+        shared = self.rng.random() < 0.25  # readers: they may overlap one another, never an exclusive holder
+        mode = "transaction" if self.rng.random() < 0.25 else "session"
+        timeout = HOOK_WAIT if self.rng.random() < 0.25 else None
+        with self.hook.lock(
+            key,
+            mode=mode,  # type: ignore[arg-type]
+            shared=shared,
+            timeout=timeout,
+            application_name=self.name,
+        ) as handle:
+            if handle is None:  # hook.lock() says busy and nothing else: who holds it, looked at at once
+                raise _Busy([label], shared=shared, looked=self._holders({label: key}))
             at = handle.acquired_at.timestamp()
-            self.history.emit("acquired", run=run, key=label, token=None, backend=handle.backend_pid, at=at)
+            self.history.emit(
+                "acquired", run=run, key=label, token=None, backend=handle.backend_pid, at=at, shared=shared
+            )
             self._work(run, {label: None})
+
+    def _holders(self, keys: dict[str, Any]) -> list[dict[str, Any]]:
+        """The granted holders of ``keys`` (label: key), looked at right after a refusal that named
+        none (``hook.holders()``): what the checker's rule 11 reads as the refusal's holders. A look
+        that fails names nobody (a skip must then be explained by another run's hold)."""
+        found: list[dict[str, Any]] = []
+        for label, key in keys.items():
+            try:
+                holders = self.hook.holders(key)
+            except Exception:  # the server is away: nobody named
+                continue
+            found += [
+                {"key": label, "pid": holder.pid, "application_name": holder.application_name}
+                for holder in holders
+                if holder.granted
+            ]
+            if isinstance(key, str):  # a named key: another run's lock scope may hold it between its tasks
+                with contextlib.suppress(Exception):
+                    row = self.hook.scope(key)
+                    if row is not None:
+                        found.append({"key": label, "scope": row.describe()})
+        return found
+
+    def _still_held(self, run: str, backend: int, held: dict[str, int | None]) -> None:
+        """After an early release, whether the session still holds its other keys (as the product
+        says): a key it believes it holds that its backend no longer holds is an ``unheld`` event
+        (the checker's rule 14; a fault of the session or the server excuses it)."""
+        for key in held:
+            try:
+                holders = self.hook.holders(key)
+            except Exception:  # the server is away: nothing learned
+                continue
+            if not any(holder.granted and holder.pid == backend for holder in holders):
+                self.history.emit("unheld", run=run, key=key, backend=backend)
 
     def _lock_session(self, run: str, keys: list[str]) -> None:
         with self.hook.lock_session(application_name=self.name) as session:
             backend = session.server.backend_pid
             try:
-                subs = session.try_lock_many(keys[:-1])
+                # The batch ends with two keys of this worker's own (no one else takes them): whatever
+                # it gives back early, the session goes on holding another key of the batch.
+                subs = session.try_lock_many([*keys[:-1], *self._own_keys])
                 held: dict[str, int | None] = {}
                 for sub in subs:
                     held[str(sub.key.name)] = None
                     at = sub.acquired_at.timestamp()
                     self.history.emit("acquired", run=run, key=sub.key.name, token=None, backend=backend, at=at)
                 # The last key: a bounded wait, or a single try of it or of the numeric key (a named
-                # key's single try reads its scope row with the try; the numeric one is the try alone).
+                # key's single try reads its scope row with the try; the numeric one is the try alone),
+                # a third of the single tries shared.
+                shared, label, last_key = False, keys[-1], keys[-1]
                 if self.rng.random() < 0.4:
-                    label, last = keys[-1], session.lock(keys[-1], timeout=0.5)
+                    last = session.lock(last_key, timeout=0.5)
                 else:
-                    label, key = self._maybe_numeric(keys[-1], 0.5)
-                    last = session.try_lock(key)
+                    label, last_key = self._maybe_numeric(keys[-1], 0.5)
+                    shared = self.rng.random() < 1 / 3
+                    last = session.try_lock(last_key, shared=shared)
                 with last as waited:
                     if waited is not None:
                         held[label] = None
                         at = waited.acquired_at.timestamp()
-                        self.history.emit("acquired", run=run, key=label, token=None, backend=backend, at=at)
-                    if not held:
-                        raise _Busy
-                    self._work(run, held, lost=lambda: session.lost)
-                    if subs and self.rng.random() < 0.5:  # give one back early
-                        held.pop(str(subs[0].key.name), None)
-                        self.history.emit("released", run=run, key=subs[0].key.name)  # no longer used from here
-                        session.release(subs[0])
-                        self._work(run, held, lost=lambda: session.lost)
+                        self.history.emit(
+                            "acquired", run=run, key=label, token=None, backend=backend, at=at, shared=shared
+                        )
+                    if not set(held) - set(self._own_keys):  # every hot key busy: who holds them, looked at at once
+                        tried: dict[str, Any] = {name: name for name in keys[:-1]}
+                        tried[label] = last_key
+                        raise _Busy(list(tried), shared=shared, looked=self._holders(tried))
+                    try:
+                        # No done event between the two works: the hold of every key but the one given
+                        # back goes on (a done here would end them all, and nothing would judge the
+                        # second work's writes).
+                        self._work(run, held, lost=lambda: session.lost, finish=False)
+                        if subs and self.rng.random() < 0.5:  # give one back early
+                            held.pop(str(subs[0].key.name), None)
+                            self.history.emit("released", run=run, key=subs[0].key.name)  # no longer used from here
+                            session.release(subs[0])
+                            self._still_held(run, backend, held)
+                            if held:  # (a session holding nothing has nothing to work on)
+                                self._work(run, held, lost=lambda: session.lost, finish=False)
+                    finally:
+                        self.history.emit("done", run=run)  # before the block releases the last key
             finally:
                 self.history.emit("done", run=run)  # also when a statement failed before the work
 
@@ -392,7 +464,7 @@ class Worker:
                 slot, held_name = handle.slot, str(handle.key.name)
         except BaseException as error:
             if enter.refusal is error:
-                raise _Busy from error
+                raise _Busy([str(lock_key.name)], error, period=period) from error
             if pooled and _refused_for_another_size(error):
                 raise _Refused from error
             raise
@@ -479,7 +551,7 @@ class Worker:
             guard.run(first)
         except BaseException as error:
             if guard.refusal is error:
-                raise _Busy from error
+                raise _Busy([key], error) from error
             if work_ended:  # it worked, then the hand-over failed and the guard released: the work was
                 self.history.emit("done", run=run, at=work_ended[0])  # over before the hand-over began
             raise
@@ -547,6 +619,7 @@ class Worker:
         kind, hot = self.config.kind, list(self.config.hot_keys)
         self.history.emit("attempt", run=run)
         outcome, detail = "completed", ""
+        refusal: dict[str, Any] = {}
         try:
             if kind in ("guard-session", "guard-transaction", "guard-wait"):
                 mode = "transaction" if kind == "guard-transaction" else "session"
@@ -565,15 +638,15 @@ class Worker:
                 self._scope(run, self.rng.choice(hot))
             elif kind == "deferred":
                 self._deferred(run, self.rng.choice(hot))
-        except _Busy:
-            outcome = "skipped"
+        except _Busy as busy:
+            outcome, refusal = "skipped", busy.fields()
         except _Refused as refused:
             outcome, detail = "refused", str(refused.__cause__)[:300]
         except (LockLostError, _Lost) as error:
             outcome, detail = "lost", str(error)[:300]
         except Exception as error:
             outcome, detail = "failed", f"{type(error).__name__}: {str(error)[:300]}"
-        self.history.emit("outcome", run=run, outcome=outcome, detail=detail)
+        self.history.emit("outcome", run=run, outcome=outcome, detail=detail, **refusal)
 
     def loop(self) -> None:
         self.history.emit("spawn")
@@ -587,7 +660,48 @@ class Worker:
 
 
 class _Busy(Exception):  # noqa: N818 - the key (or the pool) was busy: a skip
-    pass
+    """A skip, with what the refusal named: the checker's rule 11 judges a skip that names no holder.
+
+    :param tried: the keys (a pool's name for a pool) the run tried and found busy.
+    :param refusal: the guard's refusal (``LockBusyError``: its granted holders, or a lock scope's
+        row; ``AlreadyDoneError``: a recorded ``once_per`` period), or None where the API says only
+        "busy" (``hook.lock()`` yields None, a lock session's tries return nothing).
+    :param shared: the run asked for the keys shared.
+    :param period: a scope's ``once_per`` period (an ``AlreadyDoneError`` names it).
+    """
+
+    def __init__(
+        self,
+        tried: list[str],
+        refusal: BaseException | None = None,
+        *,
+        shared: bool = False,
+        period: str | None = None,
+        looked: list[dict[str, Any]] | None = None,
+    ) -> None:
+        super().__init__(tried)
+        self.tried, self.refusal, self.shared, self.period, self.looked = tried, refusal, shared, period, looked
+
+    def fields(self) -> dict[str, Any]:
+        """The skip's ``outcome`` event's fields: ``tried``, ``shared``, ``holders`` (the granted
+        holders the refusal named, or a look right after it found: key, pid, application_name),
+        ``scope_row`` (it named another run's lock scope), ``done_period`` (it named a recorded
+        once_per period)."""
+        from airflow_pglock.exceptions import AlreadyDoneError, LockBusyError
+
+        fields: dict[str, Any] = {"tried": self.tried, "shared": self.shared, "holders": [], "scope_row": False}
+        if self.looked is not None:
+            fields["holders"], fields["looked"] = self.looked, True
+        if isinstance(self.refusal, LockBusyError):
+            fields["holders"] = [
+                {"key": self.tried[0], "pid": holder.pid, "application_name": holder.application_name}
+                for holder in self.refusal.holders
+                if holder.granted
+            ]
+            fields["scope_row"] = self.refusal.retry_after is not None  # only a scope row's refusal says when
+        elif isinstance(self.refusal, AlreadyDoneError):
+            fields["done_period"] = self.period
+        return fields
 
 
 class _Refused(Exception):  # noqa: N818 - the pool's name was in use in another size

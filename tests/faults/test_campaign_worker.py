@@ -6,6 +6,7 @@ or an overlap the product never made.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -169,3 +170,80 @@ def test_a_deferred_run_whose_hand_over_failed_ends_its_hold_when_its_work_ended
     # The event may be written before or after the key is free (it is freed by the close, when
     # the backend exits): the hold the checker reads ends when the work ended, before either.
     assert done[0].get("at") is not None and done[0]["at"] < first_free[0], (done, first_free)
+
+
+class _Scripted:
+    """A worker's random choices, scripted: ``random()`` and ``randint()`` answer in turn."""
+
+    def __init__(self, randoms: list[float], randints: list[int]) -> None:
+        self.randoms, self.randints = randoms, randints
+
+    def random(self) -> float:
+        return self.randoms.pop(0)
+
+    def randint(self, low: int, high: int) -> int:
+        return self.randints.pop(0)
+
+    def uniform(self, low: float, high: float) -> float:
+        return low
+
+    def choice(self, items: Any) -> Any:
+        return items[0]
+
+
+def _events(worker: Worker) -> list[dict[str, Any]]:
+    worker.history.close()
+    return [json.loads(line) for line in worker.config.history.read_text().splitlines()]
+
+
+def test_a_lock_sessions_early_release_leaves_its_other_holds_judged(
+    worker: Worker, fault_server: FaultServer, fault_admin: Any
+) -> None:
+    """Review -66 (M2): the first work of a lock session wrote a done event, which ends every hold of
+    the run; the early release and the second work came after it, so a release that also freed the
+    other keys was judged by nothing. Now the done comes once, after the second work, and every write
+    lies inside a hold of its key (the checker's rule 10)."""
+    from devtools.campaign.checker import check
+
+    # a bounded wait for the last key (0.1 < 0.4), 2 steps, give the first key back (0.1 < 0.5), 2 steps
+    worker.rng = _Scripted([0.1, 0.1], [2, 2])  # type: ignore[assignment]
+    worker.history.emit("attempt", run="r")
+    worker._lock_session("r", ["a", "b", "c"])
+    worker.history.emit("outcome", run="r", outcome="completed", detail="")
+    events = _events(worker)
+    kinds = [(e["event"], e.get("key")) for e in events]
+    released = kinds.index(("released", "a"))
+    assert ("done", None) not in kinds[:released], kinds
+    # the batch (a, b and the worker's own two keys), the last key (c): a is given back, the others are worked on
+    own = ["campaign/own/0/1", "campaign/own/0/2"]
+    assert [k for e, k in kinds[released:] if e == "write"] == ["b", *own, "c"] * 2, kinds
+    assert not [k for e, k in kinds if e == "unheld"], kinds  # still held: looked at
+    report = check(events, [], lease=3.0)
+    assert report.passed, report.violations
+    assert report.figures["writes_outside_holds"] == 0 and report.figures["runs_that_held"] == 1
+
+
+def test_a_skip_records_the_holders_its_refusal_named(
+    worker: Worker, fault_server: FaultServer, fault_admin: Any
+) -> None:
+    """The checker's rule 11 reads what a skip's refusal named: a guard's LockBusyError names the
+    holder's pid and application_name; hook.lock() says only "busy", so the worker looks at once."""
+    from airflow_pglock.keys import LockKey
+
+    number = LockKey.from_name("k").int64
+    with psycopg.connect(worker.config.lock_dsn, autocommit=True, application_name="the holder") as holder:
+        holder.execute("SELECT pg_advisory_lock(%s)", [number])
+        pid = holder.info.backend_pid
+        worker.rng = _Scripted([0.0], [])  # type: ignore[assignment]
+        worker.config = dataclasses.replace(worker.config, kind="guard-session")
+        worker.one_run()
+        # exclusive, session, no wait (no numeric key configured: no draw for it)
+        worker.rng = _Scripted([0.9, 0.9, 0.9], [])  # type: ignore[assignment]
+        worker.config = dataclasses.replace(worker.config, kind="hook-lock")
+        worker.one_run()
+    skips = [e for e in _events(worker) if e["event"] == "outcome"]
+    assert [e["outcome"] for e in skips] == ["skipped", "skipped"], skips
+    for skip in skips:
+        assert skip["tried"] == ["k"] and not skip["scope_row"], skip
+        assert skip["holders"] == [{"key": "k", "pid": pid, "application_name": "the holder"}], skip
+    assert skips[1]["looked"] is True

@@ -220,3 +220,152 @@ def test_a_lock_kept_past_the_release_bound_by_a_frozen_worker_is_a_violation() 
 
 def test_a_frozen_waiters_overlap_is_bounded_by_its_freeze() -> None:
     assert overlap_bound("sigstop-waiter", 6.5, LEASE) == 6.5 + JITTER
+
+
+def _write(run: str, pid: int, key: str, t: float) -> dict[str, Any]:
+    return {"t": t, "event": "write", "run": run, "key": key, "token": None, "accepted": True, "pid": pid}
+
+
+def test_a_write_outside_every_hold_of_its_run_is_a_violation() -> None:
+    """Rule 10: a lock session's early release that also freed its other key was never judged, because
+    a done event before it had ended every hold of the run: its later writes lay outside any hold."""
+    inside = [*_run("a", 1, "k", 10, 11, "completed"), _write("a", 1, "k", 10.5), _write("a", 1, "k", 11.0)]
+    report = check(inside, [], lease=LEASE)
+    assert report.passed, report.violations
+    assert report.figures["writes_outside_holds"] == 0
+    after_done = [*_run("a", 1, "k", 10, 11, "completed"), _write("a", 1, "k", 11.3)]
+    assert any(v.startswith("write outside a hold: a") for v in check(after_done, [], lease=LEASE).violations)
+    other_key = [*_run("a", 1, "k", 10, 11, "completed"), _write("a", 1, "j", 10.5)]
+    assert any("wrote 'j'" in v for v in check(other_key, [], lease=LEASE).violations)
+    released = [*_run("a", 1, "k", 10, 12, "completed"), {"t": 10.5, "event": "released", "run": "a", "key": "k"}]
+    assert not check([*released, _write("a", 1, "k", 10.4)], [], lease=LEASE).violations
+    assert check([*released, _write("a", 1, "k", 10.6)], [], lease=LEASE).violations
+
+
+def test_a_killed_runs_writes_count_until_the_kill_landed() -> None:
+    """The nemesis's fault starts before it picks and signals its target: a write in between is the
+    dead run's last, inside its hold; a write after the fault's end cannot be."""
+    killed = [e for e in _run("a", 1, "k", 9, 20, None) if e["event"] != "done"]
+    kill = _fault("sigkill", 10.0, 10.02, [1])
+    assert check([*killed, kill, _write("a", 1, "k", 10.01)], [], lease=LEASE).passed
+    assert check([*killed, kill, _write("a", 1, "k", 10.5)], [], lease=LEASE).violations
+
+
+def _skip(run: str, pid: int, tried: list[str], start: float, end: float, **refusal: Any) -> list[dict[str, Any]]:
+    fields = {"tried": tried, "holders": [], "scope_row": False, "shared": False, **refusal}
+    return [
+        {"t": start, "event": "attempt", "run": run, "worker": pid, "pid": pid, "kind": "guard-session"},
+        {"t": end, "event": "outcome", "run": run, "outcome": "skipped", "detail": "", "pid": pid, **fields},
+    ]
+
+
+def test_a_skip_that_names_no_holder_must_be_explained_by_another_runs_hold() -> None:
+    """Rule 11: a database error reported as a busy skip names nobody, and nobody held the key."""
+    nobody = _skip("s", 3, ["k"], 20.0, 20.01)
+    report = check(nobody, [], lease=LEASE)
+    assert any(v.startswith("error reported as a skip: s") for v in report.violations), report.violations
+    assert report.figures["skips"]["unexplained"] == 1
+    named = _skip("s", 3, ["k"], 20.0, 20.01, holders=[{"key": "k", "pid": 700, "application_name": "campaign w1"}])
+    assert check(named, [], lease=LEASE).passed
+    assert check(_skip("s", 3, ["k"], 20.0, 20.01, scope_row=True), [], lease=LEASE).passed
+    held = [*_run("a", 1, "k", 18.0, 19.5, "completed"), *nobody]  # released 0.5 s before: within JITTER
+    assert check(held, [], lease=LEASE).passed
+    long_ago = [*_run("a", 1, "k", 10.0, 12.0, "completed"), *nobody]
+    assert check(long_ago, [], lease=LEASE).violations
+    # a hold that went on long after: its session would have been named (a hot key is nearly always held)
+    went_on = [*_run("a", 1, "k", 18.0, 30.0, "completed"), *nobody]
+    assert check(went_on, [], lease=LEASE).violations
+    # a hold from before a restart held nothing after it, however long its run believed it
+    restart = _fault("restart-fast", 19.5, 21.0, [])
+    lost_late = [*_run("a", 1, "k", 18.0, 20.5, "lost", lost=True), restart, *nobody]
+    assert check(lost_late, [], lease=LEASE).violations
+    # a pool's name is busy when its slots are: a hold of a slot explains it; a lock session tries each key
+    slot = [*_run("a", 1, "p#slot2", 19.0, 20.5, "completed"), *_skip("s", 3, ["p"], 20.0, 20.01)]
+    assert check(slot, [], lease=LEASE).passed
+    batch = [*_run("a", 1, "k", 19.0, 20.5, "completed"), *_skip("s", 3, ["k", "j"], 20.0, 20.01)]
+    assert any("skipped ['j']" in v for v in check(batch, [], lease=LEASE).violations)
+
+
+def test_a_skip_for_a_done_period_is_explained_by_its_record_only() -> None:
+    recorded = _scope_run("a", 1, 10, 11, "p1", recorded=True)
+    done = _skip("s", 3, ["k"], 15.0, 15.01, done_period="p1")
+    assert check([*recorded, *done], [], lease=LEASE).passed
+    assert check(done, [], lease=LEASE).violations
+
+
+def test_a_terminated_hold_reported_completed_is_a_lost_hold_reported_as_success() -> None:
+    """Rule 12: the nemesis terminated the session of a hold while its run believed it held the key;
+    no other run took the key meanwhile (rule 3 sees nothing), and the run completed."""
+    terminate = {**_fault("terminate", 10.0, 10.01, [500]), "terminated": True}
+    completed = [*_run("a", 1, "k", 9, 11, "completed", backend=500), terminate]
+    report = check(completed, [], lease=LEASE)
+    assert any(v.startswith("lost hold reported as success: a") for v in report.violations), report.violations
+    assert report.figures["lost_holds_reported_as_success"] == 1
+    assert check([*_run("a", 1, "k", 9, 11, "lost", lost=True, backend=500), terminate], [], lease=LEASE).passed
+    gone = {**terminate, "terminated": False}  # the backend had ended already: nothing was terminated
+    assert check([*_run("a", 1, "k", 9, 11, "completed", backend=500), gone], [], lease=LEASE).passed
+    after = [*_run("a", 1, "k", 9, 10.0, "completed", backend=500), terminate]  # its work was over
+    assert check(after, [], lease=LEASE).passed
+    scope = _run("a", 1, "k", 9, 11, "completed", backend=500)
+    scope[0]["kind"] = "scope"  # a scope's hold moves between sessions: its row holds it
+    assert check([*scope, terminate], [], lease=LEASE).passed
+
+
+def test_a_run_whose_own_fault_ended_its_lock_must_not_complete() -> None:
+    caught = {**_fault("caught-error", 10.5, 10.5, [1]), "target": "a"}
+    assert check([*_run("a", 1, "k", 10, 11.6, "lost", lost=True), caught], [], lease=LEASE).passed
+    report = check([*_run("a", 1, "k", 10, 11.6, "completed"), caught], [], lease=LEASE)
+    assert any("completed after its own caught-error" in v for v in report.violations), report.violations
+
+
+def test_shared_holds_may_overlap_but_not_a_shared_and_an_exclusive_one() -> None:
+    def shared(events: list[dict[str, Any]], is_shared: bool = True) -> list[dict[str, Any]]:
+        events[1]["shared"] = is_shared
+        return events
+
+    readers = [*shared(_run("a", 1, "k", 10, 12, "completed")), *shared(_run("b", 2, "k", 11, 13, "completed"))]
+    report = check(readers, [], lease=LEASE)
+    assert report.passed, report.violations
+    assert report.figures["shared_holds"] == 2
+    mixed = [*shared(_run("a", 1, "k", 10, 12, "completed")), *shared(_run("b", 2, "k", 11, 13, "completed"), False)]
+    assert any("completed older holder" in v for v in check(mixed, [], lease=LEASE).violations)
+
+
+def _idle(t: float, idle: float, name: str = "campaign w1") -> dict[str, Any]:
+    return {"t": t, "event": "idle-session", "backend": 900, "application_name": name, "idle": idle}
+
+
+def test_a_session_left_idle_holding_nothing_while_its_worker_runs_is_a_violation() -> None:
+    """Rule 13: a guard that completed but kept its connection: the process's exit at the end closes it."""
+    spawn = {"t": 1.0, "event": "spawn", "worker": 1, "pid": 11, "kind": "guard-session"}
+    report = check([spawn, _idle(20.0, 2.6)], [], lease=LEASE)
+    assert any(v.startswith("connection kept open for nothing: 'campaign w1'") for v in report.violations)
+    assert check([spawn, _idle(20.0, 2.2)], [], lease=LEASE).passed  # within the bound (0.8 of the lease)
+    frozen = _fault("sigstop-short", 18.5, 19.7, [11])
+    assert check([spawn, frozen, _idle(20.0, 2.6)], [], lease=LEASE).passed
+    other = _fault("sigstop-short", 18.5, 19.7, [12])  # another worker's freeze explains nothing
+    assert check([spawn, other, _idle(20.0, 2.6)], [], lease=LEASE).violations
+    hub = check([spawn, _idle(20.0, 2.6, "campaign w1 holds")], [], lease=LEASE)
+    assert hub.violations and "'campaign w1 holds'" in hub.violations[0]
+
+
+def test_a_scopes_row_explains_a_skip_until_its_lease_after_the_scope_ended() -> None:
+    """A scope whose teardown failed leaves its row until its lease (2 leases) ends: a guard that takes
+    the key to read the row gives it back, and another's try finds it busy with nobody to name."""
+    scope = _run("a", 1, "k", 10, 11, "completed")
+    scope[0]["kind"] = "scope"
+    read = _skip("r", 4, ["k"], 16.2, 16.21, scope_row=True)  # another's refusal read the row then
+    assert check([*scope, *read, *_skip("s", 3, ["k"], 16.0, 16.01)], [], lease=LEASE).passed
+    assert check([*scope, *_skip("s", 3, ["k"], 16.0, 16.01)], [], lease=LEASE).violations  # nobody read it
+    late = _skip("r", 4, ["k"], 19.2, 19.21, scope_row=True)
+    assert check([*scope, *late, *_skip("s", 3, ["k"], 19.0, 19.01)], [], lease=LEASE).violations  # lapsed
+
+
+def test_a_holder_that_releases_late_after_its_work_explains_a_skip_at_its_release() -> None:
+    """Rule 11: a holder frozen (or starved) between its work's end and its release holds the key until
+    its outcome; a try just before that release and a look just after it name nobody."""
+    held = _run("a", 1, "k", 10, 11, None)
+    late = [*held, {"t": 14.0, "event": "outcome", "run": "a", "outcome": "completed", "pid": 1}]
+    assert check([*late, *_skip("s", 3, ["k"], 13.98, 14.01)], [], lease=LEASE).passed
+    prompt = _run("a", 1, "k", 10, 11, "completed")  # released at 11.01: long before the skip
+    assert check([*prompt, *_skip("s", 3, ["k"], 13.98, 14.01)], [], lease=LEASE).violations
