@@ -54,6 +54,10 @@ def test_a_short_campaign_keeps_every_promise() -> None:
     assert set(figures["outcomes"]) == set(KINDS), figures["outcomes"]
     assert all(outcomes.get("completed", 0) >= 1 for outcomes in figures["outcomes"].values()), figures["outcomes"]
     assert figures["stale_writes_accepted"] == 0 and figures["lost_holds_reported_as_success"] == 0, summary
+    # The newer rules had something to judge: the live session watch looked, skips were judged, and
+    # shared holds took part (a watch that never looked would pass rule 13 whatever leaked).
+    assert figures["session_watch"]["looks"] >= 10, figures["session_watch"]
+    assert figures["skips"]["judged"] >= 1 and figures["shared_holds"] >= 1, (figures["skips"], figures["shared_holds"])
     # Not asserted: that a scope recorded a once_per period. In 80 s only a handful of scope runs
     # complete and half have once_per (a run recorded none: 4 completed). Rule 7 is shown on synthetic
     # histories (tests/unit/test_campaign_checker.py) and by the long run (docs/safety.md).
