@@ -86,6 +86,27 @@ else:  # Airflow 2.x
     from airflow.utils.context import Context  # type: ignore[no-redef]
     from airflow.utils.task_group import TaskGroup  # type: ignore[no-redef]
 
+#: The triggerer cancels the trigger of a task cleared or marked while deferred with this message,
+#: and then calls the trigger's ``on_kill()``, from this line on (earlier lines call no ``on_kill()``).
+KILLS_CLEARED_TRIGGERS_SINCE = (3, 3)
+KILLS_CLEARED_TRIGGERS = AIRFLOW_VERSION >= KILLS_CLEARED_TRIGGERS_SINCE
+_USER_ACTION_CANCEL = "__airflow_user_action__"
+
+
+def is_user_action_cancel(cancelled: BaseException) -> bool:
+    """Whether a trigger's ``CancelledError`` is the triggerer's for a task cleared or marked while
+    deferred (which calls ``on_kill()`` next), not a shutdown's or a timeout's."""
+    return KILLS_CLEARED_TRIGGERS and bool(cancelled.args) and cancelled.args[0] == _USER_ACTION_CANCEL
+
+
+def trigger_on_kill_timeout() -> float:
+    """How long the triggerer lets a trigger's ``on_kill()`` run (``[triggerer] on_kill_timeout``)."""
+    try:
+        return float(conf.getint("triggerer", "on_kill_timeout", fallback=30))
+    except Exception:  # an unreadable setting: Airflow's default
+        return 30.0
+
+
 #: Human-in-the-loop operators park the task awaiting input, with no trigger, from this line on.
 AWAITING_INPUT_SINCE = (3, 3)
 try:
@@ -291,6 +312,8 @@ __all__ = [
     "HAS_PROVIDER_CLI",
     "HAS_UI_PAGE",
     "INSTANCE_NAME_OPTION",
+    "KILLS_CLEARED_TRIGGERS",
+    "KILLS_CLEARED_TRIGGERS_SINCE",
     "PROVIDER_CLI_SINCE",
     "TRIGGER_FAILED",
     "UI_PAGE_SINCE",
@@ -320,6 +343,7 @@ __all__ = [
     "is_connection_not_found",
     "is_deferral_timeout",
     "is_task_runner_handoff",
+    "is_user_action_cancel",
     "load_dag",
     "parks_awaiting_input",
     "rendered_task",
@@ -327,5 +351,6 @@ __all__ = [
     "skipmixin_xcom",
     "task_decorator_factory",
     "task_supervisor_wait",
+    "trigger_on_kill_timeout",
     "use_server_connections",
 ]

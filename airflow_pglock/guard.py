@@ -312,6 +312,17 @@ class LockGuard:
                 self._report("failed", detail=f"{type(error).__name__}: {error}")
             raise
 
+    def _own_slots_first(self, pool: list[LockKey], lineage: str) -> list[int]:
+        """A scope's setup run again over a pool: the slot its earlier try holds by a live row first
+        (it takes that row over there; another slot would leave it held until its lease)."""
+        try:
+            rows = self.database.live_scopes(pool)
+        except Exception as error:  # only an order: the take itself meets the database's errors
+            self.log.warning("pglock could not read the scopes of %s's slots: %s", self.key.describe(), error)
+            return list(range(len(pool)))
+        own = [index for index, key in enumerate(pool) if key in rows and rows[key].holder.startswith(lineage)]
+        return own + [index for index in range(len(pool)) if index not in own]
+
     def _acquire(self) -> HeldLock:
         timeout = self.policy.first_wait()
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -319,6 +330,8 @@ class LockGuard:
         every_slot = list(range(len(pool))) if len(pool) > 1 else None
         if self.scope.slot is not None:  # a task of a scope over a pool: its own slot, nothing else
             every_slot = [self.scope.slot - 1]
+        elif every_slot is not None and self.scope.lineage is not None:
+            every_slot = self._own_slots_first(pool, self.scope.lineage)
         # Slots that lock scopes hold between their tasks (their rows, read under each slot's lock):
         # the next try passes over them, until none is left to try.
         scoped: dict[int, LockBusyError] = {}

@@ -45,8 +45,10 @@ class ScopeRole:
         when its work returns a :class:`HandOver`, the hold passes to the triggerer under a lease row.
     :param lineage: a setup (``enter``): the start of its holder id that every try of this setup in
         this DAG run shares. A live row an earlier try left is taken over (a task of the scope cleared
-        while its scope is live runs the setup again): the setup holds the key, so no task of that
-        acquisition is inside, and they find another holder id from then on (lost).
+        while its scope is live runs the setup again) with a new holder id and token: the setup holds
+        the key, so no task of that acquisition holds it, and they find another holder id from then on
+        (lost). A task of it frozen past its lease (its session ended by the server) may still believe
+        it holds, as after any lease: its stale fenced writes are refused (the new token).
 
     ``resume``: a guarded deferrable operator resumes after its trigger fired. It re-enters the
     hold its deferral handed over (like ``member``); its end frees the row, or hands the hold

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 from airflow_pglock.compat import (
     AIRFLOW_VERSION,
     HAS_LOCK_SCOPE,
+    KILLS_CLEARED_TRIGGERS,
     TRIGGER_FAILED,
     BaseOperator,
     Context,
@@ -247,9 +248,11 @@ class OperatorGuard:
                 lease=self.deferral_lease,
                 hands_over=True,
             )
-            if self._earlier_try_still_holds(context, rendered, role.holder or ""):
+            if KILLS_CLEARED_TRIGGERS and self._earlier_try_still_holds(context, rendered, role.holder or ""):
                 # Cleared while deferred: its earlier try's trigger holds the key until the triggerer
-                # cancels it, a moment later. Not a busy key to skip: wait for it, as a resume does.
+                # cancels it, a moment later, and calls its on_kill() before it lets the key go (the
+                # external job stops first). Not a busy key to skip: wait for it, as a resume does.
+                # (Before Airflow 3.3 nothing calls on_kill() there: the earlier job would go on.)
                 task.log.info("pglock: the earlier try of this task still holds its key in the triggerer: waiting")
                 policy = dataclasses.replace(
                     self.spec.policy,

@@ -368,6 +368,11 @@ class LockDatabase:
         with self.connect(INSPECT_APPLICATION_NAME) as conn:
             return scopes.live_scope(conn, key)
 
+    def live_scopes(self, pool: Sequence[LockKey]) -> dict[LockKey, ScopeRow]:
+        """The live lock scope rows among a pool's slots, read without the keys."""
+        with self.connect(INSPECT_APPLICATION_NAME) as conn:
+            return scopes.live_scopes_of(conn, list(pool))
+
 
 AnyConnection = TypeVar("AnyConnection", psycopg.Connection[Any], psycopg.AsyncConnection[Any])
 

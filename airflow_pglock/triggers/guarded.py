@@ -19,10 +19,10 @@ import contextlib
 import importlib
 import inspect
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
-from airflow_pglock.compat import BaseTrigger, TriggerEvent
+from airflow_pglock.compat import BaseTrigger, TriggerEvent, is_user_action_cancel, trigger_on_kill_timeout
 from airflow_pglock.keys import LockKey
 from airflow_pglock.triggers.advisory_lock import CONNECT_TIMEOUT, RESUME_HOLD_SECONDS, _log, checked_resume_hold
 
@@ -88,6 +88,8 @@ class GuardedTrigger(BaseTrigger):
         self.resume_hold = checked_resume_hold(resume_hold)
         self._operator_trigger: BaseTrigger | None = None
         self._started: float | None = None  # when it began to run in the triggerer (monotonic)
+        self._killed = False  # the operator's trigger's on_kill() ran under the hold already
+        self._fired: Any = None  # the operator's trigger's event, handed back
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         """Class path and kwargs: the operator's trigger, the key, the connection *id* (no secret), the hold.
@@ -122,7 +124,11 @@ class GuardedTrigger(BaseTrigger):
 
     async def on_kill(self) -> None:
         """The task is killed while deferred (marked, cleared; Airflow 3.3+ calls it): the operator's
-        trigger hears it too, and cancels its external job where it can."""
+        trigger hears it too, and cancels its external job where it can. Once only: :meth:`run`
+        calls it first, while it still holds the key."""
+        if self._killed:
+            return
+        self._killed = True
         trigger = self._operator_trigger
         if trigger is None:  # killed before the hold was taken: the operator's trigger hears it all the same
             try:
@@ -149,56 +155,79 @@ class GuardedTrigger(BaseTrigger):
         hub = holds.hub_for(self.postgres_conn_id, self.connect_timeout)
         hold = holds.DeferredHold(self.key, self.holder, self.task_label, self.lease)
         async with hub.holding(hold):
-            await hold.settled.wait()
-            if hold.reason is not None:
-                yield await self._lost(hold.reason)
-                return
-            try:  # under the hold: a trigger that cannot be built here resumes the task to free it and fail
-                inner = await asyncio.to_thread(self._inner)  # its module may import a driver
-            except Exception as unbuilt:
-                yield await self._failed(hub, hold, "could not be built in the triggerer", unbuilt)
-                return
-            self._operator_trigger = inner
-            await _log(
-                self.log.info,
-                "pglock: the triggerer holds %s for the deferred task %s (lease %g s, renewed every %g s)",
-                self.key.describe(),
-                self.task_label,
-                self.lease,
-                self.lease / 3,
-            )
-            events = inner.run()
-            fired = asyncio.ensure_future(events.__anext__())
-            lost = asyncio.ensure_future(hold.lost.wait())
             try:
-                await asyncio.wait({fired, lost}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                lost.cancel()
-                if not fired.done():
-                    fired.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, Exception):
-                        await fired  # the generator can be closed only once its step has ended
-            if fired.cancelled():
-                await events.aclose()
-                yield await self._lost(hold.reason)
-                return
-            failed = fired.exception()
+                async with contextlib.aclosing(self._under_the_hold(hub, hold)) as under:
+                    async for event in under:
+                        yield event
+                        return
+            except asyncio.CancelledError as cancelled:
+                if is_user_action_cancel(cancelled):
+                    # Cleared or marked while deferred: the triggerer calls on_kill() only once the
+                    # key is let go, and the task's next try may take it at once; the operator's
+                    # trigger stops its external job first, under the hold.
+                    await self._kill_under_the_hold()
+                raise
+        yield TriggerEvent({"pglock": HELD, "event": self._fired, "resume": self.resume})
+
+    async def _kill_under_the_hold(self) -> None:
+        try:
+            await asyncio.wait_for(self.on_kill(), timeout=trigger_on_kill_timeout())
+        except (Exception, asyncio.TimeoutError) as error:
+            await _log(self.log.warning, "pglock: on_kill() of %s under its hold: %r", self.task_label, error)
+
+    async def _under_the_hold(self, hub: Any, hold: Any) -> AsyncGenerator[TriggerEvent, None]:
+        """What :meth:`run` does under the hold: an event ends it there (lost, failed, the task ended
+        in the triggerer); none: the operator's trigger fired, its event handed back (``_fired``)."""
+        await hold.settled.wait()
+        if hold.reason is not None:
+            yield await self._lost(hold.reason)
+            return
+        try:  # under the hold: a trigger that cannot be built here resumes the task to free it and fail
+            inner = await asyncio.to_thread(self._inner)  # its module may import a driver
+        except Exception as unbuilt:
+            yield await self._failed(hub, hold, "could not be built in the triggerer", unbuilt)
+            return
+        self._operator_trigger = inner
+        await _log(
+            self.log.info,
+            "pglock: the triggerer holds %s for the deferred task %s (lease %g s, renewed every %g s)",
+            self.key.describe(),
+            self.task_label,
+            self.lease,
+            self.lease / 3,
+        )
+        events = inner.run()
+        fired = asyncio.ensure_future(events.__anext__())
+        lost = asyncio.ensure_future(hold.lost.wait())
+        try:
+            await asyncio.wait({fired, lost}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lost.cancel()
+            if not fired.done():
+                fired.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await fired  # the generator can be closed only once its step has ended
+        if fired.cancelled():
             await events.aclose()
-            if failed is not None:
-                yield await self._failed(hub, hold, "failed", failed)
-                return
-            event = fired.result()
-            if type(event) is not TriggerEvent:  # a task-end event: the task ends here, no worker resumes
-                if not await hub.end(hold):
-                    yield await self._lost(hold.reason)
-                    return
-                yield event
-                return
-            await self._hold_back_the_resume()
-            if not await hub.hand_back(hold):
+            yield await self._lost(hold.reason)
+            return
+        failed = fired.exception()
+        await events.aclose()
+        if failed is not None:
+            yield await self._failed(hub, hold, "failed", failed)
+            return
+        event = fired.result()
+        if type(event) is not TriggerEvent:  # a task-end event: the task ends here, no worker resumes
+            if not await hub.end(hold):
                 yield await self._lost(hold.reason)
                 return
-        yield TriggerEvent({"pglock": HELD, "event": event.payload, "resume": self.resume})
+            yield event
+            return
+        await self._hold_back_the_resume()
+        if not await hub.hand_back(hold):
+            yield await self._lost(hold.reason)
+            return
+        self._fired = event.payload
 
     async def _failed(self, hub: Any, hold: Any, what: str, failed: BaseException) -> TriggerEvent:
         """The operator's trigger failed: the task resumes, frees its hold under the key, stops the

@@ -630,11 +630,15 @@ def _judge_skips(
         # the two releases late).
         holder = runs[hold.run]
         released_by = holder.ended if holder.ended is not None else (holder.death_end or hold.end)
+        if any(run.start - SERVER_FAULT_SLACK <= start <= run.ended for start in server):
+            # A restart or failover began during the run: its try met the hold on the server of then,
+            # its look (a new connection) the server of after, with none of its locks.
+            return hold.acquired - JITTER <= run.start and released_by >= run.start - JITTER
         return (
             hold.end <= run.ended + JITTER
             and released_by >= run.start - JITTER
-            and not any(hold.acquired <= start and start + SERVER_FAULT_SLACK < run.ended for start in server)
-        )
+            and not any(hold.acquired <= start and start + SERVER_FAULT_SLACK < run.start for start in server)
+        )  # (a server fault after the run began may have come between its try, which met the hold, and its look)
 
     for run in runs.values():
         skip = run.skip

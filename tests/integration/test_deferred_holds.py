@@ -431,6 +431,92 @@ def test_a_worker_clock_behind_the_triggerers_does_not_shorten_the_resume_hold(
     assert advisory_locks_left(scopes_db) == 0
 
 
+#: What WaitsForever's on_kill() saw: the applications holding its key then (filled by the test's trigger).
+KILLED_WHILE: list[list[str]] = []
+
+
+class WaitsForever:
+    """An operator's trigger that never fires; its ``on_kill()`` notes who holds the key then."""
+
+    def __new__(cls, dsn: str = "", key_name: str = "") -> Any:
+        from airflow.triggers.base import BaseTrigger
+
+        class _WaitsForever(BaseTrigger):
+            def serialize(self) -> tuple[str, dict[str, Any]]:
+                return f"{__name__}.WaitsForever", {"dsn": dsn, "key_name": key_name}
+
+            async def run(self) -> Any:
+                await asyncio.Event().wait()
+                yield None  # pragma: no cover - never reached
+
+            async def on_kill(self) -> None:
+                def look() -> list[str]:
+                    with psycopg.connect(dsn, autocommit=True) as conn:
+                        return _holders(conn, LockKey.from_name(key_name))
+
+                KILLED_WHILE.append(await asyncio.to_thread(look))
+
+        return _WaitsForever()
+
+
+@pytest.mark.parametrize("cancel", ["__airflow_user_action__", None], ids=["cleared", "triggerer-stops"])
+def test_a_trigger_cancelled_for_a_cleared_task_kills_the_external_job_before_letting_the_key_go(
+    hook: Any, scopes_db: Any, dsn: str, monkeypatch: pytest.MonkeyPatch, cancel: str | None
+) -> None:
+    """Review -68: the triggerer cancels the trigger of a task cleared while deferred, then calls its
+    on_kill() (Airflow 3.3+): the hold let the key go first, and the task's next try, which now waits
+    for its own earlier hold, started its external job while the first one still ran. The operator's
+    trigger's on_kill() now runs under the hold, once; a triggerer that stops calls none."""
+    import json
+
+    from psycopg.conninfo import conninfo_to_dict
+
+    from airflow_pglock.compat import KILLS_CLEARED_TRIGGERS
+    from airflow_pglock.triggers.guarded import GuardedTrigger
+
+    if not KILLS_CLEARED_TRIGGERS:
+        pytest.skip("before Airflow 3.3 the triggerer calls no on_kill() for a cleared task's trigger")
+    parts = conninfo_to_dict(dsn)
+    connection = {"conn_type": "postgres", "host": parts.get("host"), "port": int(parts.get("port") or 5432)}
+    connection |= {"login": parts.get("user"), "schema": parts.get("dbname")}
+    monkeypatch.setenv("AIRFLOW_CONN_PGLOCK_TEST_KILLED", json.dumps(connection))
+    KILLED_WHILE.clear()
+    holder = _hand_over(hook, KEYS[0])
+    trigger = GuardedTrigger(
+        trigger_classpath=f"{__name__}.WaitsForever",
+        trigger_kwargs={"dsn": dsn, "key_name": str(KEYS[0].name)},
+        key_name=str(KEYS[0].name),
+        key_numbers=list(KEYS[0].numbers),
+        postgres_conn_id="pglock_test_killed",
+        holder=holder,
+        task="dag.op run",
+        lease=30.0,
+        deferred_at=time.time(),
+    )
+
+    async def body() -> None:
+        async def consume() -> None:
+            async for _ in trigger.run():
+                raise AssertionError("it never fires")
+
+        running = asyncio.ensure_future(consume())
+        assert await _until(lambda: _holders(scopes_db, KEYS[0]) == ["airflow-pglock deferred holds"]), "not held"
+        await asyncio.sleep(0.2)  # the operator's trigger runs
+        running.cancel(cancel)
+        with pytest.raises(asyncio.CancelledError):
+            await running
+        await trigger.on_kill()  # what the triggerer calls next: once is enough
+
+    asyncio.run(body())
+    if cancel is None:
+        assert KILLED_WHILE == [[]], "a stopping triggerer calls no on_kill(): only the test's own call ran"
+    else:
+        assert KILLED_WHILE == [["airflow-pglock deferred holds"]], KILLED_WHILE
+    assert _holders(scopes_db, KEYS[0]) == []
+    scopes_db.execute("DELETE FROM pglock.scopes")
+    assert advisory_locks_left(scopes_db) == 0
+
+
 def test_a_trigger_that_fires_as_the_hubs_session_ends_is_handed_back_on_a_new_session(
     hook: Any, scopes_db: Any
 ) -> None:

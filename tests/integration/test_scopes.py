@@ -119,6 +119,33 @@ def test_a_setup_run_again_takes_over_the_live_scope_its_earlier_try_left(hook: 
         ScopeRole(kind="member", holder=earlier, lineage=lineage)
 
 
+def test_a_setup_over_a_pool_run_again_takes_over_its_own_slot(hook: Any, scopes_db: Any) -> None:
+    """Review -68: over a pool, the setup run again took whichever slot it reached first and left its
+    earlier try's row live on another: one run held two slots until the lease, and another run was
+    refused. It tries its own earlier slot first."""
+    lineage, other = uuid.uuid4().hex, uuid.uuid4().hex
+
+    def enter(holder: str, lineage: str | None) -> int | None:
+        role = _role("enter", holder, lineage=lineage)
+        with LockGuard(hook.database, KEY, LockPolicy(slots=2), scope=role) as handle:
+            return handle.slot
+
+    assert enter(other + uuid.uuid4().hex, other) == 1  # another run's scope takes slot 1
+    ours = lineage + uuid.uuid4().hex
+    assert enter(ours, lineage) == 2
+    [(other_holder,)] = scopes_db.execute(
+        "SELECT holder FROM pglock.scopes WHERE holder LIKE %s", [other + "%"]
+    ).fetchall()
+    with LockGuard(hook.database, KEY, LockPolicy(slots=2), scope=_role("leave", other_holder, slot=1)):
+        pass  # its teardown frees slot 1
+    again = lineage + uuid.uuid4().hex
+    assert enter(again, lineage) == 2, "the setup run again took another slot than its own"
+    rows = scopes_db.execute("SELECT holder FROM pglock.scopes").fetchall()
+    assert rows == [(again,)], rows
+    assert enter(uuid.uuid4().hex, None) == 1, "a third run finds slot 1 free"
+    assert advisory_locks_left(scopes_db) == 0
+
+
 def test_members_reenter_with_the_scopes_token_and_fail_as_lost_once_it_lapsed_or_went(
     hook: Any, scopes_db: Any
 ) -> None:
