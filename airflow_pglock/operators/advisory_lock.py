@@ -254,10 +254,13 @@ class OperatorGuard:
                 # external job stops first). Not a busy key to skip: wait for it, as a resume does.
                 # (Before Airflow 3.3 nothing calls on_kill() there: the earlier job would go on.)
                 task.log.info("pglock: the earlier try of this task still holds its key in the triggerer: waiting")
+                asked = self.spec.policy
                 policy = dataclasses.replace(
-                    self.spec.policy,
+                    asked,
                     on_busy="wait",
-                    wait_timeout=max(RESUME_WAIT_SECONDS, self.spec.policy.wait_timeout or 0.0),
+                    wait_timeout=max(RESUME_WAIT_SECONDS, asked.wait_timeout or 0.0)
+                    if asked.on_busy == "wait"
+                    else RESUME_WAIT_SECONDS,  # a deferring task's long wait would hold a worker slot
                     on_wait_timeout="fail",
                     defer_after=0.0,
                 )
