@@ -33,8 +33,11 @@ The kinds (every public way to hold a lock, see docs/safety.md):
   another: the sizes meet at every change of era, where each must be refused while a holder
   of another size holds the name (outcome ``refused``), and hold only while none does;
 * ``scope``: a lock scope (``advisory_lock_scope``: docs/scopes.md) as its setup, tasks and
-  teardown run it, with a fencing token per scope: it believes it holds the key from its setup
-  to its last task, the gaps between tasks included (the lease row holds it there). Half of
+  teardown run it, with a fencing token per scope (a quarter of its runs run the setup again after
+  the first task, as a task cleared mid-scope does: it takes over its own earlier row, with the same
+  lineage, a new holder id and a new token, and the later tasks and the teardown use those): it
+  believes it holds the key from its setup to its last task, the gaps between tasks included (the
+  lease row holds it there). Half of
   its runs on one key have ``once_per`` a period of :data:`PERIOD_SECONDS` (the setup checks it,
   the teardown records it when every task succeeded: a ``recorded`` event). A third of its runs
   are a scope over the pool (``slots=2``, no token): it holds the slot its setup took.
@@ -439,7 +442,9 @@ class Worker:
 
         pooled = self.rng.random() < 1 / 3
         slots = self.config.pool_slots if pooled else 1
-        lock_key, holder = LockKey.from_name(self.config.pool if pooled else key), uuid.uuid4().hex
+        lineage = uuid.uuid4().hex  # this run's setup (a task cleared mid-scope runs it again)
+        lock_key, holder = LockKey.from_name(self.config.pool if pooled else key), lineage + uuid.uuid4().hex
+        cleared = self.rng.random() < 0.25  # a task cleared after the first: the setup runs again, mid-scope
         lease = SCOPE_LEASE_FACTOR * self.config.lease
         member_policy = LockPolicy(on_busy="wait", wait_timeout=WAIT_TIMEOUT, on_wait_timeout="fail", slots=slots)
         period = str(int(time.time() // PERIOD_SECONDS)) if not pooled and self.rng.random() < 0.5 else None
@@ -454,30 +459,51 @@ class Worker:
                 lease=lease,
                 fencing=not pooled,
                 slot=None if kind == "enter" else slot,
+                lineage=lineage if kind == "enter" else None,
             )
             return LockGuard(self.hook.database, lock_key, policy, application_name=self.name, scope=role, rules=rules)
 
-        enter = guard("enter", LockPolicy(slots=slots), RunRules(period=period))
-        try:
+        entering: list[LockGuard] = []
+
+        def setup() -> str:
+            """The setup (again: it takes over its own earlier row, with a new holder id and token)."""
+            nonlocal slot
+            enter = guard("enter", LockPolicy(slots=slots), RunRules(period=period))
+            entering.append(enter)
             with enter as handle:
                 token, backend, at = handle.fencing_token, handle.backend_pid, handle.acquired_at.timestamp()
                 slot, held_name = handle.slot, str(handle.key.name)
+            # Not judged by the checker's rule 8 (no pool and size here): between its tasks a scope holds
+            # no session and so no size marker, and another size of the name is not refused there
+            # (docs/scopes.md); its next task is.
+            self.history.emit(
+                "acquired", run=run, key=held_name, token=token, backend=backend, at=at, period=period, slot=slot
+            )
+            return held_name
+
+        try:
+            held_name = setup()
         except BaseException as error:
-            if enter.refusal is error:
+            if entering[-1].refusal is error:
                 raise _Busy([str(lock_key.name)], error, period=period) from error
             if pooled and _refused_for_another_size(error):
                 raise _Refused from error
             raise
-        # Not judged by the checker's rule 8 (no pool and size here): between its tasks a scope holds
-        # no session and so no size marker, and another size of the name is not refused there
-        # (docs/scopes.md); its next task is.
-        self.history.emit(
-            "acquired", run=run, key=held_name, token=token, backend=backend, at=at, period=period, slot=slot
-        )
         succeeded = False
         try:
-            for _ in range(self.rng.randint(2, 3)):
+            for task in range(self.rng.randint(2, 3)):
                 time.sleep(self.rng.uniform(0.0, 0.5))  # between tasks: only the lease row holds the scope
+                if cleared and task == 1:
+                    holder, before = lineage + uuid.uuid4().hex, held_name
+                    try:
+                        held_name = setup()
+                    except BaseException as error:
+                        if entering[-1].refusal is not error:
+                            raise
+                        self.history.emit("lost", run=run)  # its row lapsed (a freeze), another run took it
+                        raise _Lost(f"the setup run again found the scope taken: {error}") from error
+                    if held_name != before:  # another slot of the pool (its own was busy): the earlier
+                        self.history.emit("released", run=run, key=before)  # row is no longer used
                 try:
                     guard("member", member_policy).run(
                         lambda handle: self._work(run, {str(handle.key.name): handle.fencing_token}, finish=False)

@@ -79,6 +79,32 @@ def _sessions_left(admin: Any) -> int:
     return once_exited(lambda: _sessions(admin), 10.0)
 
 
+def _guarded_trigger(hook: Any, dsn: str, monkeypatch: pytest.MonkeyPatch, classpath: str, **more: Any) -> Any:
+    """A GuardedTrigger of the operator's trigger ``classpath`` over a hold handed over on KEYS[0],
+    reaching the test database through the Airflow connection ``pglock_test_guarded``."""
+    import json
+
+    from psycopg.conninfo import conninfo_to_dict
+
+    from airflow_pglock.triggers.guarded import GuardedTrigger
+
+    parts = conninfo_to_dict(dsn)
+    connection = {"conn_type": "postgres", "host": parts.get("host"), "port": int(parts.get("port") or 5432)}
+    connection |= {"login": parts.get("user"), "schema": parts.get("dbname")}
+    monkeypatch.setenv("AIRFLOW_CONN_PGLOCK_TEST_GUARDED", json.dumps(connection))
+    options: dict[str, Any] = {"trigger_kwargs": {}, "deferred_at": time.time(), **more}
+    return GuardedTrigger(
+        trigger_classpath=classpath,
+        key_name=str(KEYS[0].name),
+        key_numbers=list(KEYS[0].numbers),
+        postgres_conn_id="pglock_test_guarded",
+        holder=_hand_over(hook, KEYS[0]),
+        task="dag.op run",
+        lease=30.0,
+        **options,
+    )
+
+
 async def _until(check: Callable[[], Any], timeout: float = 15.0) -> Any:
     deadline = time.monotonic() + timeout
     while True:
@@ -339,29 +365,9 @@ class EndsTheTaskHere:
 def test_a_guarded_trigger_whose_task_ends_in_the_triggerer_frees_the_hold(
     hook: Any, scopes_db: Any, dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import json
-
     from airflow.triggers.base import TaskSuccessEvent
-    from psycopg.conninfo import conninfo_to_dict
 
-    from airflow_pglock.triggers.guarded import GuardedTrigger
-
-    parts = conninfo_to_dict(dsn)
-    connection = {"conn_type": "postgres", "host": parts.get("host"), "port": int(parts.get("port") or 5432)}
-    connection |= {"login": parts.get("user"), "schema": parts.get("dbname")}
-    monkeypatch.setenv("AIRFLOW_CONN_PGLOCK_TEST_ENDS_HERE", json.dumps(connection))
-    holder = _hand_over(hook, KEYS[0])
-    trigger = GuardedTrigger(
-        trigger_classpath=f"{__name__}.EndsTheTaskHere",
-        trigger_kwargs={},
-        key_name=str(KEYS[0].name),
-        key_numbers=list(KEYS[0].numbers),
-        postgres_conn_id="pglock_test_ends_here",
-        holder=holder,
-        task="dag.op run",
-        lease=30.0,
-        deferred_at=time.time(),
-    )
+    trigger = _guarded_trigger(hook, dsn, monkeypatch, f"{__name__}.EndsTheTaskHere")
 
     async def body() -> list[Any]:
         return [event async for event in trigger.run()]
@@ -395,28 +401,9 @@ def test_a_worker_clock_behind_the_triggerers_does_not_shorten_the_resume_hold(
     """Review -65: the hold against apache/airflow#72716 counted only from the deferral on the
     worker's clock: a worker 1,000 s behind the triggerer had its task resumed at once. It also
     counts from the trigger's own start in the triggerer now (never longer than the hold)."""
-    import json
-
-    from psycopg.conninfo import conninfo_to_dict
-
-    from airflow_pglock.triggers.guarded import GuardedTrigger
-
-    parts = conninfo_to_dict(dsn)
-    connection = {"conn_type": "postgres", "host": parts.get("host"), "port": int(parts.get("port") or 5432)}
-    connection |= {"login": parts.get("user"), "schema": parts.get("dbname")}
-    monkeypatch.setenv("AIRFLOW_CONN_PGLOCK_TEST_AT_ONCE", json.dumps(connection))
-    holder = _hand_over(hook, KEYS[0])
-    trigger = GuardedTrigger(
-        trigger_classpath=f"{__name__}.FiresAtOnce",
-        trigger_kwargs={},
-        key_name=str(KEYS[0].name),
-        key_numbers=list(KEYS[0].numbers),
-        postgres_conn_id="pglock_test_at_once",
-        holder=holder,
-        task="dag.op run",
-        lease=30.0,
-        deferred_at=time.time() - 1000.0,  # the worker's clock, far behind
-        resume_hold=2.0,
+    far_behind = time.time() - 1000.0  # the worker's clock
+    trigger = _guarded_trigger(
+        hook, dsn, monkeypatch, f"{__name__}.FiresAtOnce", deferred_at=far_behind, resume_hold=2.0
     )
 
     async def body() -> tuple[list[Any], float]:
@@ -467,31 +454,13 @@ def test_a_trigger_cancelled_for_a_cleared_task_kills_the_external_job_before_le
     on_kill() (Airflow 3.3+): the hold let the key go first, and the task's next try, which now waits
     for its own earlier hold, started its external job while the first one still ran. The operator's
     trigger's on_kill() now runs under the hold, once; a triggerer that stops calls none."""
-    import json
-
-    from psycopg.conninfo import conninfo_to_dict
-
     from airflow_pglock.compat import KILLS_CLEARED_TRIGGERS
-    from airflow_pglock.triggers.guarded import GuardedTrigger
 
     if not KILLS_CLEARED_TRIGGERS:
         pytest.skip("before Airflow 3.3 the triggerer calls no on_kill() for a cleared task's trigger")
-    parts = conninfo_to_dict(dsn)
-    connection = {"conn_type": "postgres", "host": parts.get("host"), "port": int(parts.get("port") or 5432)}
-    connection |= {"login": parts.get("user"), "schema": parts.get("dbname")}
-    monkeypatch.setenv("AIRFLOW_CONN_PGLOCK_TEST_KILLED", json.dumps(connection))
     KILLED_WHILE.clear()
-    holder = _hand_over(hook, KEYS[0])
-    trigger = GuardedTrigger(
-        trigger_classpath=f"{__name__}.WaitsForever",
-        trigger_kwargs={"dsn": dsn, "key_name": str(KEYS[0].name)},
-        key_name=str(KEYS[0].name),
-        key_numbers=list(KEYS[0].numbers),
-        postgres_conn_id="pglock_test_killed",
-        holder=holder,
-        task="dag.op run",
-        lease=30.0,
-        deferred_at=time.time(),
+    trigger = _guarded_trigger(
+        hook, dsn, monkeypatch, f"{__name__}.WaitsForever", trigger_kwargs={"dsn": dsn, "key_name": str(KEYS[0].name)}
     )
 
     async def body() -> None:
