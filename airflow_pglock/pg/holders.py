@@ -40,8 +40,8 @@ def _query(
             objids=[c[1] for c in coordinates],
             objsubids=[c[2] for c in coordinates],
         )
-    # One row more than the locks' whatever they are (NULLs where no lock): the server's facts travel with
-    # them, in the same statement (two statements behind a pooler could reach two different servers).
+    # At least one row (all NULL but the server's facts when no lock matches): the standby check travels
+    # with the read of pg_locks, in one statement (two behind a pooler could reach two different servers).
     query = sql.SQL(
         "SELECT h.*, r.standby, current_database(), clock_timestamp()"
         " FROM (SELECT pg_is_in_recovery() AS standby) r LEFT JOIN LATERAL ("
