@@ -172,7 +172,7 @@ class GuardedTrigger(BaseTrigger):
     async def _kill_under_the_hold(self) -> None:
         try:
             await asyncio.wait_for(self.on_kill(), timeout=trigger_on_kill_timeout())
-        except (Exception, asyncio.TimeoutError) as error:
+        except Exception as error:  # its timeout (a TimeoutError) too
             await _log(self.log.warning, "pglock: on_kill() of %s under its hold: %r", self.task_label, error)
 
     async def _under_the_hold(self, hub: Any, hold: Any) -> AsyncGenerator[TriggerEvent, None]:
