@@ -29,7 +29,9 @@ from typing import Any
 import psycopg
 
 from airflow_pglock.exceptions import LockConfigurationError
+from airflow_pglock.holder import describe_holders
 from airflow_pglock.keys import LockKey
+from airflow_pglock.pg.holders import read_holders
 from airflow_pglock.pg.sql import execute_contained
 
 MIGRATION_STATEMENTS: tuple[str, ...] = (
@@ -75,6 +77,10 @@ HORIZON_LOCK_KEY = LockKey.from_name("airflow-pglock/scope-horizon")
 #: bound. Between tries its session is idle, so the lease bounds it as it bounds any holder.
 HORIZON_FIRST_PAUSE_SECONDS = 0.002
 HORIZON_LONGEST_PAUSE_SECONDS = 0.05
+#: The longest a writer tries the horizon's lock when its session's ``lock_timeout`` and
+#: ``statement_timeout`` allow longer (or are off, as on a scope's sessions): a writer holds it for
+#: one write and its commit, but any session of the database may take the key and keep it.
+HORIZON_WAIT_SECONDS = 10.0
 # The session's lock_timeout and statement_timeout in ms (0: none), which bound the tries as they
 # would bound a wait on the server.
 _TIMEOUTS_MS = ", ".join(
@@ -419,7 +425,8 @@ def _under_horizon_lock(conn: psycopg.Connection[Any], when_locked: str, params:
     its own write and commit; the session's timeouts still bound the tries.
 
     :raises psycopg.errors.LockNotAvailable: the lock stayed busy past the session's
-        ``lock_timeout`` or ``statement_timeout``, whichever is shorter.
+        ``lock_timeout`` or ``statement_timeout`` or :data:`HORIZON_WAIT_SECONDS`, whichever is
+        shortest (its message names the lock's holders).
     """
     statement = (
         f"SELECT locked, CASE WHEN locked THEN {when_locked} END, {_TIMEOUTS_MS}"
@@ -432,11 +439,22 @@ def _under_horizon_lock(conn: psycopg.Connection[Any], when_locked: str, params:
         locked, _, *timeouts_ms = _run(conn, statement, params).fetchone()
         if locked:
             return
-        bound_ms = min((float(ms) for ms in timeouts_ms if ms), default=None)
-        if bound_ms is not None and (time.monotonic() - started) * 1000 >= bound_ms:
+        session_bound_ms = min((float(ms) for ms in timeouts_ms if ms), default=None)
+        bound_ms = min(HORIZON_WAIT_SECONDS * 1000, session_bound_ms or HORIZON_WAIT_SECONDS * 1000)
+        if (time.monotonic() - started) * 1000 >= bound_ms:
+            which = (
+                "this session's lock_timeout or statement_timeout"
+                if session_bound_ms is not None and session_bound_ms <= HORIZON_WAIT_SECONDS * 1000
+                else f"the longest a scope's write tries it (HORIZON_WAIT_SECONDS = {HORIZON_WAIT_SECONDS:g})"
+            )
+            try:
+                holders = describe_holders(read_holders(conn, HORIZON_LOCK_KEY), dt.datetime.now(dt.timezone.utc))
+            except psycopg.Error as error:
+                holders = f"a session not read ({type(error).__name__}: {error})"
             raise psycopg.errors.LockNotAvailable(
-                f"the scope horizon's lock ({HORIZON_LOCK_KEY.describe()}) stayed busy for {bound_ms:.0f} ms, this "
-                "session's lock_timeout or statement_timeout: another scope is being written"
+                f"the scope horizon's lock ({HORIZON_LOCK_KEY.describe()}) stayed busy for {bound_ms:.0f} ms, "
+                f"{which}: held by {holders} (a scope's write holds it for a moment; a session that keeps it "
+                "blocks every lock scope of the database)"
             )
         time.sleep(pause)
         pause = min(HORIZON_LONGEST_PAUSE_SECONDS, pause * 2)

@@ -3,6 +3,7 @@ and a scope's setup, tasks and teardown keep it (scope_rules through LockGuard).
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 import uuid
@@ -629,4 +630,38 @@ def test_a_recording_teardown_whose_delete_fails_records_nothing_and_its_retry_r
     assert _leave_recording(hook, holder).outcome == "completed"
     assert _completions(scopes_db) == [("2026-12-01", token)]
     assert scopes_db.execute("SELECT count(*) FROM pglock.scopes").fetchone()[0] == 0
+    assert advisory_locks_left(scopes_db) == 0
+
+
+def test_a_session_that_keeps_the_horizons_lock_fails_a_setup_in_time_naming_it(
+    hook: Any, scopes_db: Any, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Any session of the database may take the horizon's key (an advisory key like any other)
+    and keep it. A scope's sessions set no lock_timeout: the setup must still give up, fail (not
+    skip, not hang holding its key) and name who keeps the lock."""
+    import psycopg
+
+    # raising=False: the test also runs against the code before the bound (it must fail there).
+    monkeypatch.setattr(scopes, "HORIZON_WAIT_SECONDS", 0.5, raising=False)
+    ended: list[BaseException | None] = []
+
+    def setup() -> None:
+        try:
+            _enter(hook, uuid.uuid4().hex)
+            ended.append(None)
+        except BaseException as error:
+            ended.append(error)
+
+    with psycopg.connect(dsn, autocommit=True, application_name="foreign nightly batch") as foreign:
+        foreign.execute("SELECT pg_advisory_lock(%s)", [scopes.HORIZON_LOCK_KEY.int64])
+        thread = threading.Thread(target=setup, daemon=True)
+        thread.start()
+        thread.join(20)
+        still_trying = thread.is_alive()
+    thread.join(20)
+    assert not still_trying, "the setup still tried the horizon's lock after 20 s, holding its key"
+    assert ended and ended[0] is not None, "the setup ran while the horizon's lock was kept"
+    assert not isinstance(ended[0], LockBusyError), ended[0]
+    assert re.search(r"stayed busy for 500 ms.*'foreign nightly batch'", str(ended[0])), ended[0]
+    assert scopes.read(scopes_db, KEY) is None, "the setup's row outlived its failure"
     assert advisory_locks_left(scopes_db) == 0
