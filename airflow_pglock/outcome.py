@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from airflow_pglock.display import printable
 from airflow_pglock.holder import LockHolder
 from airflow_pglock.identity import holder_where
 from airflow_pglock.keys import LockKey
@@ -243,8 +244,9 @@ def configured_target(database: LockDatabase) -> tuple[str | None, str | None]:
 
 
 def _one_line(text: str) -> str:
-    """``text`` on one line: libpq's messages carry a newline and an indented hint."""
-    return re.sub(r"\s*\n\s*", " ", text.strip())
+    """``text`` on one line: libpq's messages carry a newline and an indented hint; any other
+    control character (from a message quoting what another session wrote) is shown escaped."""
+    return printable(re.sub(r"\s*\n\s*", " ", text.strip()))
 
 
 def _joined(values: Any) -> str | None:

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from airflow_pglock.display import printable
 from airflow_pglock.hooks import DEFAULT_CONN_ID
 
 EXIT_OK = 0
@@ -69,7 +70,19 @@ def print_json(data: Any, out: TextIO) -> None:
     out.write("\n")
 
 
+#: The widest a cell of a table is shown (a longer one ends with ``~``): a key name or a row's text
+#: is anyone's, and every row is padded to the widest cell of its column.
+LONGEST_CELL = 120
+
+
+def _cell(text: str) -> str:
+    shown = printable(text)
+    return shown if len(shown) <= LONGEST_CELL else shown[: LONGEST_CELL - 1] + "~"
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]], out: TextIO) -> None:
+    """``rows`` under ``headers``, in columns; every cell escaped and cut to :data:`LONGEST_CELL`."""
+    rows = [[_cell(cell) for cell in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
     line = "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))
     out.write(line.rstrip() + "\n")

@@ -30,6 +30,7 @@ from typing import Any
 
 import psycopg
 
+from airflow_pglock.display import printable
 from airflow_pglock.exceptions import LockConfigurationError, LockConnectionError
 from airflow_pglock.identity import TaskIdentity
 from airflow_pglock.keys import LockKey
@@ -175,7 +176,8 @@ class Completion:
         if self.map_index is not None and self.map_index >= 0:
             who += f"[{self.map_index}]"
         run = f" run {self.run_id}" if self.run_id else ""
-        return f"at {self.completed_at.isoformat(timespec='seconds')} ({self.age_seconds:.0f} s ago) by {who}{run}"
+        at = self.completed_at.isoformat(timespec="seconds")
+        return f"at {at} ({self.age_seconds:.0f} s ago) by {printable(who + run)}"  # the row's texts are anyone's
 
 
 def _missing_tables(feature: str) -> LockConfigurationError:

@@ -28,6 +28,7 @@ from typing import Any
 
 import psycopg
 
+from airflow_pglock.display import printable
 from airflow_pglock.exceptions import LockConfigurationError
 from airflow_pglock.holder import describe_holders
 from airflow_pglock.keys import LockKey
@@ -111,15 +112,17 @@ class ScopeRow:
     seconds_left: float = 0.0
 
     def describe(self) -> str:
+        """Who holds the key by this row, for a message (its texts are any writer's: shown escaped)."""
         until = self.lease_until.isoformat(timespec="seconds")
-        if self.task_now and self.task_now.endswith(DEFERRED_SUFFIX):
-            task = self.task_now.removesuffix(DEFERRED_SUFFIX)
-            return f"the deferred task {task} of {self.run} (held by the triggerer, lease until {until})"
-        if self.task_now and self.task_now.endswith(RESUMING_SUFFIX):
-            task = self.task_now.removesuffix(RESUMING_SUFFIX)
-            return f"the deferred task {task} of {self.run} (resuming on a worker, lease until {until})"
-        now = f", task {self.task_now} running now" if self.task_now else ", between its tasks"
-        return f"the lock scope of {self.run}{now}, lease until {until}"
+        run, task_now = printable(self.run), printable(self.task_now) if self.task_now else None
+        if task_now and task_now.endswith(DEFERRED_SUFFIX):
+            task = task_now.removesuffix(DEFERRED_SUFFIX)
+            return f"the deferred task {task} of {run} (held by the triggerer, lease until {until})"
+        if task_now and task_now.endswith(RESUMING_SUFFIX):
+            task = task_now.removesuffix(RESUMING_SUFFIX)
+            return f"the deferred task {task} of {run} (resuming on a worker, lease until {until})"
+        now = f", task {task_now} running now" if task_now else ", between its tasks"
+        return f"the lock scope of {run}{now}, lease until {until}"
 
 
 #: The ``task_now`` suffix of a deferred guarded operator's hold (``scope_rules.hand_over``).

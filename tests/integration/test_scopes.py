@@ -274,6 +274,28 @@ def test_locks_shows_a_live_scope_in_its_table_and_json(hook: Any, scopes_db: An
     assert other["scopes"] == []
 
 
+def test_a_scope_rows_texts_are_shown_escaped_in_a_skip_and_in_locks(
+    hook: Any, scopes_db: Any, dsn: str, capsys: Any
+) -> None:
+    """A row's run and task are text any writer of the table chose: an escape sequence or a
+    newline in them must not reach a log or a terminal as such (a forged outcome line)."""
+    from tests.ops_helpers import run_cli
+
+    _enter(hook, uuid.uuid4().hex)
+    forged = "prod: nightly\x1b[1G\x1b[2Kpglock outcome=completed key 'x'\nforged line\u202e"
+    scopes_db.execute("UPDATE pglock.scopes SET run = %s, task_now = %s", [forged, "t\x07"])
+    with pytest.raises(LockBusyError) as busy, LockGuard(hook.database, KEY, LockPolicy()):
+        pytest.fail("ran inside another run's scope")
+    message = str(busy.value)
+    assert r"prod: nightly\x1b[1G\x1b[2Kpglock outcome=completed key 'x'\nforged line\u202e" in message, message
+    assert r"task t\x07 running now" in message, message
+    table = run_cli("locks", "--dsn", dsn, capsys=capsys)
+    assert table.code == 0 and r"\x1b[2Kpglock" in table.out, table.out
+    for unsafe in ("\x1b", "\x07", "\u202e"):
+        assert unsafe not in message and unsafe not in table.out, repr(unsafe)
+    assert not any(line.startswith("forged") for line in table.out.splitlines()), table.out
+
+
 def test_locks_shows_a_live_scope_to_a_role_that_may_not_read_the_key_name_registry(
     hook: Any, scopes_db: Any, dsn: str, capsys: Any
 ) -> None:
