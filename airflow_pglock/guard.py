@@ -53,7 +53,14 @@ from airflow_pglock.pg.database import LockDatabase
 from airflow_pglock.pg.held import HeldLock
 from airflow_pglock.policy import LockPolicy
 from airflow_pglock.registry import record_acquisition
-from airflow_pglock.run_rules import RunRules, check_before_work, check_not_pooled, check_not_shared, record_success
+from airflow_pglock.run_rules import (
+    RunRules,
+    check_before_work,
+    check_not_pooled,
+    check_not_shared,
+    check_not_warned,
+    record_success,
+)
 from airflow_pglock.scope_rules import (
     OUTSIDE,
     HandOver,
@@ -201,6 +208,7 @@ class LockGuard:
         # records the completion (when every task of the scope succeeded) without checking again.
         self._records_completion = self.rules.records_completion and scope.kind in ("outside", "leave")
         check_not_shared(self.rules, policy.shared)
+        check_not_warned(self.rules, policy.on_lost)
         check_not_pooled(self.rules, policy.slots)
         check_application_name(application_name)
         self.identity = identity

@@ -26,7 +26,7 @@ from airflow_pglock.hooks import DEFAULT_CONN_ID
 from airflow_pglock.keys import LockKey, slot_keys, tenant_text
 from airflow_pglock.liveness import DEFAULT_LEASE_SECONDS, Liveness
 from airflow_pglock.policy import DEFAULT_DEFER_AFTER_SECONDS, LockPolicy, OnBusy, OnError, OnLost, check_defer_after
-from airflow_pglock.run_rules import RunRules, check_not_pooled, check_not_shared, seconds
+from airflow_pglock.run_rules import RunRules, check_not_pooled, check_not_shared, check_not_warned, seconds
 from airflow_pglock.server_rules import Scope
 
 if TYPE_CHECKING:  # the hook (psycopg) loads when a task runs, not when a DAG file is parsed
@@ -212,6 +212,7 @@ class LockSpec:
         # checks min_interval and fencing now, when the DAG is parsed, and refuses them with a shared lock
         rules = RunRules(period=given["once_per"], min_interval=interval, fencing=given["fencing"])
         check_not_shared(rules, policy.shared)
+        check_not_warned(rules, policy.on_lost)
         check_not_pooled(rules, policy.slots)
         return cls(
             postgres_conn_id=postgres_conn_id,

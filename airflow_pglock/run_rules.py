@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from airflow_pglock.exceptions import AlreadyDoneError, LockConfigurationError, LockLostError
+from airflow_pglock.exceptions import AlreadyDoneError, LockConfigurationError, LockLostError, PgLockError
 from airflow_pglock.identity import TaskIdentity
 
 if TYPE_CHECKING:  # the ledger (SQL, psycopg) loads when a rule runs, not when a DAG is parsed
@@ -69,6 +69,13 @@ def seconds(value: float | dt.timedelta | None, option: str) -> float | None:
     return float(value)
 
 
+#: How far in the future of the database clock the key's last completion may be dated before
+#: ``min_interval`` fails instead of skipping: a completion is dated by the database itself, so
+#: only a clock set back (or a promoted standby's clock behind) or a row written by hand puts it
+#: there, and beyond a moment it would skip every run until that date.
+FUTURE_COMPLETION_TOLERANCE_SECONDS = 60.0
+
+
 def check_before_work(
     rules: RunRules, held: HeldLock, database: LockDatabase, application_name: str | None
 ) -> int | None:
@@ -92,6 +99,13 @@ def check_before_work(
     if rules.min_interval is not None:
         latest = ledger.last_completion(conn, held.key)
         held.answered()
+        if latest is not None and latest.age_seconds < -FUTURE_COMPLETION_TOLERANCE_SECONDS:
+            raise PgLockError(
+                f"{held.key.describe()}'s last completion is dated {-latest.age_seconds:.0f} s in the future of "
+                f"the database clock ({latest.describe()}): the database's clock was set back, or the row in "
+                "pglock.completions was written by hand. min_interval cannot be judged from it: delete the row "
+                "(or correct its completed_at) to run the task again"
+            )
         if latest is not None and latest.age_seconds < rules.min_interval:
             raise AlreadyDoneError(
                 f"{held.key.describe()} completed {latest.age_seconds:.1f} s ago, less than "
@@ -157,6 +171,26 @@ def check_not_pooled(rules: RunRules, slots: int) -> None:
         raise LockConfigurationError(
             f"slots={slots} cannot be combined with once_per, min_interval or fencing: those are recorded per key, "
             "and each run of a pool holds a different slot"
+        )
+
+
+def check_not_warned(rules: RunRules, on_lost: str) -> None:
+    """Refuse once_per / min_interval with ``on_lost="warn"`` (before any I/O).
+
+    A run whose lock was lost goes on under "warn" and ends as a success, but records nothing
+    (the record needs the lock): the period is still not done, so the next run does the work
+    again, and while the key was free another run may have done it at the same time.
+    """
+    used = [
+        name
+        for name, on in (("once_per", rules.period is not None), ("min_interval", rules.min_interval is not None))
+        if on
+    ]
+    if on_lost == "warn" and used:
+        raise LockConfigurationError(
+            f"{' / '.join(used)} cannot be combined with on_lost='warn': a run that lost its lock goes on and "
+            "succeeds without a record, so the period's work could run again, or twice at once. Use on_lost='fail' "
+            "(the default) with these rules"
         )
 
 

@@ -192,6 +192,20 @@ def test_shared_with_run_rules_is_refused_when_the_dag_is_parsed() -> None:
     _spec(once_per="{{ ds }}")  # exclusive: fine
 
 
+def test_on_lost_warn_with_once_per_or_min_interval_is_refused_when_the_dag_is_parsed_and_before_any_io() -> None:
+    """A run that lost its lock goes on under "warn" and succeeds without a record: the period's
+    work would run again (or twice at once). Fencing with "warn" stays allowed (the fenced
+    resource refuses the stale token)."""
+    for options in ({"once_per": "{{ ds }}"}, {"min_interval": 60}):
+        with pytest.raises(LockConfigurationError, match="on_lost='warn'"):
+            _spec(on_lost="warn", **options)
+    _spec(on_lost="warn", fencing=True)
+    hook = AdvisoryLockHook(dsn="postgresql://nobody@127.0.0.1:1/none")  # never contacted
+    for rules in (RunRules(period=PERIOD), RunRules(min_interval=5)):
+        with pytest.raises(LockConfigurationError, match="on_lost='warn'"):
+            LockGuard(hook.database, LockKey.from_name("warned-rules"), LockPolicy(on_lost="warn"), rules=rules)
+
+
 def test_shared_guard_with_once_per_is_refused_before_any_io(fault_server: FaultServer, fault_admin: Any) -> None:
     hook = AdvisoryLockHook(dsn="postgresql://nobody@127.0.0.1:1/none")  # never contacted
     for rules in (RunRules(period=PERIOD), RunRules(min_interval=5), RunRules(fencing=True)):

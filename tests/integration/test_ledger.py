@@ -244,3 +244,30 @@ def test_a_recorded_token_never_goes_down(hook: AdvisoryLockHook, installed: Any
             is None
         )
     assert installed.execute("SELECT pglock.current_fencing_token('fenced-down')").fetchone()[0] == newest
+
+
+def test_min_interval_fails_on_a_completion_dated_in_the_future_instead_of_skipping_until_then(
+    hook: AdvisoryLockHook, installed: Any
+) -> None:
+    """A completion is dated by the database: one far in its future (a clock set back, a row
+    written by hand) would skip every run until that date. Past a moment's tolerance the run
+    fails, saying why; within it, the key is simply too fresh."""
+    from airflow_pglock.exceptions import AlreadyDoneError, PgLockError
+    from airflow_pglock.guard import LockGuard
+    from airflow_pglock.policy import LockPolicy
+    from airflow_pglock.run_rules import RunRules
+
+    key = LockKey.from_name("fresh-forecasts")
+    identity = TaskIdentity("forecasts", "refresh", "manual__1")
+    with held_lock(hook, key) as held:
+        assert held is not None
+        ledger.record_completion(held.connection, key, "p", identity, None)
+    ran: list[bool] = []
+    installed.execute("UPDATE pglock.completions SET completed_at = now() + interval '10 seconds'")
+    with pytest.raises(AlreadyDoneError, match="less than min_interval"):
+        LockGuard(hook.database, key, LockPolicy(), rules=RunRules(min_interval=60)).run(lambda lock: ran.append(True))
+    installed.execute("UPDATE pglock.completions SET completed_at = '2999-01-01'")
+    with pytest.raises(PgLockError, match=r"dated \d+ s in the future of the database clock") as failed:
+        LockGuard(hook.database, key, LockPolicy(), rules=RunRules(min_interval=60)).run(lambda lock: ran.append(True))
+    assert not isinstance(failed.value, AlreadyDoneError)
+    assert ran == []
