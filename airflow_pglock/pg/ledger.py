@@ -153,6 +153,35 @@ STRICT_FENCING_STATEMENTS: tuple[str, ...] = (
     """,
 )
 
+#: A key's recorded token only grows, whoever writes the row: every task role may UPDATE the table
+#: (the provider's own statement raises a row only), and a row set lower, or moved to another key,
+#: would let a stale token pass the checks above.
+TOKEN_NEVER_DOWN_STATEMENTS: tuple[str, ...] = (
+    """
+    CREATE OR REPLACE FUNCTION pglock.fencing_token_never_goes_down() RETURNS trigger
+    LANGUAGE plpgsql SET search_path = pg_catalog AS
+    $$
+    BEGIN
+        IF (NEW.objsubid, NEW.classid, NEW.objid) IS DISTINCT FROM (OLD.objsubid, OLD.classid, OLD.objid) THEN
+            RAISE EXCEPTION 'the fencing token record of lock key % cannot move to another key',
+                coalesce(quote_literal(OLD.key_name), '(' || OLD.classid || ', ' || OLD.objid || ')')
+                USING ERRCODE = 'check_violation';
+        END IF;
+        IF NEW.token IS NULL OR NEW.token < OLD.token THEN
+            RAISE EXCEPTION 'the fencing token of lock key % cannot go down (% -> %)',
+                coalesce(quote_literal(OLD.key_name), '(' || OLD.classid || ', ' || OLD.objid || ')'),
+                OLD.token, NEW.token
+                USING ERRCODE = 'check_violation',
+                      HINT = 'a smaller token would let a writer that lost its lock pass the fencing checks';
+        END IF;
+        RETURN NEW;
+    END
+    $$
+    """,
+    "CREATE TRIGGER fencing_token_never_goes_down BEFORE UPDATE ON pglock.fencing_tokens"
+    " FOR EACH ROW EXECUTE FUNCTION pglock.fencing_token_never_goes_down()",
+)
+
 
 @dataclass(frozen=True)
 class Completion:

@@ -31,7 +31,7 @@ from psycopg import sql
 from airflow_pglock.exceptions import PgLockError
 from airflow_pglock.keys import LockKey
 from airflow_pglock.pg.ledger import MIGRATION_STATEMENTS as LEDGER_STATEMENTS
-from airflow_pglock.pg.ledger import STRICT_FENCING_STATEMENTS
+from airflow_pglock.pg.ledger import STRICT_FENCING_STATEMENTS, TOKEN_NEVER_DOWN_STATEMENTS
 from airflow_pglock.pg.scopes import GRANTS as SCOPE_GRANTS
 from airflow_pglock.pg.scopes import MIGRATION_STATEMENTS as SCOPE_STATEMENTS
 
@@ -117,6 +117,11 @@ MIGRATIONS: tuple[Migration, ...] = (
         description="lock scopes: one hold over several tasks, kept between them by a lease row (see pg/scopes.py)",
         statements=SCOPE_STATEMENTS,
         grants=SCOPE_GRANTS,
+    ),
+    Migration(
+        version=6,
+        description="fencing: a key's recorded token never goes down, whoever updates its row",
+        statements=TOKEN_NEVER_DOWN_STATEMENTS,
     ),
 )
 

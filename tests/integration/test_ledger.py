@@ -271,3 +271,31 @@ def test_min_interval_fails_on_a_completion_dated_in_the_future_instead_of_skipp
         LockGuard(hook.database, key, LockPolicy(), rules=RunRules(min_interval=60)).run(lambda lock: ran.append(True))
     assert not isinstance(failed.value, AlreadyDoneError)
     assert ran == []
+
+
+def test_a_recorded_token_row_cannot_be_set_lower_or_moved_by_hand(hook: AdvisoryLockHook, installed: Any) -> None:
+    """Every task role may UPDATE pglock.fencing_tokens (the provider's statement only raises a
+    row): a row set lower, or moved to another key, would let a stale token pass the checks."""
+    tokens = []
+    for _ in range(2):
+        with held_lock(hook, "fenced-by-hand") as held:
+            assert held is not None
+            tokens.append(
+                ledger.issue_fencing_token(
+                    held.connection, held.key, "holder", shared=held.shared, xact_id=held.xact_id
+                )
+            )
+    older, newest = tokens
+    assert older is not None and newest is not None and older < newest
+    with pytest.raises(psycopg.errors.CheckViolation, match="cannot go down"):
+        installed.execute("UPDATE pglock.fencing_tokens SET token = %s WHERE key_name = 'fenced-by-hand'", [older])
+    other = LockKey.from_name("fenced-elsewhere")
+    with pytest.raises(psycopg.errors.CheckViolation, match="cannot move to another key"):
+        installed.execute(
+            "UPDATE pglock.fencing_tokens SET classid = %s, objid = %s WHERE key_name = 'fenced-by-hand'",
+            [other.pg_locks[0], other.pg_locks[1]],
+        )
+    with pytest.raises(psycopg.errors.CheckViolation, match="stale fencing token"):
+        installed.execute("SELECT pglock.assert_fencing_token('fenced-by-hand', %s)", [older])
+    installed.execute("UPDATE pglock.fencing_tokens SET issued_to = 'by hand' WHERE key_name = 'fenced-by-hand'")
+    assert installed.execute("SELECT pglock.current_fencing_token('fenced-by-hand')").fetchone()[0] == newest
