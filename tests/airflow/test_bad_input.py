@@ -46,6 +46,14 @@ def bad_input():
     def renders_empty():
         raise AssertionError("must not run")
 
+    @task.advisory_lock(postgres_conn_id="pglock_test", key="{{ params.empty }}", on_error="skip")
+    def renders_empty_but_skip_asked():
+        raise AssertionError("must not run")
+
+    @task.advisory_lock(postgres_conn_id="pglock_test", once_per="{{ params.empty }}", on_error="skip")
+    def period_renders_empty_but_skip_asked():
+        raise AssertionError("must not run")
+
     @task.advisory_lock(postgres_conn_id="pglock_test", tenant="{{ params.tenant }}")
     def tenant_renders_empty():
         raise AssertionError("must not run")
@@ -72,7 +80,8 @@ def bad_input():
         raise AssertionError("must not run")
 
     for t in (unknown_conn, not_postgres, unreachable, unreachable_but_skip_asked, wrong_credentials,
-              renders_empty, tenant_renders_empty, unknown_param, unknown_tenant_param, uri_in_host,
+              renders_empty, renders_empty_but_skip_asked, period_renders_empty_but_skip_asked,
+              tenant_renders_empty, unknown_param, unknown_tenant_param, uri_in_host,
               uri_in_schema, pool_mode_typo):
         t()
 
@@ -209,6 +218,10 @@ def test_bad_input_fails_with_a_clear_message(
     ]
     assert {task: result.state(task) for task in expected_failures} == dict.fromkeys(expected_failures, "failed")
     assert result.state("unreachable_but_skip_asked") == "skipped"
+    # on_error="skip" covers a setting that renders wrong too (README's table says so), with its warning.
+    assert result.state("renders_empty_but_skip_asked") == "skipped"
+    assert result.state("period_renders_empty_but_skip_asked") == "skipped"
+    assert "once_per of task 'period_renders_empty_but_skip_asked' rendered to an empty period" in log
 
     assert "Airflow connection 'no_such_conn' was not found" in log
     assert "has conn_type 'mysql'" in log
