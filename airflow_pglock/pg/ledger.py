@@ -239,30 +239,54 @@ def _run(conn: psycopg.Connection[Any], feature: str, statement: str, params: di
         raise _missing_tables(feature) from None
 
 
+# The check before the work also asks whether this role may make the record after it (an upsert:
+# INSERT and UPDATE), so a role without them fails before the work, not after each try's work.
+_MAY_RECORD = (
+    "has_table_privilege('pglock.completions', 'INSERT') AND has_table_privilege('pglock.completions', 'UPDATE')"
+)
+
+
+def _found_if_recordable(feature: str, row: Any) -> Completion | None:
+    may_record, *found = row
+    if not may_record:
+        raise LockConfigurationError(
+            f"{feature}: this role may read pglock.completions but not INSERT and UPDATE it, so the run would do "
+            "its work and then fail to record it (each retry doing the work again): run "
+            "`airflow-pglock init-db --grant <this role>` (see docs/once-per-period.md)"
+        )
+    return _completion(found) if found[0] is not None else None  # period is NOT NULL: None when none
+
+
 def completion_for_period(conn: psycopg.Connection[Any], key: LockKey, period: str) -> Completion | None:
-    """The completion recorded for ``key`` and ``period``, if any."""
+    """The completion recorded for ``key`` and ``period``, if any.
+
+    :raises LockConfigurationError: this role may not record a completion (before the work).
+    """
     cursor = _run(
         conn,
         "once_per",
-        f"SELECT {_COMPLETION_COLUMNS} FROM pglock.completions WHERE objsubid = %(objsubid)s"
-        " AND classid = %(classid)s AND objid = %(objid)s AND period = %(period)s",
+        f"SELECT {_MAY_RECORD}, found.* FROM (SELECT 1) AS one LEFT JOIN LATERAL"
+        f" (SELECT {_COMPLETION_COLUMNS} FROM pglock.completions WHERE objsubid = %(objsubid)s"
+        " AND classid = %(classid)s AND objid = %(objid)s AND period = %(period)s) AS found ON true",
         {**_coordinates(key), "period": period},
     )
-    row = cursor.fetchone()
-    return _completion(row) if row else None
+    return _found_if_recordable("once_per", cursor.fetchone())
 
 
 def last_completion(conn: psycopg.Connection[Any], key: LockKey) -> Completion | None:
-    """The most recent completion of ``key`` in any period."""
+    """The most recent completion of ``key`` in any period.
+
+    :raises LockConfigurationError: this role may not record a completion (before the work).
+    """
     cursor = _run(
         conn,
         "min_interval",
-        f"SELECT {_COMPLETION_COLUMNS} FROM pglock.completions WHERE objsubid = %(objsubid)s"
-        " AND classid = %(classid)s AND objid = %(objid)s ORDER BY completed_at DESC LIMIT 1",
+        f"SELECT {_MAY_RECORD}, found.* FROM (SELECT 1) AS one LEFT JOIN LATERAL"
+        f" (SELECT {_COMPLETION_COLUMNS} FROM pglock.completions WHERE objsubid = %(objsubid)s"
+        " AND classid = %(classid)s AND objid = %(objid)s ORDER BY completed_at DESC LIMIT 1) AS found ON true",
         _coordinates(key),
     )
-    row = cursor.fetchone()
-    return _completion(row) if row else None
+    return _found_if_recordable("min_interval", cursor.fetchone())
 
 
 def record_completion(

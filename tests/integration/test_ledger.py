@@ -299,3 +299,42 @@ def test_a_recorded_token_row_cannot_be_set_lower_or_moved_by_hand(hook: Advisor
         installed.execute("SELECT pglock.assert_fencing_token('fenced-by-hand', %s)", [older])
     installed.execute("UPDATE pglock.fencing_tokens SET issued_to = 'by hand' WHERE key_name = 'fenced-by-hand'")
     assert installed.execute("SELECT pglock.current_fencing_token('fenced-by-hand')").fetchone()[0] == newest
+
+
+def test_a_role_that_may_not_record_a_completion_fails_before_the_work(
+    hook: AdvisoryLockHook, installed: Any, dsn: str
+) -> None:
+    """The record after the work is an upsert (INSERT and UPDATE): a role that may only read the
+    table must fail before the work, or each retry would do the work and then fail to record it."""
+    from airflow_pglock.guard import LockGuard
+    from airflow_pglock.policy import LockPolicy
+    from airflow_pglock.run_rules import RunRules
+    from tests.ops_helpers import with_user
+
+    role = "pglock_ledger_readonly"
+    installed.execute(f"DROP ROLE IF EXISTS {role}")
+    installed.execute(f"CREATE ROLE {role} LOGIN")
+    installed.execute(f"GRANT USAGE ON SCHEMA pglock TO {role}")
+    installed.execute(f"GRANT SELECT ON ALL TABLES IN SCHEMA pglock TO {role}")
+    try:
+        limited = AdvisoryLockHook(dsn=with_user(dsn, role))
+        key = LockKey.from_name("read-only-ledger")
+        ran: list[str] = []
+        for grant in ("", "INSERT"):
+            if grant:
+                installed.execute(f"GRANT {grant} ON pglock.completions TO {role}")
+            for rules in (RunRules(period="2026-12-07"), RunRules(min_interval=60)):
+                with pytest.raises(
+                    LockConfigurationError, match=r"may read pglock\.completions but not INSERT and UPDATE"
+                ):
+                    LockGuard(limited.database, key, LockPolicy(), rules=rules).run(lambda lock: ran.append("work"))
+        assert ran == []
+        installed.execute(f"GRANT UPDATE ON pglock.completions TO {role}")
+        LockGuard(limited.database, key, LockPolicy(), rules=RunRules(period="2026-12-07")).run(
+            lambda lock: ran.append("work")
+        )
+        assert ran == ["work"]
+    finally:
+        installed.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", [role])
+        installed.execute(f"DROP OWNED BY {role}")
+        installed.execute(f"DROP ROLE {role}")
