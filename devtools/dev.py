@@ -118,10 +118,38 @@ BLUE_GREEN_PAIRS: tuple[tuple[tuple[str, str | None], tuple[str, str | None]], .
 )
 
 
+#: How long a command interrupted by Ctrl-C gets to clean up (its clusters, its Airflow processes)
+#: before it is terminated.
+CLEAN_UP_SECONDS = 120
+
+
+def _call(args: list[str], **popen: object) -> int:
+    """Run a command and wait for it; on Ctrl-C (which reaches it as well, as the terminal's
+    whole process group) keep waiting while it cleans up (``subprocess.call`` would kill it
+    within a quarter of a second, leaving its PostgreSQL running)."""
+    with subprocess.Popen(args, **popen) as child:  # type: ignore[call-overload]
+        try:
+            return int(child.wait())
+        except KeyboardInterrupt:
+            print(f"[dev] interrupted: waiting up to {CLEAN_UP_SECONDS} s while it cleans up", flush=True)
+            try:
+                child.wait(timeout=CLEAN_UP_SECONDS)
+            except (subprocess.TimeoutExpired, KeyboardInterrupt):
+                child.terminate()
+                child.wait()
+            raise
+
+
 def find_interpreter() -> Path:
     """The interpreter for PGLOCK_PYTHON: this one, a pyenv version, or pythonX.Y on PATH."""
     if PYTHON_VERSION not in PYTHONS:
-        sys.exit(f"PGLOCK_PYTHON={PYTHON_VERSION}: airflow-pglock supports Python {', '.join(PYTHONS)}")
+        if os.environ.get("PGLOCK_PYTHON"):
+            sys.exit(f"PGLOCK_PYTHON={PYTHON_VERSION}: airflow-pglock supports Python {', '.join(PYTHONS)}")
+        sys.exit(
+            f"devtools/dev.py runs on Python {PYTHON_VERSION}, and the development venv is made with the Python "
+            f"that runs it: airflow-pglock supports Python {', '.join(PYTHONS)}. Run it with one of those (for "
+            f"instance python3.12 devtools/dev.py ...), or name one installed with PGLOCK_PYTHON=3.12"
+        )
     if OWN_PYTHON:
         return Path(sys.executable)
     pyenv_root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
@@ -311,7 +339,7 @@ def run_blue_green(harness: str, rest: list[str]) -> int:
         print(f"[dev] blue/green {label}", flush=True)
         started = time.monotonic()
         test = [harness, "-m", "pytest", "-m", "", "-p", "no:cacheprovider", "tests/e2e/test_blue_green.py", *rest]
-        code = subprocess.call(test, cwd=ROOT, env=env)
+        code = _call(test, cwd=ROOT, env=env)
         outcome = "passed" if code == 0 else f"FAILED (exit {code})"
         print(f"[dev] blue/green {label}: {outcome} in {time.monotonic() - started:.0f} s", flush=True)
         if code != 0:
@@ -356,36 +384,34 @@ def main(argv: list[str]) -> int:
         ):
             print(f"[dev] installing the campaign's picture package: {', '.join(CAMPAIGN_PINS)}", flush=True)
             _install(Path(python), "-c", str(CONSTRAINTS), *CAMPAIGN_PINS)
-        return subprocess.call([python, "-m", "devtools.campaign.run", *rest], cwd=ROOT)
+        return _call([python, "-m", "devtools.campaign.run", *rest], cwd=ROOT)
     if command == "architecture-doc":  # grimp (import-linter's) reads the imports: the venv's Python
-        return subprocess.call([python, str(ROOT / "devtools" / "architecture.py")], cwd=ROOT)
+        return _call([python, str(ROOT / "devtools" / "architecture.py")], cwd=ROOT)
     env = dict(os.environ)
     if command == "demo":
-        return subprocess.call([python, str(ROOT / "devtools" / "demo.py"), *rest], cwd=ROOT, env=env)
+        return _call([python, str(ROOT / "devtools" / "demo.py"), *rest], cwd=ROOT, env=env)
     if command == "bench":
         installed = subprocess.run([python, "-c", "import pals, redis_lock, redis, pyinstrument"], capture_output=True)
         if installed.returncode != 0:
             print(f"[dev] installing the benchmark's packages: {', '.join(BENCH_PINS)}", flush=True)
             _install(Path(python), "-c", str(CONSTRAINTS), *BENCH_PINS)
         env["PGLOCK_BENCH_COMMAND"] = " ".join(["python3 devtools/dev.py bench", *rest])
-        return subprocess.call([python, "-m", "benchmarks.run", *rest], cwd=ROOT, env=env)
+        return _call([python, "-m", "benchmarks.run", *rest], cwd=ROOT, env=env)
     if command == "lint":
         linted = ["airflow_pglock", "tests", "devtools", "dags", "benchmarks"]
-        ruff = subprocess.call([python, "-m", "ruff", "check", *linted], cwd=ROOT)
-        layout = subprocess.call([python, "-m", "ruff", "format", "--check", *linted], cwd=ROOT)
-        mypy = subprocess.call([python, "-m", "mypy"], cwd=ROOT)
-        layers = subprocess.call([str(Path(python).parent / "lint-imports")], cwd=ROOT)  # [tool.importlinter]
+        ruff = _call([python, "-m", "ruff", "check", *linted], cwd=ROOT)
+        layout = _call([python, "-m", "ruff", "format", "--check", *linted], cwd=ROOT)
+        mypy = _call([python, "-m", "mypy"], cwd=ROOT)
+        layers = _call([str(Path(python).parent / "lint-imports")], cwd=ROOT)  # [tool.importlinter]
         return ruff or layout or mypy or layers
     if command == "matrix":
-        return subprocess.call(
+        return _call(
             [python, "-m", "pytest", "-m", "matrix", *DURATIONS, *rest], cwd=ROOT, env=pytest_env(command, rest)
         )
     # -m "": the whole suite, the slow tests too (a bare `pytest` leaves them out; a -m in rest wins)
     if not rest:
         return run_suite_in_parts(python)
-    return subprocess.call(
-        [python, "-m", "pytest", "-m", "", *DURATIONS, *rest], cwd=ROOT, env=pytest_env(command, rest)
-    )
+    return _call([python, "-m", "pytest", "-m", "", *DURATIONS, *rest], cwd=ROOT, env=pytest_env(command, rest))
 
 
 def suite_part_arguments(part: tuple[str, ...]) -> list[str]:

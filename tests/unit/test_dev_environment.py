@@ -40,7 +40,7 @@ def _pytest_runs_of(monkeypatch: pytest.MonkeyPatch, *argv: str) -> list[_Starte
         return started[-1]
 
     monkeypatch.setattr(dev, "ensure_environment", lambda: Path("/venv/bin/python"))
-    monkeypatch.setattr(dev.subprocess, "call", call)
+    monkeypatch.setattr(dev, "_call", call)
     monkeypatch.setattr(dev.subprocess, "Popen", popen)
     assert dev.main(list(argv)) == 0
     return started
