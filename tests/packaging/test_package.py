@@ -108,6 +108,8 @@ def test_sdist_and_wheel_contents(artifacts: dict[str, Path]) -> None:
     assert not any(name.startswith(("tests/", "devtools/", "dags/", "benchmarks/")) for name in names)
     assert "airflow_pglock/py.typed" in names
     assert "airflow_pglock/_version.py" in names  # __version__ at run time, where there is no git
+    assert "LICENSE" in sdist_files and f"{dist_info}/licenses/LICENSE" in names  # Apache-2.0 4(a): a copy of it
+    assert "License-Expression: Apache-2.0" in metadata and "License-File: LICENSE" in metadata
     # The metadata admits what the matrix tests, nothing more (Python 3.14 and Airflow 3.5 untested).
     assert "Requires-Dist: apache-airflow<3.5,>=2.11" in metadata
     assert "Requires-Dist: apache-airflow-providers-postgres>=7.1" in metadata
