@@ -10,10 +10,17 @@ one), then reports the outcome. Everything goes to its history file
 The kinds (every public way to hold a lock, see docs/safety.md):
 
 * ``guard-session`` / ``guard-transaction``: what ``@task.advisory_lock(fencing=True)`` runs
-  (``LockGuard.run``), in session and transaction mode;
-* ``guard-wait``: the same with ``on_busy="wait"``;
+  (``LockGuard.run``), in session and transaction mode; now and then (:data:`PAIR_SHARE`) on the
+  hot (int32, int32) pair key :data:`PAIR_NUMBERS` (``WorkerConfig.pair_key`` names it), and now and
+  then (:data:`RULES_SHARE`) on the rules key with ``once_per`` (a period of
+  :data:`RULES_PERIOD_SECONDS`), ``min_interval`` (:data:`MIN_INTERVAL`) or both, as a plain guard
+  checks and records them: its ``acquired`` event (written after the check) says them, a refusal
+  names the recorded completion it met (``done_record``), and a completed run's ``recorded`` event
+  says when its completion was recorded on the database clock (read back by its fencing token);
+* ``guard-wait``: the same with ``on_busy="wait"`` (the pair key and the rules key too);
 * ``hook-lock``: ``hook.lock(key)`` (no fencing), now and then on the numeric key (taken by its
-  number: no name, so no registry state and no scope row asked); a quarter of its runs take the
+  number: no name, so no registry state and no scope row asked), on the pair key (by its two
+  numbers) or on the rules key (an exclusive holder without rules); a quarter of its runs take the
   key ``shared=True`` (two shared holders may overlap, a shared and an exclusive one may not), a
   quarter ``mode="transaction"``, a quarter wait for it (``timeout=HOOK_WAIT``);
 * ``lock-session``: ``hook.lock_session()`` with ``try_lock_many`` batches, a waiting
@@ -29,7 +36,10 @@ The kinds (every public way to hold a lock, see docs/safety.md):
   which ends its keys while the work goes on with them: the run must end lost);
 * ``pool``: a pool of slots (``slots=2``), in eras of :data:`SIZE_ERA` seconds of the wall
   clock: a quarter of them take the pool's name as a pool of ``slots=3``, a quarter as a plain
-  key (``slots=1``, half of them waiting), and a tenth of the runs of any era the size of
+  key (``slots=1``, half of them waiting); a third of the runs of a pool of slots take it in
+  ``mode="transaction"`` (its slot and its size markers are then transaction locks, and a tenth of
+  those runs' work catches an error of its own statement, as ``guard-transaction``'s; the
+  ``acquired`` event says the mode); and a tenth of the runs of any era the size of
   another: the sizes meet at every change of era, where each must be refused while a holder
   of another size holds the name (outcome ``refused``), and hold only while none does;
 * ``scope``: a lock scope (``advisory_lock_scope``: docs/scopes.md) as its setup, tasks and
@@ -355,7 +365,7 @@ class Worker:
         from airflow_pglock.keys import LockKey
         from airflow_pglock.run_rules import RunRules
 
-        draw = self.rng.random()
+        draw = self.rng.random() if self.config.pair_key or self.config.rules_key else 1.0
         if self.config.pair_key is not None and draw < PAIR_SHARE:
             return self.config.pair_key, {"lock_key": LockKey.from_pair(*PAIR_NUMBERS)}
         if self.config.rules_key is not None and draw < PAIR_SHARE + RULES_SHARE:
@@ -376,7 +386,7 @@ class Worker:
         from airflow_pglock.keys import LockKey
 
         label, key = self._maybe_numeric(name, 0.3)
-        draw = self.rng.random()
+        draw = self.rng.random() if self.config.pair_key or self.config.rules_key else 1.0
         if self.config.pair_key is not None and draw < 0.15:  # the pair key, by its two numbers
             label, key = self.config.pair_key, LockKey.from_pair(*PAIR_NUMBERS)
         elif self.config.rules_key is not None and draw < 0.25:  # the rules key (no rules: an exclusive holder)
