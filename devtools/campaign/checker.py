@@ -741,7 +741,10 @@ def _judge_skips(
     skip only if it ended about then (a hot key is held by someone nearly all the time: a hold that
     merely overlapped the skip would explain every error), except a scope's or a deferred
     operator's, whose sessions change while it is held (its tasks, its hand-overs: a try at such a
-    moment finds the key busy and the look finds it free): those explain a skip they overlap. Any
+    moment finds the key busy and the look finds it free): those explain a skip they overlap; so does
+    a run that a run rule refused (it held the key from its try to its refusal and never worked, so the
+    history has no hold of it: found by the campaign, a skip "held by a session that released it
+    since" next to a once_per refusal). Any
     other hold explains it only if no fault of the server began between its acquisition and the
     skip (more than :data:`SERVER_FAULT_SLACK` before the skip's end): a restart or a failover ends
     every session, so a hold from before it held nothing after it, however long its run went on
@@ -766,6 +769,15 @@ def _judge_skips(
             if run.skip.get("scope_row"):
                 for key in run.skip.get("tried") or []:
                     row_named[key].append(run.ended)
+    # A run a run rule refused (once_per, min_interval) held the key from its try to its refusal, with no
+    # acquired event (it never worked): another run's try meanwhile finds the key busy, and its look may
+    # find it free ("held by a session that released it since"). It explains a skip it overlaps.
+    checked: dict[str, list[tuple[float, float, str]]] = defaultdict(list)
+    for run in runs.values():
+        skip = run.skip
+        if skip is not None and run.ended is not None and (skip.get("done_record") or skip.get("done_period")):
+            for key in skip.get("tried") or []:
+                checked[key].append((run.start, run.ended, run.run))
     counts = {"judged": 0, "named": 0, "explained": 0, "unexplained": 0}  # judged: runs; the others: keys
     violations: list[str] = []
     holds = [hold for keyed in by_key.values() for hold in keyed]
@@ -813,7 +825,10 @@ def _judge_skips(
             if done_period is not None and recorded.get((key, done_period), math.inf) <= run.ended + JITTER:
                 counts["named"] += 1
                 continue
-            if any(explains(hold, run, key) for hold in holds):
+            if any(explains(hold, run, key) for hold in holds) or any(
+                other != run.run and start - JITTER <= run.ended and ended + JITTER >= run.start
+                for start, ended, other in checked.get(key, ())
+            ):
                 counts["explained"] += 1
                 continue
             unexplained.append(key)

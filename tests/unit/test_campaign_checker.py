@@ -485,3 +485,15 @@ def test_a_record_a_cancelled_commit_may_have_lost_in_a_failover_excuses_the_nex
     assert check(events, [], lease=LEASE).passed
     without_failover = [e for e in events if e.get("kind") != "failover"]
     assert not check(without_failover, [], lease=LEASE).passed
+
+
+def test_a_run_refused_by_a_run_rule_held_the_key_for_its_check_and_explains_a_skip_meanwhile() -> None:
+    """Rule 11: a refused run took the key to check its rule and gave it back without working (no hold in
+    the history); another run's try meanwhile found the key busy and its look found nobody."""
+    refused = _skip("a", 1, ["r"], 20.0, 20.04, done_record={"period": "g1", "at": 15.0, "token": 1})
+    nobody = _skip("s", 3, ["r"], 20.01, 20.05)
+    assert check([*refused, *nobody], [], lease=LEASE).passed
+    later = _skip("s", 3, ["r"], 25.0, 25.05)  # long after the refused run's check: still an error
+    assert any(
+        v.startswith("error reported as a skip: s") for v in check([*refused, *later], [], lease=LEASE).violations
+    )
