@@ -51,6 +51,19 @@ Each of these is a failure of the run (:attr:`Report.violations`):
     found that its session no longer held another key it believed it held (an ``unheld`` event),
     and no fault of that session or of the server explains it.
 
+15. **run rules broken** (``once_per``, ``min_interval`` on a plain guard; a scope's ``once_per`` is rule 7's):
+    a guard's period recorded twice for a key or run again after another run's record (rule 7, which
+    judges the guards' records too); a run that worked within its ``min_interval`` of another run's
+    recorded completion of the key (any period), judged with the database's clock as the provider
+    uses it: the record's ``completed_at`` (``clock_timestamp()`` of the recording statement) against
+    the run's ``acquired`` event, which the worker writes after the guard's check (a check that let
+    it work at ``t`` saw ``t - completed_at >= min_interval``); two recorded completions closer than
+    the later one's ``min_interval``; a run refused by a run rule that held or wrote the key anyway.
+    Only records of completed runs count (a run refused by the rule records nothing), and a record
+    may be missing after a failover when the nemesis cancelled its commit's wait for the standby
+    (docs/safety.md: it then commits on the primary alone): such a pair is excused
+    (:func:`_record_may_be_lost`).
+
 Two holds taken ``shared=True`` (readers, unfenced) may overlap: rules 3, 4 and 8 judge only pairs
 of which at least one is exclusive.
 
@@ -87,6 +100,9 @@ SERVER_FAULT_SLACK = 0.2
 #: Rule 12's margin after a ``terminate`` returned: the backend exits a moment after the signal, and
 #: a hold whose work ended meanwhile may release on a session that still answered.
 TERMINATE_SLACK = 0.05
+#: Rule 15: the worker's clock and the lock database's (``clock_timestamp()``) are one clock in the
+#: campaign (the servers run on the workers' machine); what is left is rounding.
+RULES_CLOCK_SLACK = 0.01
 #: The kinds whose hold lives on one session from its take to its release (rule 12): a terminated
 #: backend of theirs ended the hold. Not ``scope`` nor ``deferred``: their holds move between
 #: sessions (tasks, the hold hub), and a lease row holds them in between.
@@ -148,6 +164,22 @@ class Hold:
     pool: str | None = None  # a slot of a pool, or the plain key of a pool's name: the pool's name
     size: int | None = None  # ... and the size its run said (1: the plain key)
     shared: bool = False  # taken shared (a reader): it may overlap other shared holds
+    min_interval: float | None = None  # a guard with min_interval: the interval its guard checked
+    seen: float = 0.0  # when its acquired event was written (after the guard's run rules were checked)
+    mode: str | None = None  # a pool's holder: its lock mode
+
+
+@dataclass
+class Record:
+    """A completion a completed run recorded, on the database clock: exactly (``at_lo == at_hi``) or
+    bracketed by the work's end and the guard's return; a scope's, only bounded above."""
+
+    run: str
+    key: str
+    period: str | None  # None: a min_interval run's rolling record
+    at_lo: float
+    at_hi: float
+    min_interval: float | None = None
 
 
 @dataclass
@@ -164,6 +196,7 @@ class Run:
     refused: int = 0
     writes: int = 0
     recorded: list[tuple[str, str, float]] = field(default_factory=list)  # (key, period, after the record)
+    records: list[Record] = field(default_factory=list)  # every recorded completion (rolling ones too)
     written: list[tuple[float, str]] = field(default_factory=list)  # (when the write's event came, key)
     ended: float | None = None  # when its outcome came
     skip: dict[str, Any] | None = None  # a skip's refusal: tried, holders, scope_row, done_period
@@ -256,10 +289,18 @@ def build(events: Iterable[dict[str, Any]]) -> tuple[dict[str, Run], list[Fault]
                     pool=e.get("pool"),
                     size=e.get("size"),
                     shared=bool(e.get("shared", False)),
+                    min_interval=e.get("min_interval"),
+                    seen=e["t"],
+                    mode=e.get("mode"),
                 )
             )
         elif kind == "recorded":
-            run.recorded.append((e["key"], e["period"], e["t"]))
+            at_hi = e.get("at_hi", e["t"])
+            if e.get("period") is not None:
+                run.recorded.append((e["key"], e["period"], at_hi))
+            run.records.append(
+                Record(run.run, e["key"], e.get("period"), e.get("at_lo", run.start), at_hi, e.get("min_interval"))
+            )
         elif kind == "write":
             run.writes += 1
             run.refused += 0 if e["accepted"] else 1
@@ -276,7 +317,8 @@ def build(events: Iterable[dict[str, Any]]) -> tuple[dict[str, Run], list[Fault]
         elif kind == "outcome":
             run.outcome, run.detail, run.ended = e["outcome"], e.get("detail", ""), e["t"]
             if run.outcome == "skipped" and "tried" in e:  # (a history from before rule 11 has no tried)
-                run.skip = {name: e.get(name) for name in ("tried", "holders", "scope_row", "done_period", "shared")}
+                names = ("tried", "holders", "scope_row", "done_period", "done_record", "shared")
+                run.skip = {name: e.get(name) for name in names}
             for hold in run.holds:
                 hold.end = min(hold.end, e["t"])
     # A run with no outcome died with its process: its holds end with the SIGKILL (or the kill
@@ -424,22 +466,37 @@ def check(
                 )
             last = (hold.token, hold.run)
 
-    # 7. once_per: a period is recorded once per key, and no scope takes a key for a period after
-    # another run recorded it (its setup must have found the period done)
+    # 7. once_per: a period is recorded once per key, and no scope (nor guard) takes a key for a period
+    # after another run recorded it (its setup, or its guard's check, must have found the period done)
     records: dict[tuple[str, str], list[tuple[float, str]]] = defaultdict(list)
     for run in runs.values():
         for key, period, at in run.recorded:
             records[(key, period)].append((at, run.run))
     for (key, period), recorded in records.items():
-        if len(recorded) > 1:
-            violations.append(f"period {period!r} of {key!r} recorded {len(recorded)} times: {sorted(recorded)}")
         first_at, first_run = min(recorded)
+        if len(recorded) > 1 and not any(
+            _record_may_be_lost(runs, faults, record, later)
+            for record in runs[first_run].records
+            if record.key == key and record.period == period
+            for later, _ in recorded[1:]
+        ):
+            violations.append(f"period {period!r} of {key!r} recorded {len(recorded)} times: {sorted(recorded)}")
         for hold in by_key.get(key, []):
             if hold.period == period and hold.run != first_run and hold.acquired > first_at:
+                if any(
+                    _record_may_be_lost(runs, faults, record, hold.acquired)
+                    for record in runs[first_run].records
+                    if record.key == key and record.period == period
+                ):
+                    continue
                 violations.append(
                     f"period {period!r} of {key!r} ran again: {hold.run} took the scope at {hold.acquired:.3f}, "
                     f"after {first_run} recorded it (by {first_at:.3f})"
                 )
+
+    # 15. the other run rules: min_interval on the database clock; a refused run did not work
+    rules_violations, rules_figures = _run_rules(runs, by_key, faults)
+    violations += rules_violations
 
     # 9. a frozen or cut-off worker's sessions were ended on the server within the release bound
     looked = [fault for fault in faults if fault.kept is not None]
@@ -499,6 +556,11 @@ def check(
         "stale_writes_accepted": stale_accepted,
         "lost_holds_reported_as_success": reported_success,
         "periods_recorded": sum(len(recorded) for recorded in records.values()),
+        "run_rules": rules_figures,
+        "pair_holds": sum(1 for run in runs.values() for hold in run.holds if hold.key.startswith("campaign/pair")),
+        "pool_transaction_holds": sum(
+            1 for run in runs.values() for hold in run.holds if hold.pool is not None and hold.mode == "transaction"
+        ),
         "pool_size_refusals": sum(1 for run in runs.values() if run.outcome == "refused"),
         "pool_scopes_completed": sum(
             1 for run in runs.values() if run.outcome == "completed" and any(h.slot is not None for h in run.holds)
@@ -521,6 +583,99 @@ def check(
         "session_watch": watch,
     }
     return Report(violations, figures)
+
+
+def _record_may_be_lost(runs: dict[str, Run], faults: Sequence[Fault], record: Record, later: float) -> bool:
+    """Whether ``record`` may be missing from the primary of ``later``: the nemesis cancelled a
+    statement of its run's session (the commit's wait for the synchronous standby among them: it then
+    commits on the primary alone, with a warning, docs/safety.md) and a failover began between the
+    record and ``later`` (the promoted standby may not have it)."""
+    run = runs.get(record.run)
+    if run is None:
+        return False
+    backends = {hold.backend for hold in run.holds if hold.key == record.key}
+    end = run.ended if run.ended is not None else record.at_hi
+    cancelled = any(
+        f.kind == "cancel" and set(f.pids) & backends and run.start - JITTER <= f.start <= end + JITTER for f in faults
+    )
+    failed_over = any(
+        f.kind in ("failover", "failover-frozen") and record.at_lo - JITTER <= f.start <= later for f in faults
+    )
+    return cancelled and failed_over
+
+
+def _run_rules(
+    runs: dict[str, Run], by_key: dict[str, list[Hold]], faults: Sequence[Fault]
+) -> tuple[list[str], dict[str, Any]]:
+    """Rule 15: min_interval, judged on the database clock, and no work in a run a rule refused.
+
+    A guard's check compares ``clock_timestamp()`` with the key's latest ``completed_at`` (its
+    recording statement's ``clock_timestamp()``, before its commit), after the lock is taken and
+    before the work; the worker writes its ``acquired`` event after that check. So a hold with
+    ``min_interval`` M, taken after a completion of the key was recorded (the record's upper bound
+    before the hold's acquisition: the recording run held the key then), must have been seen (its
+    event) at least M after that record (its lower bound, the most lenient); and two recorded
+    completions are at least the later one's M apart."""
+    violations: list[str] = []
+    records: dict[str, list[Record]] = defaultdict(list)
+    for run in runs.values():
+        for record in run.records:
+            records[record.key].append(record)
+    worked = 0
+    for key, holds in by_key.items():
+        for hold in holds:
+            if hold.min_interval is None:
+                continue
+            worked += 1
+            for record in records.get(key, []):
+                if record.run == hold.run or record.at_hi >= hold.acquired:
+                    continue
+                gap = hold.seen - record.at_lo
+                if gap < hold.min_interval - RULES_CLOCK_SLACK and not _record_may_be_lost(
+                    runs, faults, record, hold.acquired
+                ):
+                    violations.append(
+                        f"run within min_interval: {hold.run} ({hold.kind}) worked on {key!r} from {hold.seen:.3f}, "
+                        f"{gap:.3f} s after {record.run} recorded a completion (at {record.at_lo:.3f}, database "
+                        f"clock), under its min_interval of {hold.min_interval:g} s"
+                    )
+    for key, keyed in records.items():
+        for later in keyed:
+            if later.min_interval is None:
+                continue
+            for earlier in keyed:
+                if earlier.run == later.run or earlier.at_hi > later.at_lo:
+                    continue
+                gap = later.at_hi - earlier.at_lo
+                if gap < later.min_interval - RULES_CLOCK_SLACK and not _record_may_be_lost(
+                    runs, faults, earlier, later.at_lo
+                ):
+                    violations.append(
+                        f"recorded within min_interval: {later.run} recorded {key!r} at {later.at_hi:.3f}, {gap:.3f} s "
+                        f"after {earlier.run} (at {earlier.at_lo:.3f}, database clock), under its min_interval of "
+                        f"{later.min_interval:g} s"
+                    )
+    refused = 0
+    for run in runs.values():
+        skip = run.skip
+        if skip is None or (skip.get("done_record") is None and skip.get("done_period") is None):
+            continue
+        refused += 1
+        tried = set(skip.get("tried") or [])
+        held = sorted({hold.key for hold in run.holds if hold.key in tried} | {k for _, k in run.written if k in tried})
+        if held:
+            violations.append(
+                f"refused by a run rule, worked anyway: {run.run} ({run.kind}) skipped {held} (done: "
+                f"{skip.get('done_record') or skip.get('done_period')}) but held or wrote them"
+            )
+    figures = {
+        "min_interval_holds": worked,
+        "refused": refused,
+        "recorded": sum(len(keyed) for keyed in records.values()),
+        "recorded_rolling": sum(1 for keyed in records.values() for record in keyed if record.period is None),
+        "recorded_exactly": sum(1 for keyed in records.values() for r in keyed if r.at_lo == r.at_hi),
+    }
+    return violations, figures
 
 
 def _unheld(events: Sequence[dict[str, Any]], runs: dict[str, Run], faults: Sequence[Fault]) -> list[str]:
@@ -586,7 +741,10 @@ def _judge_skips(
     skip only if it ended about then (a hot key is held by someone nearly all the time: a hold that
     merely overlapped the skip would explain every error), except a scope's or a deferred
     operator's, whose sessions change while it is held (its tasks, its hand-overs: a try at such a
-    moment finds the key busy and the look finds it free): those explain a skip they overlap. Any
+    moment finds the key busy and the look finds it free): those explain a skip they overlap; so does
+    a run that a run rule refused (it held the key from its try to its refusal and never worked, so the
+    history has no hold of it: found by the campaign, a skip "held by a session that released it
+    since" next to a once_per refusal). Any
     other hold explains it only if no fault of the server began between its acquisition and the
     skip (more than :data:`SERVER_FAULT_SLACK` before the skip's end): a restart or a failover ends
     every session, so a hold from before it held nothing after it, however long its run went on
@@ -611,6 +769,15 @@ def _judge_skips(
             if run.skip.get("scope_row"):
                 for key in run.skip.get("tried") or []:
                     row_named[key].append(run.ended)
+    # A run a run rule refused (once_per, min_interval) held the key from its try to its refusal, with no
+    # acquired event (it never worked): another run's try meanwhile finds the key busy, and its look may
+    # find it free ("held by a session that released it since"). It explains a skip it overlaps.
+    checked: dict[str, list[tuple[float, float, str]]] = defaultdict(list)
+    for run in runs.values():
+        skip = run.skip
+        if skip is not None and run.ended is not None and (skip.get("done_record") or skip.get("done_period")):
+            for key in skip.get("tried") or []:
+                checked[key].append((run.start, run.ended, run.run))
     counts = {"judged": 0, "named": 0, "explained": 0, "unexplained": 0}  # judged: runs; the others: keys
     violations: list[str] = []
     holds = [hold for keyed in by_key.values() for hold in keyed]
@@ -651,11 +818,17 @@ def _judge_skips(
             if key in named or skip.get("scope_row"):
                 counts["named"] += 1
                 continue
+            if skip.get("done_record") is not None:  # a run rule's refusal named a recorded completion
+                counts["named"] += 1
+                continue
             done_period = skip.get("done_period")
             if done_period is not None and recorded.get((key, done_period), math.inf) <= run.ended + JITTER:
                 counts["named"] += 1
                 continue
-            if any(explains(hold, run, key) for hold in holds):
+            if any(explains(hold, run, key) for hold in holds) or any(
+                other != run.run and start - JITTER <= run.ended and ended + JITTER >= run.start
+                for start, ended, other in checked.get(key, ())
+            ):
                 counts["explained"] += 1
                 continue
             unexplained.append(key)

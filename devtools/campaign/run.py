@@ -43,6 +43,11 @@ POOL, POOL_SLOTS = "campaign/pool", 2
 #: single-key statements): the history names it by this label. Only kinds without a fencing token
 #: and outside scopes take it (a scope's row holds named keys only, by design).
 NUMERIC_KEY = "campaign/numeric"
+#: The (int32, int32) pair key's label (its numbers: :data:`~devtools.campaign.workers.PAIR_NUMBERS`), taken by
+#: the guard kinds and ``hook-lock`` now and then.
+PAIR_KEY = "campaign/pair"
+#: The key the guard kinds take now and then with ``once_per`` and ``min_interval`` (and ``hook-lock`` without).
+RULES_KEY = "campaign/rules"
 #: Indices of the campaign's namespaces (devtools/netns.py leaves 231..250 to explicit users).
 NAMESPACE_INDICES = (245, 246)
 #: The workers: every kind on this host; fenced guards, a lock session, a second pool holder and a
@@ -184,7 +189,9 @@ def run_campaign(
     namespaces = _namespaces()
     listen = [namespace.host_addr for namespace in namespaces]
     subnets = [namespace.subnet for namespace in namespaces]
-    register = Register([*HOT_KEYS, POOL, f"{POOL}#slot2", NUMERIC_KEY], listen=listen, trusted_subnets=subnets)
+    register = Register(
+        [*HOT_KEYS, POOL, f"{POOL}#slot2", NUMERIC_KEY, PAIR_KEY, RULES_KEY], listen=listen, trusted_subnets=subnets
+    )
     pair = FailoverPair(listen=listen, trusted_subnets=subnets)
     campaign = Campaign(out, seed, lease, pair, register, namespaces)
     started = time.time()
@@ -211,6 +218,8 @@ def run_campaign(
                     pool=POOL,
                     pool_slots=POOL_SLOTS,
                     numeric_key=NUMERIC_KEY,
+                    pair_key=PAIR_KEY,
+                    rules_key=RULES_KEY,
                     netns=namespace.name if namespace is not None else None,
                 )
             )

@@ -10,10 +10,17 @@ one), then reports the outcome. Everything goes to its history file
 The kinds (every public way to hold a lock, see docs/safety.md):
 
 * ``guard-session`` / ``guard-transaction``: what ``@task.advisory_lock(fencing=True)`` runs
-  (``LockGuard.run``), in session and transaction mode;
-* ``guard-wait``: the same with ``on_busy="wait"``;
+  (``LockGuard.run``), in session and transaction mode; now and then (:data:`PAIR_SHARE`) on the
+  hot (int32, int32) pair key :data:`PAIR_NUMBERS` (``WorkerConfig.pair_key`` names it), and now and
+  then (:data:`RULES_SHARE`) on the rules key with ``once_per`` (a period of
+  :data:`RULES_PERIOD_SECONDS`), ``min_interval`` (:data:`MIN_INTERVAL`) or both, as a plain guard
+  checks and records them: its ``acquired`` event (written after the check) says them, a refusal
+  names the recorded completion it met (``done_record``), and a completed run's ``recorded`` event
+  says when its completion was recorded on the database clock (read back by its fencing token);
+* ``guard-wait``: the same with ``on_busy="wait"`` (the pair key and the rules key too);
 * ``hook-lock``: ``hook.lock(key)`` (no fencing), now and then on the numeric key (taken by its
-  number: no name, so no registry state and no scope row asked); a quarter of its runs take the
+  number: no name, so no registry state and no scope row asked), on the pair key (by its two
+  numbers) or on the rules key (an exclusive holder without rules); a quarter of its runs take the
   key ``shared=True`` (two shared holders may overlap, a shared and an exclusive one may not), a
   quarter ``mode="transaction"``, a quarter wait for it (``timeout=HOOK_WAIT``);
 * ``lock-session``: ``hook.lock_session()`` with ``try_lock_many`` batches, a waiting
@@ -29,7 +36,10 @@ The kinds (every public way to hold a lock, see docs/safety.md):
   which ends its keys while the work goes on with them: the run must end lost);
 * ``pool``: a pool of slots (``slots=2``), in eras of :data:`SIZE_ERA` seconds of the wall
   clock: a quarter of them take the pool's name as a pool of ``slots=3``, a quarter as a plain
-  key (``slots=1``, half of them waiting), and a tenth of the runs of any era the size of
+  key (``slots=1``, half of them waiting); a third of the runs of a pool of slots take it in
+  ``mode="transaction"`` (its slot and its size markers are then transaction locks, and a tenth of
+  those runs' work catches an error of its own statement, as ``guard-transaction``'s; the
+  ``acquired`` event says the mode); and a tenth of the runs of any era the size of
   another: the sizes meet at every change of era, where each must be refused while a holder
   of another size holds the name (outcome ``refused``), and hold only while none does;
 * ``scope``: a lock scope (``advisory_lock_scope``: docs/scopes.md) as its setup, tasks and
@@ -93,6 +103,19 @@ SCOPE_LEASE_FACTOR = 2.0
 PERIOD_SECONDS = 20
 #: The length of an era of the pool kind's size, in seconds of the wall clock (every worker's the same).
 SIZE_ERA = 5.0
+#: The hot (int32, int32) pair key's numbers (the two-int32 key space, apart from every int64 key), taken
+#: now and then by the guard kinds and ``hook-lock``; the history names it by ``WorkerConfig.pair_key``.
+PAIR_NUMBERS = (20261202, 7)
+#: The share of a guard kind's runs on the pair key, and (of the others) on the rules key.
+PAIR_SHARE = 0.15
+RULES_SHARE = 0.25
+#: The length of a guard's ``once_per`` period on the rules key, in seconds (the wall clock's quotient, prefixed
+#: ``g``: apart from the scopes' periods, which are other keys' anyway).
+RULES_PERIOD_SECONDS = 6
+#: A guard's ``min_interval`` on the rules key, in seconds (the database clock).
+MIN_INTERVAL = 2.0
+#: The share of the ``pool`` kind's runs (of a pool of slots, not the plain key) that take it in transaction mode.
+POOL_TRANSACTION_SHARE = 1 / 3
 #: How long a ``hook-lock`` run that waits for its key waits (``hook.lock(key, timeout=...)``): under
 #: :data:`WAIT_TIMEOUT`, which the nemesis's release check allows for.
 HOOK_WAIT = 0.5
@@ -114,6 +137,10 @@ class WorkerConfig:
     :param pool: the pool's name; :param pool_slots: its size.
     :param numeric_key: the label of a key taken by its number (no name), or None: taken by
         ``hook-lock``, ``lock-session`` and ``guard-sub-keys`` now and then.
+    :param pair_key: the label of the (int32, int32) pair key :data:`PAIR_NUMBERS`, or None: taken by
+        the guard kinds and ``hook-lock`` now and then.
+    :param rules_key: the key of the run rules (``once_per``, ``min_interval``), or None: taken by the
+        guard kinds now and then with those rules, and by ``hook-lock`` (no rules) now and then.
     :param netns: the network namespace to enter first (another host), or None.
     """
 
@@ -129,6 +156,8 @@ class WorkerConfig:
     pool: str
     pool_slots: int
     numeric_key: str | None = None
+    pair_key: str | None = None
+    rules_key: str | None = None
     netns: str | None = None
 
 
@@ -228,9 +257,16 @@ class Worker:
         wait: bool = False,
         slots: int = 1,
         pool: str | None = None,
+        lock_key: Any = None,
+        rules: Any = None,
     ) -> None:
         """A guard's run; ``pool``: ``key`` is that pool's name, taken with ``slots`` (a refusal for
-        another holder's size ends the run ``refused``)."""
+        another holder's size ends the run ``refused``); ``lock_key``: the key taken (a pair's), which
+        the history names ``key``; ``rules``: its run rules (default: fencing, unless a pool of slots).
+
+        With ``once_per`` or ``min_interval``, its ``acquired`` event says them (emitted after the
+        guard checked them: the work begins there), and a completed run's ``recorded`` event says when
+        the provider recorded the completion, on the database clock (:meth:`_recorded`)."""
         from airflow_pglock.exceptions import LockConfigurationError
         from airflow_pglock.guard import LockGuard
         from airflow_pglock.keys import LockKey
@@ -243,14 +279,18 @@ class Worker:
             wait_timeout=WAIT_TIMEOUT if wait else None,
             slots=slots,
         )
-        rules = RunRules(fencing=slots == 1)
+        if rules is None:
+            rules = RunRules(fencing=slots == 1)
+        worked: list[float] = []  # when the work ended: the completion is recorded after it
 
         def work(handle: Any) -> None:
-            name = handle.key.name or str(handle.key.numbers)
+            name = key if lock_key is not None else str(handle.key.name)  # a pool's slot: the slot's name
             at = handle.acquired_at.timestamp()
-            sizes = {} if pool is None else {"pool": pool, "size": slots}
+            extra: dict[str, Any] = {} if pool is None else {"pool": pool, "size": slots, "mode": mode}
+            if rules.records_completion:
+                extra.update(period=rules.period, min_interval=rules.min_interval)
             self.history.emit(
-                "acquired", run=run, key=name, token=handle.fencing_token, backend=handle.backend_pid, at=at, **sizes
+                "acquired", run=run, key=name, token=handle.fencing_token, backend=handle.backend_pid, at=at, **extra
             )
             if mode == "transaction" and handle.connection is not None and self.rng.random() < 0.1:
                 # An error of the work's own statement, caught outside a savepoint: it aborts the
@@ -262,8 +302,10 @@ class Worker:
                 now = time.time()
                 self.history.emit("fault", kind="caught-error", start=now, end=now, target=run, pids=[os.getpid()])
             self._work(run, {name: handle.fencing_token})
+            worked.append(time.time())
 
-        guard = LockGuard(self.hook.database, LockKey.from_name(key), policy, application_name=self.name, rules=rules)
+        target = lock_key if lock_key is not None else LockKey.from_name(key)
+        guard = LockGuard(self.hook.database, target, policy, application_name=self.name, rules=rules)
         try:
             guard.run(work)
         except LockConfigurationError as error:
@@ -272,8 +314,66 @@ class Worker:
             raise
         except BaseException as error:
             if getattr(guard, "refusal", None) is error:
-                raise _Busy([key], error) from error
+                raise _Busy([key], error, period=rules.period) from error
             raise
+        if rules.records_completion and worked:
+            self._recorded(run, key, target, rules, worked[0], guard.fencing_token)
+
+    def _recorded(self, run: str, key: str, lock_key: Any, rules: Any, worked: float, token: int | None) -> None:
+        """A completed run's ``recorded`` event: when its completion was recorded, on the database clock.
+
+        The provider writes the record after the work returned, with ``clock_timestamp()`` (the
+        statement's time, not the commit's: in transaction mode it commits with the unlock), under
+        the lock; a ``min_interval`` check compares that time with its own ``clock_timestamp()``. The
+        row is read back by the run's fencing token (``at_lo`` = ``at_hi`` = its ``completed_at``);
+        when the look fails or finds another run's row (a rolling record is overwritten by the next
+        run), the record's time is bracketed by the work's end and the guard's return (``at_lo``,
+        ``at_hi``: the lock database runs on this machine's clock, as the campaign's does)."""
+        import psycopg
+
+        from airflow_pglock.pg.ledger import ROLLING_PERIOD
+
+        returned = time.time()
+        at_lo, at_hi = worked, returned
+        classid, objid, objsubid = lock_key.pg_locks
+        period = rules.period if rules.period is not None else ROLLING_PERIOD
+        with contextlib.suppress(psycopg.Error):
+            with psycopg.connect(self.config.lock_dsn, autocommit=True, connect_timeout=2) as conn:
+                row = conn.execute(
+                    "SELECT extract(epoch FROM completed_at)::float8, fencing_token FROM pglock.completions"
+                    " WHERE objsubid = %s AND classid = %s AND objid = %s AND period = %s",
+                    [objsubid, classid, objid, period],
+                ).fetchone()
+            if row is not None and token is not None and row[1] == token:
+                at_lo = at_hi = float(row[0])
+        self.history.emit(
+            "recorded",
+            run=run,
+            key=key,
+            period=rules.period,
+            min_interval=rules.min_interval,
+            at_lo=at_lo,
+            at_hi=at_hi,
+            exact=at_lo == at_hi,
+        )
+
+    def _guard_target(self, hot: list[str]) -> tuple[str, dict[str, Any]]:
+        """A guard kind's key (its label) and ``_guard``'s keyword arguments: a hot key; now and then the
+        pair key (fenced, as the others); now and then the rules key with ``once_per`` (a period of
+        :data:`RULES_PERIOD_SECONDS`), ``min_interval`` (:data:`MIN_INTERVAL`) or both, fenced (the
+        token names the run's record)."""
+        from airflow_pglock.keys import LockKey
+        from airflow_pglock.run_rules import RunRules
+
+        draw = self.rng.random() if self.config.pair_key or self.config.rules_key else 1.0
+        if self.config.pair_key is not None and draw < PAIR_SHARE:
+            return self.config.pair_key, {"lock_key": LockKey.from_pair(*PAIR_NUMBERS)}
+        if self.config.rules_key is not None and draw < PAIR_SHARE + RULES_SHARE:
+            which = self.rng.choice(("once_per", "min_interval", "both"))
+            period = f"g{int(time.time() // RULES_PERIOD_SECONDS)}" if which != "min_interval" else None
+            interval = MIN_INTERVAL if which != "once_per" else None
+            return self.config.rules_key, {"rules": RunRules(period=period, min_interval=interval, fencing=True)}
+        return self.rng.choice(hot), {}
 
     def _pool_size(self) -> int:
         """This run's size of the pool's name: its era's, or a tenth of the time another era's."""
@@ -283,7 +383,14 @@ class Worker:
         return sizes[int(time.time() // SIZE_ERA) % len(sizes)]
 
     def _hook_lock(self, run: str, name: str) -> None:
+        from airflow_pglock.keys import LockKey
+
         label, key = self._maybe_numeric(name, 0.3)
+        draw = self.rng.random() if self.config.pair_key or self.config.rules_key else 1.0
+        if self.config.pair_key is not None and draw < 0.15:  # the pair key, by its two numbers
+            label, key = self.config.pair_key, LockKey.from_pair(*PAIR_NUMBERS)
+        elif self.config.rules_key is not None and draw < 0.25:  # the rules key (no rules: an exclusive holder)
+            label, key = self.config.rules_key, self.config.rules_key
         shared = self.rng.random() < 0.25  # readers: they may overlap one another, never an exclusive holder
         mode = "transaction" if self.rng.random() < 0.25 else "session"
         timeout = HOOK_WAIT if self.rng.random() < 0.25 else None
@@ -649,7 +756,8 @@ class Worker:
         try:
             if kind in ("guard-session", "guard-transaction", "guard-wait"):
                 mode = "transaction" if kind == "guard-transaction" else "session"
-                self._guard(run, self.rng.choice(hot), mode=mode, wait=kind == "guard-wait")
+                key, target = self._guard_target(hot)
+                self._guard(run, key, mode=mode, wait=kind == "guard-wait", **target)
             elif kind == "hook-lock":
                 self._hook_lock(run, self.rng.choice(hot))
             elif kind == "lock-session":
@@ -659,7 +767,9 @@ class Worker:
             elif kind == "pool":
                 size = self._pool_size()
                 wait = size == 1 and self.rng.random() < 0.5  # a plain key's wait may see a pool begin
-                self._guard(run, self.config.pool, slots=size, wait=wait, pool=self.config.pool)
+                # a third of the pools of slots in transaction mode: slot and size markers transaction locks
+                mode = "transaction" if size > 1 and self.rng.random() < POOL_TRANSACTION_SHARE else "session"
+                self._guard(run, self.config.pool, slots=size, wait=wait, pool=self.config.pool, mode=mode)
             elif kind == "scope":
                 self._scope(run, self.rng.choice(hot))
             elif kind == "deferred":
@@ -712,7 +822,8 @@ class _Busy(Exception):  # noqa: N818 - the key (or the pool) was busy: a skip
         """The skip's ``outcome`` event's fields: ``tried``, ``shared``, ``holders`` (the granted
         holders the refusal named, or a look right after it found: key, pid, application_name),
         ``scope_row`` (it named another run's lock scope), ``done_period`` (it named a recorded
-        once_per period)."""
+        once_per period), ``done_record`` (a run rule's refusal: the recorded completion it named, its
+        period, ``completed_at`` on the database clock and fencing token)."""
         from airflow_pglock.exceptions import AlreadyDoneError, LockBusyError
 
         fields: dict[str, Any] = {"tried": self.tried, "shared": self.shared, "holders": [], "scope_row": False}
@@ -726,7 +837,16 @@ class _Busy(Exception):  # noqa: N818 - the key (or the pool) was busy: a skip
             ]
             fields["scope_row"] = self.refusal.retry_after is not None  # only a scope row's refusal says when
         elif isinstance(self.refusal, AlreadyDoneError):
-            fields["done_period"] = self.period
+            completion: Any = self.refusal.completion
+            named = getattr(completion, "period", None)
+            # once_per's refusal names the run's period; min_interval's the key's latest record (any period)
+            fields["done_period"] = self.period if named is None or named == self.period else None
+            if named is not None:
+                fields["done_record"] = {
+                    "period": named,
+                    "at": completion.completed_at.timestamp(),
+                    "token": completion.fencing_token,
+                }
         return fields
 
 

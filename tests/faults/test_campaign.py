@@ -58,6 +58,12 @@ def test_a_short_campaign_keeps_every_promise() -> None:
     # shared holds took part (a watch that never looked would pass rule 13 whatever leaked).
     assert figures["session_watch"]["looks"] >= 10, figures["session_watch"]
     assert figures["skips"]["judged"] >= 1 and figures["shared_holds"] >= 1, (figures["skips"], figures["shared_holds"])
+    # The ways added later took part: a pool of slots in transaction mode, the (int32, int32) pair key,
+    # and plain guards with once_per / min_interval (rules 7 and 15): runs that worked under
+    # min_interval, completions recorded, and runs the rules refused.
+    assert figures["pool_transaction_holds"] >= 1 and figures["pair_holds"] >= 1, figures
+    rules = figures["run_rules"]
+    assert rules["min_interval_holds"] >= 1 and rules["recorded"] >= 1 and rules["refused"] >= 1, rules
     # Not asserted: that a scope recorded a once_per period. In 80 s only a handful of scope runs
     # complete and half have once_per (a run recorded none: 4 completed). Rule 7 is shown on synthetic
     # histories (tests/unit/test_campaign_checker.py) and by the long run (docs/safety.md).

@@ -247,3 +247,76 @@ def test_a_skip_records_the_holders_its_refusal_named(
         assert skip["tried"] == ["k"] and not skip["scope_row"], skip
         assert skip["holders"] == [{"key": "k", "pid": pid, "application_name": "the holder"}], skip
     assert skips[1]["looked"] is True
+
+
+def _guarded_run(worker: Worker, run: str, rules: Any) -> None:
+    """One guard run of the rules key ``k`` with ``rules``, written as ``Worker.one_run`` writes it."""
+    from devtools.campaign.workers import _Busy
+
+    worker.history.emit("attempt", run=run)
+    try:
+        worker._guard(run, "k", rules=rules)
+    except _Busy as busy:
+        worker.history.emit("outcome", run=run, outcome="skipped", detail="", **busy.fields())
+        return
+    worker.history.emit("outcome", run=run, outcome="completed", detail="")
+
+
+def _mutant(monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
+    """A deliberate fault in the guard's run rules check (the record is left alone): ``once_per`` the
+    period's check disabled; ``min_interval`` an off-by-one second (``age < min_interval - 1``)."""
+    import airflow_pglock.guard
+
+    real = airflow_pglock.guard.check_before_work
+
+    def check(rules: Any, *args: Any) -> Any:
+        if fault == "once_per":
+            rules = dataclasses.replace(rules, period=None)
+        elif rules.min_interval is not None:
+            rules = dataclasses.replace(rules, min_interval=rules.min_interval - 1.0)
+        return real(rules, *args)
+
+    monkeypatch.setattr(airflow_pglock.guard, "check_before_work", check)
+
+
+@pytest.mark.parametrize("fault", [None, "once_per", "min_interval"])
+def test_the_run_rules_refuse_their_runs_and_the_checker_catches_a_check_that_lets_a_run_through(
+    worker: Worker, fault_server: FaultServer, fault_admin: Any, monkeypatch: pytest.MonkeyPatch, fault: str | None
+) -> None:
+    """Rules 7 and 15 on a real history: a second run of a recorded period, and a run 1.3 s after a
+    completion under ``min_interval=2``, are refused and the history passes; with the check disabled
+    (once_per) or off by one second (min_interval) they work, and the checker names them."""
+    from airflow_pglock.run_rules import RunRules
+    from devtools.campaign.checker import check
+
+    if fault is not None:
+        _mutant(monkeypatch, fault)
+    worker.rng = _Scripted([], [2, 2, 2, 2])  # type: ignore[assignment]
+    if fault in (None, "once_per"):
+        period = RunRules(period="g1", fencing=True)
+        _guarded_run(worker, "a", period)
+        _guarded_run(worker, "b", period)  # the period is done: refused
+    if fault in (None, "min_interval"):
+        interval = RunRules(min_interval=2.0, fencing=True)
+        if fault is None:
+            time.sleep(2.1)  # a's record is the key's latest: min_interval reads every period's
+        _guarded_run(worker, "c", interval)
+        time.sleep(1.3)
+        _guarded_run(worker, "d", interval)  # 1.3 s after c's record: refused
+    events = _events(worker)
+    recorded = [e for e in events if e["event"] == "recorded"]
+    assert recorded and all(e["exact"] for e in recorded), recorded  # read back by the run's token
+    report = check(events, [], lease=3.0)
+    outcomes = {e["run"]: e["outcome"] for e in events if e["event"] == "outcome"}
+    if fault is None:
+        assert outcomes == {"a": "completed", "b": "skipped", "c": "completed", "d": "skipped"}, outcomes
+        assert report.passed, report.violations
+        assert report.figures["run_rules"]["refused"] == 2 and report.figures["skips"]["unexplained"] == 0
+    elif fault == "once_per":
+        assert outcomes == {"a": "completed", "b": "completed"}, outcomes
+        assert any("ran again" in v for v in report.violations), report.violations
+        assert any("recorded 2 times" in v for v in report.violations), report.violations
+    else:
+        assert outcomes == {"c": "completed", "d": "completed"}, outcomes
+        assert any(v.startswith("run within min_interval: d") for v in report.violations), report.violations
+        assert any(v.startswith("recorded within min_interval: d") for v in report.violations), report.violations

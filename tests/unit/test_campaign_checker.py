@@ -369,3 +369,131 @@ def test_a_holder_that_releases_late_after_its_work_explains_a_skip_at_its_relea
     assert check([*late, *_skip("s", 3, ["k"], 13.98, 14.01)], [], lease=LEASE).passed
     prompt = _run("a", 1, "k", 10, 11, "completed")  # released at 11.01: long before the skip
     assert check([*prompt, *_skip("s", 3, ["k"], 13.98, 14.01)], [], lease=LEASE).violations
+
+
+def _rules_run(
+    run: str,
+    pid: int,
+    start: float,
+    end: float,
+    *,
+    period: str | None = None,
+    min_interval: float | None = None,
+    recorded: float | None = None,
+    outcome: str = "completed",
+) -> list[dict[str, Any]]:
+    """A plain guard's run with run rules on ``r``: its acquired event (written after the guard's check,
+    at ``start``) says them; ``recorded``: the completion's time on the database clock (exact)."""
+    events = _run(run, pid, "r", start, end, outcome)
+    events[1].update(period=period, min_interval=min_interval)
+    if recorded is not None:
+        events.append(
+            {
+                "t": end + 0.005,
+                "event": "recorded",
+                "run": run,
+                "key": "r",
+                "period": period,
+                "min_interval": min_interval,
+                "at_lo": recorded,
+                "at_hi": recorded,
+                "exact": True,
+                "pid": pid,
+            }
+        )
+    return events
+
+
+def test_a_guards_once_per_period_recorded_twice_or_run_again_is_a_violation() -> None:
+    """Rule 7 judges a plain guard's once_per as a scope's: by its record's time on the database clock."""
+    kept = [
+        *_rules_run("a", 1, 10.0, 11.0, period="g1", recorded=11.001),
+        *_skip("b", 2, ["r"], 11.2, 11.21, done_period="g1", done_record={"period": "g1", "at": 11.001, "token": 1}),
+        *_rules_run("c", 1, 12.1, 13.0, period="g2", recorded=13.001),
+    ]
+    report = check(kept, [], lease=LEASE)
+    assert report.passed, report.violations
+    assert report.figures["periods_recorded"] == 2 and report.figures["run_rules"]["refused"] == 1
+    # a check that let a second run work in a recorded period (the once_per check disabled)
+    again = [
+        *_rules_run("a", 1, 10.0, 11.0, period="g1", recorded=11.001),
+        *_rules_run("d", 2, 11.1, 12.0, period="g1", recorded=12.001),
+    ]
+    violations = check(again, [], lease=LEASE).violations
+    assert any("ran again" in v for v in violations) and any("recorded 2 times" in v for v in violations), violations
+    # a run that worked in the period and failed before its record is still a run again
+    failed = [*_rules_run("a", 1, 10.0, 11.0, period="g1", recorded=11.001)]
+    failed += _rules_run("d", 2, 11.1, 12.0, period="g1", outcome="failed")
+    assert any("ran again" in v for v in check(failed, [], lease=LEASE).violations)
+
+
+def test_a_run_within_min_interval_of_a_record_on_the_database_clock_is_a_violation() -> None:
+    """Rule 15: a min_interval run works only min_interval after the key's last record (any period);
+    judged from the record's completed_at, not from the recording run's end."""
+    legal = [
+        *_rules_run("a", 1, 10.0, 11.0, min_interval=2.0, recorded=11.001),
+        *_skip("b", 2, ["r"], 11.5, 11.51, done_record={"period": "", "at": 11.001, "token": 1}),
+        *_rules_run("c", 1, 13.002, 14.0, min_interval=2.0, recorded=14.001),
+        *_rules_run("d", 2, 16.5, 17.0, period="g9", min_interval=2.0, recorded=17.001),
+    ]
+    report = check(legal, [], lease=LEASE)
+    assert report.passed, report.violations
+    assert report.figures["run_rules"]["min_interval_holds"] == 3 and report.figures["run_rules"]["recorded"] == 3
+    # an off-by-one check (age < min_interval - 1): c works 1.5 s after a's record
+    early = [
+        *_rules_run("a", 1, 10.0, 11.0, min_interval=2.0, recorded=11.001),
+        *_rules_run("c", 1, 12.5, 14.0, min_interval=2.0, recorded=14.001),
+    ]
+    violations = check(early, [], lease=LEASE).violations
+    assert any(v.startswith("run within min_interval: c") for v in violations), violations
+    # a once_per record counts for min_interval too (the check reads the key's latest record of any period)
+    after_period = [
+        *_rules_run("a", 1, 10.0, 11.0, period="g1", recorded=11.001),
+        *_rules_run("c", 1, 11.5, 12.0, min_interval=2.0, recorded=12.001),
+    ]
+    violations = check(after_period, [], lease=LEASE).violations
+    assert any(v.startswith("run within min_interval: c") for v in violations), violations
+    assert any(v.startswith("recorded within min_interval: c") for v in violations), violations
+
+
+def test_a_run_refused_by_a_run_rule_must_not_work_and_its_refusal_names_the_record() -> None:
+    """A refusal that names a recorded completion is no error (rule 11 counts it named); a refused run
+    that held or wrote the key anyway is a violation (rule 15), and records nothing that rule 7 counts."""
+    refusal = {"period": "", "at": 11.001, "token": 1}
+    refused = _skip("b", 2, ["r"], 11.5, 11.6, done_record=refusal)
+    assert check(refused, [], lease=LEASE).passed
+    worked = [
+        refused[0],
+        {"t": 11.52, "event": "acquired", "run": "b", "key": "r", "token": None, "backend": 2, "pid": 2},
+        {"t": 11.53, "event": "write", "run": "b", "key": "r", "token": None, "accepted": True, "at": 11.53},
+        {"t": 11.54, "event": "done", "run": "b", "pid": 2},
+        refused[1],
+    ]
+    violations = check(worked, [], lease=LEASE).violations
+    assert any(v.startswith("refused by a run rule, worked anyway: b") for v in violations), violations
+
+
+def test_a_record_a_cancelled_commit_may_have_lost_in_a_failover_excuses_the_next_run() -> None:
+    """A commit whose wait for the synchronous standby was cancelled commits on the primary alone: a
+    failover after it may lose the record (docs/safety.md), and the next run may do the work again."""
+    events = [
+        *_rules_run("a", 1, 10.0, 11.0, min_interval=2.0, recorded=11.001),
+        {**_fault("cancel", 11.0, 11.0, [1])},
+        _fault("failover", 11.2, 11.5, []),
+        *_rules_run("c", 2, 12.0, 13.0, min_interval=2.0, recorded=13.001),
+    ]
+    assert check(events, [], lease=LEASE).passed
+    without_failover = [e for e in events if e.get("kind") != "failover"]
+    assert not check(without_failover, [], lease=LEASE).passed
+
+
+def test_a_run_refused_by_a_run_rule_held_the_key_for_its_check_and_explains_a_skip_meanwhile() -> None:
+    """Rule 11: a refused run took the key to check its rule and gave it back without working (no hold in
+    the history); another run's try meanwhile found the key busy and its look found nobody."""
+    refused = _skip("a", 1, ["r"], 20.0, 20.04, done_record={"period": "g1", "at": 15.0, "token": 1})
+    nobody = _skip("s", 3, ["r"], 20.01, 20.05)
+    assert check([*refused, *nobody], [], lease=LEASE).passed
+    later = _skip("s", 3, ["r"], 25.0, 25.05)  # long after the refused run's check: still an error
+    assert any(
+        v.startswith("error reported as a skip: s") for v in check([*refused, *later], [], lease=LEASE).violations
+    )
