@@ -308,4 +308,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # its PostgreSQL is stopped (main's finally); Airflow's runs got the Ctrl-C too
+        print("demo interrupted: its PostgreSQL is stopped", file=sys.stderr)
+        sys.exit(130)

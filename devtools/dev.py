@@ -496,4 +496,7 @@ def pytest_env(command: str, rest: list[str], environ: dict[str, str] | None = N
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except KeyboardInterrupt:  # the command it ran has cleaned up (_call) and said so
+        sys.exit(130)

@@ -7,6 +7,7 @@ dev.py would start is captured instead of run.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -164,3 +165,49 @@ def test_the_parts_of_a_whole_run_record_one_file(tmp_path: Path) -> None:
     assert record["passed"] == passed and record["failed"] == 0
     assert record["features"]["stable-keys"]["outcome"] == "passed"
     assert sorted(p.name for p in tmp_path.iterdir()) == [p.name for p in tmp_path.glob("*.json")]  # no part left
+
+
+def test_ctrl_c_lets_the_command_dev_py_runs_clean_up_before_dev_py_ends(tmp_path: Path) -> None:
+    """Ctrl-C reaches the terminal's whole process group: dev.py must wait while the command it
+    runs cleans up (the demo stops its PostgreSQL), not kill it at once as ``subprocess.call`` did."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    marker, started = tmp_path / "cleaned-up", tmp_path / "started"
+    child = textwrap.dedent(
+        f"""
+        import pathlib, time
+        pathlib.Path({str(started)!r}).touch()
+        try:
+            time.sleep(60)
+        except KeyboardInterrupt:
+            time.sleep(1.5)  # longer than subprocess.call's quarter of a second
+            pathlib.Path({str(marker)!r}).touch()
+        """
+    )
+    wrapper = textwrap.dedent(
+        f"""
+        import sys
+        from devtools import dev
+        try:
+            dev._call([sys.executable, "-c", {child!r}])
+        except KeyboardInterrupt:
+            sys.exit(130)
+        """
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", wrapper],
+        cwd=ROOT,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    for _ in range(300):
+        if started.exists():
+            break
+        time.sleep(0.1)
+    os.killpg(process.pid, signal.SIGINT)
+    assert process.wait(timeout=60) == 130
+    assert marker.exists(), "dev.py ended before the interrupted command had cleaned up"
