@@ -73,16 +73,18 @@ def _ensure_user(name: str) -> pwd.struct_passwd:
         return pwd.getpwnam(name)
 
 
-def _open_path_for_others(path: Path) -> None:
+def _open_path_for_others(path: Path, *, say: bool = True) -> None:
     """Let an unprivileged user traverse and read ``path`` (and execute what is in it); says which
     directories it opened (as root, the cluster's user must reach the venv's server binaries)."""
     for prefix in [path, *path.parents]:
         mode = prefix.stat().st_mode
         if mode & (stat.S_IXOTH | stat.S_IROTH) != stat.S_IXOTH | stat.S_IROTH:
             prefix.chmod(mode | stat.S_IXOTH | stat.S_IROTH)
-            print(
-                f"[pgcluster] running as root: made {prefix} readable by others (for user {RUN_AS_USER!r})", flush=True
-            )
+            if say:
+                print(
+                    f"[pgcluster] running as root: made {prefix} readable by others (for user {RUN_AS_USER!r})",
+                    flush=True,
+                )
 
 
 class Cluster:
@@ -151,7 +153,7 @@ class Cluster:
             lib_dir = self.bin_dir.parent / "lib"
             if lib_dir.exists():
                 _open_path_for_others(lib_dir)
-            _open_path_for_others(self.base_dir)
+            _open_path_for_others(self.base_dir, say=False)  # its own temporary directory
             for path in (self.base_dir, self.socket_dir):
                 os.chown(path, self.user.pw_uid, self.user.pw_gid)
         self._run(
