@@ -23,6 +23,7 @@ __all__ = [
     "LockLostError",
     "LockLostInterrupt",
     "PgLockError",
+    "ScopeHorizonBusyError",
     "UnknownLockOptionError",
     "UnsafeSetupError",
 ]
@@ -51,6 +52,13 @@ class UnsafeSetupError(PgLockError):
 class LockConnectionError(PgLockError):
     """The lock database could not be reached or refused the login (or could not make a fencing
     token durable: its synchronous standby did not confirm it)."""
+
+
+class ScopeHorizonBusyError(PgLockError):
+    """A lock scope's write could not take the scopes' horizon lock in time: another session kept
+    it (a writer whose commit waits for a synchronous standby, or a foreign client holding the
+    advisory key ``airflow-pglock/scope-horizon``). The database and the session are fine; the
+    write was rolled back. The message names the sessions that held it."""
 
 
 class LockBusyError(PgLockError):

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from airflow_pglock.display import printable
 from airflow_pglock.exceptions import LockBusyError, LockConfigurationError, LockLostError
 
 if TYPE_CHECKING:  # the SQL loads when a scope is checked, not when a DAG is parsed
@@ -300,9 +301,9 @@ def _why_lost(row: ScopeRow | None, role: ScopeRole) -> str:
     if row is None:
         return f"the scope was freed (its teardown ran, or its row was deleted) before {_this(role)} started"
     if row.holder != role.holder and role.kind == "resume":
-        return f"its lease ran out while the task was deferred and {row.run} took the key"
+        return f"its lease ran out while the task was deferred and {printable(row.run)} took the key"
     if row.holder != role.holder:
-        return f"its lease ran out between tasks and {row.run} took the scope"
+        return f"its lease ran out between tasks and {printable(row.run)} took the scope"
     return (
         f"its lease ran out at {row.lease_until.isoformat(timespec='seconds')} (database clock) before {_this(role)} "
         "started: another guard of the key may have run in the gap"

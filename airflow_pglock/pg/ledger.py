@@ -240,9 +240,14 @@ def _run(conn: psycopg.Connection[Any], feature: str, statement: str, params: di
 
 
 # The check before the work also asks whether this role may make the record after it (an upsert:
-# INSERT and UPDATE), so a role without them fails before the work, not after each try's work.
-_MAY_RECORD = (
-    "has_table_privilege('pglock.completions', 'INSERT') AND has_table_privilege('pglock.completions', 'UPDATE')"
+# INSERT of its columns, UPDATE of those it overwrites; a table grant or column grants), so a role
+# without them fails before the work, not after each try's work. Row-level security and triggers
+# on the table are not looked at.
+_UPDATED = ("completed_at", "key_name", "dag_id", "task_id", "run_id", "map_index", "fencing_token")
+_INSERTED = ("objsubid", "classid", "objid", "period", *_UPDATED)
+_MAY_RECORD = " AND ".join(
+    [f"has_column_privilege('pglock.completions', '{column}', 'INSERT')" for column in _INSERTED]
+    + [f"has_column_privilege('pglock.completions', '{column}', 'UPDATE')" for column in _UPDATED]
 )
 
 

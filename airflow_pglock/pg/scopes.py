@@ -29,7 +29,7 @@ from typing import Any
 import psycopg
 
 from airflow_pglock.display import printable
-from airflow_pglock.exceptions import LockConfigurationError
+from airflow_pglock.exceptions import LockConfigurationError, ScopeHorizonBusyError
 from airflow_pglock.holder import describe_holders
 from airflow_pglock.keys import LockKey
 from airflow_pglock.pg.holders import read_holders
@@ -348,7 +348,8 @@ def leave(conn: psycopg.Connection[Any], key: LockKey, holder: str, *, lower: bo
     )
     freed = _row(cursor.fetchone())
     if lower:
-        lower_horizon(conn)
+        with contextlib.suppress(ScopeHorizonBusyError):  # the row is gone: a horizon left high only makes
+            lower_horizon(conn)  # guards read the rows a while longer
     return freed
 
 
@@ -427,7 +428,7 @@ def _under_horizon_lock(conn: psycopg.Connection[Any], when_locked: str, params:
     ends one only if it comes while a try runs. Neither matters much: a writer holds the lock for
     its own write and commit; the session's timeouts still bound the tries.
 
-    :raises psycopg.errors.LockNotAvailable: the lock stayed busy past the session's
+    :raises ScopeHorizonBusyError: the lock stayed busy past the session's
         ``lock_timeout`` or ``statement_timeout`` or :data:`HORIZON_WAIT_SECONDS`, whichever is
         shortest (its message names the lock's holders).
     """
@@ -454,7 +455,7 @@ def _under_horizon_lock(conn: psycopg.Connection[Any], when_locked: str, params:
                 holders = describe_holders(read_holders(conn, HORIZON_LOCK_KEY), dt.datetime.now(dt.timezone.utc))
             except psycopg.Error as error:
                 holders = f"a session not read ({type(error).__name__}: {error})"
-            raise psycopg.errors.LockNotAvailable(
+            raise ScopeHorizonBusyError(
                 f"the scope horizon's lock ({HORIZON_LOCK_KEY.describe()}) stayed busy for {bound_ms:.0f} ms, "
                 f"{which}: held by {holders} (a scope's write holds it for a moment; a session that keeps it "
                 "blocks every lock scope of the database)"

@@ -36,7 +36,7 @@ from typing import Any, Literal, TypeVar
 
 import psycopg
 
-from airflow_pglock.exceptions import LockConfigurationError, PgLockError, UnsafeSetupError
+from airflow_pglock.exceptions import LockConfigurationError, PgLockError, ScopeHorizonBusyError, UnsafeSetupError
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 from airflow_pglock.identity import DEFERRED_HOLDS_APPLICATION_NAME
 from airflow_pglock.keys import LockKey
@@ -270,6 +270,11 @@ class HoldHub:
                         hold.renewed(started)
                     elif lost is not _REPLACED:
                         hold.lose(lost)
+            except ScopeHorizonBusyError as error:
+                # The session and its keys are fine (the write was rolled back): the next pass tries
+                # again. The other holds' writes would meet the same busy lock, each after its bound.
+                await asyncio.to_thread(log.warning, "pglock deferred holds: %s: %s", hold.key.describe(), error)
+                return
             except (PgLockError, psycopg.Error) as error:
                 await asyncio.to_thread(log.warning, "pglock deferred holds: %s: %s", hold.key.describe(), error)
                 self._drop_session()  # every key is taken back on a new session at the next pass

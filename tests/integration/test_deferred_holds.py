@@ -624,3 +624,51 @@ def test_the_horizon_is_lowered_under_its_lock_whatever_the_default_isolation_an
     with pytest.raises(LockBusyError):  # the other run's scope holds the key
         LockGuard(hook.database, other, LockPolicy()).run(lambda handle: None)
     assert advisory_locks_left(scopes_db) == 0
+
+
+def test_a_busy_horizon_delays_the_renewals_and_the_hub_keeps_every_key(
+    hook: Any, scopes_db: Any, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session keeps the horizon's lock past the writers' bound (a foreign client on its
+    advisory key, a writer waiting for a synchronous standby): a renewal fails with it, but the
+    hub's session and every key it holds are fine. The hub must keep them (a try by another
+    client finds them busy) and renew once the lock is free, not drop its session and so free
+    every deferred key while their rows still say they are held."""
+    monkeypatch.setattr(scopes, "HORIZON_WAIT_SECONDS", 0.5)
+    holders = [_hand_over(hook, key, lease=3.0) for key in KEYS]
+
+    def taken_by_another(key: LockKey) -> bool:
+        with psycopg.connect(dsn, autocommit=True) as other:
+            taken = bool(other.execute("SELECT pg_try_advisory_lock(%s)", [key.int64]).fetchone()[0])
+            if taken:
+                other.execute("SELECT pg_advisory_unlock(%s)", [key.int64])
+            return taken
+
+    async def body() -> None:
+        hub = _hub(hook)
+        holds = [
+            DeferredHold(key, holder, f"dag.op{n} run", 3.0)
+            for n, (key, holder) in enumerate(zip(KEYS, holders, strict=True))
+        ]
+        async with hub.holding(holds[0]), hub.holding(holds[1]):
+            for hold in holds:
+                await asyncio.wait_for(hold.settled.wait(), 15)
+            with _horizon_locked(dsn):
+                deadline = time.monotonic() + 2.5  # past two renewals (every lease / 3 = 1 s)
+                while time.monotonic() < deadline:
+                    for key in KEYS:
+                        assert not await asyncio.to_thread(taken_by_another, key), f"{key.describe()} was free"
+                    await asyncio.sleep(0.2)
+            for hold in holds:
+                assert hold.state == "held", hold.reason
+            before = {key: await asyncio.to_thread(scopes.read, scopes_db, key) for key in KEYS}
+            await asyncio.sleep(1.5)  # a renewal with the lock free again
+            for key in KEYS:
+                row = await asyncio.to_thread(scopes.read, scopes_db, key)
+                assert row is not None and row.lease_until > before[key].lease_until, "not renewed after"  # type: ignore[union-attr]
+                assert await asyncio.to_thread(_holders, scopes_db, key) == [HUB]
+            assert all(hold.state == "held" for hold in holds)
+
+    _run(body)
+    scopes_db.execute("DELETE FROM pglock.scopes")
+    assert advisory_locks_left(scopes_db) == 0

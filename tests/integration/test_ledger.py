@@ -329,11 +329,16 @@ def test_a_role_that_may_not_record_a_completion_fails_before_the_work(
                 ):
                     LockGuard(limited.database, key, LockPolicy(), rules=rules).run(lambda lock: ran.append("work"))
         assert ran == []
-        installed.execute(f"GRANT UPDATE ON pglock.completions TO {role}")
+        # Column grants of what the upsert writes are enough (the table's INSERT is there already).
+        installed.execute(
+            f"GRANT UPDATE (completed_at, key_name, dag_id, task_id, run_id, map_index, fencing_token)"
+            f" ON pglock.completions TO {role}"
+        )
         LockGuard(limited.database, key, LockPolicy(), rules=RunRules(period="2026-12-07")).run(
             lambda lock: ran.append("work")
         )
         assert ran == ["work"]
+        assert installed.execute("SELECT count(*) FROM pglock.completions").fetchone()[0] == 1
     finally:
         installed.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", [role])
         installed.execute(f"DROP OWNED BY {role}")

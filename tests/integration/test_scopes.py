@@ -9,9 +9,10 @@ import time
 import uuid
 from typing import Any
 
+import psycopg
 import pytest
 
-from airflow_pglock.exceptions import LockBusyError, LockConfigurationError, LockLostError
+from airflow_pglock.exceptions import LockBusyError, LockConfigurationError, LockLostError, ScopeHorizonBusyError
 from airflow_pglock.guard import LockGuard
 from airflow_pglock.keys import LockKey
 from airflow_pglock.pg import schema, scopes
@@ -480,8 +481,6 @@ def test_a_renewal_whose_horizon_raise_fails_is_rolled_back(scopes_db: Any, dsn:
     ``lock_timeout`` or ``statement_timeout``. It tries the lock and never waits for it on the
     server: a writer frozen in such a wait would keep its session, and its key, past
     the dead-holder bound."""
-    import psycopg
-
     holder = uuid.uuid4().hex
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("SELECT pg_advisory_lock(%s)", [KEY.int64])
@@ -510,7 +509,7 @@ def test_a_renewal_whose_horizon_raise_fails_is_rolled_back(scopes_db: Any, dsn:
         thread.join()
         scopes_db.execute("SELECT pg_advisory_unlock(%s)", [scopes.HORIZON_LOCK_KEY.int64])
         assert waits_seen == 0, "the raise waited for the horizon's lock on the server"
-        assert failed and isinstance(failed[0], psycopg.errors.LockNotAvailable), failed
+        assert failed and isinstance(failed[0], ScopeHorizonBusyError), failed
         assert "stayed busy for 700 ms, this session's lock_timeout or statement_timeout" in str(failed[0]), failed[0]
         after = scopes.read(scopes_db, KEY)
         assert after is not None and after.lease_until == before, "the renewal was rolled back with its raise"
@@ -661,8 +660,6 @@ def test_a_session_that_keeps_the_horizons_lock_fails_a_setup_in_time_naming_it(
     """Any session of the database may take the horizon's key (an advisory key like any other)
     and keep it. A scope's sessions set no lock_timeout: the setup must still give up, fail (not
     skip, not hang holding its key) and name who keeps the lock."""
-    import psycopg
-
     # raising=False: the test also runs against the code before the bound (it must fail there).
     monkeypatch.setattr(scopes, "HORIZON_WAIT_SECONDS", 0.5, raising=False)
     ended: list[BaseException | None] = []
@@ -683,7 +680,48 @@ def test_a_session_that_keeps_the_horizons_lock_fails_a_setup_in_time_naming_it(
     thread.join(20)
     assert not still_trying, "the setup still tried the horizon's lock after 20 s, holding its key"
     assert ended and ended[0] is not None, "the setup ran while the horizon's lock was kept"
-    assert not isinstance(ended[0], LockBusyError), ended[0]
+    assert isinstance(ended[0], ScopeHorizonBusyError), ended[0]
     assert re.search(r"stayed busy for 500 ms.*'foreign nightly batch'", str(ended[0])), ended[0]
     assert scopes.read(scopes_db, KEY) is None, "the setup's row outlived its failure"
+    assert advisory_locks_left(scopes_db) == 0
+
+
+def test_a_member_that_finds_its_scope_taken_names_the_taker_escaped(hook: Any, scopes_db: Any) -> None:
+    """The message of a member's lost scope quotes the row that took it: text any writer of the
+    table chose, which reaches Airflow's task log with the exception."""
+    holder = uuid.uuid4().hex
+    _enter(hook, holder)
+    forged = "prod: nightly\x1b[2K\rpglock outcome=completed key 'x'\nFORGED LINE"
+    scopes_db.execute("UPDATE pglock.scopes SET holder = %s, run = %s", [uuid.uuid4().hex, forged])
+    with (
+        pytest.raises(LockLostError) as lost,
+        LockGuard(hook.database, KEY, LockPolicy(), scope=_role("member", holder)),
+    ):
+        pytest.fail("a member ran in a scope another run took")
+    message = str(lost.value)
+    assert r"prod: nightly\x1b[2K\rpglock outcome=completed key 'x'\nFORGED LINE took the scope" in message, message
+    assert "\x1b" not in message and "\n" not in message and "\r" not in message
+
+
+def test_a_busy_horizon_fails_a_deferral_and_spares_a_teardown_that_freed_its_scope(
+    hook: Any, scopes_db: Any, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The horizon's lock kept by another session past the bound: a hand-over to the triggerer
+    (which raises the horizon) fails as an error, not as a lost lock nor a broken connection; a
+    teardown whose row is deleted only lowers the horizon (best effort), so it completes."""
+    from airflow_pglock.scope_rules import HandOver
+
+    monkeypatch.setattr(scopes, "HORIZON_WAIT_SECONDS", 0.5, raising=False)
+    holder = uuid.uuid4().hex
+    _enter(hook, holder)
+    ran: list[str] = []
+    with psycopg.connect(dsn, autocommit=True, application_name="foreign batch") as foreign:
+        foreign.execute("SELECT pg_advisory_lock(%s)", [scopes.HORIZON_LOCK_KEY.int64])
+        LockGuard(hook.database, KEY, LockPolicy(), scope=_role("leave", holder)).run(lambda h: ran.append("teardown"))
+        assert ran == ["teardown"] and scopes.read(scopes_db, KEY) is None
+        deferring = ScopeRole(holder=uuid.uuid4().hex, run="dep: dag run", task="op", lease=30.0, hands_over=True)
+        guard = LockGuard(hook.database, KEY, LockPolicy(), scope=deferring)
+        with pytest.raises(ScopeHorizonBusyError, match="'foreign batch'"):
+            guard.run(lambda handle: HandOver(None))
+        assert guard.outcome == "failed", guard.outcome
     assert advisory_locks_left(scopes_db) == 0
