@@ -44,7 +44,7 @@ from airflow_pglock.exceptions import (
 from airflow_pglock.finish import Ending, finish, finish_session, finish_transaction
 from airflow_pglock.handle import LockHandle
 from airflow_pglock.heartbeat import Heartbeat
-from airflow_pglock.holder import LockHolder, describe_holders
+from airflow_pglock.holder import LockHolder, blocking_holders, describe_holders
 from airflow_pglock.identity import DEFERRED_HOLDS_APPLICATION_NAME, TaskIdentity, check_application_name
 from airflow_pglock.interruption import Interruption, protect_clean_up
 from airflow_pglock.keys import LockKey, slot_keys
@@ -82,16 +82,26 @@ T = TypeVar("T")
 log = logging.getLogger("airflow_pglock")
 
 
-def busy_error(database: LockDatabase, pool: Sequence[LockKey], timeout: float | None, logger: Any) -> LockBusyError:
+def busy_error(
+    database: LockDatabase, pool: Sequence[LockKey], timeout: float | None, logger: Any, *, shared: bool = False
+) -> LockBusyError:
     """The refusal for a busy key (or full pool: its slots, slot 1 first), naming who holds it
-    (as far as the server can still tell)."""
+    (as far as the server can still tell); for a ``shared`` try, also the exclusive requests
+    queued for it, which PostgreSQL serves first (a shared try fails behind them even when only
+    shared holders hold the key)."""
     key, slots = pool[0], len(pool)
     try:
         holders = database.holders(pool)
     except (PgLockError, psycopg.Error) as error:
         logger.warning("pglock could not read the holders of %s: %s", key.describe(), error)
         holders = []
-    who = describe_holders(holders, dt.datetime.now(dt.timezone.utc), nobody="a session that released it since")
+    now = dt.datetime.now(dt.timezone.utc)
+    who = describe_holders(holders, now, nobody="a session that released it since")
+    queued = [holder for holder in blocking_holders(holders, shared) if not holder.granted] if shared else []
+    if queued:
+        who += " and waited for by an exclusive request queued ahead of this shared one: " + "; ".join(
+            holder.describe(now) for holder in queued
+        )
     waited = f" after waiting {timeout:g} s" if timeout is not None else ""
     if slots == 1:
         deferred = _deferred_holder(database, key, holders, logger)
@@ -367,11 +377,17 @@ class LockGuard:
                     scoped.clear()  # the wait goes on: every slot is tried again
                     continue
                 if scoped:
-                    others = busy_error(self.database, pool, timeout, self.log) if candidates else None
+                    others = (
+                        busy_error(self.database, pool, timeout, self.log, shared=self.policy.shared)
+                        if candidates
+                        else None
+                    )
                     raise _pool_scoped_error(pool, scoped, others)
                 if self.scope.slot is not None:  # a task of a scope over a pool: its own slot was busy
-                    raise busy_error(self.database, [pool[self.scope.slot - 1]], timeout, self.log)
-                raise busy_error(self.database, pool, timeout, self.log)
+                    raise busy_error(
+                        self.database, [pool[self.scope.slot - 1]], timeout, self.log, shared=self.policy.shared
+                    )
+                raise busy_error(self.database, pool, timeout, self.log, shared=self.policy.shared)
             self.took_the_lock = True
             if self.scope.kind in ("member", "resume"):
                 break  # checked with the run rules: a lost scope is reported as lost

@@ -92,6 +92,10 @@ class AdvisoryLockSensor(BaseSensorOperator):
         self.shared = shared
         self.postgres_conn_id = postgres_conn_id
         self.slots = slots
+        if not isinstance(deferrable, bool):
+            raise LockConfigurationError(
+                f"AdvisoryLockSensor {self.task_id!r}: deferrable must be True or False, got {deferrable!r}"
+            )
         self.deferrable = deferrable
         if deferrable and not self.poke_interval > 0:  # the trigger re-reads the key every poke_interval
             raise LockConfigurationError(

@@ -25,6 +25,7 @@ from typing import Any
 from airflow_pglock.compat import BaseTrigger, TriggerEvent, task_supervisor_wait
 from airflow_pglock.exceptions import InvalidLockKeyError, LockConfigurationError
 from airflow_pglock.keys import LockKey, slot_keys
+from airflow_pglock.policy import check_shared
 
 #: ``event["status"]`` values.
 FREE, TIMEOUT, ERROR = "free", "timeout", "error"
@@ -55,6 +56,10 @@ def resume_hold_for(supervisor_wait: float | None) -> float:
     if supervisor_wait is None or not math.isfinite(supervisor_wait) or supervisor_wait <= RESUME_HOLD_MEASURED_WAIT:
         return RESUME_HOLD_SECONDS
     return min(MAX_RESUME_HOLD, supervisor_wait + RESUME_HOLD_SECONDS - RESUME_HOLD_MEASURED_WAIT)
+
+
+def _finite_number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
 
 
 def checked_resume_hold(value: Any) -> float:
@@ -112,14 +117,22 @@ class AdvisoryLockTrigger(BaseTrigger):
             self.key = LockKey.from_int(numbers[0], name=key_name)
         else:
             raise InvalidLockKeyError(f"key_numbers must be [int64] or [int32, int32], got {key_numbers!r}")
-        if isinstance(poll_interval, bool) or not isinstance(poll_interval, int | float) or not poll_interval > 0:
+        if not _finite_number(poll_interval) or not poll_interval > 0:
             raise LockConfigurationError(f"poll_interval must be a positive number of seconds, got {poll_interval!r}")
-        if deadline is not None and (isinstance(deadline, bool) or not math.isfinite(deadline)):
+        if deadline is not None and not _finite_number(deadline):
             raise LockConfigurationError(f"deadline must be a UNIX time or None, got {deadline!r}")
+        if not isinstance(postgres_conn_id, str) or not postgres_conn_id.strip():
+            raise LockConfigurationError(f"postgres_conn_id must be a non-empty string, got {postgres_conn_id!r}")
+        if isinstance(connect_timeout, bool) or not isinstance(connect_timeout, int) or connect_timeout < 1:
+            raise LockConfigurationError(
+                f"connect_timeout must be a whole number of seconds, 1 or more (0 waits for ever), "
+                f"got {connect_timeout!r}"
+            )
+        check_shared(shared)
         self.postgres_conn_id = postgres_conn_id
         self.poll_interval = float(poll_interval)
         self.deadline = None if deadline is None else float(deadline)
-        self.shared = bool(shared)
+        self.shared = shared
         self.connect_timeout = connect_timeout
         self.slots = slots
         self.slot_keys = slot_keys(self.key, slots)

@@ -531,6 +531,39 @@ def test_a_deferrable_sensor_that_would_never_poll_is_refused_when_the_dag_is_pa
     AdvisoryLockSensor(task_id="s", key="k", poke_interval=0)  # poke mode: Airflow's own rules
 
 
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"shared": "no"}, "shared must be True or False"),
+        ({"connect_timeout": 0}, "connect_timeout must be a whole number"),
+        ({"connect_timeout": -1}, "connect_timeout must be a whole number"),
+        ({"connect_timeout": "x"}, "connect_timeout must be a whole number"),
+        ({"poll_interval": float("inf")}, "poll_interval must be a positive number"),
+        ({"postgres_conn_id": None}, "postgres_conn_id must be a non-empty string"),
+        ({"postgres_conn_id": " "}, "postgres_conn_id must be a non-empty string"),
+        ({"deadline": "x"}, "deadline must be a UNIX time or None"),
+    ],
+)
+def test_the_wait_trigger_refuses_bad_arguments_naming_them(options: dict[str, Any], named: str) -> None:
+    """The trigger is public (a custom operator may defer to it) and is built again in the triggerer
+    from its serialized arguments: each is checked there, not taken as it comes (``"no"`` as a
+    truthy ``shared``, a ``connect_timeout`` of 0 that waits for ever, a poll that never comes)."""
+    from airflow_pglock.exceptions import LockConfigurationError
+    from airflow_pglock.triggers.advisory_lock import AdvisoryLockTrigger
+
+    arguments: dict[str, Any] = {"key_name": "k", "key_numbers": [7], "postgres_conn_id": "pglock_test", **options}
+    with pytest.raises(LockConfigurationError, match=named):
+        AdvisoryLockTrigger(**arguments)
+
+
+def test_a_sensor_whose_deferrable_is_not_a_bool_is_refused() -> None:
+    from airflow_pglock.exceptions import LockConfigurationError
+    from airflow_pglock.sensors.advisory_lock import AdvisoryLockSensor
+
+    with pytest.raises(LockConfigurationError, match=r"deferrable must be True or False, got 'yes'"):
+        AdvisoryLockSensor(task_id="s", key="k", deferrable="yes")  # type: ignore[arg-type]
+
+
 def test_never_fail_skips_an_error_in_poke_mode_only(unreachable_conn: str) -> None:
     """Airflow's own never_fail turns an error of its poke loop into a skip (the user asked for it);
     the first check of a deferrable sensor runs outside that loop, and fails."""

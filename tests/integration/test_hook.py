@@ -71,6 +71,36 @@ def test_shared_and_exclusive(hook: AdvisoryLockHook, admin: Any) -> None:
     assert writer.release()
 
 
+def test_a_shared_try_behind_a_queued_writer_names_the_writer(hook: AdvisoryLockHook, admin: Any, dsn: str) -> None:
+    """PostgreSQL serves a queued exclusive request before a new shared one: a reader's try fails
+    while only readers hold the key (a writer waits, e.g. in its defer_after wait). The refusal
+    must name that writer, not only the reader that holds the key."""
+    from airflow_pglock.exceptions import LockBusyError
+    from airflow_pglock.guard import LockGuard
+    from airflow_pglock.policy import LockPolicy
+
+    key = LockKey.from_name("readers-queued-writer")
+    reader = hook.acquire(key, shared=True)
+    assert reader is not None
+    with psycopg.connect(dsn, autocommit=True, application_name="queued writer") as writer:
+        waiting = threading.Thread(
+            target=lambda: writer.execute("SELECT pg_advisory_lock(%s)", [key.int64]), daemon=True
+        )
+        waiting.start()
+        deadline = time.monotonic() + 10
+        while not any(not granted for *_, granted in advisory_locks(admin)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with pytest.raises(LockBusyError) as busy, LockGuard(hook.database, key, LockPolicy(shared=True)):
+            pytest.fail("a shared try got ahead of a queued exclusive request")
+        message = str(busy.value)
+        assert "holding ShareLock" in message, message
+        assert "queued ahead of this shared one" in message and "'queued writer'" in message, message
+        assert "waiting ExclusiveLock" in message, message
+        assert reader.release()
+        waiting.join(10)
+        writer.execute("SELECT pg_advisory_unlock(%s)", [key.int64])
+
+
 def test_bounded_wait_times_out_and_leaves_nothing(hook: AdvisoryLockHook, admin: Any) -> None:
     key = LockKey.from_name("bounded-wait")
     holder = hook.acquire(key)
