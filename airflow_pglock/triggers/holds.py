@@ -42,6 +42,7 @@ from airflow_pglock.identity import DEFERRED_HOLDS_APPLICATION_NAME
 from airflow_pglock.keys import LockKey
 from airflow_pglock.lock_set import LockSession, SubLock
 from airflow_pglock.pg import scopes
+from airflow_pglock.triggers.wakeups import start_apart
 
 log = logging.getLogger("airflow_pglock.holds")
 
@@ -129,7 +130,7 @@ class HoldHub:
         """
         self.holds.add(hold)
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._serve(), name="pglock deferred holds")
+            self._task = start_apart(self._serve(), "pglock deferred holds")
         self._wake.set()
         try:
             yield hold

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import math
 import time
 import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import psycopg
 
@@ -55,6 +57,14 @@ FIRST_CONNECT_GRACE = 30.0
 #: Unforeseen errors in a row, with no complete check of the waiting keys in between, after
 #: which the waiting triggers report the error instead of waiting on a hub that cannot read.
 FAILURES_REPORTED = 3
+
+
+def start_apart(coroutine: Any, name: str) -> asyncio.Task[None]:
+    """Start a hub's task outside the context of the trigger that happens to start it: the
+    triggerer sends a trigger's log lines to that task's log by context variables, and a hub
+    serves every trigger (its lines belong in the triggerer's own log)."""
+    loop = asyncio.get_running_loop()
+    return contextvars.Context().run(loop.create_task, coroutine, name=name)
 
 
 @dataclass(eq=False)
@@ -154,7 +164,7 @@ class WakeupHub:
         # Read at once, then again within its own interval: a waiter that polls less often must not hold it back.
         self._poll_due = min(self._poll_due, time.monotonic() + poll_interval)
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._serve(), name="pglock wakeups")
+            self._task = start_apart(self._serve(), "pglock wakeups")
         try:
             yield waiter
         finally:
