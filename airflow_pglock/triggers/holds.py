@@ -129,6 +129,7 @@ class HoldHub:
         lease ends it, or a triggerer that runs the trigger again takes the hold back.
         """
         self.holds.add(hold)
+        self._lose_if_lapsed(hold)
         if self._task is None or self._task.done():
             self._task = start_apart(self._serve(), "pglock deferred holds")
         self._wake.set()
@@ -228,13 +229,8 @@ class HoldHub:
                 return
 
     async def _pass(self) -> None:
-        now = time.monotonic()
         for hold in list(self.holds):
-            if hold.state == "taking" and now >= hold.lease_ends:
-                hold.lose(
-                    f"the triggerer could not take {hold.key.describe()} back within the lease "
-                    f"({hold.lease:g} s): another holder may have run meanwhile"
-                )
+            self._lose_if_lapsed(hold, watch=False)  # the timers set when it began taking watch it
         session = self.session
         if self._session_gone():
             if session is not None:
@@ -293,6 +289,24 @@ class HoldHub:
         for hold in self.holds:
             if hold.state == "held":
                 hold.state, hold.sub = "taking", None
+                self._lose_if_lapsed(hold)
+
+    def _lose_if_lapsed(self, hold: DeferredHold, *, watch: bool = True) -> None:
+        """Lose a hold still being taken once its row's lease may have lapsed; ``watch``: if not
+        yet, look again then, on a timer of the loop (a pass may be blocked meanwhile, in a
+        connect that waits out its timeout)."""
+        if hold.state != "taking" or hold not in self.holds:
+            return
+        left = hold.lease_ends - time.monotonic()
+        if left > 0:
+            if watch:
+                asyncio.get_running_loop().call_later(left, self._lose_if_lapsed, hold)
+            return
+        hold.lose(
+            f"the triggerer could not take {hold.key.describe()} back within the lease "
+            f"({hold.lease:g} s): another holder may have run meanwhile"
+        )
+        self._wake.set()
 
     async def _connect(self) -> bool:
         try:

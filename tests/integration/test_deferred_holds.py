@@ -672,3 +672,50 @@ def test_a_busy_horizon_delays_the_renewals_and_the_hub_keeps_every_key(
     _run(body)
     scopes_db.execute("DELETE FROM pglock.scopes")
     assert advisory_locks_left(scopes_db) == 0
+
+
+def test_a_hold_is_lost_at_its_lease_even_while_the_hub_waits_in_a_reconnect(
+    hook: Any, scopes_db: Any, dsn: str
+) -> None:
+    """The hub's session ends (the lock database cut off, its backend terminated): the keys are
+    free on the server, the rows hold them until their lease. The hold must be lost by then,
+    also while the hub's pass waits in a connect (a network cut: the connect waits out its
+    timeout): the operator's job runs while the hold counts as kept."""
+    holder = _hand_over(hook, KEYS[0], lease=2.0)
+    reconnect_blocked = threading.Event()
+    release_connect = threading.Event()
+
+    def open_session() -> Any:
+        if reconnect_blocked.is_set():
+            release_connect.wait(30)  # as a connect to an unreachable host waits out its timeout
+        return hook.open_lock_session(application_name=HUB)
+
+    async def body() -> None:
+        hub = HoldHub(open_session)
+        hold = DeferredHold(KEYS[0], holder, "dag.op run", 2.0)
+        async with hub.holding(hold):
+            await asyncio.wait_for(hold.settled.wait(), 15)
+            assert hold.state == "held"
+            reconnect_blocked.set()
+            [pid] = await asyncio.to_thread(
+                lambda: [
+                    row[0]
+                    for row in scopes_db.execute(
+                        "SELECT pid FROM pg_stat_activity WHERE application_name = %s", [HUB]
+                    ).fetchall()
+                ]
+            )
+            await asyncio.to_thread(scopes_db.execute, "SELECT pg_terminate_backend(%s)", [pid])
+            try:
+                # The lease runs from the last renewal (at most 2 s ago): lost well within 5 s.
+                await asyncio.wait_for(hold.lost.wait(), 5)
+                assert not release_connect.is_set(), "lost only once the reconnect returned"
+            finally:
+                release_connect.set()
+            assert hold.state == "lost" and "within the lease" in str(hold.reason), hold.reason
+        assert await _until(lambda: hub._task is not None and hub._task.done()), "the hub did not retire"
+        assert await _until(lambda: _sessions(scopes_db) == 0), "the hub kept the session its reconnect opened"
+
+    _run(body)
+    scopes_db.execute("DELETE FROM pglock.scopes")
+    assert advisory_locks_left(scopes_db) == 0
