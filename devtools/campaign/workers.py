@@ -62,6 +62,25 @@ The kinds (every public way to hold a lock, see docs/safety.md):
   the row under the key, lowers the scopes' horizon and releases the key; no resume). It believes
   it holds the key from the first acquisition to its last work, the hand-overs included (the
   lease row holds it there).
+  Half of its runs (:data:`TRIGGER_SHARE`) take the triggerer's part through the real
+  ``GuardedTrigger`` (:mod:`airflow_pglock.triggers.guarded`) instead of the hub directly: built
+  as ``guarded()`` builds it when an operator defers, around an operator trigger of the
+  campaign's own (:mod:`devtools.campaign.external_job`: its external job writes the register
+  every :data:`STEP` while the trigger waits, and goes on until an ``on_kill()`` stops it), its
+  ``run()`` on an event loop as a triggerer runs it, and the first event taken: the hold handed
+  back (resume as above), the task ended there (a task-end event: the job's ``done`` before the
+  hub frees the key), lost (the resumed task's ``on_kill()`` stops the job: ``lost``) or failed
+  (the job's write failed: the task re-enters the hold to free its row, and fails). It reaches
+  the lock database through an Airflow connection (``AIRFLOW_CONN_CAMPAIGN_W<n>_LOCKS``, JSON: the
+  lock DSN's two hosts, its two ports, ``target_session_attrs`` and ``connect_timeout`` as extras),
+  through a hub that is ``hub_for``'s but for its session's lease (the campaign's, not a
+  triggerer's 30 s) and name (``campaign w<n> holds``). It asks a random ``resume_hold`` (up to
+  one second: the hold's clock from the trigger's start). On Airflow 3.3+ half of those runs
+  (:data:`CLEAR_SHARE`) are cleared mid-hold: the trigger's task is cancelled as the triggerer
+  cancels it for a user's action (``GuardedTrigger`` kills the job under the hold: ``lost``), a
+  ``released`` event follows once the cancellation let the key go (a write after it lies outside
+  the hold: checker rule 10), then ``cleared``; the triggerer's ``on_kill()`` comes a moment later,
+  and the run ends lost (rule 12: never completed).
 """
 
 from __future__ import annotations
@@ -119,7 +138,7 @@ POOL_TRANSACTION_SHARE = 1 / 3
 #: The share of the ``deferred`` kind's runs whose triggerer's part runs the real ``GuardedTrigger``
 #: (the others drive the hold hub directly), and of those (Airflow 3.3+) a task cleared mid-hold.
 TRIGGER_SHARE = 0.5
-CLEAR_SHARE = 1 / 3
+CLEAR_SHARE = 0.5
 #: The triggerer's cancel message for a user's action (a task cleared or marked while deferred).
 USER_ACTION_CANCEL = "__airflow_user_action__"
 #: The GuardedTrigger's ``connect_timeout`` (the workers' own).
