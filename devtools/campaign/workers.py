@@ -832,9 +832,10 @@ class Worker:
             events: list[Any] = []
 
             async def consume() -> None:
-                async for event in trigger.run():
-                    events.append(event)  # the triggerer takes the first event and ends the trigger
-                    return
+                async with contextlib.aclosing(trigger.run()) as fired:
+                    async for event in fired:
+                        events.append(event)  # the triggerer takes the first event and ends the trigger
+                        return
 
             running = asyncio.ensure_future(consume())
             if clears:
