@@ -37,12 +37,23 @@ class ExternalJob:
     :param emit: ``emit(event)`` writes a history event of the run (``done``, ``lost``).
     :param ends_there: the job ends the task in the triggerer: its ``done`` comes before the
         trigger fires (the hub then frees the key).
+    :param stop_delay: seconds an ``on_kill()`` takes to stop it (cancelling an external job takes a
+        while): it goes on writing meanwhile.
     """
 
     def __init__(
-        self, write: Callable[[], None], steps: int, step: float, emit: Callable[[str], None], *, ends_there: bool
+        self,
+        write: Callable[[], None],
+        steps: int,
+        step: float,
+        emit: Callable[[str], None],
+        *,
+        ends_there: bool,
+        stop_delay: float = 0.0,
     ) -> None:
         self.write, self.steps, self.step, self.emit, self.ends_there = write, steps, step, emit, ends_there
+        self.stop_delay = stop_delay
+        self.left = steps  # writes still to make
         self.task: asyncio.Task[None] | None = None
         self.started = asyncio.Event()
         self.killed = False
@@ -58,7 +69,8 @@ class ExternalJob:
         if self.killed:
             return
         try:
-            for _ in range(self.steps):
+            for done in range(self.steps):
+                self.left = self.steps - done
                 writing = asyncio.ensure_future(asyncio.to_thread(self.write))
                 try:
                     await asyncio.shield(writing)
@@ -74,12 +86,14 @@ class ExternalJob:
         except BaseException:
             self.emit("done")  # its work failed: it no longer uses the key (the trigger fails next)
             raise
+        self.left = 0
         if self.ends_there:
             self.emit("done")  # the job stops using the key before the hub frees it
 
-    async def kill(self) -> None:
-        """``on_kill()``: the job stops (a write in flight gets its answer first); a ``lost`` event
-        says so when it was running (or had not started: it never will)."""
+    async def kill(self, delay: float | None = None) -> None:
+        """``on_kill()``: the job stops after ``delay`` (default :attr:`stop_delay`; a write in flight
+        gets its answer first); a ``lost`` event says so when it was running (or had not started: it
+        never will)."""
         if self.killed:
             return
         self.killed = True
@@ -87,6 +101,7 @@ class ExternalJob:
         if task is not None and task.done():
             return  # it had ended already: its own events said so
         if task is not None:
+            await asyncio.wait({task}, timeout=self.stop_delay if delay is None else delay)  # it goes on meanwhile
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task

@@ -60,6 +60,7 @@ LAYOUT: tuple[tuple[str, int | None], ...] = (
     ("guard-session", 1),
     ("scope", 1),
     ("deferred", 0),
+    ("deferred", 1),  # a third: half of its runs take the GuardedTrigger, half of those are cleared
 )
 
 

@@ -77,10 +77,14 @@ The kinds (every public way to hold a lock, see docs/safety.md):
   triggerer's 30 s) and name (``campaign w<n> holds``). It asks a random ``resume_hold`` (up to
   one second: the hold's clock from the trigger's start). On Airflow 3.3+ half of those runs
   (:data:`CLEAR_SHARE`) are cleared mid-hold: the trigger's task is cancelled as the triggerer
-  cancels it for a user's action (``GuardedTrigger`` kills the job under the hold: ``lost``), a
-  ``released`` event follows once the cancellation let the key go (a write after it lies outside
-  the hold: checker rule 10), then ``cleared``; the triggerer's ``on_kill()`` comes a moment later,
-  and the run ends lost (rule 12: never completed).
+  cancels it for a user's action (``GuardedTrigger`` kills the job under the hold; the job takes up
+  to two steps to stop and writes meanwhile, then ``lost``), a ``released`` event follows once the
+  cancellation let the key go (a write after it lies outside the hold: checker rule 10), then
+  ``cleared``; the triggerer's ``on_kill()`` comes a moment later, and the run ends lost (rule 12:
+  never completed). When the job has writes left, the task's next try (a run of its own,
+  ``<run>-next``) starts a step before the cancellation, as on Airflow 3.3+: it finds its earlier
+  try's live row, waits for the key, takes the row over with a token of its own and works: a job
+  still running once the key was let go overlaps it (rules 4 and 10).
 """
 
 from __future__ import annotations
@@ -801,6 +805,7 @@ class Worker:
         clears = KILLS_CLEARED_TRIGGERS and self.rng.random() < CLEAR_SHARE
         steps, resume_hold = self.rng.randint(2, 10), round(self.rng.uniform(0.0, 4 * STEP), 3)
         clear_after, kill_after = self.rng.uniform(0.0, 4.0) * STEP, self.rng.uniform(1.0, 3.0) * STEP
+        stop_delay = self.rng.uniform(0.0, 2.0) * STEP
         self.history.emit("trigger", run=run, clears=clears, ends_there=ends_there, resume_hold=resume_hold)
 
         async def triggerer() -> Any:
@@ -811,6 +816,7 @@ class Worker:
                 STEP,
                 lambda event: self.history.emit(event, run=run),
                 ends_there=ends_there,
+                stop_delay=stop_delay,
             )
             external_job.JOBS[run] = job
             # As guarded() builds it when the operator defers (operators/advisory_lock.py).
@@ -843,6 +849,12 @@ class Worker:
                 await asyncio.wait({running, started}, return_when=asyncio.FIRST_COMPLETED)
                 started.cancel()
                 await asyncio.wait({running}, timeout=clear_after)  # mid-hold: the job runs
+                next_try: Any = None
+                if not running.done() and job.left >= 3:  # (its trigger does not fire meanwhile)
+                    # The cleared task's next try starts before the triggerer cancels the trigger, finds
+                    # its earlier try's live row and waits for the key (Airflow 3.3+).
+                    next_try = asyncio.ensure_future(asyncio.to_thread(self._next_try, run, key, holder, lease))
+                    await asyncio.sleep(STEP)
                 if running.cancel(USER_ACTION_CANCEL):
                     with contextlib.suppress(asyncio.CancelledError):
                         await running
@@ -853,7 +865,11 @@ class Worker:
                     await asyncio.sleep(kill_after)  # the triggerer calls the trigger's on_kill() next
                     await trigger.on_kill()
                     await trigger.cleanup()
+                    if next_try is not None:
+                        await next_try
                     raise _Lost("the task was cleared while deferred: its trigger was cancelled, its job killed")
+                if next_try is not None:
+                    await next_try
             await running
             event = events[0]
             if type(event) is not TriggerEvent:
@@ -874,6 +890,41 @@ class Worker:
             self._free_row(key, holder, lease, run)
             raise RuntimeError(f"the operator's trigger failed while it held {key.name!r}: {outcome}")
         return bool(outcome)
+
+    def _next_try(self, cleared: str, key: Any, holder: str, lease: float) -> None:
+        """The next try of a task cleared while deferred, a run of its own (``<run>-next``): as
+        ``guarded()`` does on Airflow 3.3+, it finds its earlier try's live hold row and waits for the
+        key (the trigger holds it until its job stopped), takes the row over with a token of its own
+        and works; its work must not overlap the earlier try's job."""
+        from airflow_pglock.exceptions import LockLostError
+        from airflow_pglock.guard import LockGuard
+        from airflow_pglock.policy import LockPolicy
+        from airflow_pglock.run_rules import RunRules
+        from airflow_pglock.scope_rules import ScopeRole
+
+        run, name = f"{cleared}-next", str(key.name)
+        self.history.emit("attempt", run=run)
+        outcome, detail = "completed", ""
+        role = ScopeRole(holder=holder, run=f"{self.name} {cleared}", task="deferred", lease=lease, hands_over=True)
+        policy = LockPolicy(on_busy="wait", wait_timeout=WAIT_TIMEOUT, on_wait_timeout="fail")
+        guard = LockGuard(
+            self.hook.database, key, policy, application_name=self.name, rules=RunRules(fencing=True), scope=role
+        )
+
+        def work(handle: Any) -> None:
+            at = handle.acquired_at.timestamp()
+            self.history.emit(
+                "acquired", run=run, key=name, token=handle.fencing_token, backend=handle.backend_pid, at=at
+            )
+            self._work(run, {name: handle.fencing_token})
+
+        try:
+            guard.run(work)
+        except (LockLostError, _Lost) as error:
+            outcome, detail = "lost", str(error)[:300]
+        except Exception as error:
+            outcome, detail = "failed", f"{type(error).__name__}: {str(error)[:300]}"
+        self.history.emit("outcome", run=run, outcome=outcome, detail=detail)
 
     def _free_row(self, key: Any, holder: str, lease: float, run: str) -> None:
         """A failed trigger's task resumes, re-enters its hold and frees its row (then fails)."""

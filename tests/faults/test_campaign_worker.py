@@ -357,7 +357,7 @@ def _guarded_trigger_runs(
             "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
             " WHERE l.locktype = 'advisory' AND l.granted"
         ).fetchall()
-        seen.append((event, data, [row[0] for row in names]))
+        seen.append((event, {**data, "t": time.time()}, [row[0] for row in names]))
         emit(event, **data)
 
     made.history.emit = emit_and_look  # type: ignore[method-assign]
@@ -365,9 +365,12 @@ def _guarded_trigger_runs(
         for _ in range(12):
             seen.clear()
             made.one_run()
-            if any(event == "cleared" for event, _, _ in seen) == clears:
+            cleared = [data["run"] for event, data, _ in seen if event == "cleared"]
+            followed = [data for event, data, _ in seen if event == "acquired" and data["run"].endswith("-next")]
+            if bool(cleared) == clears and (followed or not clears):
                 break
-            time.sleep(6.5)  # a cleared run's row lapses (two 3 s leases) before the next run takes the key
+            if cleared and not followed:
+                time.sleep(6.5)  # its row lapses (two 3 s leases; no next try took it over) before the next run
     finally:
         watcher.close()
         if made._register is not None:
@@ -404,14 +407,20 @@ def test_a_deferred_run_cleared_mid_hold_kills_its_job_before_the_guarded_trigge
 ) -> None:
     """A task cleared while deferred (Airflow 3.3+: the triggerer cancels its trigger for a user's
     action, then calls its on_kill()): GuardedTrigger kills the operator's trigger's job under the
-    hold, so the job's lost event comes while the hub still holds the key, nothing is written after
-    it, the key is free at the ``released`` event, and the run ends lost."""
+    hold, so the job's lost event comes while the hub still holds the key, the job writes nothing
+    after it, the key is free at the ``released`` event, and the run ends lost. The task's next try,
+    waiting for the key meanwhile, takes the row over and works only after the job stopped."""
     _, seen = _guarded_trigger_runs(worker, monkeypatch, fault_server, clears=True)
-    events = [event for event, _, _ in seen]
-    assert "cleared" in events, events
+    cleared = next(data["run"] for event, data, _ in seen if event == "cleared")
+    mine = [(event, data, names) for event, data, names in seen if data.get("run") == cleared]
+    events = [event for event, _, _ in mine]
     lost, released = events.index("lost"), events.index("released")
     assert lost < released, events
-    assert seen[lost][2] == ["campaign w0 holds"], f"the job stopped after the key was let go: {seen[lost]}"
-    assert seen[released][2] == [], seen[released]
+    assert mine[lost][2] == ["campaign w0 holds"], f"the job stopped after the key was let go: {mine[lost]}"
     assert "write" not in events[lost:], events
-    assert seen[-1][1]["outcome"] == "lost", seen[-1]
+    assert mine[-1][1]["outcome"] == "lost", mine[-1]
+    following = [(event, data) for event, data, _ in seen if data.get("run") == f"{cleared}-next"]
+    acquired = next(data for event, data in following if event == "acquired")
+    stopped = next(data["t"] for event, data, _ in mine if event == "lost")
+    assert acquired["at"] > stopped, (acquired, stopped)
+    assert following[-1][1]["outcome"] == "completed", following
