@@ -414,6 +414,7 @@ def test_a_deferred_run_cleared_mid_hold_kills_its_job_before_the_guarded_trigge
     cleared = next(data["run"] for event, data, _ in seen if event == "cleared")
     mine = [(event, data, names) for event, data, names in seen if data.get("run") == cleared]
     events = [event for event, _, _ in mine]
+    assert "lost" in events, f"no on_kill() stopped the job (a write of it refused instead?): {events}"
     lost, released = events.index("lost"), events.index("released")
     assert lost < released, events
     assert mine[lost][2] == ["campaign w0 holds"], f"the job stopped after the key was let go: {mine[lost]}"
