@@ -40,7 +40,8 @@ Each of these is a failure of the run (:attr:`Report.violations`):
 12. **lost hold reported as success (its own fault)**: a run reported ``completed`` although the
     nemesis terminated the backend of one of its holds while it believed it held it (for the kinds
     whose hold lives on one session throughout: :data:`ONE_SESSION_KINDS`), or although a fault of
-    its own (``caught-error``, ``savepoint-rollback``) ended its lock while it ran;
+    its own (``caught-error``, ``savepoint-rollback``) ended its lock while it ran, or its task was
+    cleared while deferred (a ``cleared`` event: its ``GuardedTrigger`` cancelled mid-hold);
 13. **connection kept open for nothing**: while the workers ran, the session watch
     (:mod:`devtools.campaign.watch`) found a worker's session idle, holding no advisory lock, for
     longer than :func:`~devtools.campaign.watch.idle_bound`, and no freeze or cut of that worker
@@ -76,7 +77,7 @@ from __future__ import annotations
 import math
 import re
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -201,6 +202,8 @@ class Run:
     ended: float | None = None  # when its outcome came
     skip: dict[str, Any] | None = None  # a skip's refusal: tried, holders, scope_row, done_period
     death_end: float | None = None  # a run that died: the end of the kill (rule 10's last moment)
+    trigger: bool = False  # a deferred run whose triggerer's part ran the real GuardedTrigger
+    cleared: bool = False  # ... and whose task was cleared mid-hold (its trigger cancelled for a user's action)
 
 
 @dataclass
@@ -305,6 +308,10 @@ def build(events: Iterable[dict[str, Any]]) -> tuple[dict[str, Run], list[Fault]
             run.writes += 1
             run.refused += 0 if e["accepted"] else 1
             run.written.append((e["t"], e["key"]))
+        elif kind == "trigger":
+            run.trigger = True
+        elif kind == "cleared":
+            run.cleared = True
         elif kind == "released":
             for hold in run.holds:
                 if hold.key == e["key"] and hold.end == float("inf"):
@@ -581,6 +588,11 @@ def check(
         "skips": skips,
         "terminated_holds": sum(1 for f in faults if f.kind == "terminate" and f.terminated),
         "session_watch": watch,
+        "guarded_triggers": {
+            "runs": sum(1 for run in runs.values() if run.trigger),
+            "cleared": sum(1 for run in runs.values() if run.cleared),
+            "outcomes": dict(Counter(run.outcome or "killed" for run in runs.values() if run.trigger)),
+        },
     }
     return Report(violations, figures)
 
@@ -842,8 +854,14 @@ def _judge_skips(
 
 
 def _own_faults_completed(runs: dict[str, Run], faults: Sequence[Fault]) -> list[str]:
-    """Rule 12: runs reported completed although their own fault ended a hold while they ran."""
-    violations = []
+    """Rule 12: runs reported completed although their own fault ended a hold while they ran (or their
+    task was cleared while deferred)."""
+    violations = [
+        f"lost hold reported as success: {run.run} ({run.kind}) completed although its task was cleared while "
+        "deferred (its GuardedTrigger cancelled mid-hold, its job killed)"
+        for run in runs.values()
+        if run.cleared and run.outcome == "completed"
+    ]
     for fault in faults:
         if fault.kind in WORKER_OWN_FAULTS:
             run = runs.get(fault.target)

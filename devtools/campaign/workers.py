@@ -62,6 +62,29 @@ The kinds (every public way to hold a lock, see docs/safety.md):
   the row under the key, lowers the scopes' horizon and releases the key; no resume). It believes
   it holds the key from the first acquisition to its last work, the hand-overs included (the
   lease row holds it there).
+  Half of its runs (:data:`TRIGGER_SHARE`) take the triggerer's part through the real
+  ``GuardedTrigger`` (:mod:`airflow_pglock.triggers.guarded`) instead of the hub directly: built
+  as ``guarded()`` builds it when an operator defers, around an operator trigger of the
+  campaign's own (:mod:`devtools.campaign.external_job`: its external job writes the register
+  every :data:`STEP` while the trigger waits, and goes on until an ``on_kill()`` stops it), its
+  ``run()`` on an event loop as a triggerer runs it, and the first event taken: the hold handed
+  back (resume as above), the task ended there (a task-end event: the job's ``done`` before the
+  hub frees the key), lost (the resumed task's ``on_kill()`` stops the job: ``lost``) or failed
+  (the job's write failed: the task re-enters the hold to free its row, and fails). It reaches
+  the lock database through an Airflow connection (``AIRFLOW_CONN_CAMPAIGN_W<n>_LOCKS``, JSON: the
+  lock DSN's two hosts, its two ports, ``target_session_attrs`` and ``connect_timeout`` as extras),
+  through a hub that is ``hub_for``'s but for its session's lease (the campaign's, not a
+  triggerer's 30 s) and name (``campaign w<n> holds``). It asks a random ``resume_hold`` (up to
+  one second: the hold's clock from the trigger's start). On Airflow 3.3+ half of those runs
+  (:data:`CLEAR_SHARE`) are cleared mid-hold: the trigger's task is cancelled as the triggerer
+  cancels it for a user's action (``GuardedTrigger`` kills the job under the hold; the job takes up
+  to two steps to stop and writes meanwhile, then ``lost``), a ``released`` event follows once the
+  cancellation let the key go (a write after it lies outside the hold: checker rule 10), then
+  ``cleared``; the triggerer's ``on_kill()`` comes a moment later, and the run ends lost (rule 12:
+  never completed). When the job has writes left, the task's next try (a run of its own,
+  ``<run>-next``) starts a step before the cancellation, as on Airflow 3.3+: it finds its earlier
+  try's live row, waits for the key, takes the row over with a token of its own and works: a job
+  still running once the key was let go overlaps it (rules 4 and 10).
 """
 
 from __future__ import annotations
@@ -116,6 +139,14 @@ RULES_PERIOD_SECONDS = 6
 MIN_INTERVAL = 2.0
 #: The share of the ``pool`` kind's runs (of a pool of slots, not the plain key) that take it in transaction mode.
 POOL_TRANSACTION_SHARE = 1 / 3
+#: The share of the ``deferred`` kind's runs whose triggerer's part runs the real ``GuardedTrigger``
+#: (the others drive the hold hub directly), and of those (Airflow 3.3+) a task cleared mid-hold.
+TRIGGER_SHARE = 0.5
+CLEAR_SHARE = 0.5
+#: The triggerer's cancel message for a user's action (a task cleared or marked while deferred).
+USER_ACTION_CANCEL = "__airflow_user_action__"
+#: The GuardedTrigger's ``connect_timeout`` (the workers' own).
+TRIGGER_CONNECT_TIMEOUT = 2
 #: How long a ``hook-lock`` run that waits for its key waits (``hook.lock(key, timeout=...)``): under
 #: :data:`WAIT_TIMEOUT`, which the nemesis's release check allows for.
 HOOK_WAIT = 0.5
@@ -689,7 +720,12 @@ class Worker:
                 self.history.emit("done", run=run, at=work_ended[0])  # over before the hand-over began
             raise
         try:
-            if self._in_triggerer(run, lock_key, holder, token[0], lease):
+            ends_there = self.rng.random() < 0.25
+            if self.rng.random() < TRIGGER_SHARE:
+                ended = self._in_guarded_trigger(run, lock_key, holder, token[0], lease, ends_there, time.time())
+            else:
+                ended = self._in_triggerer(run, lock_key, holder, token[0], lease, ends_there)
+            if ended:
                 return  # the task ended in the triggerer
             resume = LockGuard(
                 self.hook.database,
@@ -708,17 +744,16 @@ class Worker:
             self.history.emit("done", run=run)  # the first done ends the hold; a later one changes nothing
             raise
 
-    def _in_triggerer(self, run: str, key: Any, holder: str, token: int | None, lease: float) -> bool:
-        """The triggerer's part: the hub takes the hold; the external job works while it is held.
-        Whether the task ended there (else the hub handed the hold back for a resume)."""
+    def _in_triggerer(self, run: str, key: Any, holder: str, token: int | None, lease: float, ends_there: bool) -> bool:
+        """The triggerer's part, on the hold hub directly: the hub takes the hold; the external job
+        works while it is held. Whether the task ended there (else the hub handed the hold back for a
+        resume)."""
         import asyncio
 
         from airflow_pglock.triggers.holds import DeferredHold, HoldHub
 
         def open_session() -> Any:
             return self.hook.open_lock_session(application_name=f"{self.name} holds")
-
-        ends_there = self.rng.random() < 0.25
 
         async def deferred() -> None:
             hub = HoldHub(open_session)
@@ -741,6 +776,213 @@ class Worker:
 
         asyncio.run(deferred())
         return ends_there
+
+    def _in_guarded_trigger(
+        self,
+        run: str,
+        key: Any,
+        holder: str,
+        token: int | None,
+        lease: float,
+        ends_there: bool,
+        deferred_at: float,
+    ) -> bool:
+        """The triggerer's part through the real :class:`~airflow_pglock.triggers.guarded.GuardedTrigger`,
+        built as ``guarded()`` builds it when the operator defers, around the campaign's own operator
+        trigger (:class:`~devtools.campaign.external_job.JobTrigger`: its external job writes the
+        register while the hold is held), and run as a triggerer runs it: its ``run()`` on an event
+        loop, its first event taken. Now and then (:data:`CLEAR_SHARE`, Airflow 3.3+) the task is
+        cleared mid-hold: the trigger's task is cancelled as the triggerer cancels it for a user's
+        action, and its ``on_kill()`` called a moment later (the run ends lost). Whether the task
+        ended in the triggerer (else the hold was handed back for a resume)."""
+        import asyncio
+
+        from airflow_pglock.compat import KILLS_CLEARED_TRIGGERS, TriggerEvent
+        from airflow_pglock.triggers.guarded import ERROR, LOST, GuardedTrigger
+        from devtools.campaign import external_job
+
+        conn_id = self._airflow_connection()
+        clears = KILLS_CLEARED_TRIGGERS and self.rng.random() < CLEAR_SHARE
+        steps, resume_hold = self.rng.randint(2, 10), round(self.rng.uniform(0.0, 4 * STEP), 3)
+        clear_after, kill_after = self.rng.uniform(0.0, 4.0) * STEP, self.rng.uniform(1.0, 3.0) * STEP
+        stop_delay = self.rng.uniform(0.0, 2.0) * STEP
+        self.history.emit("trigger", run=run, clears=clears, ends_there=ends_there, resume_hold=resume_hold)
+
+        async def triggerer() -> Any:
+            self._triggerer_hub(conn_id)
+            job = external_job.ExternalJob(
+                lambda: self._write(run, str(key.name), token),
+                steps,
+                STEP,
+                lambda event: self.history.emit(event, run=run),
+                ends_there=ends_there,
+                stop_delay=stop_delay,
+            )
+            external_job.JOBS[run] = job
+            # As guarded() builds it when the operator defers (operators/advisory_lock.py).
+            trigger_classpath, trigger_kwargs = external_job.JobTrigger(run).serialize()
+            trigger = GuardedTrigger(
+                trigger_classpath=trigger_classpath,
+                trigger_kwargs=trigger_kwargs,
+                key_name=str(key.name),
+                key_numbers=list(key.numbers),
+                postgres_conn_id=conn_id,
+                holder=holder,
+                task=f"{self.name} {run}",
+                lease=lease,
+                deferred_at=deferred_at,
+                resume={"holder": holder, "lease": lease, "key": key.describe(), "key_name": str(key.name)},
+                connect_timeout=TRIGGER_CONNECT_TIMEOUT,
+                resume_hold=resume_hold,
+            )
+            events: list[Any] = []
+
+            async def consume() -> None:
+                async with contextlib.aclosing(trigger.run()) as fired:
+                    async for event in fired:
+                        events.append(event)  # the triggerer takes the first event and ends the trigger
+                        return
+
+            running = asyncio.ensure_future(consume())
+            if clears:
+                started = asyncio.ensure_future(job.started.wait())
+                await asyncio.wait({running, started}, return_when=asyncio.FIRST_COMPLETED)
+                started.cancel()
+                await asyncio.wait({running}, timeout=clear_after)  # mid-hold: the job runs
+                next_try: Any = None
+                if not running.done() and job.left >= 3:  # (its trigger does not fire meanwhile)
+                    # The cleared task's next try starts before the triggerer cancels the trigger, finds
+                    # its earlier try's live row and waits for the key (Airflow 3.3+).
+                    next_try = asyncio.ensure_future(asyncio.to_thread(self._next_try, run, key, holder, lease))
+                    await asyncio.sleep(STEP)
+                if running.cancel(USER_ACTION_CANCEL):
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await running
+                    # The trigger's cancellation let the key go: from here on the run no longer holds it
+                    # (GuardedTrigger killed the job under the hold, its lost event came before).
+                    self.history.emit("released", run=run, key=str(key.name))
+                    self.history.emit("cleared", run=run)
+                    await asyncio.sleep(kill_after)  # the triggerer calls the trigger's on_kill() next
+                    await trigger.on_kill()
+                    await trigger.cleanup()
+                    if next_try is not None:
+                        await next_try
+                    raise _Lost("the task was cleared while deferred: its trigger was cancelled, its job killed")
+                if next_try is not None:
+                    await next_try
+            await running
+            event = events[0]
+            if type(event) is not TriggerEvent:
+                return True  # a task-end event: the hub ended the hold (its row deleted, the key released)
+            if event.payload["pglock"] == LOST:
+                await job.kill()  # the task resumes with a lost hold: the operator's on_kill()
+                self.history.emit("lost", run=run)
+                raise _Lost(str(event.payload["reason"]))
+            if event.payload["pglock"] == ERROR:
+                return event.payload["error"]
+            return False
+
+        try:
+            outcome = asyncio.run(triggerer())
+        finally:
+            external_job.JOBS.pop(run, None)
+        if isinstance(outcome, str):  # the operator's trigger failed (its job did: done said so)
+            self._free_row(key, holder, lease, run)
+            raise RuntimeError(f"the operator's trigger failed while it held {key.name!r}: {outcome}")
+        return bool(outcome)
+
+    def _next_try(self, cleared: str, key: Any, holder: str, lease: float) -> None:
+        """The next try of a task cleared while deferred, a run of its own (``<run>-next``): as
+        ``guarded()`` does on Airflow 3.3+, it finds its earlier try's live hold row and waits for the
+        key (the trigger holds it until its job stopped), takes the row over with a token of its own
+        and works; its work must not overlap the earlier try's job."""
+        from airflow_pglock.exceptions import LockLostError
+        from airflow_pglock.guard import LockGuard
+        from airflow_pglock.policy import LockPolicy
+        from airflow_pglock.run_rules import RunRules
+        from airflow_pglock.scope_rules import ScopeRole
+
+        run, name = f"{cleared}-next", str(key.name)
+        self.history.emit("attempt", run=run)
+        outcome, detail = "completed", ""
+        role = ScopeRole(holder=holder, run=f"{self.name} {cleared}", task="deferred", lease=lease, hands_over=True)
+        policy = LockPolicy(on_busy="wait", wait_timeout=WAIT_TIMEOUT, on_wait_timeout="fail")
+        guard = LockGuard(
+            self.hook.database, key, policy, application_name=self.name, rules=RunRules(fencing=True), scope=role
+        )
+
+        def work(handle: Any) -> None:
+            at = handle.acquired_at.timestamp()
+            self.history.emit(
+                "acquired", run=run, key=name, token=handle.fencing_token, backend=handle.backend_pid, at=at
+            )
+            self._work(run, {name: handle.fencing_token})
+
+        try:
+            guard.run(work)
+        except (LockLostError, _Lost) as error:
+            outcome, detail = "lost", str(error)[:300]
+        except Exception as error:
+            outcome, detail = "failed", f"{type(error).__name__}: {str(error)[:300]}"
+        self.history.emit("outcome", run=run, outcome=outcome, detail=detail)
+
+    def _free_row(self, key: Any, holder: str, lease: float, run: str) -> None:
+        """A failed trigger's task resumes, re-enters its hold and frees its row (then fails)."""
+        from airflow_pglock.guard import LockGuard
+        from airflow_pglock.policy import LockPolicy
+        from airflow_pglock.scope_rules import ScopeRole
+
+        role = ScopeRole(
+            kind="resume", holder=holder, run=f"{self.name} {run}", task="deferred", lease=lease, hands_over=True
+        )
+        policy = LockPolicy(on_busy="wait", wait_timeout=WAIT_TIMEOUT, on_wait_timeout="fail")
+        with contextlib.suppress(Exception):  # the run fails anyway; a row left lapses with its lease
+            LockGuard(self.hook.database, key, policy, application_name=self.name, scope=role).run(lambda handle: None)
+
+    def _airflow_connection(self) -> str:
+        """The Airflow connection the GuardedTrigger resolves for the lock database, as a triggerer
+        reads one (``AIRFLOW_CONN_<ID>``, JSON): the lock DSN's two hosts in ``host``, and its two ports,
+        ``target_session_attrs`` and ``connect_timeout`` as extras (PostgresHook passes extras that are
+        libpq parameters on, and they win over the fields: the Port field takes one number)."""
+        import json
+
+        from psycopg.conninfo import conninfo_to_dict
+
+        conn_id = f"campaign_w{self.config.index}_locks"
+        parts = {name: str(value) for name, value in conninfo_to_dict(self.config.lock_dsn).items()}
+        connection = {
+            "conn_type": "postgres",
+            "host": parts.pop("host"),
+            "login": parts.pop("user", None),
+            "schema": parts.pop("dbname", None),
+            "extra": parts,
+        }
+        os.environ[f"AIRFLOW_CONN_{conn_id.upper()}"] = json.dumps(connection)
+        return conn_id
+
+    def _triggerer_hub(self, conn_id: str) -> None:
+        """Give the running loop the hold hub ``hub_for`` would make for ``conn_id`` (which the
+        GuardedTrigger then finds), but for two things the campaign's scale needs: its session's lease
+        is the campaign's (a triggerer's hub has the default 30 s, as long as the shortest
+        ``deferral_lease``; the campaign's deferral lease is two of its 3 s leases), and its session is
+        named after the worker (``campaign w<n> holds``: the nemesis aims at it and attributes it)."""
+        import asyncio
+
+        from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+        from airflow_pglock.triggers import holds
+
+        hubs = holds._HUBS.setdefault(asyncio.get_running_loop(), {})
+        index = (conn_id, TRIGGER_CONNECT_TIMEOUT)
+
+        def open_session() -> Any:
+            # A hook per session, as hub_for's: the Airflow connection is read anew.
+            hook = AdvisoryLockHook(conn_id, connect_timeout=TRIGGER_CONNECT_TIMEOUT, liveness=self.hook.liveness)
+            return hook.open_lock_session(application_name=f"{self.name} holds")
+
+        def forget() -> None:
+            hubs.pop(index, None)
+
+        hubs[index] = holds.HoldHub(open_session, forget)
 
     # ----------------------------------------------------------------- the loop
 

@@ -320,3 +320,108 @@ def test_the_run_rules_refuse_their_runs_and_the_checker_catches_a_check_that_le
         assert outcomes == {"c": "completed", "d": "completed"}, outcomes
         assert any(v.startswith("run within min_interval: d") for v in report.violations), report.violations
         assert any(v.startswith("recorded within min_interval: d") for v in report.violations), report.violations
+
+
+def _two_host_worker(worker: Worker, fault_server: FaultServer) -> Worker:
+    """The fixture's worker with a lock DSN of two hosts and ports as the campaign's (primary and
+    standby, ``target_session_attrs``): here a port nothing listens on first, then the fault server."""
+    dead = fault_server.cluster.port + 1000
+    dsn = (
+        f"host=127.0.0.1,127.0.0.1 port={dead},{fault_server.cluster.port} dbname={DATABASE} user=postgres"
+        " target_session_attrs=read-write connect_timeout=2"
+    )
+    made = Worker(dataclasses.replace(worker.config, lock_dsn=dsn), 1)
+    made.history = worker.history
+    return made
+
+
+def _guarded_trigger_runs(
+    worker: Worker, monkeypatch: pytest.MonkeyPatch, fault_server: FaultServer, clears: bool
+) -> tuple[Worker, list[tuple[str, dict[str, Any], list[str]]]]:
+    """Deferred runs through the real GuardedTrigger (every one; cleared mid-hold when ``clears``)
+    until one ends as asked; each event with the sessions holding an advisory lock then."""
+    from airflow_pglock.compat import KILLS_CLEARED_TRIGGERS
+    from devtools.campaign import workers
+
+    if clears and not KILLS_CLEARED_TRIGGERS:
+        pytest.skip("before Airflow 3.3 the triggerer calls no on_kill() for a cleared task's trigger")
+    monkeypatch.setattr(workers, "TRIGGER_SHARE", 1.0)
+    monkeypatch.setattr(workers, "CLEAR_SHARE", 1.0 if clears else 0.0)
+    made = _two_host_worker(worker, fault_server)
+    watcher = psycopg.connect(fault_server.cluster.dsn_for(DATABASE), autocommit=True)
+    seen: list[tuple[str, dict[str, Any], list[str]]] = []
+    emit = made.history.emit
+
+    def emit_and_look(event: str, **data: Any) -> None:
+        names = watcher.execute(
+            "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
+            " WHERE l.locktype = 'advisory' AND l.granted"
+        ).fetchall()
+        seen.append((event, {**data, "t": time.time()}, [row[0] for row in names]))
+        emit(event, **data)
+
+    made.history.emit = emit_and_look  # type: ignore[method-assign]
+    try:
+        for _ in range(12):
+            seen.clear()
+            made.one_run()
+            cleared = [data["run"] for event, data, _ in seen if event == "cleared"]
+            followed = [data for event, data, _ in seen if event == "acquired" and data["run"].endswith("-next")]
+            if bool(cleared) == clears and (followed or not clears):
+                break
+            if cleared and not followed:
+                time.sleep(6.5)  # its row lapses (two 3 s leases; no next try took it over) before the next run
+    finally:
+        watcher.close()
+        if made._register is not None:
+            made._register.close()
+    return made, seen
+
+
+def test_a_deferred_run_through_the_guarded_trigger_resolves_the_two_hosts_and_writes_while_the_hub_holds(
+    worker: Worker, fault_server: FaultServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ``deferred`` kind's GuardedTrigger runs: the Airflow connection it resolves carries the
+    lock DSN's two hosts and ports and target_session_attrs (the ports as an extra, which
+    PostgresHook passes on over the one-number Port field), and the job writes while the worker's
+    hold hub holds the key (``campaign w<n> holds``, the worker's own session released)."""
+    from airflow_pglock.compat import BaseHook
+    from airflow_pglock.hooks.connection import from_airflow
+
+    made, seen = _guarded_trigger_runs(worker, monkeypatch, fault_server, clears=False)
+    params = from_airflow(made._airflow_connection(), BaseHook.get_connection).params
+    ports = f"{fault_server.cluster.port + 1000},{fault_server.cluster.port}"
+    assert params["host"] == "127.0.0.1,127.0.0.1" and params["port"] == ports, params
+    assert params["target_session_attrs"] == "read-write", params
+    events = [event for event, _, _ in seen]
+    assert "trigger" in events and events[-1] == "outcome", events
+    assert seen[-1][1]["outcome"] == "completed", seen[-1]
+    triggered = events.index("trigger")
+    in_triggerer = [names for event, _, names in seen[triggered + 1 :] if event == "write"]
+    assert in_triggerer, events
+    assert ["campaign w0 holds"] in in_triggerer, in_triggerer  # the hub's session held the key for the job
+
+
+def test_a_deferred_run_cleared_mid_hold_kills_its_job_before_the_guarded_trigger_lets_the_key_go(
+    worker: Worker, fault_server: FaultServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A task cleared while deferred (Airflow 3.3+: the triggerer cancels its trigger for a user's
+    action, then calls its on_kill()): GuardedTrigger kills the operator's trigger's job under the
+    hold, so the job's lost event comes while the hub still holds the key, the job writes nothing
+    after it, the key is free at the ``released`` event, and the run ends lost. The task's next try,
+    waiting for the key meanwhile, takes the row over and works only after the job stopped."""
+    _, seen = _guarded_trigger_runs(worker, monkeypatch, fault_server, clears=True)
+    cleared = next(data["run"] for event, data, _ in seen if event == "cleared")
+    mine = [(event, data, names) for event, data, names in seen if data.get("run") == cleared]
+    events = [event for event, _, _ in mine]
+    assert "lost" in events, f"no on_kill() stopped the job (a write of it refused instead?): {events}"
+    lost, released = events.index("lost"), events.index("released")
+    assert lost < released, events
+    assert mine[lost][2] == ["campaign w0 holds"], f"the job stopped after the key was let go: {mine[lost]}"
+    assert "write" not in events[lost:], events
+    assert mine[-1][1]["outcome"] == "lost", mine[-1]
+    following = [(event, data) for event, data, _ in seen if data.get("run") == f"{cleared}-next"]
+    acquired = next(data for event, data in following if event == "acquired")
+    stopped = next(data["t"] for event, data, _ in mine if event == "lost")
+    assert acquired["at"] > stopped, (acquired, stopped)
+    assert following[-1][1]["outcome"] == "completed", following

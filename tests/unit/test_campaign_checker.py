@@ -497,3 +497,29 @@ def test_a_run_refused_by_a_run_rule_held_the_key_for_its_check_and_explains_a_s
     assert any(
         v.startswith("error reported as a skip: s") for v in check([*refused, *later], [], lease=LEASE).violations
     )
+
+
+def _cleared_run(outcome: str, job_stops: float) -> list[dict[str, Any]]:
+    """A deferred run through the GuardedTrigger whose task is cleared mid-hold: its trigger's
+    cancellation lets the key go at 12.0 (``released``); its job stops (``lost``) at ``job_stops``."""
+    events = [event for event in _run("a", 1, "k", 10, 13, outcome) if event["event"] != "done"]
+    return [
+        *events,
+        {"t": 10.5, "event": "trigger", "run": "a", "clears": True, "ends_there": False, "pid": 1},
+        _write("a", 1, "k", 11.0),
+        {"t": job_stops, "event": "lost", "run": "a", "pid": 1},
+        {"t": 12.0, "event": "released", "run": "a", "key": "k", "pid": 1},
+        {"t": 12.01, "event": "cleared", "run": "a", "pid": 1},
+    ]
+
+
+def test_a_task_cleared_while_deferred_ends_lost_its_job_stopped_before_the_trigger_let_the_key_go() -> None:
+    """A run whose GuardedTrigger was cancelled for a clear must not complete (rule 12), and a job that
+    still wrote after the cancellation let the key go wrote outside its hold (rule 10)."""
+    kept = check(_cleared_run("lost", 11.5), [], lease=LEASE)
+    assert kept.passed, kept.violations
+    assert kept.figures["guarded_triggers"] == {"runs": 1, "cleared": 1, "outcomes": {"lost": 1}}
+    completed = check(_cleared_run("completed", 11.5), [], lease=LEASE)
+    assert any("cleared while deferred" in v for v in completed.violations), completed.violations
+    late = check([*_cleared_run("lost", 12.8), _write("a", 1, "k", 12.5)], [], lease=LEASE)
+    assert any(v.startswith("write outside a hold: a") for v in late.violations), late.violations
