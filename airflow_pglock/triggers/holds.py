@@ -310,7 +310,7 @@ class HoldHub:
 
     async def _connect(self) -> bool:
         try:
-            self.session = await self._in_thread(self._open_session)
+            await self._in_thread(self._open_and_keep_session)
         except (PgLockError, psycopg.Error, OSError) as error:
             if not self._connected_once and isinstance(error, LockConfigurationError | UnsafeSetupError):
                 for hold in list(self.holds):  # a setting to fix: waiting for it would not help
@@ -388,6 +388,11 @@ class HoldHub:
         if sub is not None:
             with contextlib.suppress(PgLockError, psycopg.Error):
                 sub.release()
+
+    def _open_and_keep_session(self) -> None:
+        """Open the session and keep it, in the hub's thread: a pass cancelled while it connects
+        (the loop ending) leaves it for the close that the cancellation queues behind it."""
+        self.session = self._open_session()
 
     def _close_session(self) -> None:
         session, self.session = self.session, None

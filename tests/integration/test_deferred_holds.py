@@ -719,3 +719,40 @@ def test_a_hold_is_lost_at_its_lease_even_while_the_hub_waits_in_a_reconnect(
     _run(body)
     scopes_db.execute("DELETE FROM pglock.scopes")
     assert advisory_locks_left(scopes_db) == 0
+
+
+def test_a_hub_stopped_while_it_reconnects_closes_the_session_it_was_opening(hook: Any, scopes_db: Any) -> None:
+    """The loop ends (a triggerer stopping) while the hub's pass waits in a reconnect: the session
+    that connect opens afterwards must be closed, not left open with nobody tracking it."""
+    holder = _hand_over(hook, KEYS[0])
+    reconnect_blocked = threading.Event()
+    release_connect = threading.Event()
+
+    def open_session() -> Any:
+        if reconnect_blocked.is_set():
+            release_connect.wait(30)
+        return hook.open_lock_session(application_name=HUB)
+
+    async def body() -> None:
+        hub = HoldHub(open_session)
+        hold = DeferredHold(KEYS[0], holder, "dag.op run", 30.0)
+        async with hub.holding(hold):
+            await asyncio.wait_for(hold.settled.wait(), 15)
+            reconnect_blocked.set()
+            await asyncio.to_thread(
+                scopes_db.execute,
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s",
+                [HUB],
+            )
+            assert await _until(lambda: hold.state == "taking"), hold.state
+            await asyncio.sleep(0.5)  # the pass is in its reconnect
+
+    timer = threading.Timer(2.0, release_connect.set)  # the connect returns after the loop began to end
+    timer.start()
+    try:
+        _run(body)
+    finally:
+        timer.join()
+    assert _sessions_left(scopes_db) == 0, "the session the reconnect opened was left open"
+    scopes_db.execute("DELETE FROM pglock.scopes")
+    assert advisory_locks_left(scopes_db) == 0
