@@ -165,15 +165,15 @@ class GuardedTrigger(BaseTrigger):
                     # Cleared or marked while deferred: the triggerer calls on_kill() only once the
                     # key is let go, and the task's next try may take it at once; the operator's
                     # trigger stops its external job first, under the hold.
-                    await self._kill_under_the_hold()
+                    await self._kill_now()
                 raise
         yield TriggerEvent({"pglock": HELD, "event": self._fired, "resume": self.resume})
 
-    async def _kill_under_the_hold(self) -> None:
+    async def _kill_now(self) -> None:
         try:
             await asyncio.wait_for(self.on_kill(), timeout=trigger_on_kill_timeout())
         except Exception as error:  # its timeout (a TimeoutError) too
-            await _log(self.log.warning, "pglock: on_kill() of %s under its hold: %r", self.task_label, error)
+            await _log(self.log.warning, "pglock: on_kill() of the trigger of %s: %r", self.task_label, error)
 
     async def _under_the_hold(self, hub: Any, hold: Any) -> AsyncGenerator[TriggerEvent, None]:
         """What :meth:`run` does under the hold: an event ends it there (lost, failed, the task ended
@@ -209,6 +209,9 @@ class GuardedTrigger(BaseTrigger):
                     await fired  # the generator can be closed only once its step has ended
         if fired.cancelled():
             await events.aclose()
+            # The key may be another's already: the operator's trigger stops its external job now,
+            # not once the task has resumed on a worker (the resume's on_kill() comes seconds later).
+            await self._kill_now()
             yield await self._lost(hold.reason)
             return
         failed = fired.exception()

@@ -230,7 +230,7 @@ class HoldHub:
 
     async def _pass(self) -> None:
         for hold in list(self.holds):
-            self._lose_if_lapsed(hold, watch=False)  # the timers set when it began taking watch it
+            self._lose_if_lapsed(hold, watch=False)  # the timer set when it was registered watches it
         session = self.session
         if self._session_gone():
             if session is not None:
@@ -251,10 +251,11 @@ class HoldHub:
                     taken = await self._in_thread(self._take, hold)
                     if isinstance(taken, str):
                         hold.lose(taken)
-                    elif taken is None:
+                    elif isinstance(taken, float):
                         # Busy, and the row was this hold's and live (renewed by another copy of the
-                        # trigger, in another triggerer, or read by a guard): the lease runs from now.
-                        hold.lease_ends = max(hold.lease_ends, started + hold.lease)
+                        # trigger, in another triggerer, or read by a guard): it holds the key as long
+                        # as it said (from before the statement: never past the row's own end).
+                        hold.lease_ends = max(hold.lease_ends, started + taken)
                     elif taken is not None and (hold not in self.holds or hold.state != "taking"):
                         await self._in_thread(self._release_quietly, taken)  # its trigger ended meanwhile
                     elif taken is not None:
@@ -289,23 +290,27 @@ class HoldHub:
         for hold in self.holds:
             if hold.state == "held":
                 hold.state, hold.sub = "taking", None
-                self._lose_if_lapsed(hold)
 
     def _lose_if_lapsed(self, hold: DeferredHold, *, watch: bool = True) -> None:
-        """Lose a hold still being taken once its row's lease may have lapsed; ``watch``: if not
-        yet, look again then, on a timer of the loop (a pass may be blocked meanwhile, in a
-        connect that waits out its timeout)."""
-        if hold.state != "taking" or hold not in self.holds:
+        """Lose a hold whose row's lease may have lapsed (no renewal answered within it: its key
+        being taken back after its session ended, or a renewal that hangs on a session cut off
+        without a word); ``watch``: if not yet, look again then, on a timer of the loop (a pass,
+        or the hub's thread, may be blocked meanwhile: in a connect that waits out its timeout, in
+        a statement that waits for an answer). Whatever key the hold had is given back."""
+        if hold.state not in ("taking", "held") or hold not in self.holds:
             return
         left = hold.lease_ends - time.monotonic()
         if left > 0:
             if watch:
                 asyncio.get_running_loop().call_later(left, self._lose_if_lapsed, hold)
             return
+        sub, held = hold.sub, hold.state == "held"
+        what = f"renew the row of {hold.key.describe()}" if held else f"take {hold.key.describe()} back"
         hold.lose(
-            f"the triggerer could not take {hold.key.describe()} back within the lease "
-            f"({hold.lease:g} s): another holder may have run meanwhile"
+            f"the triggerer could not {what} within the lease ({hold.lease:g} s): another holder may have run meanwhile"
         )
+        if sub is not None and not self._retired:  # behind whatever the hub's thread waits for
+            self._thread.submit(self._release_quietly, sub)
         self._wake.set()
 
     async def _connect(self) -> bool:
@@ -326,8 +331,9 @@ class HoldHub:
     # ------------------------------------------------------------------ in the hub's thread
     # These run in the hub's thread: they return what they found; the loop applies it.
 
-    def _take(self, hold: DeferredHold) -> SubLock | str | None:
-        """The key taken (its row renewed), None when busy (try again), or why the hold is lost."""
+    def _take(self, hold: DeferredHold) -> SubLock | str | float:
+        """The key taken (its row renewed); when busy, how long its row still holds it, in seconds
+        (the database's; try again); or why the hold is lost."""
         session = self.session
         assert session is not None
         sub = session.take_for_scope(hold.key)
@@ -335,7 +341,7 @@ class HoldHub:
             row = scopes.read(session.connection, hold.key)
             if row is None or row.holder != hold.holder or not row.live:
                 return _why_lost(hold, row, busy=True)
-            return None
+            return float(row.seconds_left)
         try:
             row = scopes.rejoin(session.connection, hold.key, hold.holder, scopes.deferred_task(hold.task), hold.lease)
             if row is None:

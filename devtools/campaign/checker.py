@@ -357,6 +357,14 @@ def _affected(fault: Fault, hold: Hold) -> bool:
     return True  # the server's faults end (or freeze) every session
 
 
+def _bound_after(fault: Fault, start: float, lease: float) -> float:
+    """How long an overlap from ``start`` may last after ``fault`` (:func:`overlap_bound`)."""
+    bound = overlap_bound(fault.kind, fault.end - fault.start, lease)
+    if fault.kind in SERVER_FAULTS:  # ... or until the server is back, with its standby
+        bound = max(bound, fault.end + JITTER - start)
+    return bound
+
+
 def _check_overlaps(
     by_key: dict[str, list[Hold]],
     runs: dict[str, Run],
@@ -388,10 +396,12 @@ def _check_overlaps(
                 if not causes:
                     violations.append(f"unexplained overlap {where}: {pair}; no fault before it affected the older")
                     continue
-                cause = max(causes, key=lambda f: f.start)
-                bound = overlap_bound(cause.kind, cause.end - cause.start, lease)
-                if cause.kind in SERVER_FAULTS:  # ... or until the server is back, with its standby
-                    bound = max(bound, cause.end + JITTER - start)
+                # The fault that allows the longest overlap explains it: a later fault (a network cut)
+                # may come while an earlier one (the work's own error aborting a transaction lock) has
+                # already ended the lock, and the older holder learns of it by the earlier one's way.
+                bound, cause = max(
+                    ((_bound_after(fault, start, lease), fault) for fault in causes), key=lambda found: found[0]
+                )
                 overlaps[cause.kind].append(end - start)
                 if end - start > bound:
                     violations.append(

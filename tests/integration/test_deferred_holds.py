@@ -486,6 +486,46 @@ def test_a_trigger_cancelled_for_a_cleared_task_kills_the_external_job_before_le
     assert advisory_locks_left(scopes_db) == 0
 
 
+def test_a_hold_lost_while_the_operators_trigger_runs_kills_its_job_at_once(
+    hook: Any, scopes_db: Any, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hold is lost while the operator's trigger waits (its row deleted: another may take the
+    key): the operator's trigger's on_kill() stops the external job at once, before the lost event
+    goes out; the worker's on_kill() would come only once the task has resumed, seconds later."""
+    from airflow_pglock.triggers.guarded import LOST
+
+    KILLED_WHILE.clear()
+    trigger = _guarded_trigger(
+        hook,
+        dsn,
+        monkeypatch,
+        f"{__name__}.WaitsForever",
+        trigger_kwargs={"dsn": dsn, "key_name": str(KEYS[0].name)},
+        resume_hold=0.0,
+    )
+
+    async def body() -> None:
+        events: list[Any] = []
+
+        async def consume() -> None:
+            async for event in trigger.run():
+                events.append(event)
+                return
+
+        running = asyncio.ensure_future(consume())
+        assert await _until(lambda: _holders(scopes_db, KEYS[0]) == ["airflow-pglock deferred holds"]), "not held"
+        await asyncio.sleep(0.2)  # the operator's trigger runs
+        await asyncio.to_thread(scopes_db.execute, "DELETE FROM pglock.scopes")  # the next renewal finds it gone
+        await asyncio.wait_for(running, 30)
+        assert events and events[0].payload["pglock"] == LOST, events
+        assert len(KILLED_WHILE) == 1, "the operator's trigger was not told to stop its job"
+
+    asyncio.run(body())
+    assert _holders(scopes_db, KEYS[0]) == []
+    scopes_db.execute("DELETE FROM pglock.scopes")
+    assert advisory_locks_left(scopes_db) == 0
+
+
 def test_a_trigger_that_fires_as_the_hubs_session_ends_is_handed_back_on_a_new_session(
     hook: Any, scopes_db: Any
 ) -> None:
@@ -754,5 +794,85 @@ def test_a_hub_stopped_while_it_reconnects_closes_the_session_it_was_opening(hoo
     finally:
         timer.join()
     assert _sessions_left(scopes_db) == 0, "the session the reconnect opened was left open"
+    scopes_db.execute("DELETE FROM pglock.scopes")
+    assert advisory_locks_left(scopes_db) == 0
+
+
+def test_a_held_hold_whose_renewal_hangs_is_lost_at_its_lease_and_its_key_given_back(
+    hook: Any, scopes_db: Any, dsn: str
+) -> None:
+    """A renewal that gets no answer (a session cut off without a word: its statement waits for
+    TCP to give up, a lease or more) leaves the row unrenewed: past its lease another guard may
+    hold the key while the operator's job goes on. The hold must be lost by then, though the hub's
+    thread still waits, and the key it held given back once that thread is free. Here the
+    renewal waits on a row lock another transaction keeps."""
+    holder = _hand_over(hook, KEYS[0], lease=2.0)
+
+    async def body() -> None:
+        hub = _hub(hook)
+        hold = DeferredHold(KEYS[0], holder, "dag.op run", 2.0)
+        async with hub.holding(hold):
+            await asyncio.wait_for(hold.settled.wait(), 15)
+            with psycopg.connect(dsn, autocommit=True) as blocker:
+                blocker.execute("BEGIN")
+                blocker.execute("SELECT 1 FROM pglock.scopes FOR UPDATE")  # the next renewal waits for it
+                try:
+                    await asyncio.wait_for(hold.lost.wait(), 5)  # the lease runs from the last renewal
+                    assert "could not renew the row" in str(hold.reason), hold.reason
+                finally:
+                    blocker.execute("ROLLBACK")
+            assert await _until(lambda: _holders(scopes_db, KEYS[0]) == []), "the hub kept the lost hold's key"
+
+    _run(body)
+    scopes_db.execute("DELETE FROM pglock.scopes")
+    assert advisory_locks_left(scopes_db) == 0
+
+
+def test_a_hold_found_busy_under_its_own_row_is_lost_by_the_rows_end_not_a_lease_later(
+    hook: Any, scopes_db: Any, dsn: str
+) -> None:
+    """The hub's session ended and another session holds the key while the row is still the
+    hold's (a guard reading it, a foreign client): nobody renews the row, so the hold counts as
+    kept only as long as the row said, not a whole lease from the busy try, also when the passes
+    then stop (the hub's next session cut off: its reconnect waits out its timeout)."""
+    lease = 6.0
+    holder = _hand_over(hook, KEYS[0], lease=lease)
+    reconnect_blocked = threading.Event()
+    release_connect = threading.Event()
+
+    def open_session() -> Any:
+        if reconnect_blocked.is_set():
+            release_connect.wait(30)
+        return hook.open_lock_session(application_name=HUB)
+
+    def end_the_hubs_session() -> None:
+        scopes_db.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s", [HUB])
+
+    async def body() -> None:
+        hub = HoldHub(open_session)
+        hold = DeferredHold(KEYS[0], holder, "dag.op run", lease)
+        async with hub.holding(hold):
+            await asyncio.wait_for(hold.settled.wait(), 15)
+            await asyncio.sleep(1.5)  # most of the way to the next renewal (every lease / 3 = 2 s)
+            with psycopg.connect(dsn, autocommit=True) as other:
+                await asyncio.to_thread(end_the_hubs_session)
+                other.execute("SELECT pg_advisory_lock(%s)", [KEYS[0].int64])  # before the hub takes it back
+                [left] = other.execute(
+                    "SELECT extract(epoch FROM lease_until - clock_timestamp())::float8 FROM pglock.scopes"
+                ).fetchone()
+                row_end = time.monotonic() + left
+                await asyncio.sleep(1.5)  # the hub reconnects and finds the key busy under its own row
+                assert hold.state == "taking", hold.state
+                reconnect_blocked.set()
+                await asyncio.to_thread(end_the_hubs_session)
+                try:
+                    await asyncio.wait_for(hold.lost.wait(), lease + 5)
+                    late = time.monotonic() - row_end
+                    assert late <= 0.5, f"lost {late:.2f} s after the row's end"
+                finally:
+                    release_connect.set()
+        assert await _until(lambda: hub._task is not None and hub._task.done()), "the hub did not retire"
+
+    _run(body)
     scopes_db.execute("DELETE FROM pglock.scopes")
     assert advisory_locks_left(scopes_db) == 0

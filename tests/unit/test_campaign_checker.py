@@ -523,3 +523,18 @@ def test_a_task_cleared_while_deferred_ends_lost_its_job_stopped_before_the_trig
     assert any("cleared while deferred" in v for v in completed.violations), completed.violations
     late = check([*_cleared_run("lost", 12.8), _write("a", 1, "k", 12.5)], [], lease=LEASE)
     assert any(v.startswith("write outside a hold: a") for v in late.violations), late.violations
+
+
+def test_an_overlap_is_judged_by_the_fault_that_allows_the_longest_not_only_the_latest() -> None:
+    """The work's own error aborts a transaction lock (the server frees the key at once; the
+    holder learns at its next probe and side look, up to ``caught-error``'s bound), then its
+    host is cut off before it learns: the overlap is the caught error's, not the cut's (found by
+    a 12-minute campaign). A cut alone still allows no more than the jitter."""
+    caught = {**_fault("caught-error", 9.99, 9.99, [1]), "target": "a"}
+    cut = _fault("netcut", 10.0, 16.0, [1])
+    overlap = 1.5  # over the cut's bound, under the caught error's
+    assert JITTER < overlap < overlap_bound("caught-error", 0.0, LEASE)
+    runs = [*_run("a", 1, "k", 9.98, 10.1 + overlap, "lost", lost=True), *_run("b", 2, "k", 10.1, 13, "completed")]
+    assert check([*runs, caught, cut], [], lease=LEASE).passed
+    report = check([*runs, cut], [], lease=LEASE)
+    assert any("overlap longer than its bound" in v and "after netcut" in v for v in report.violations), report
