@@ -59,6 +59,21 @@ async def _one_held(hook: Any, holder: str) -> AsyncIterator[tuple[HoldHub, Defe
         yield hub, hold
 
 
+@contextlib.asynccontextmanager
+async def _both_held(hook: Any, holders: list[str], lease: float) -> AsyncIterator[tuple[HoldHub, list[DeferredHold]]]:
+    """A hub of its own holding the holds of both keys (``holders``' hand-overs), once both are held."""
+    hub = _hub(hook)
+    holds = [
+        DeferredHold(key, holder, f"dag.op{n} run", lease)
+        for n, (key, holder) in enumerate(zip(KEYS, holders, strict=True))
+    ]
+    async with hub.holding(holds[0]), hub.holding(holds[1]):
+        for hold in holds:
+            await asyncio.wait_for(hold.settled.wait(), 15)
+            assert hold.state == "held", hold.reason
+        yield hub, holds
+
+
 def _holders(admin: Any, key: LockKey) -> list[str]:
     classid, objid, objsubid = key.pg_locks
     rows = admin.execute(
@@ -123,15 +138,7 @@ def test_one_session_holds_every_deferred_key_renews_the_rows_and_hands_them_bac
     before = {key: scopes.read(scopes_db, key) for key in KEYS}
 
     async def body() -> None:
-        hub = _hub(hook)
-        holds = [
-            DeferredHold(key, holder, f"dag.op{n} run", 3.0)
-            for n, (key, holder) in enumerate(zip(KEYS, holders, strict=True))
-        ]
-        async with hub.holding(holds[0]), hub.holding(holds[1]):
-            for hold in holds:
-                await asyncio.wait_for(hold.settled.wait(), 15)
-                assert hold.state == "held", hold.reason
+        async with _both_held(hook, holders, 3.0) as (hub, holds):
             assert await asyncio.to_thread(_sessions, scopes_db) == 1, "one session for every hold"
             for key in KEYS:
                 assert await asyncio.to_thread(_holders, scopes_db, key) == [HUB]
@@ -685,14 +692,7 @@ def test_a_busy_horizon_delays_the_renewals_and_the_hub_keeps_every_key(
             return taken
 
     async def body() -> None:
-        hub = _hub(hook)
-        holds = [
-            DeferredHold(key, holder, f"dag.op{n} run", 3.0)
-            for n, (key, holder) in enumerate(zip(KEYS, holders, strict=True))
-        ]
-        async with hub.holding(holds[0]), hub.holding(holds[1]):
-            for hold in holds:
-                await asyncio.wait_for(hold.settled.wait(), 15)
+        async with _both_held(hook, holders, 3.0) as (_, holds):
             with _horizon_locked(dsn):
                 deadline = time.monotonic() + 2.5  # past two renewals (every lease / 3 = 1 s)
                 while time.monotonic() < deadline:
