@@ -714,6 +714,25 @@ def test_a_busy_horizon_delays_the_renewals_and_the_hub_keeps_every_key(
     assert advisory_locks_left(scopes_db) == 0
 
 
+class _StallingReconnects:
+    """A hub's ``open_session`` whose connects, once :attr:`stalled` is set, wait until
+    :attr:`released` is (as a connect to a host cut off waits out its timeout)."""
+
+    def __init__(self, hook: Any) -> None:
+        self.hook = hook
+        self.stalled = threading.Event()
+        self.released = threading.Event()
+
+    def __call__(self) -> Any:
+        if self.stalled.is_set():
+            self.released.wait(30)
+        return self.hook.open_lock_session(application_name=HUB)
+
+
+def _end_the_hubs_session(admin: Any) -> None:
+    admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s", [HUB])
+
+
 def test_a_hold_is_lost_at_its_lease_even_while_the_hub_waits_in_a_reconnect(
     hook: Any, scopes_db: Any, dsn: str
 ) -> None:
@@ -722,36 +741,22 @@ def test_a_hold_is_lost_at_its_lease_even_while_the_hub_waits_in_a_reconnect(
     also while the hub's pass waits in a connect (a network cut: the connect waits out its
     timeout): the operator's job runs while the hold counts as kept."""
     holder = _hand_over(hook, KEYS[0], lease=2.0)
-    reconnect_blocked = threading.Event()
-    release_connect = threading.Event()
-
-    def open_session() -> Any:
-        if reconnect_blocked.is_set():
-            release_connect.wait(30)  # as a connect to an unreachable host waits out its timeout
-        return hook.open_lock_session(application_name=HUB)
+    connects = _StallingReconnects(hook)
 
     async def body() -> None:
-        hub = HoldHub(open_session)
+        hub = HoldHub(connects)
         hold = DeferredHold(KEYS[0], holder, "dag.op run", 2.0)
         async with hub.holding(hold):
             await asyncio.wait_for(hold.settled.wait(), 15)
             assert hold.state == "held"
-            reconnect_blocked.set()
-            [pid] = await asyncio.to_thread(
-                lambda: [
-                    row[0]
-                    for row in scopes_db.execute(
-                        "SELECT pid FROM pg_stat_activity WHERE application_name = %s", [HUB]
-                    ).fetchall()
-                ]
-            )
-            await asyncio.to_thread(scopes_db.execute, "SELECT pg_terminate_backend(%s)", [pid])
+            connects.stalled.set()
+            await asyncio.to_thread(_end_the_hubs_session, scopes_db)
             try:
                 # The lease runs from the last renewal (at most 2 s ago): lost well within 5 s.
                 await asyncio.wait_for(hold.lost.wait(), 5)
-                assert not release_connect.is_set(), "lost only once the reconnect returned"
+                assert not connects.released.is_set(), "lost only once the reconnect returned"
             finally:
-                release_connect.set()
+                connects.released.set()
             assert hold.state == "lost" and "within the lease" in str(hold.reason), hold.reason
         assert await _until(lambda: hub._task is not None and hub._task.done()), "the hub did not retire"
         assert await _until(lambda: _sessions(scopes_db) == 0), "the hub kept the session its reconnect opened"
@@ -765,29 +770,19 @@ def test_a_hub_stopped_while_it_reconnects_closes_the_session_it_was_opening(hoo
     """The loop ends (a triggerer stopping) while the hub's pass waits in a reconnect: the session
     that connect opens afterwards must be closed, not left open with nobody tracking it."""
     holder = _hand_over(hook, KEYS[0])
-    reconnect_blocked = threading.Event()
-    release_connect = threading.Event()
-
-    def open_session() -> Any:
-        if reconnect_blocked.is_set():
-            release_connect.wait(30)
-        return hook.open_lock_session(application_name=HUB)
+    connects = _StallingReconnects(hook)
 
     async def body() -> None:
-        hub = HoldHub(open_session)
+        hub = HoldHub(connects)
         hold = DeferredHold(KEYS[0], holder, "dag.op run", 30.0)
         async with hub.holding(hold):
             await asyncio.wait_for(hold.settled.wait(), 15)
-            reconnect_blocked.set()
-            await asyncio.to_thread(
-                scopes_db.execute,
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s",
-                [HUB],
-            )
+            connects.stalled.set()
+            await asyncio.to_thread(_end_the_hubs_session, scopes_db)
             assert await _until(lambda: hold.state == "taking"), hold.state
             await asyncio.sleep(0.5)  # the pass is in its reconnect
 
-    timer = threading.Timer(2.0, release_connect.set)  # the connect returns after the loop began to end
+    timer = threading.Timer(2.0, connects.released.set)  # the connect returns after the loop began to end
     timer.start()
     try:
         _run(body)
@@ -837,25 +832,16 @@ def test_a_hold_found_busy_under_its_own_row_is_lost_by_the_rows_end_not_a_lease
     then stop (the hub's next session cut off: its reconnect waits out its timeout)."""
     lease = 6.0
     holder = _hand_over(hook, KEYS[0], lease=lease)
-    reconnect_blocked = threading.Event()
-    release_connect = threading.Event()
-
-    def open_session() -> Any:
-        if reconnect_blocked.is_set():
-            release_connect.wait(30)
-        return hook.open_lock_session(application_name=HUB)
-
-    def end_the_hubs_session() -> None:
-        scopes_db.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s", [HUB])
+    connects = _StallingReconnects(hook)
 
     async def body() -> None:
-        hub = HoldHub(open_session)
+        hub = HoldHub(connects)
         hold = DeferredHold(KEYS[0], holder, "dag.op run", lease)
         async with hub.holding(hold):
             await asyncio.wait_for(hold.settled.wait(), 15)
             await asyncio.sleep(1.5)  # most of the way to the next renewal (every lease / 3 = 2 s)
             with psycopg.connect(dsn, autocommit=True) as other:
-                await asyncio.to_thread(end_the_hubs_session)
+                await asyncio.to_thread(_end_the_hubs_session, scopes_db)
                 other.execute("SELECT pg_advisory_lock(%s)", [KEYS[0].int64])  # before the hub takes it back
                 [left] = other.execute(
                     "SELECT extract(epoch FROM lease_until - clock_timestamp())::float8 FROM pglock.scopes"
@@ -863,14 +849,14 @@ def test_a_hold_found_busy_under_its_own_row_is_lost_by_the_rows_end_not_a_lease
                 row_end = time.monotonic() + left
                 await asyncio.sleep(1.5)  # the hub reconnects and finds the key busy under its own row
                 assert hold.state == "taking", hold.state
-                reconnect_blocked.set()
-                await asyncio.to_thread(end_the_hubs_session)
+                connects.stalled.set()
+                await asyncio.to_thread(_end_the_hubs_session, scopes_db)
                 try:
                     await asyncio.wait_for(hold.lost.wait(), lease + 5)
                     late = time.monotonic() - row_end
                     assert late <= 0.5, f"lost {late:.2f} s after the row's end"
                 finally:
-                    release_connect.set()
+                    connects.released.set()
         assert await _until(lambda: hub._task is not None and hub._task.done()), "the hub did not retire"
 
     _run(body)
