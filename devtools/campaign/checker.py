@@ -204,6 +204,7 @@ class Run:
     death_end: float | None = None  # a run that died: the end of the kill (rule 10's last moment)
     trigger: bool = False  # a deferred run whose triggerer's part ran the real GuardedTrigger
     cleared: bool = False  # ... and whose task was cleared mid-hold (its trigger cancelled for a user's action)
+    keys: list[str] = field(default_factory=list)  # the keys it tried (a pool's name for a pool)
 
 
 @dataclass
@@ -271,7 +272,7 @@ def build(events: Iterable[dict[str, Any]]) -> tuple[dict[str, Run], list[Fault]
             continue
         run = runs.get(e["run"])
         if kind == "attempt":
-            runs[e["run"]] = Run(e["run"], e["worker"], e["pid"], e["kind"], e["t"])
+            runs[e["run"]] = Run(e["run"], e["worker"], e["pid"], e["kind"], e["t"], keys=list(e.get("keys") or []))
             continue
         if run is None:
             continue
@@ -324,7 +325,7 @@ def build(events: Iterable[dict[str, Any]]) -> tuple[dict[str, Run], list[Fault]
         elif kind == "outcome":
             run.outcome, run.detail, run.ended = e["outcome"], e.get("detail", ""), e["t"]
             if run.outcome == "skipped" and "tried" in e:  # (a history from before rule 11 has no tried)
-                names = ("tried", "holders", "scope_row", "done_period", "done_record", "shared")
+                names = ("tried", "holders", "scope_row", "done_period", "done_record", "shared", "unlooked")
                 run.skip = {name: e.get(name) for name in names}
             for hold in run.holds:
                 hold.end = min(hold.end, e["t"])
@@ -775,7 +776,10 @@ def _judge_skips(
     teardown or a hand-over that failed: the row lapses on its own): meanwhile a guard that takes the
     key to read the row gives it back at once, and another's try may find the key busy with no holder
     left to name. Such a hold explains a skip until its lease after its end, when another run's
-    refusal within :data:`JITTER` read that row from the server (named it).
+    refusal within :data:`JITTER` read that row from the server (named it). A run that tried the key
+    and ended without working on it (failed, lost, refused, killed) explains a skip it overlaps, as a
+    run rule's refusal does, unless a fault of the server began while it ran. A skip whose look failed
+    (``unlooked``: no connection to be had) is explained by any hold the server still had while it ran.
     """
     row_lease = SCOPE_LEASE_FACTOR * lease
     server = sorted(f.start for f in faults if f.kind in SERVER_FAULTS)
@@ -800,11 +804,25 @@ def _judge_skips(
         if skip is not None and run.ended is not None and (skip.get("done_record") or skip.get("done_period")):
             for key in skip.get("tried") or []:
                 checked[key].append((run.start, run.ended, run.run))
+    # A run that tried a key and ended without working on it (failed, refused, lost, killed) may have
+    # taken it and held it until then, with no acquired event: a statement after its try failed (a
+    # cancel, a caught error). It explains a skip it overlaps, unless a fault of the server began while
+    # it ran: its failure may then be the server's, its try never taking the key (rule 11's very case).
+    unworked: dict[str, list[tuple[float, float, str]]] = defaultdict(list)
+    for run in runs.values():
+        end = run.ended if run.ended is not None else run.death_end
+        if run.outcome in ("completed", "skipped") or end is None:
+            continue
+        if any(run.start - SERVER_FAULT_SLACK <= start <= end for start in server):
+            continue
+        for key in run.keys:
+            if not any(_family(key, hold) for hold in run.holds):
+                unworked[key].append((run.start, end, run.run))
     counts = {"judged": 0, "named": 0, "explained": 0, "unexplained": 0}  # judged: runs; the others: keys
     violations: list[str] = []
     holds = [hold for keyed in by_key.values() for hold in keyed]
 
-    def explains(hold: Hold, run: Run, key: str) -> bool:
+    def explains(hold: Hold, run: Run, key: str, unlooked: bool) -> bool:
         assert run.ended is not None
         if hold.run == run.run or not _family(key, hold) or hold.acquired - JITTER > run.ended:
             return False
@@ -814,20 +832,37 @@ def _judge_skips(
             return hold.end + JITTER + row_lease >= run.start and any(
                 abs(at - run.ended) <= JITTER for at in row_named.get(hold.key, ())
             )
-        # It let the key go about then (after the try, before the look), no server fault between: the
-        # release lies between the work's end and the run's outcome (a holder frozen or starved between
-        # the two releases late).
         holder = runs[hold.run]
         released_by = holder.ended if holder.ended is not None else (holder.death_end or hold.end)
-        if any(run.start - SERVER_FAULT_SLACK <= start <= run.ended for start in server):
+        if unlooked:  # its look failed: any hold the server still had while it ran may have met its try
+            return (
+                hold.acquired - JITTER <= run.ended
+                and released_by >= run.start - JITTER
+                and not any(hold.acquired <= start and start + SERVER_FAULT_SLACK < run.start for start in server)
+            )
+        if any(run.start - SERVER_FAULT_SLACK <= start <= run.ended for start in server) and (
+            hold.acquired - JITTER <= run.start and released_by >= run.start - JITTER
+        ):
             # A restart or failover began during the run: its try met the hold on the server of then,
             # its look (a new connection) the server of after, with none of its locks.
-            return hold.acquired - JITTER <= run.start and released_by >= run.start - JITTER
+            return True
+        # It let the key go about then (after the try, before the look), no server fault between: the
+        # release lies between the work's end and the run's outcome (a holder frozen or starved between
+        # the two releases late). A server fault during the run does not rule this out: a hold taken
+        # after it, on the server of after, met a try made late in the run (a connect that waited out
+        # the fault first; a deferred run found the key busy after a failover, its holder gone by its look).
         return (
             hold.end <= run.ended + JITTER
             and released_by >= run.start - JITTER
             and not any(hold.acquired <= start and start + SERVER_FAULT_SLACK < run.start for start in server)
         )  # (a server fault after the run began may have come between its try, which met the hold, and its look)
+
+    def unworked_explains(run: Run, key: str) -> bool:
+        assert run.ended is not None
+        return any(
+            other != run.run and start - JITTER <= run.ended and ended + JITTER >= run.start
+            for start, ended, other in [*checked.get(key, ()), *unworked.get(key, ())]
+        )
 
     for run in runs.values():
         skip = run.skip
@@ -847,10 +882,8 @@ def _judge_skips(
             if done_period is not None and recorded.get((key, done_period), math.inf) <= run.ended + JITTER:
                 counts["named"] += 1
                 continue
-            if any(explains(hold, run, key) for hold in holds) or any(
-                other != run.run and start - JITTER <= run.ended and ended + JITTER >= run.start
-                for start, ended, other in checked.get(key, ())
-            ):
+            unlooked = key in (skip.get("unlooked") or ())
+            if any(explains(hold, run, key, unlooked) for hold in holds) or unworked_explains(run, key):
                 counts["explained"] += 1
                 continue
             unexplained.append(key)

@@ -94,7 +94,7 @@ import os
 import random
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -440,17 +440,19 @@ class Worker:
             )
             self._work(run, {label: None})
 
-    def _holders(self, keys: dict[str, Any]) -> list[dict[str, Any]]:
+    def _holders(self, keys: dict[str, Any]) -> _Look:
         """The granted holders of ``keys`` (label: key), looked at right after a refusal that named
-        none (``hook.holders()``): what the checker's rule 11 reads as the refusal's holders. A look
-        that fails names nobody (a skip must then be explained by another run's hold)."""
-        found: list[dict[str, Any]] = []
+        none (``hook.holders()``): what the checker's rule 11 reads as the refusal's holders. A key
+        whose look failed (the server away, no connection to be had) is said to be unlooked: any hold
+        of it then explains the skip."""
+        look = _Look()
         for label, key in keys.items():
             try:
                 holders = self.hook.holders(key)
-            except Exception:  # the server is away: nobody named
+            except Exception:
+                look.unlooked.append(label)
                 continue
-            found += [
+            look.found += [
                 {"key": label, "pid": holder.pid, "application_name": holder.application_name}
                 for holder in holders
                 if holder.granted
@@ -459,8 +461,8 @@ class Worker:
                 with contextlib.suppress(Exception):
                     row = self.hook.scope(key)
                     if row is not None:
-                        found.append({"key": label, "scope": row.describe()})
-        return found
+                        look.found.append({"key": label, "scope": row.describe()})
+        return look
 
     def _still_held(self, run: str, backend: int, held: dict[str, int | None]) -> None:
         """After an early release, whether the session still holds its other keys (as the product
@@ -903,7 +905,7 @@ class Worker:
         from airflow_pglock.scope_rules import ScopeRole
 
         run, name = f"{cleared}-next", str(key.name)
-        self.history.emit("attempt", run=run)
+        self.history.emit("attempt", run=run, keys=[name])
         outcome, detail = "completed", ""
         role = ScopeRole(holder=holder, run=f"{self.name} {cleared}", task="deferred", lease=lease, hands_over=True)
         policy = LockPolicy(on_busy="wait", wait_timeout=WAIT_TIMEOUT, on_wait_timeout="fail")
@@ -992,30 +994,41 @@ class Worker:
         self.runs += 1
         run = f"w{self.config.index}-{os.getpid()}-{self.runs}"
         kind, hot = self.config.kind, list(self.config.hot_keys)
-        self.history.emit("attempt", run=run)
         outcome, detail = "completed", ""
         refusal: dict[str, Any] = {}
         try:
+            # The keys it will try, in its attempt event: a run that fails after its try took a key, before
+            # its acquired event, held the key meanwhile (the checker's rule 11 counts it).
             if kind in ("guard-session", "guard-transaction", "guard-wait"):
                 mode = "transaction" if kind == "guard-transaction" else "session"
                 key, target = self._guard_target(hot)
+                self.history.emit("attempt", run=run, keys=[key])
                 self._guard(run, key, mode=mode, wait=kind == "guard-wait", **target)
-            elif kind == "hook-lock":
-                self._hook_lock(run, self.rng.choice(hot))
-            elif kind == "lock-session":
-                self._lock_session(run, self.rng.sample(hot, k=min(len(hot), self.rng.randint(2, 3))))
-            elif kind == "guard-sub-keys":
-                self._guard_sub_keys(run, self.rng.sample(hot, k=self.rng.randint(1, 2)))
             elif kind == "pool":
                 size = self._pool_size()
                 wait = size == 1 and self.rng.random() < 0.5  # a plain key's wait may see a pool begin
                 # a third of the pools of slots in transaction mode: slot and size markers transaction locks
                 mode = "transaction" if size > 1 and self.rng.random() < POOL_TRANSACTION_SHARE else "session"
+                self.history.emit("attempt", run=run, keys=[self.config.pool])
                 self._guard(run, self.config.pool, slots=size, wait=wait, pool=self.config.pool, mode=mode)
-            elif kind == "scope":
-                self._scope(run, self.rng.choice(hot))
-            elif kind == "deferred":
-                self._deferred(run, self.rng.choice(hot))
+            else:
+                if kind == "lock-session":
+                    keys = self.rng.sample(hot, k=min(len(hot), self.rng.randint(2, 3)))
+                elif kind == "guard-sub-keys":
+                    keys = self.rng.sample(hot, k=self.rng.randint(1, 2))
+                else:  # hook-lock, scope, deferred: one hot key
+                    keys = [self.rng.choice(hot)]
+                self.history.emit("attempt", run=run, keys=keys)
+                if kind == "hook-lock":
+                    self._hook_lock(run, keys[0])
+                elif kind == "lock-session":
+                    self._lock_session(run, keys)
+                elif kind == "guard-sub-keys":
+                    self._guard_sub_keys(run, keys)
+                elif kind == "scope":
+                    self._scope(run, keys[0])
+                elif kind == "deferred":
+                    self._deferred(run, keys[0])
         except _Busy as busy:
             outcome, refusal = "skipped", busy.fields()
         except _Refused as refused:
@@ -1037,6 +1050,14 @@ class Worker:
         self.history.close()
 
 
+@dataclass
+class _Look:
+    """A look at a refusal's keys: the granted holders found, and the keys whose look failed."""
+
+    found: list[dict[str, Any]] = field(default_factory=list)
+    unlooked: list[str] = field(default_factory=list)
+
+
 class _Busy(Exception):  # noqa: N818 - the key (or the pool) was busy: a skip
     """A skip, with what the refusal named: the checker's rule 11 judges a skip that names no holder.
 
@@ -1055,7 +1076,7 @@ class _Busy(Exception):  # noqa: N818 - the key (or the pool) was busy: a skip
         *,
         shared: bool = False,
         period: str | None = None,
-        looked: list[dict[str, Any]] | None = None,
+        looked: _Look | None = None,
     ) -> None:
         super().__init__(tried)
         self.tried, self.refusal, self.shared, self.period, self.looked = tried, refusal, shared, period, looked
@@ -1063,14 +1084,15 @@ class _Busy(Exception):  # noqa: N818 - the key (or the pool) was busy: a skip
     def fields(self) -> dict[str, Any]:
         """The skip's ``outcome`` event's fields: ``tried``, ``shared``, ``holders`` (the granted
         holders the refusal named, or a look right after it found: key, pid, application_name),
-        ``scope_row`` (it named another run's lock scope), ``done_period`` (it named a recorded
-        once_per period), ``done_record`` (a run rule's refusal: the recorded completion it named, its
-        period, ``completed_at`` on the database clock and fencing token)."""
+        ``unlooked`` (the keys whose look failed), ``scope_row`` (it named another run's lock scope),
+        ``done_period`` (it named a recorded once_per period), ``done_record`` (a run rule's refusal:
+        the recorded completion it named, its period, ``completed_at`` on the database clock and
+        fencing token)."""
         from airflow_pglock.exceptions import AlreadyDoneError, LockBusyError
 
         fields: dict[str, Any] = {"tried": self.tried, "shared": self.shared, "holders": [], "scope_row": False}
         if self.looked is not None:
-            fields["holders"], fields["looked"] = self.looked, True
+            fields["holders"], fields["looked"], fields["unlooked"] = self.looked.found, True, self.looked.unlooked
         if isinstance(self.refusal, LockBusyError):
             fields["holders"] = [
                 {"key": self.tried[0], "pid": holder.pid, "application_name": holder.application_name}

@@ -538,3 +538,41 @@ def test_an_overlap_is_judged_by_the_fault_that_allows_the_longest_not_only_the_
     assert check([*runs, caught, cut], [], lease=LEASE).passed
     report = check([*runs, cut], [], lease=LEASE)
     assert any("overlap longer than its bound" in v and "after netcut" in v for v in report.violations), report
+
+
+def test_a_hold_taken_after_a_failover_explains_a_skip_whose_try_came_late_in_the_run() -> None:
+    """Rule 11 (a 12-minute campaign): a run's try came seconds after its start (its connect waited out
+    a failover), met a hold taken on the new primary, and its look found the holder gone."""
+    failover = _fault("failover", 18.5, 19.0, [])
+    late = [*_run("a", 1, "k", 19.9, 21.7, "completed"), failover, *_skip("s", 3, ["k"], 18.0, 22.0)]
+    assert check(late, [], lease=LEASE).passed
+    went_on = [*_run("a", 1, "k", 19.9, 30.0, "completed"), failover, *_skip("s", 3, ["k"], 18.0, 22.0)]
+    assert check(went_on, [], lease=LEASE).violations  # its holder would have been named
+    before = [*_run("a", 1, "k", 17.0, 21.7, "lost", lost=True), failover, *_skip("s", 3, ["k"], 19.2, 22.0)]
+    assert check(before, [], lease=LEASE).violations  # the failover ended it before the run began
+
+
+def _tried(events: list[dict[str, Any]], keys: list[str]) -> list[dict[str, Any]]:
+    events[0]["keys"] = keys
+    return events
+
+
+def test_a_run_that_failed_after_taking_its_key_explains_a_skip_it_overlaps() -> None:
+    """Rule 11: a run whose statement after its try failed held the key with no acquired event."""
+    failed = _tried(_skip("f", 1, ["k"], 19.0, 20.5), ["k"])
+    failed[1].update(outcome="failed", tried=None)
+    assert check([*failed, *_skip("s", 3, ["k"], 20.0, 20.01)], [], lease=LEASE).passed
+    assert check([*failed, *_skip("s", 3, ["j"], 20.0, 20.01)], [], lease=LEASE).violations  # another key
+    restart = _fault("restart-fast", 19.5, 21.0, [])  # its failure may be the server's: its try took nothing
+    assert check([*failed, restart, *_skip("s", 3, ["k"], 20.0, 20.01)], [], lease=LEASE).violations
+
+
+def test_a_skip_whose_look_failed_is_explained_by_a_hold_present_while_it_ran() -> None:
+    """Rule 11: a look that could not connect names nobody; the hold its try met may have gone on."""
+    went_on = [*_run("a", 1, "k", 18.0, 30.0, "completed"), *_skip("s", 3, ["k"], 20.0, 20.01)]
+    assert check(went_on, [], lease=LEASE).violations  # a look that worked would have named it
+    unlooked = _skip("s", 3, ["k"], 20.0, 20.01, unlooked=["k"])
+    assert check([*_run("a", 1, "k", 18.0, 30.0, "completed"), *unlooked], [], lease=LEASE).passed
+    assert check([*_run("a", 1, "k", 21.5, 30.0, "completed"), *unlooked], [], lease=LEASE).violations  # later
+    restart = _fault("restart-fast", 19.0, 19.5, [])  # the hold ended with the server before the run began
+    assert check([*_run("a", 1, "k", 18.0, 30.0, "lost", lost=True), restart, *unlooked], [], lease=LEASE).violations
