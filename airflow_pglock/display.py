@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
-import re
+import unicodedata
 
-# C0 and C1 controls and DEL (a terminal obeys escape sequences; a newline forges a log line), the
-# line and paragraph separators, and the bidirectional overrides and isolates (text shown reordered).
-_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+# Controls (C0, C1, DEL: a terminal obeys escape sequences; a newline forges a log line), format
+# characters (bidirectional marks, overrides and isolates show text reordered; zero-width spaces,
+# joiners and the byte order mark make one name look like another), line and paragraph separators,
+# and lone surrogates.
+_UNSAFE_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs"})
+
+
+def _shown(character: str) -> str:
+    if unicodedata.category(character) not in _UNSAFE_CATEGORIES:
+        return character
+    return character.encode("unicode_escape", "backslashreplace").decode("ascii")
 
 
 def printable(text: str) -> str:
-    """``text`` with every control character written as its Python escape (``\\x1b``, ``\\n``):
-    what a foreign session or a row of the lock database says is shown, never obeyed."""
-    return _UNSAFE.sub(lambda match: match.group().encode("unicode_escape").decode("ascii"), text)
+    """``text`` with every control or invisible formatting character written as its Python escape
+    (``\\x1b``, ``\\n``, ``\\u200b``): what a foreign session or a row of the lock database says is
+    shown, never obeyed, and two names that differ only in what cannot be seen are told apart."""
+    if text.isascii() and text.isprintable():
+        return text
+    return "".join(_shown(character) for character in text)

@@ -20,6 +20,10 @@ from airflow_pglock.display import printable
         ("nul\x00 del\x7f c1\x9b", r"nul\x00 del\x7f c1\x9b"),
         ("line\u2028sep", r"line\u2028sep"),
         ("abc\u202edcba\u2066x\u2069", r"abc\u202edcba\u2066x\u2069"),
+        ("zero\u200bwidth\u200c\u200d\ufeff", r"zero\u200bwidth\u200c\u200d\ufeff"),
+        ("marks\u200e\u200f\u061c", r"marks\u200e\u200f\u061c"),
+        ("soft\u00adhyphen", r"soft\xadhyphen"),
+        ("lone\ud800surrogate", r"lone\ud800surrogate"),
     ],
 )
 def test_printable_escapes_control_characters_and_keeps_the_rest(text: str, shown: str) -> None:
