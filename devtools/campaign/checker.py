@@ -204,7 +204,7 @@ class Run:
     death_end: float | None = None  # a run that died: the end of the kill (rule 10's last moment)
     trigger: bool = False  # a deferred run whose triggerer's part ran the real GuardedTrigger
     cleared: bool = False  # ... and whose task was cleared mid-hold (its trigger cancelled for a user's action)
-    keys: list[str] = field(default_factory=list)  # the keys it tried (a pool's name for a pool)
+    keys: list[str] = field(default_factory=list)  # the keys it tried without waiting (a pool's name for a pool)
 
 
 @dataclass
@@ -272,7 +272,7 @@ def build(events: Iterable[dict[str, Any]]) -> tuple[dict[str, Run], list[Fault]
             continue
         run = runs.get(e["run"])
         if kind == "attempt":
-            runs[e["run"]] = Run(e["run"], e["worker"], e["pid"], e["kind"], e["t"], keys=list(e.get("keys") or []))
+            runs[e["run"]] = Run(e["run"], e["worker"], e["pid"], e["kind"], e["t"])
             continue
         if run is None:
             continue
@@ -309,6 +309,8 @@ def build(events: Iterable[dict[str, Any]]) -> tuple[dict[str, Run], list[Fault]
             run.writes += 1
             run.refused += 0 if e["accepted"] else 1
             run.written.append((e["t"], e["key"]))
+        elif kind == "tries":
+            run.keys += e["keys"]
         elif kind == "trigger":
             run.trigger = True
         elif kind == "cleared":
@@ -777,9 +779,10 @@ def _judge_skips(
     key to read the row gives it back at once, and another's try may find the key busy with no holder
     left to name. Such a hold explains a skip until its lease after its end, when another run's
     refusal within :data:`JITTER` read that row from the server (named it). A run that tried the key
-    and ended without working on it (failed, lost, refused, killed) explains a skip it overlaps, as a
-    run rule's refusal does, unless a fault of the server began while it ran. A skip whose look failed
-    (``unlooked``: no connection to be had) is explained by any hold the server still had while it ran.
+    without waiting and ended without working on it (failed, lost, refused, killed) explains a skip it
+    overlaps, as a run rule's refusal does, unless a fault of the server or of its own process
+    overlapped it. A skip whose worker-side look failed (``unlooked``) is judged as one that named
+    nobody (a failed look happens when the server is away, when errors do too); its violation says so.
     """
     row_lease = SCOPE_LEASE_FACTOR * lease
     server = sorted(f.start for f in faults if f.kind in SERVER_FAULTS)
@@ -804,16 +807,21 @@ def _judge_skips(
         if skip is not None and run.ended is not None and (skip.get("done_record") or skip.get("done_period")):
             for key in skip.get("tried") or []:
                 checked[key].append((run.start, run.ended, run.run))
-    # A run that tried a key and ended without working on it (failed, refused, lost, killed) may have
-    # taken it and held it until then, with no acquired event: a statement after its try failed (a
-    # cancel, a caught error). It explains a skip it overlaps, unless a fault of the server began while
-    # it ran: its failure may then be the server's, its try never taking the key (rule 11's very case).
+    # A run that tried a key without waiting and ended without working on it (failed, refused, lost,
+    # killed) may have taken it and held it until then, with no acquired event: a statement after its
+    # try failed (a cancel, a caught error). It explains a skip it overlaps, unless a fault of the server
+    # or one of its own process (a cut, a freeze) overlapped it: its failure may then be the fault's, its
+    # try never taking the key, for the reason that made the skip (rule 11's very case).
+    spans = [(f.start - SERVER_FAULT_SLACK, f.end + JITTER) for f in faults if f.kind in SERVER_FAULTS]
     unworked: dict[str, list[tuple[float, float, str]]] = defaultdict(list)
     for run in runs.values():
         end = run.ended if run.ended is not None else run.death_end
         if run.outcome in ("completed", "skipped") or end is None:
             continue
-        if any(run.start - SERVER_FAULT_SLACK <= start <= end for start in server):
+        hit = any(start <= end and stop >= run.start for start, stop in spans) or any(
+            run.pid in f.pids and f.start <= end and f.end + JITTER >= run.start for f in faults
+        )
+        if hit:
             continue
         for key in run.keys:
             if not any(_family(key, hold) for hold in run.holds):
@@ -822,7 +830,7 @@ def _judge_skips(
     violations: list[str] = []
     holds = [hold for keyed in by_key.values() for hold in keyed]
 
-    def explains(hold: Hold, run: Run, key: str, unlooked: bool) -> bool:
+    def explains(hold: Hold, run: Run, key: str) -> bool:
         assert run.ended is not None
         if hold.run == run.run or not _family(key, hold) or hold.acquired - JITTER > run.ended:
             return False
@@ -834,12 +842,6 @@ def _judge_skips(
             )
         holder = runs[hold.run]
         released_by = holder.ended if holder.ended is not None else (holder.death_end or hold.end)
-        if unlooked:  # its look failed: any hold the server still had while it ran may have met its try
-            return (
-                hold.acquired - JITTER <= run.ended
-                and released_by >= run.start - JITTER
-                and not any(hold.acquired <= start and start + SERVER_FAULT_SLACK < run.start for start in server)
-            )
         if any(run.start - SERVER_FAULT_SLACK <= start <= run.ended for start in server) and (
             hold.acquired - JITTER <= run.start and released_by >= run.start - JITTER
         ):
@@ -882,16 +884,17 @@ def _judge_skips(
             if done_period is not None and recorded.get((key, done_period), math.inf) <= run.ended + JITTER:
                 counts["named"] += 1
                 continue
-            unlooked = key in (skip.get("unlooked") or ())
-            if any(explains(hold, run, key, unlooked) for hold in holds) or unworked_explains(run, key):
+            if any(explains(hold, run, key) for hold in holds) or unworked_explains(run, key):
                 counts["explained"] += 1
                 continue
             unexplained.append(key)
         if unexplained:
             counts["unexplained"] += len(unexplained)
+            unlooked = sorted(set(unexplained) & set(skip.get("unlooked") or ()))
             violations.append(
                 f"error reported as a skip: {run.run} ({run.kind}) skipped {unexplained} from {run.start:.3f} to "
                 f"{run.ended:.3f}; its refusal named no holder, and no other run held them then"
+                + (f" (the worker's look at {unlooked} failed)" if unlooked else "")
             )
     return {**counts, "violations": violations}
 

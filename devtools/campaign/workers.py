@@ -337,6 +337,8 @@ class Worker:
 
         target = lock_key if lock_key is not None else LockKey.from_name(key)
         guard = LockGuard(self.hook.database, target, policy, application_name=self.name, rules=rules)
+        if not wait:
+            self._tries(run, [key])
         try:
             guard.run(work)
         except LockConfigurationError as error:
@@ -425,6 +427,8 @@ class Worker:
         shared = self.rng.random() < 0.25  # readers: they may overlap one another, never an exclusive holder
         mode = "transaction" if self.rng.random() < 0.25 else "session"
         timeout = HOOK_WAIT if self.rng.random() < 0.25 else None
+        if timeout is None:
+            self._tries(run, [label])
         with self.hook.lock(
             key,
             mode=mode,  # type: ignore[arg-type]
@@ -439,6 +443,13 @@ class Worker:
                 "acquired", run=run, key=label, token=None, backend=handle.backend_pid, at=at, shared=shared
             )
             self._work(run, {label: None})
+
+    def _tries(self, run: str, keys: list[str]) -> None:
+        """A ``tries`` event: the run is about to try ``keys`` (labels) without waiting. A run that then
+        fails before its ``acquired`` event may have held them meanwhile (a statement after the try
+        failed): the checker's rule 11 counts that. A wait is not announced: one that timed out held
+        nothing."""
+        self.history.emit("tries", run=run, keys=keys)
 
     def _holders(self, keys: dict[str, Any]) -> _Look:
         """The granted holders of ``keys`` (label: key), looked at right after a refusal that named
@@ -482,6 +493,7 @@ class Worker:
             try:
                 # The batch ends with two keys of this worker's own (no one else takes them): whatever
                 # it gives back early, the session goes on holding another key of the batch.
+                self._tries(run, keys[:-1])
                 subs = session.try_lock_many([*keys[:-1], *self._own_keys])
                 held: dict[str, int | None] = {}
                 for sub in subs:
@@ -497,6 +509,7 @@ class Worker:
                 else:
                     label, last_key = self._maybe_numeric(keys[-1], 0.5)
                     shared = self.rng.random() < 1 / 3
+                    self._tries(run, [label])
                     last = session.try_lock(last_key, shared=shared)
                 with last as waited:
                     if waited is not None:
@@ -534,6 +547,7 @@ class Worker:
         def work(handle: Any) -> None:
             if self.rng.random() < 0.3:  # a single sub-key in a with block, named or numeric
                 label, key = self._maybe_numeric(keys[0], 0.5)
+                self._tries(run, [label])
                 with handle.try_lock(key) as sub:
                     if sub is None:
                         return
@@ -546,6 +560,7 @@ class Worker:
                 # transaction locks, the work goes on believing it holds them (the run must end lost).
                 import psycopg
 
+                self._tries(run, keys)
                 with handle.connection.transaction():
                     subs = handle.try_lock_many(keys)
                     raise psycopg.Rollback()
@@ -554,6 +569,7 @@ class Worker:
                     pids = [os.getpid()]
                     self.history.emit("fault", kind="savepoint-rollback", start=now, end=now, target=run, pids=pids)
             else:
+                self._tries(run, keys)
                 subs = handle.try_lock_many(keys)
             if not subs:
                 return
@@ -713,6 +729,7 @@ class Worker:
             rules=RunRules(fencing=True),
             scope=role("outside"),
         )
+        self._tries(run, [key])
         try:
             guard.run(first)
         except BaseException as error:
@@ -905,7 +922,7 @@ class Worker:
         from airflow_pglock.scope_rules import ScopeRole
 
         run, name = f"{cleared}-next", str(key.name)
-        self.history.emit("attempt", run=run, keys=[name])
+        self.history.emit("attempt", run=run)
         outcome, detail = "completed", ""
         role = ScopeRole(holder=holder, run=f"{self.name} {cleared}", task="deferred", lease=lease, hands_over=True)
         policy = LockPolicy(on_busy="wait", wait_timeout=WAIT_TIMEOUT, on_wait_timeout="fail")
@@ -994,41 +1011,30 @@ class Worker:
         self.runs += 1
         run = f"w{self.config.index}-{os.getpid()}-{self.runs}"
         kind, hot = self.config.kind, list(self.config.hot_keys)
+        self.history.emit("attempt", run=run)
         outcome, detail = "completed", ""
         refusal: dict[str, Any] = {}
         try:
-            # The keys it will try, in its attempt event: a run that fails after its try took a key, before
-            # its acquired event, held the key meanwhile (the checker's rule 11 counts it).
             if kind in ("guard-session", "guard-transaction", "guard-wait"):
                 mode = "transaction" if kind == "guard-transaction" else "session"
                 key, target = self._guard_target(hot)
-                self.history.emit("attempt", run=run, keys=[key])
                 self._guard(run, key, mode=mode, wait=kind == "guard-wait", **target)
+            elif kind == "hook-lock":
+                self._hook_lock(run, self.rng.choice(hot))
+            elif kind == "lock-session":
+                self._lock_session(run, self.rng.sample(hot, k=min(len(hot), self.rng.randint(2, 3))))
+            elif kind == "guard-sub-keys":
+                self._guard_sub_keys(run, self.rng.sample(hot, k=self.rng.randint(1, 2)))
             elif kind == "pool":
                 size = self._pool_size()
                 wait = size == 1 and self.rng.random() < 0.5  # a plain key's wait may see a pool begin
                 # a third of the pools of slots in transaction mode: slot and size markers transaction locks
                 mode = "transaction" if size > 1 and self.rng.random() < POOL_TRANSACTION_SHARE else "session"
-                self.history.emit("attempt", run=run, keys=[self.config.pool])
                 self._guard(run, self.config.pool, slots=size, wait=wait, pool=self.config.pool, mode=mode)
-            else:
-                if kind == "lock-session":
-                    keys = self.rng.sample(hot, k=min(len(hot), self.rng.randint(2, 3)))
-                elif kind == "guard-sub-keys":
-                    keys = self.rng.sample(hot, k=self.rng.randint(1, 2))
-                else:  # hook-lock, scope, deferred: one hot key
-                    keys = [self.rng.choice(hot)]
-                self.history.emit("attempt", run=run, keys=keys)
-                if kind == "hook-lock":
-                    self._hook_lock(run, keys[0])
-                elif kind == "lock-session":
-                    self._lock_session(run, keys)
-                elif kind == "guard-sub-keys":
-                    self._guard_sub_keys(run, keys)
-                elif kind == "scope":
-                    self._scope(run, keys[0])
-                elif kind == "deferred":
-                    self._deferred(run, keys[0])
+            elif kind == "scope":
+                self._scope(run, self.rng.choice(hot))
+            elif kind == "deferred":
+                self._deferred(run, self.rng.choice(hot))
         except _Busy as busy:
             outcome, refusal = "skipped", busy.fields()
         except _Refused as refused:
