@@ -764,7 +764,8 @@ def _judge_skips(
     refusal; ``hook.lock()`` and a lock session's worker look themselves): it names nobody only when
     the holder let the key go between the try and the look. So a believed hold explains an unnamed
     skip only if it ended about then (a hot key is held by someone nearly all the time: a hold that
-    merely overlapped the skip would explain every error), except a scope's or a deferred
+    merely overlapped the skip would explain every error), or if its run lost it (the server ended it
+    at a moment the history does not have, before the run learnt it), except a scope's or a deferred
     operator's, whose sessions change while it is held (its tasks, its hand-overs: a try at such a
     moment finds the key busy and the look finds it free): those explain a skip they overlap; so does
     a run that a run rule refused (it held the key from its try to its refusal and never worked, so the
@@ -853,8 +854,12 @@ def _judge_skips(
         # the two releases late). A server fault during the run does not rule this out: a hold taken
         # after it, on the server of after, met a try made late in the run (a connect that waited out
         # the fault first; a deferred run found the key busy after a failover, its holder gone by its look).
+        # A hold its run lost ended on the server at a moment the history does not have, before its run
+        # learnt it (the server ending a transaction idle past its lease while the worker stalled, a
+        # session cut off): a skip's look may come just after that moment, however long the run believed.
+        lost = holder.lost_at is not None
         return (
-            hold.end <= run.ended + JITTER
+            ((lost and hold.acquired - JITTER <= run.ended) or hold.end <= run.ended + JITTER)
             and released_by >= run.start - JITTER
             and not any(hold.acquired <= start and start + SERVER_FAULT_SLACK < run.start for start in server)
         )  # (a server fault after the run began may have come between its try, which met the hold, and its look)

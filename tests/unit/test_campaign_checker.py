@@ -582,3 +582,15 @@ def test_a_skip_whose_look_failed_is_judged_as_one_that_named_nobody_and_says_so
     report = check([*_run("a", 1, "k", 18.0, 30.0, "completed"), *unlooked], [], lease=LEASE)
     assert report.violations and "the worker's look at ['k'] failed" in report.violations[0]
     assert check([*_run("a", 1, "k", 18.0, 19.5, "completed"), *unlooked], [], lease=LEASE).passed
+
+
+def test_a_hold_its_run_lost_explains_a_skip_it_overlaps() -> None:
+    """Rule 11 (a 12-minute campaign): a stalled worker's transaction sat idle past its lease and the
+    server ended it between another's try, which met it, and that one's look; the worker learnt of
+    the loss 1.7 s later."""
+    stalled = _run("a", 1, "k", 17.0, 21.7, "lost", lost=True)
+    assert check([*stalled, *_skip("s", 3, ["k"], 20.0, 20.025)], [], lease=LEASE).passed
+    believed = _run("a", 1, "k", 17.0, 21.7, "completed")  # a hold it kept would have been named
+    assert check([*believed, *_skip("s", 3, ["k"], 20.0, 20.025)], [], lease=LEASE).violations
+    restart = _fault("restart-fast", 18.0, 19.0, [])  # lost to a restart before the skip: it held nothing then
+    assert check([*stalled, restart, *_skip("s", 3, ["k"], 20.0, 20.025)], [], lease=LEASE).violations
