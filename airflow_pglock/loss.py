@@ -66,6 +66,12 @@ NOT_HELD_AT_FENCING = (
     "issued and the work did not run (a later holder's token stays the newest)"
 )
 
+NOT_HELD_AFTER_FENCING = (
+    "found after its fencing token was issued, before the work started: the lock's transaction had ended "
+    "while the token's commit on the side connection waited (for a synchronous standby, or a row lock) longer "
+    "than the lease. The token was not handed to the work, and the work did not run"
+)
+
 SUB_KEY_ENDED = "found at release: the lock's transaction no longer held"
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -114,13 +115,22 @@ def check_before_work(
                 latest,
             )
     if rules.fencing:
+        from airflow_pglock import loss
+
+        transaction = held.scope == "transaction"
         token = _issue_fencing_token(held, database, application_name)
         if token is None:
-            from airflow_pglock import loss
-
-            transaction = held.scope == "transaction"
             message = loss.lost_message(held.key.describe(), loss.NOT_HELD_AT_FENCING, transaction=transaction)
             raise LockLostError(message, held.key, loss.NOT_HELD_AT_FENCING)
+        if transaction and time.monotonic() - held.answered_monotonic >= database.liveness.heartbeat_interval:
+            # The token's statement found the lock's transaction before its commit, which may then wait
+            # (a synchronous standby, a row lock) while that transaction sits idle on its own connection:
+            # past the lease the server ends it, and the work must not start. Asked only after a slow
+            # token (a round trip): the heartbeat would find the loss only once the work had begun.
+            if not held.is_held():
+                message = loss.lost_message(held.key.describe(), loss.NOT_HELD_AFTER_FENCING, transaction=True)
+                raise LockLostError(message, held.key, loss.NOT_HELD_AFTER_FENCING)
+            held.answered()
         return token
     return None
 

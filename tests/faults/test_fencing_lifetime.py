@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -205,3 +206,58 @@ def test_transaction_mode_token_through_pgbouncer_checks_the_lock_session(bounce
     assert tokens[0] is not None and tokens[1] is not None and tokens[1] > tokens[0]
     newest = fencing_db.execute("SELECT pglock.current_fencing_token('fenced-bouncer')").fetchone()[0]
     assert newest == tokens[1]
+
+
+def test_transaction_holder_whose_token_commit_waits_past_the_lease_never_starts_its_work(
+    fault_server: FaultServer, fencing_db: Any
+) -> None:
+    """A holds the key (transaction mode, fencing); its token's statement on the side connection
+    finds A's transaction, then waits past the lease (here a row lock on the key's token row; in
+    the fault campaign a synchronous standby not yet reconnected after the primary restarted)
+    while A's transaction sits idle, and the server ends it. B takes the key meanwhile. When the
+    wait ends, A's token is committed, but A's work must not start: the run fails as lost, its
+    token never handed over."""
+    key = LockKey.from_name("fenced-commit-wait")
+    a_tokens: list[int | None] = []
+    a_error: list[BaseException] = []
+    b_seen: dict[str, Any] = {}
+
+    def guard(name: str, policy: LockPolicy, rules: RunRules | None) -> LockGuard:
+        database = AdvisoryLockHook(dsn=fault_server.dsn, liveness=Liveness(LEASE)).database
+        return LockGuard(database, key, policy, rules=rules, application_name=name)
+
+    guard(  # the key's token row exists: a foreign session can then lock it
+        "first", LockPolicy(mode="transaction"), RunRules(fencing=True)
+    ).run(lambda lock: None)
+    with fault_server.admin() as foreign:
+        foreign.autocommit = False
+        foreign.execute("SELECT token FROM pglock.fencing_tokens WHERE key_name = 'fenced-commit-wait' FOR UPDATE")
+        guard_a = guard("holder A", LockPolicy(mode="transaction"), RunRules(fencing=True))
+
+        def run_a() -> None:
+            try:
+                guard_a.run(lambda lock: a_tokens.append(lock.fencing_token))
+            except BaseException as error:
+                a_error.append(error)
+
+        holder_a = threading.Thread(target=run_a, name="holder A", daemon=True)
+        holder_a.start()
+
+        def work_b(lock: LockHandle) -> None:
+            b_seen["taken"] = True
+            foreign.rollback()  # A's token statement goes on now
+            holder_a.join(60)
+            b_seen["a_done"] = not holder_a.is_alive()
+
+        # B waits for the key: it gets it when the server ends A's idle transaction at the lease
+        deadline = time.monotonic() + 30
+        while guard_a.held is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert guard_a.held is not None, "A's lock should be taken before its token is issued"
+        guard("holder B", LockPolicy(mode="transaction", on_busy="wait", wait_timeout=60), None).run(work_b)
+
+    assert b_seen.get("a_done"), f"holder A did not finish: {b_seen}"
+    assert a_tokens == [], f"A's work ran with token {a_tokens} after its transaction ended and B took the key"
+    assert len(a_error) == 1 and isinstance(a_error[0], LockLostError), a_error
+    assert "while the token's commit on the side connection waited" in str(a_error[0])
+    assert guard_a.outcome == "lost"
