@@ -205,6 +205,7 @@ class Run:
     trigger: bool = False  # a deferred run whose triggerer's part ran the real GuardedTrigger
     cleared: bool = False  # ... and whose task was cleared mid-hold (its trigger cancelled for a user's action)
     keys: list[str] = field(default_factory=list)  # the keys it tried without waiting (a pool's name for a pool)
+    tried_at: float | None = None  # when it first tried keys without waiting
 
 
 @dataclass
@@ -311,6 +312,7 @@ def build(events: Iterable[dict[str, Any]]) -> tuple[dict[str, Run], list[Fault]
             run.written.append((e["t"], e["key"]))
         elif kind == "tries":
             run.keys += e["keys"]
+            run.tried_at = e["t"] if run.tried_at is None else run.tried_at
         elif kind == "trigger":
             run.trigger = True
         elif kind == "cleared":
@@ -808,24 +810,31 @@ def _judge_skips(
         if skip is not None and run.ended is not None and (skip.get("done_record") or skip.get("done_period")):
             for key in skip.get("tried") or []:
                 checked[key].append((run.start, run.ended, run.run))
-    # A run that tried a key without waiting and ended without working on it (failed, refused, lost,
-    # killed) may have taken it and held it until then, with no acquired event: a statement after its
-    # try failed (a cancel, a caught error). It explains a skip it overlaps, unless a fault of the server
-    # or one of its own process (a cut, a freeze) overlapped it: its failure may then be the fault's, its
-    # try never taking the key, for the reason that made the skip (rule 11's very case).
+    # A run that tried a key without waiting and ended without working on it (failed, refused, killed)
+    # may have taken it and held it until then, with no acquired event: a statement after its try
+    # failed (a cancel, a caught error). It explains a skip it overlaps, unless a fault of the server
+    # or one of its own process (a cut, a freeze) overlapped it: its failure may then be the fault's,
+    # its try never taking the key, for the reason that made the skip (rule 11's very case).
+    # A run that ended lost without working did take the key (found lost at its fencing token, or
+    # before it): it held the key from its try until the server ended its session, at a moment before
+    # its outcome that the history does not have; it is judged as a hold its run lost (below).
     spans = [(f.start - SERVER_FAULT_SLACK, f.end + JITTER) for f in faults if f.kind in SERVER_FAULTS]
     unworked: dict[str, list[tuple[float, float, str]]] = defaultdict(list)
+    lost_unworked: dict[str, list[tuple[float, float, str]]] = defaultdict(list)
     for run in runs.values():
         end = run.ended if run.ended is not None else run.death_end
         if run.outcome in ("completed", "skipped") or end is None:
             continue
+        keys = [key for key in run.keys if not any(_family(key, hold) for hold in run.holds)]
+        if run.outcome == "lost" and run.tried_at is not None:
+            for key in keys:
+                lost_unworked[key].append((run.tried_at, end, run.run))
+            continue
         hit = any(start <= end and stop >= run.start for start, stop in spans) or any(
             run.pid in f.pids and f.start <= end and f.end + JITTER >= run.start for f in faults
         )
-        if hit:
-            continue
-        for key in run.keys:
-            if not any(_family(key, hold) for hold in run.holds):
+        if not hit:
+            for key in keys:
                 unworked[key].append((run.start, end, run.run))
     counts = {"judged": 0, "named": 0, "explained": 0, "unexplained": 0}  # judged: runs; the others: keys
     violations: list[str] = []
@@ -869,6 +878,12 @@ def _judge_skips(
         return any(
             other != run.run and start - JITTER <= run.ended and ended + JITTER >= run.start
             for start, ended, other in [*checked.get(key, ()), *unworked.get(key, ())]
+        ) or any(  # as a hold its run lost (explains(): no server fault between its try and the run)
+            other != run.run
+            and tried - JITTER <= run.ended
+            and ended >= run.start - JITTER
+            and not any(tried <= start and start + SERVER_FAULT_SLACK < run.start for start in server)
+            for tried, ended, other in lost_unworked.get(key, ())
         )
 
     for run in runs.values():

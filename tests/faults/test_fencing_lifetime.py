@@ -89,6 +89,20 @@ class SilentHost:
             self._held.clear()
 
 
+def _start_holder_a(guard_a: LockGuard, tokens: list[int | None], errors: list[BaseException]) -> threading.Thread:
+    """Holder A's run in a thread of its own: the token its work got, or the error its run raised."""
+
+    def run_a() -> None:
+        try:
+            guard_a.run(lambda lock: tokens.append(lock.fencing_token))
+        except BaseException as error:
+            errors.append(error)
+
+    holder_a = threading.Thread(target=run_a, name="holder A", daemon=True)
+    holder_a.start()
+    return holder_a
+
+
 @pytest.fixture
 def fencing_db(fault_server: FaultServer, fault_admin: Any) -> Iterator[Any]:
     """The fault database with airflow-pglock's tables and no fencing token issued yet."""
@@ -124,15 +138,7 @@ def test_transaction_holder_stalled_before_its_token_gets_none_and_is_lost(
             rules=RunRules(fencing=True),
             application_name="holder A",
         )
-
-        def run_a() -> None:
-            try:
-                guard_a.run(lambda lock: a_tokens.append(lock.fencing_token))
-            except BaseException as error:
-                a_error.append(error)
-
-        holder_a = threading.Thread(target=run_a, name="holder A", daemon=True)
-        holder_a.start()
+        holder_a = _start_holder_a(guard_a, a_tokens, a_error)
         # A's lock connection went through (the silent host refused it at once); its fencing
         # side connection is the one held
         assert silent.stalled.wait(60), "A's fencing side connection never reached the silent host"
@@ -233,15 +239,7 @@ def test_transaction_holder_whose_token_commit_waits_past_the_lease_never_starts
         foreign.autocommit = False
         foreign.execute("SELECT token FROM pglock.fencing_tokens WHERE key_name = 'fenced-commit-wait' FOR UPDATE")
         guard_a = guard("holder A", LockPolicy(mode="transaction"), RunRules(fencing=True))
-
-        def run_a() -> None:
-            try:
-                guard_a.run(lambda lock: a_tokens.append(lock.fencing_token))
-            except BaseException as error:
-                a_error.append(error)
-
-        holder_a = threading.Thread(target=run_a, name="holder A", daemon=True)
-        holder_a.start()
+        holder_a = _start_holder_a(guard_a, a_tokens, a_error)
 
         def work_b(lock: LockHandle) -> None:
             b_seen["taken"] = True

@@ -594,3 +594,16 @@ def test_a_hold_its_run_lost_explains_a_skip_it_overlaps() -> None:
     assert check([*believed, *_skip("s", 3, ["k"], 20.0, 20.025)], [], lease=LEASE).violations
     restart = _fault("restart-fast", 18.0, 19.0, [])  # lost to a restart before the skip: it held nothing then
     assert check([*stalled, restart, *_skip("s", 3, ["k"], 20.0, 20.025)], [], lease=LEASE).violations
+
+
+def test_a_run_lost_before_it_worked_held_its_key_from_its_try() -> None:
+    """Rule 11 (a 12-minute campaign, seed 20261210): a transaction-mode run took the key, its token's
+    commit waited for the standby after a restart, the server ended its idle transaction between
+    another's try and that one's look, and the run was found lost before its work: no acquired event."""
+    restart = _fault("restart-immediate", 15.5, 21.0, [])  # the nemesis's span: the server was back at once
+    lost = _tried(_skip("a", 1, ["k"], 17.0, 20.6), ["k"])
+    lost[-1].update(outcome="lost", tried=None)
+    assert check([*lost, restart, *_skip("s", 3, ["k"], 20.0, 20.025)], [], lease=LEASE).passed
+    earlier = _fault("restart-immediate", 18.0, 18.5, [])  # a restart after its try ended its session then
+    assert check([*lost, earlier, *_skip("s", 3, ["k"], 20.0, 20.025)], [], lease=LEASE).violations
+    assert check([*lost, *_skip("s", 3, ["k"], 21.8, 21.825)], [], lease=LEASE).violations  # long after its outcome
