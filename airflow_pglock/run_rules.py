@@ -118,7 +118,14 @@ def check_before_work(
         from airflow_pglock import loss
 
         transaction = held.scope == "transaction"
-        token = _issue_fencing_token(held, database, application_name)
+        try:
+            token = _issue_fencing_token(held, database, application_name)
+        except PgLockError as error:
+            # A token whose commit wait was cut off (TOKEN_COMMIT_WAIT_SECONDS) may have outlasted the lease
+            if transaction and not held.is_held():
+                message = loss.lost_message(held.key.describe(), loss.NOT_HELD_AFTER_FENCING, transaction=True)
+                raise LockLostError(message, held.key, loss.NOT_HELD_AFTER_FENCING) from error
+            raise
         if token is None:
             message = loss.lost_message(held.key.describe(), loss.NOT_HELD_AT_FENCING, transaction=transaction)
             raise LockLostError(message, held.key, loss.NOT_HELD_AT_FENCING)

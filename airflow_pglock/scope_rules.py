@@ -164,6 +164,7 @@ def check_before_work(
             # The hold an earlier try of this task instance left (a deferral timeout, a trigger
             # cancelled): that try is over; this one starts without it.
             scopes.leave(conn, key, role.holder)
+            held.answered()  # its commit may wait for a standby, its horizon's lock be tried: not idle
             return None, None
         if row is not None and row.live:
             raise _busy(key, row)

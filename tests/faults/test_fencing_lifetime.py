@@ -259,3 +259,77 @@ def test_transaction_holder_whose_token_commit_waits_past_the_lease_never_starts
     assert len(a_error) == 1 and isinstance(a_error[0], LockLostError), a_error
     assert "while the token's commit on the side connection waited" in str(a_error[0])
     assert guard_a.outcome == "lost"
+
+
+def test_a_token_commit_cut_off_by_its_bound_after_the_lease_is_reported_lost(
+    fault_server: FaultServer, fencing_db: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, but the wait outlasts the token's commit bound too (``TOKEN_COMMIT_WAIT_SECONDS``,
+    shortened here): the bound's error must not hide that the lock's transaction ended at the lease
+    meanwhile: the run is lost (review -78), not an ordinary failure."""
+    from airflow_pglock.pg import ledger
+
+    monkeypatch.setattr(ledger, "TOKEN_COMMIT_WAIT_SECONDS", LEASE + 1.5)
+    key = LockKey.from_name("fenced-commit-bound")
+    a_tokens: list[int | None] = []
+    a_error: list[BaseException] = []
+    database = AdvisoryLockHook(dsn=fault_server.dsn, liveness=Liveness(LEASE)).database
+    LockGuard(database, key, LockPolicy(mode="transaction"), rules=RunRules(fencing=True)).run(lambda lock: None)
+    with fault_server.admin() as foreign:
+        foreign.autocommit = False
+        foreign.execute("SELECT token FROM pglock.fencing_tokens WHERE key_name = 'fenced-commit-bound' FOR UPDATE")
+        guard_a = LockGuard(
+            database, key, LockPolicy(mode="transaction"), rules=RunRules(fencing=True), application_name="holder A"
+        )
+        holder_a = _start_holder_a(guard_a, a_tokens, a_error)
+        holder_a.join(60)
+        foreign.rollback()
+    assert not holder_a.is_alive()
+    assert a_tokens == []
+    assert len(a_error) == 1 and isinstance(a_error[0], LockLostError), a_error
+    assert "while the token's commit on the side connection waited" in str(a_error[0])
+    assert guard_a.outcome == "lost"
+
+
+def test_a_deferred_operators_new_try_whose_row_delete_waits_keeps_its_heartbeat_fed(
+    fault_server: FaultServer, fencing_db: Any
+) -> None:
+    """A guarded deferrable operator's new try finds its earlier try's live row and deletes it on the
+    lock's own session; the DELETE waits past the lease (here a row lock; a synchronous standby in
+    review -78). The session answered, the key stayed held: the work must run to completion, not be
+    interrupted as lost by a heartbeat counting from before the DELETE."""
+    from airflow_pglock.scope_rules import ScopeRole
+
+    key, holder = LockKey.from_name("handed-over-delete"), "earlier-try"
+    database = AdvisoryLockHook(dsn=fault_server.dsn, liveness=Liveness(LEASE)).database
+    enter = ScopeRole(kind="enter", holder=holder, run="r", task="setup", lease=600)
+    LockGuard(database, key, LockPolicy(), scope=enter).run(lambda lock: None)
+    worked: list[str] = []
+
+    def work(lock: LockHandle) -> None:
+        worked.append("started")
+        time.sleep(LEASE)
+        lock.check()
+        worked.append("finished")
+
+    with fault_server.admin() as foreign:
+        foreign.autocommit = False
+        foreign.execute("SELECT holder FROM pglock.scopes WHERE key_name = 'handed-over-delete' FOR UPDATE")
+        outside = ScopeRole(kind="outside", holder=holder, run="r", task="t", lease=600, hands_over=True)
+        guard = LockGuard(database, key, LockPolicy(), scope=outside, application_name="new try")
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                guard.run(work)
+            except BaseException as error:
+                errors.append(error)
+
+        new_try = threading.Thread(target=run, name="new try", daemon=True)
+        new_try.start()
+        time.sleep(LEASE + 0.7)  # the DELETE waits on the row lock meanwhile
+        foreign.rollback()
+        new_try.join(60)
+    assert not new_try.is_alive()
+    assert errors == [] and guard.outcome == "completed", (errors, guard.outcome)
+    assert worked == ["started", "finished"]
