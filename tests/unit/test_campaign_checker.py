@@ -607,3 +607,19 @@ def test_a_run_lost_before_it_worked_held_its_key_from_its_try() -> None:
     earlier = _fault("restart-immediate", 18.0, 18.5, [])  # a restart after its try ended its session then
     assert check([*lost, earlier, *_skip("s", 3, ["k"], 20.0, 20.025)], [], lease=LEASE).violations
     assert check([*lost, *_skip("s", 3, ["k"], 21.8, 21.825)], [], lease=LEASE).violations  # long after its outcome
+
+
+def test_a_fenced_transaction_guard_gets_no_overlap_allowance_until_the_server_is_back() -> None:
+    """A guard-transaction holder whose token's commit waited for the standby after a restart started
+    its work with its lock gone (review of 12-minute runs): only JITTER after a server fault for it;
+    other ways keep the allowance until the fault's end."""
+    restart = _fault("restart-fast", 10.0, 16.0, [])
+
+    def overlap(kind: str) -> list[dict[str, Any]]:
+        older = _run("a", 1, "k", 10.5, 13.5, "lost", lost=True)
+        older[0]["kind"] = kind
+        return [*older, restart, *_run("b", 2, "k", 11.0, 14.0, "completed")]
+
+    assert check(overlap("guard-session"), [], lease=LEASE).passed
+    report = check(overlap("guard-transaction"), [], lease=LEASE)
+    assert any("overlap longer than its bound" in v for v in report.violations), report.violations
