@@ -123,8 +123,7 @@ def check_before_work(
         except PgLockError as error:
             # A token whose commit wait was cut off (TOKEN_COMMIT_WAIT_SECONDS) may have outlasted the lease
             if transaction and not held.is_held():
-                message = loss.lost_message(held.key.describe(), loss.NOT_HELD_AFTER_FENCING, transaction=True)
-                raise LockLostError(message, held.key, loss.NOT_HELD_AFTER_FENCING) from error
+                raise _lost_after_fencing(held) from error
             raise
         if token is None:
             message = loss.lost_message(held.key.describe(), loss.NOT_HELD_AT_FENCING, transaction=transaction)
@@ -135,11 +134,18 @@ def check_before_work(
             # past the lease the server ends it, and the work must not start. Asked only after a slow
             # token (a round trip): the heartbeat would find the loss only once the work had begun.
             if not held.is_held():
-                message = loss.lost_message(held.key.describe(), loss.NOT_HELD_AFTER_FENCING, transaction=True)
-                raise LockLostError(message, held.key, loss.NOT_HELD_AFTER_FENCING)
+                raise _lost_after_fencing(held)
             held.answered()
         return token
     return None
+
+
+def _lost_after_fencing(held: HeldLock) -> LockLostError:
+    """A transaction lock found ended once its token's commit returned: the work must not start."""
+    from airflow_pglock import loss
+
+    message = loss.lost_message(held.key.describe(), loss.NOT_HELD_AFTER_FENCING, transaction=True)
+    return LockLostError(message, held.key, loss.NOT_HELD_AFTER_FENCING)
 
 
 def _issue_fencing_token(held: HeldLock, database: LockDatabase, application_name: str | None) -> int | None:

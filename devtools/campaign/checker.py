@@ -819,7 +819,7 @@ def _judge_skips(
         if skip is not None and run.ended is not None and (skip.get("done_record") or skip.get("done_period")):
             for key in skip.get("tried") or []:
                 checked[key].append((run.start, run.ended, run.run))
-    # A run that tried a key without waiting and ended without working on it (failed, refused, killed)
+    # A run that tried a key without waiting and ended without working at all (failed, refused, killed)
     # may have taken it and held it until then, with no acquired event: a statement after its try
     # failed (a cancel, a caught error). It explains a skip it overlaps, unless a fault of the server
     # or one of its own process (a cut, a freeze) overlapped it: its failure may then be the fault's,
@@ -834,7 +834,9 @@ def _judge_skips(
         end = run.ended if run.ended is not None else run.death_end
         if run.outcome in ("completed", "skipped") or end is None:
             continue
-        keys = [key for key in run.keys if not any(_family(key, hold) for hold in run.holds)]
+        if run.holds:  # it worked: a key it tried and holds no hold of was busy (a batch takes what it can)
+            continue
+        keys = run.keys
         if run.outcome == "lost" and run.tried_at is not None:
             for key in keys:
                 lost_unworked[key].append((run.tried_at, end, run.run))

@@ -454,8 +454,8 @@ class Worker:
     def _holders(self, keys: dict[str, Any]) -> _Look:
         """The granted holders of ``keys`` (label: key), looked at right after a refusal that named
         none (``hook.holders()``): what the checker's rule 11 reads as the refusal's holders. A key
-        whose look failed (the server away, no connection to be had) is said to be unlooked: any hold
-        of it then explains the skip."""
+        whose look failed (the server away, no connection to be had) is said to be unlooked: it is
+        judged as one whose look found nobody, and a violation says so."""
         look = _Look()
         for label, key in keys.items():
             try:

@@ -623,3 +623,11 @@ def test_a_fenced_transaction_guard_gets_no_overlap_allowance_until_the_server_i
     assert check(overlap("guard-session"), [], lease=LEASE).passed
     report = check(overlap("guard-transaction"), [], lease=LEASE)
     assert any("overlap longer than its bound" in v for v in report.violations), report.violations
+
+
+def test_a_run_that_worked_explains_nothing_by_the_keys_it_found_busy() -> None:
+    """A lock session's batch takes what it can: a key it tried and did not get was busy, held by
+    someone else; its run ending lost or failed later says nothing of that key."""
+    batch = _tried(_run("a", 1, "j", 19.0, 20.5, None), ["j", "k"])
+    batch.append({"t": 20.6, "event": "outcome", "run": "a", "outcome": "lost", "pid": 1})
+    assert check([*batch, *_skip("s", 3, ["k"], 20.0, 20.01)], [], lease=LEASE).violations
