@@ -793,8 +793,11 @@ def _judge_skips(
     refusal within :data:`JITTER` read that row from the server (named it). A run that tried the key
     without waiting and ended without working on it (failed, lost, refused, killed) explains a skip it
     overlaps, as a run rule's refusal does, unless a fault of the server or of its own process
-    overlapped it. A skip whose worker-side look failed (``unlooked``) is judged as one that named
-    nobody (a failed look happens when the server is away, when errors do too); its violation says so.
+    overlapped it. A hold whose process was cut off while it held or released the key explains a skip
+    whose try came by the release bound after the cut (the server keeps a cut-off session until its own
+    timeout, however early the holder gave the key up). A skip whose worker-side look failed
+    (``unlooked``) is judged as one that named nobody (a failed look happens when the server is away,
+    when errors do too); its violation says so.
     """
     row_lease = SCOPE_LEASE_FACTOR * lease
     server = sorted(f.start for f in faults if f.kind in SERVER_FAULTS)
@@ -850,19 +853,37 @@ def _judge_skips(
     counts = {"judged": 0, "named": 0, "explained": 0, "unexplained": 0}  # judged: runs; the others: keys
     violations: list[str] = []
     holds = [hold for keyed in by_key.values() for hold in keyed]
+    cuts = [f for f in faults if f.kind == "netcut"]
+
+    def freed_late(hold: Hold, released_by: float, run: Run) -> bool:
+        # A holder cut off while it held (or released) its key gives it up at its heartbeat's deadline,
+        # or cannot send its unlock; the server keeps its session, and the key, until its own timeout,
+        # by the release bound after the cut (rule 9 looks there): a try until then meets the key, a
+        # look after the server let go finds nobody.
+        assert run.ended is not None
+        return any(
+            hold.pid in f.pids
+            and hold.acquired - JITTER <= f.start <= released_by + JITTER
+            and f.start <= run.ended
+            and run.start <= f.start + release_bound(lease) + JITTER
+            and not any(f.start <= start and start + SERVER_FAULT_SLACK < run.start for start in server)
+            for f in cuts
+        )
 
     def explains(hold: Hold, run: Run, key: str) -> bool:
         assert run.ended is not None
         if hold.run == run.run or not _family(key, hold) or hold.acquired - JITTER > run.ended:
             return False
+        holder = runs[hold.run]
+        released_by = holder.ended if holder.ended is not None else (holder.death_end or hold.end)
+        if freed_late(hold, released_by, run):
+            return True
         if hold.kind in ("scope", "deferred"):
             if hold.end + JITTER >= run.start:  # held throughout, its sessions changing (tasks, hand-overs)
                 return True
             return hold.end + JITTER + row_lease >= run.start and any(
                 abs(at - run.ended) <= JITTER for at in row_named.get(hold.key, ())
             )
-        holder = runs[hold.run]
-        released_by = holder.ended if holder.ended is not None else (holder.death_end or hold.end)
         if any(run.start - SERVER_FAULT_SLACK <= start <= run.ended for start in server) and (
             hold.acquired - JITTER <= run.start and released_by >= run.start - JITTER
         ):

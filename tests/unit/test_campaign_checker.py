@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from devtools.campaign.checker import JITTER, check, overlap_bound
+from devtools.campaign.nemesis import release_bound
 
 LEASE = 3.0
 
@@ -631,3 +632,22 @@ def test_a_run_that_worked_explains_nothing_by_the_keys_it_found_busy() -> None:
     batch = _tried(_run("a", 1, "j", 19.0, 20.5, None), ["j", "k"])
     batch.append({"t": 20.6, "event": "outcome", "run": "a", "outcome": "lost", "pid": 1})
     assert check([*batch, *_skip("s", 3, ["k"], 20.0, 20.01)], [], lease=LEASE).violations
+
+
+def test_a_holder_cut_off_explains_a_skip_until_the_server_let_its_session_go() -> None:
+    """Rule 11 (a 12-minute campaign, seed 20261212): a deferred holder cut off from the network gave
+    its key up as lost at its heartbeat's deadline; the server kept its session, and the key, until
+    its own timeout, so another's try met the key and that one's look, after the server let go, found
+    nobody. Such a hold explains a skip until the release bound after the cut, no longer."""
+    cut = _fault("netcut", 18.0, 30.0, [1])
+    holder = _run("a", 1, "k", 17.0, 20.0, "lost", lost=True)
+    holder[0]["kind"] = "deferred"
+    bound = release_bound(LEASE)
+    assert check([*holder, cut, *_skip("s", 3, ["k"], 21.5, 21.52)], [], lease=LEASE).passed
+    assert check([*holder, *_skip("s", 3, ["k"], 21.5, 21.52)], [], lease=LEASE).violations  # no cut
+    other = _fault("netcut", 18.0, 30.0, [2])  # another worker's cut
+    assert check([*holder, other, *_skip("s", 3, ["k"], 21.5, 21.52)], [], lease=LEASE).violations
+    late = 18.0 + bound + JITTER + 0.5  # past the bound the server had let it go (rule 9)
+    assert check([*holder, cut, *_skip("s", 3, ["k"], late, late + 0.02)], [], lease=LEASE).violations
+    restart = _fault("restart-fast", 20.5, 21.0, [])  # a restart in between ended its session
+    assert check([*holder, cut, restart, *_skip("s", 3, ["k"], 21.5, 21.52)], [], lease=LEASE).violations
