@@ -65,6 +65,10 @@ Each of these is a failure of the run (:attr:`Report.violations`):
     (docs/safety.md: it then commits on the primary alone): such a pair is excused
     (:func:`_record_may_be_lost`).
 
+A worker records its own stalls (``stall`` events: the machine did not run it for a while, which
+the nemesis did not inject): each is judged as a freeze of that worker (a ``sigstop-long`` of that
+length), except inside a freeze the nemesis injected into it, which judges it.
+
 Two holds taken ``shared=True`` (readers, unfenced) may overlap: rules 3, 4 and 8 judge only pairs
 of which at least one is exclusive.
 
@@ -118,8 +122,15 @@ ONE_SESSION_KINDS = frozenset(
 #: lost); an error of the work's own statement caught outside a savepoint in a transaction-mode
 #: guard, which aborts the lock's transaction and so ends its lock (found by the next heartbeat).
 WORKER_OWN_FAULTS = ("savepoint-rollback", "caught-error")
+#: A worker's stall that the nemesis did not inject, which the worker records itself
+#: (:func:`devtools.campaign.workers.watch_stalls`): judged as a freeze of that worker.
+STALL = "stall"
+#: The nemesis's freezes of a worker: a stall the worker records inside one is that fault's.
+FREEZES = frozenset({"sigstop-short", "sigstop-long", "sigstop-waiter"})
+#: The faults of one worker process: they hit the holds of that process only.
+PROCESS_FAULTS = WORKER_FAULTS | {STALL}
 #: Every kind the report counts.
-REPORTED_KINDS = (*FAULT_KINDS, *WORKER_OWN_FAULTS)
+REPORTED_KINDS = (*FAULT_KINDS, *WORKER_OWN_FAULTS, STALL)
 
 #: The faults of the server: a holder hit by one may learn of it only once the server is back
 #: (a transaction lock whose fencing token's commit waits for the synchronous standby).
@@ -144,7 +155,7 @@ def overlap_bound(kind: str, duration: float, lease: float) -> float:
         return lease / 3 + SIDE_LOOK + JITTER
     if kind in WORKER_OWN_FAULTS:
         return math.inf
-    if kind in ("sigstop-long", "sigstop-waiter"):
+    if kind in ("sigstop-long", "sigstop-waiter", STALL):
         return duration + JITTER
     if kind == "failover-frozen":
         return 2 * lease / 3 + min(lease / 3, 1.0) + JITTER
@@ -251,6 +262,7 @@ def build(events: Iterable[dict[str, Any]]) -> tuple[dict[str, Run], list[Fault]
     runs: dict[str, Run] = {}
     faults: list[Fault] = []
     last_seen: dict[int, float] = {}
+    stalls: list[tuple[int, float, float, float | None]] = []
     ordered = sorted(events, key=lambda e: e["t"])
     for e in ordered:
         kind = e["event"]
@@ -270,6 +282,9 @@ def build(events: Iterable[dict[str, Any]]) -> tuple[dict[str, Run], list[Fault]
                     e.get("terminated"),
                 )
             )
+            continue
+        if kind == "stall":
+            stalls.append((e["pid"], e["start"], e["end"], e.get("cpu")))
             continue
         if "run" not in e:
             continue
@@ -335,6 +350,13 @@ def build(events: Iterable[dict[str, Any]]) -> tuple[dict[str, Run], list[Fault]
                 run.skip = {name: e.get(name) for name in names}
             for hold in run.holds:
                 hold.end = min(hold.end, e["t"])
+    # A worker's own stall is a freeze of it that the nemesis did not inject (the machine did not run it);
+    # inside a freeze the nemesis injected, the injected fault judges it (a short freeze keeps its bound).
+    injected = [f for f in faults if f.kind in FREEZES]
+    for pid, start, end, cpu in stalls:
+        if not any(pid in f.pids and f.start - JITTER <= end and f.end + JITTER >= start for f in injected):
+            faults.append(Fault(STALL, start, end, f"worker pid {pid}", [pid], f"not run by the machine (cpu {cpu} s)"))
+    faults.sort(key=lambda f: f.start)
     # A run with no outcome died with its process: its holds end with the SIGKILL (or the kill
     # of a worker the runner had to stop); failing that, with the process's last event.
     kills = sorted((f.start, pid, f.end) for f in faults if f.kind in ("sigkill", "runner-kill") for pid in f.pids)
@@ -357,7 +379,7 @@ def _affected(fault: Fault, hold: Hold) -> bool:
         return False
     if fault.kind in WORKER_OWN_FAULTS:  # its target is the run
         return hold.run == fault.target
-    if fault.kind in WORKER_FAULTS:
+    if fault.kind in PROCESS_FAULTS:
         return hold.pid in fault.pids
     if fault.kind in ("terminate", "cancel"):
         return hold.backend in fault.pids
@@ -1013,7 +1035,7 @@ def _idle_sessions(events: Sequence[dict[str, Any]], faults: Sequence[Fault], le
         worker = int(match.group(1))
         since = e["t"] - e["idle"]
         excused = any(
-            fault.kind in WORKER_FAULTS
+            fault.kind in PROCESS_FAULTS
             and set(fault.pids) & pids_of[worker]
             and fault.start - JITTER <= e["t"]
             and fault.end + JITTER >= since

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from devtools.campaign.checker import STALL
 from devtools.campaign.plot import WINDOW_SECONDS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -103,7 +104,8 @@ def render(report: dict[str, Any], command: str, picture: bool) -> str:
     ]
     for kind, count in report["faults"].items():
         spans = [_cell(report[figure][kind]) for figure in ("overlap_seconds", "detect_seconds", "freed_seconds")]
-        lines.append(f"| `{kind}` | {count} | " + " | ".join(spans) + " |")
+        name = f"`{kind}`" + (" (the machine's, not injected)" if kind == STALL else "")
+        lines.append(f"| {name} | {count} | " + " | ".join(spans) + " |")
     lines += [
         "",
         "Runs by way of holding and outcome:",

@@ -12,13 +12,15 @@ starts, after the fencing token);
 ``write`` (``run``, ``key``, ``token``, ``accepted``, ``at`` = the register's clock);
 ``lost`` (``run``: the process learned that its lock is gone); ``released`` (``run``, ``key``:
 a sub-key given back before the run ends); ``outcome`` (``run``, ``outcome`` = completed |
-skipped | lost | failed, ``detail``). Nemesis events: ``fault`` (``kind``, ``start``,
-``end``, ``target``, ``pids``).
+skipped | lost | failed, ``detail``); ``stall`` (``start``, ``end``: the machine did not run the
+process meanwhile, its watch thread found: :func:`devtools.campaign.workers.watch_stalls`).
+Nemesis events: ``fault`` (``kind``, ``start``, ``end``, ``target``, ``pids``).
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,10 +33,13 @@ class HistoryWriter:
     def __init__(self, path: Path, **common: Any) -> None:
         self._file: IO[str] = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - closed by close()
         self._common = common
+        self._lock = threading.Lock()  # a worker's stall watch writes from a thread of its own
 
     def emit(self, event: str, **data: Any) -> None:
-        self._file.write(json.dumps({"t": time.time(), "event": event, **self._common, **data}) + "\n")
-        self._file.flush()
+        line = json.dumps({"t": time.time(), "event": event, **self._common, **data}) + "\n"
+        with self._lock:
+            self._file.write(line)
+            self._file.flush()
 
     def close(self) -> None:
         self._file.close()

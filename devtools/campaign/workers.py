@@ -92,6 +92,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -118,6 +119,12 @@ FENCED_KINDS = frozenset({"guard-session", "guard-transaction", "guard-wait", "s
 #: a guard's, a scope member's and a deferred operator's ``on_busy="wait"``. The nemesis's release
 #: check allows for it (:func:`devtools.campaign.nemesis.release_bound`).
 WAIT_TIMEOUT = 1.5
+#: A worker's stall watch (:func:`watch_stalls`): it sleeps a tick and records a stall when it woke
+#: more than STALL_MIN late while its process ran for less than STALL_CPU_SHARE of that time (the
+#: machine did not run it: not its own work, which would have used the CPU).
+STALL_TICK = 0.05
+STALL_MIN = 0.5
+STALL_CPU_SHARE = 0.2
 #: A scope's lease, in workers' leases: a long freeze (1.5-2.5 leases) between its tasks may
 #: outlast it (the scope lapses; its next task must fail as lost); a cut-off worker learns of
 #: the cut at its next task's connect (2 s) well before it.
@@ -1047,9 +1054,14 @@ class Worker:
 
     def loop(self) -> None:
         self.history.emit("spawn")
+        stop = threading.Event()
+        watch = threading.Thread(target=watch_stalls, args=(self.history, stop), name="stall-watch", daemon=True)
+        watch.start()
         while not self.config.stop_file.exists():
             self.one_run()
             time.sleep(self.rng.uniform(0.0, 0.3))
+        stop.set()
+        watch.join()
         if self._register is not None:
             self._register.close()
         self.history.emit("stopped")
@@ -1138,6 +1150,24 @@ def _refused_for_another_size(error: BaseException) -> bool:
     from airflow_pglock.exceptions import LockConfigurationError
 
     return isinstance(error, LockConfigurationError) and any(text in str(error) for text in POOL_SIZE_REFUSALS)
+
+
+def watch_stalls(history: HistoryWriter, stop: threading.Event) -> None:
+    """Record this process's stalls (a ``stall`` event, from when its last tick began to when it woke).
+
+    A freeze of the whole machine (a loaded host, its hypervisor) stops every worker as a SIGSTOP
+    does, but the nemesis did not inject it: without the event the checker could not tell the
+    overlaps it opens from a defect. A stall inside a freeze the nemesis injected is recorded too;
+    the checker judges that one by the injected fault (:func:`devtools.campaign.checker.build`).
+    """
+    while not stop.is_set():
+        wall, cpu = time.monotonic(), time.process_time()
+        time.sleep(STALL_TICK)
+        late = time.monotonic() - wall - STALL_TICK
+        used = time.process_time() - cpu
+        if late > STALL_MIN and used < STALL_CPU_SHARE * late:
+            now = time.time()
+            history.emit("stall", start=now - late - STALL_TICK, end=now, cpu=round(used, 4))
 
 
 def worker_main(config: WorkerConfig, spawn: int) -> None:
