@@ -67,7 +67,8 @@ Each of these is a failure of the run (:attr:`Report.violations`):
 
 A worker records its own stalls (``stall`` events: the machine did not run it for a while, which
 the nemesis did not inject): each is judged as a freeze of that worker (a ``sigstop-long`` of that
-length), except inside a freeze the nemesis injected into it, which judges it.
+length) where the machine watch, a process of its own, recorded a stall at the same time, except
+inside a freeze the nemesis injected into it, which judges it.
 
 Two holds taken ``shared=True`` (readers, unfenced) may overlap: rules 3, 4 and 8 judge only pairs
 of which at least one is exclusive.
@@ -263,6 +264,7 @@ def build(events: Iterable[dict[str, Any]]) -> tuple[dict[str, Run], list[Fault]
     faults: list[Fault] = []
     last_seen: dict[int, float] = {}
     stalls: list[tuple[int, float, float, float | None]] = []
+    machine: list[tuple[float, float]] = []  # the machine watch's stalls
     ordered = sorted(events, key=lambda e: e["t"])
     for e in ordered:
         kind = e["event"]
@@ -284,7 +286,10 @@ def build(events: Iterable[dict[str, Any]]) -> tuple[dict[str, Run], list[Fault]
             )
             continue
         if kind == "stall":
-            stalls.append((e["pid"], e["start"], e["end"], e.get("cpu")))
+            if e.get("watch") == "machine":
+                machine.append((e["start"], e["end"]))
+            else:
+                stalls.append((e["pid"], e["start"], e["end"], e.get("cpu")))
             continue
         if "run" not in e:
             continue
@@ -350,11 +355,14 @@ def build(events: Iterable[dict[str, Any]]) -> tuple[dict[str, Run], list[Fault]
                 run.skip = {name: e.get(name) for name in names}
             for hold in run.holds:
                 hold.end = min(hold.end, e["t"])
-    # A worker's own stall is a freeze of it that the nemesis did not inject (the machine did not run it);
-    # inside a freeze the nemesis injected, the injected fault judges it (a short freeze keeps its bound).
+    # A worker's own stall is a freeze of it that the nemesis did not inject (the machine did not run it),
+    # where the machine watch, a process that runs no provider code, stalled too (a provider's call that
+    # kept the worker's interpreter waiting stalls that worker alone); inside a freeze the nemesis
+    # injected, the injected fault judges it (a short freeze keeps its bound).
     injected = [f for f in faults if f.kind in FREEZES]
     for pid, start, end, cpu in stalls:
-        if not any(pid in f.pids and f.start - JITTER <= end and f.end + JITTER >= start for f in injected):
+        seen = any(begun < end and ended > start for begun, ended in machine)
+        if seen and not any(pid in f.pids and f.start - JITTER <= end and f.end + JITTER >= start for f in injected):
             faults.append(Fault(STALL, start, end, f"worker pid {pid}", [pid], f"not run by the machine (cpu {cpu} s)"))
     faults.sort(key=lambda f: f.start)
     # A run with no outcome died with its process: its holds end with the SIGKILL (or the kill

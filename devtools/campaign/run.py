@@ -34,7 +34,7 @@ from devtools.campaign.history import HistoryWriter, read_events
 from devtools.campaign.nemesis import Nemesis, Target
 from devtools.campaign.servers import FailoverPair, Register
 from devtools.campaign.watch import SessionWatch
-from devtools.campaign.workers import KINDS, WorkerConfig, worker_main
+from devtools.campaign.workers import KINDS, WorkerConfig, machine_watch_main, worker_main
 from devtools.netns import NetNamespace, NetNamespaceUnavailableError
 
 HOT_KEYS = ("campaign/hot/0", "campaign/hot/1", "campaign/hot/2")
@@ -225,6 +225,13 @@ def run_campaign(
                 )
             )
             campaign.start_worker(index)
+        machine = multiprocessing.get_context("spawn").Process(
+            target=machine_watch_main,
+            args=(history_dir / "machine.jsonl", out / "stop"),
+            name="machine-watch",
+            daemon=True,
+        )
+        machine.start()  # the machine's own stalls: a worker's stall counts only where it saw one too
         supervisor = threading.Thread(target=campaign.supervise, daemon=True)
         supervisor.start()
         nemesis_history = HistoryWriter(history_dir / "nemesis.jsonl")
@@ -239,6 +246,7 @@ def run_campaign(
         watch.history.close()
         _stop_workers(campaign, nemesis_history)
         supervisor.join(5)
+        machine.join(5)
         leftovers = _leftovers(campaign)
         nemesis_history.close()
         report = check(read_events(history_dir), register.writes(), lease=lease, leftovers=leftovers)

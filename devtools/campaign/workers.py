@@ -1158,7 +1158,8 @@ def watch_stalls(history: HistoryWriter, stop: threading.Event) -> None:
     A freeze of the whole machine (a loaded host, its hypervisor) stops every worker as a SIGSTOP
     does, but the nemesis did not inject it: without the event the checker could not tell the
     overlaps it opens from a defect. A stall inside a freeze the nemesis injected is recorded too;
-    the checker judges that one by the injected fault (:func:`devtools.campaign.checker.build`).
+    the checker judges that one by the injected fault, and a worker's stall that the machine watch
+    (:func:`machine_watch_main`) did not see as well not at all (:func:`devtools.campaign.checker.build`).
     """
     while not stop.is_set():
         wall, cpu = time.monotonic(), time.process_time()
@@ -1168,6 +1169,24 @@ def watch_stalls(history: HistoryWriter, stop: threading.Event) -> None:
         if late > STALL_MIN and used < STALL_CPU_SHARE * late:
             now = time.time()
             history.emit("stall", start=now - late - STALL_TICK, end=now, cpu=round(used, 4))
+
+
+def machine_watch_main(history_path: Path, stop_file: Path) -> None:
+    """The body of the campaign's machine watch: a process of its own that only watches its stalls.
+
+    It shares no code path with the provider, so a stall it records is the machine's; a worker's
+    stall counts only where this one saw one too (:func:`devtools.campaign.checker.build`): a
+    provider's call that kept a worker's whole interpreter waiting would stall that worker alone.
+    """
+    history = HistoryWriter(history_path, pid=os.getpid(), watch="machine")
+    stop = threading.Event()
+    watch = threading.Thread(target=watch_stalls, args=(history, stop), name="stall-watch", daemon=True)
+    watch.start()
+    while not stop_file.exists():
+        time.sleep(0.5)
+    stop.set()
+    watch.join()
+    history.close()
 
 
 def worker_main(config: WorkerConfig, spawn: int) -> None:

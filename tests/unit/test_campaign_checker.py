@@ -653,24 +653,30 @@ def test_a_holder_cut_off_explains_a_skip_until_the_server_let_its_session_go() 
     assert check([*holder, cut, restart, *_skip("s", 3, ["k"], 21.5, 21.52)], [], lease=LEASE).violations
 
 
-def _stall(pid: int, start: float, end: float) -> dict[str, Any]:
-    return {"t": end, "event": "stall", "start": start, "end": end, "pid": pid, "worker": pid, "cpu": 0.0}
+def _stall(pid: int, start: float, end: float, machine: bool = True) -> list[dict[str, Any]]:
+    """A worker's stall, with the machine watch's (unless ``machine`` is false)."""
+    own = {"t": end, "event": "stall", "start": start, "end": end, "pid": pid, "worker": pid, "cpu": 0.0}
+    seen = {"t": end, "event": "stall", "start": start + 0.1, "end": end - 0.1, "pid": 99, "watch": "machine"}
+    return [own, seen] if machine else [own]
 
 
 def test_a_workers_own_stall_is_judged_as_a_freeze_of_that_worker_and_no_other() -> None:
     """A freeze of the whole machine (a 12-minute campaign, seed 20261211: 8 s with no event from any
     worker) stops a holder as a SIGSTOP does; the worker records it, and the overlap it opened is
-    bounded by it. A stall inside a short freeze the nemesis injected leaves that freeze's bound."""
+    bounded by it, where the machine watch stalled too. A stall inside a short freeze the nemesis
+    injected leaves that freeze's bound; one the machine watch did not see is the worker's own."""
     overlap = [*_run("a", 1, "k", 9, 16.5, "lost", lost=True), *_run("b", 2, "k", 13, 17, "completed")]
     assert check(overlap, [], lease=LEASE).violations  # nothing explains it
-    report = check([*overlap, _stall(1, 10.0, 16.0)], [], lease=LEASE)
+    report = check([*overlap, *_stall(1, 10.0, 16.0)], [], lease=LEASE)
     assert report.passed, report.violations
     assert report.figures["faults"]["stall"] == 1
-    assert check([*overlap, _stall(2, 10.0, 16.0)], [], lease=LEASE).violations  # another worker's stall
+    assert check([*overlap, *_stall(2, 10.0, 16.0)], [], lease=LEASE).violations  # another worker's stall
     longer = [*_run("a", 1, "k", 9, 22, "lost", lost=True), *_run("b", 2, "k", 13, 23, "completed")]
-    report = check([*longer, _stall(1, 10.0, 16.0)], [], lease=LEASE)
+    report = check([*longer, *_stall(1, 10.0, 16.0)], [], lease=LEASE)
     assert any("longer than its bound" in v for v in report.violations), report.violations
     short = _fault("sigstop-short", 10.0, 11.0, [1])  # injected: a short freeze keeps its bound (JITTER)
-    report = check([*overlap, short, _stall(1, 10.0, 11.0)], [], lease=LEASE)
+    report = check([*overlap, short, *_stall(1, 10.0, 11.0)], [], lease=LEASE)
     assert any("longer than its bound" in v and "sigstop-short" in v for v in report.violations), report.violations
     assert report.figures["faults"]["stall"] == 0
+    alone = check([*overlap, *_stall(1, 10.0, 16.0, machine=False)], [], lease=LEASE)  # the machine ran meanwhile:
+    assert alone.violations and alone.figures["faults"]["stall"] == 0  # its interpreter was kept waiting
