@@ -414,7 +414,37 @@ def issue_fencing_token(
             f"warned: {'; '.join(warnings)}. A synchronous standby may not have it (after a failover the "
             "same token could be issued again): not handed to the work"
         )
+    if row is None:
+        _refuse_a_sequence_set_back(conn, key, drawn[0])
     return row
+
+
+def _refuse_a_sequence_set_back(conn: psycopg.Connection[Any], key: LockKey, drawn: int) -> None:
+    """A token not recorded because the key's newest token is ahead of the sequence (set back by hand,
+    or restored without the table) fails the run with what to run, not as lost: every later try would
+    fail the same way.
+
+    A holder that lost the key to a later one that drew after it is told apart: that one's token is
+    at most the sequence's last value (the sequence hands numbers out once), a token set by hand past
+    it is not.
+    """
+    last = "coalesce(pg_sequence_last_value('pglock.fencing_token_seq'), 0)"
+    ahead = _run(
+        conn,
+        "fencing",
+        f"SELECT token, {last} FROM pglock.fencing_tokens"
+        " WHERE objsubid = %(objsubid)s AND classid = %(classid)s AND objid = %(objid)s"
+        f" AND token > {last}",
+        _coordinates(key),
+    ).fetchone()
+    if ahead is not None:
+        raise LockConfigurationError(
+            f"the newest fencing token of {key.describe()} in pglock.fencing_tokens is {ahead[0]}, ahead of the "
+            f"sequence pglock.fencing_token_seq (last value {ahead[1]}; this run drew {drawn}): the sequence was "
+            "set back (setval, ALTER SEQUENCE ... RESTART, or restored without the table), so no token can be "
+            "issued for this key until it is past that. Run, as the schema's owner: SELECT setval("
+            "'pglock.fencing_token_seq', (SELECT max(token) FROM pglock.fencing_tokens)). The work did not run"
+        )
 
 
 #: The longest a fencing token's commit waits for the synchronous standby before the run fails

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import psycopg
@@ -231,7 +232,9 @@ def test_a_transaction_lock_token_issued_aside_checks_the_lock_transaction(
 
 def test_a_recorded_token_never_goes_down(hook: AdvisoryLockHook, installed: Any) -> None:
     """Should the sequence ever lag behind the newest recorded token (set back by hand), the
-    record refuses the smaller number instead of reopening the door to older tokens."""
+    record refuses the smaller number instead of reopening the door to older tokens, and the run
+    fails saying so and what to run (not as a lost lock: every later try would fail the same way)."""
+    installed.execute("SELECT setval('pglock.fencing_token_seq', 100)")
     with held_lock(hook, "fenced-down") as held:
         assert held is not None
         newest = ledger.issue_fencing_token(
@@ -239,11 +242,63 @@ def test_a_recorded_token_never_goes_down(hook: AdvisoryLockHook, installed: Any
         )
         assert newest is not None
         installed.execute("SELECT setval('pglock.fencing_token_seq', 1, false)")
-        assert (
+        with pytest.raises(LockConfigurationError) as refused:
             ledger.issue_fencing_token(held.connection, held.key, "holder", shared=held.shared, xact_id=held.xact_id)
-            is None
-        )
+        message = str(refused.value)
+        assert f"is {newest}, ahead of the sequence" in message and "this run drew 1" in message, message
+        assert "SELECT setval('pglock.fencing_token_seq', (SELECT max(token) FROM pglock.fencing_tokens))" in message
     assert installed.execute("SELECT pglock.current_fencing_token('fenced-down')").fetchone()[0] == newest
+    installed.execute("SELECT setval('pglock.fencing_token_seq', (SELECT max(token) FROM pglock.fencing_tokens))")
+    with held_lock(hook, "fenced-down") as held:  # the remedy it names
+        assert held is not None
+        assert ledger.issue_fencing_token(held.connection, held.key, "holder", shared=held.shared) == newest + 1
+
+
+def test_a_newer_token_recorded_after_this_draw_is_not_read_as_the_sequence_set_back(
+    hook: AdvisoryLockHook, installed: Any
+) -> None:
+    """A later holder (this one lost the key) that drew after this draw and recorded first: its token
+    is at most the sequence's last value, so this holder records nothing and is not told to reset
+    the sequence (the guard reports its lock lost)."""
+    with held_lock(hook, "fenced-race") as held:
+        assert held is not None
+        first = ledger.issue_fencing_token(held.connection, held.key, "holder", shared=held.shared)
+        assert first is not None
+        with psycopg.connect(installed.info.dsn) as later:  # a transaction: it keeps the row locked
+            later.execute("SELECT token FROM pglock.fencing_tokens WHERE key_name = 'fenced-race' FOR UPDATE")
+            issued: list[Any] = []
+            waiting = threading.Thread(
+                target=lambda: issued.append(
+                    _outcome(lambda: ledger.issue_fencing_token(held.connection, held.key, "holder", shared=False))
+                )
+            )
+            waiting.start()
+            _wait_for_row_lock(installed, held.server.backend_pid)  # it drew, and waits for the row
+            later.execute(
+                "UPDATE pglock.fencing_tokens SET token = nextval('pglock.fencing_token_seq')"
+                " WHERE key_name = 'fenced-race' RETURNING token"
+            )
+            newer = later.execute("SELECT token FROM pglock.fencing_tokens WHERE key_name = 'fenced-race'").fetchone()
+            later.commit()
+            waiting.join(30)
+        assert issued == [None], issued
+    assert installed.execute("SELECT pglock.current_fencing_token('fenced-race')").fetchone()[0] == newer[0]
+
+
+def _outcome(call: Any) -> Any:
+    try:
+        return call()
+    except Exception as error:
+        return error
+
+
+def _wait_for_row_lock(admin: Any, backend_pid: int) -> None:
+    deadline = time.monotonic() + 30
+    while admin.execute(
+        "SELECT wait_event_type IS DISTINCT FROM 'Lock' FROM pg_stat_activity WHERE pid = %s", (backend_pid,)
+    ).fetchone()[0]:
+        assert time.monotonic() < deadline, "the token's statement never waited for the row"
+        time.sleep(0.02)
 
 
 def test_min_interval_fails_on_a_completion_dated_in_the_future_instead_of_skipping_until_then(
