@@ -89,7 +89,7 @@ from typing import Any
 
 from devtools.campaign.nemesis import FAULT_KINDS, WORKER_FAULTS, release_bound
 from devtools.campaign.watch import idle_bound
-from devtools.campaign.workers import SCOPE_LEASE_FACTOR
+from devtools.campaign.workers import SCOPE_LEASE_FACTOR, STALL_TICK
 
 #: What every bound allows for: scheduling and the spacing of the history's events (a
 #: process writes its ``lost`` or ``done`` line a moment after it acted on it).
@@ -126,6 +126,8 @@ WORKER_OWN_FAULTS = ("savepoint-rollback", "caught-error")
 #: A worker's stall that the nemesis did not inject, which the worker records itself
 #: (:func:`devtools.campaign.workers.watch_stalls`): judged as a freeze of that worker.
 STALL = "stall"
+#: A stall shorter than this many leases costs no lock (:func:`check`).
+STALL_LOSS_FACTOR = 0.5
 #: The nemesis's freezes of a worker: a stall the worker records inside one is that fault's.
 FREEZES = frozenset({"sigstop-short", "sigstop-long", "sigstop-waiter"})
 #: The faults of one worker process: they hit the holds of that process only.
@@ -359,11 +361,16 @@ def build(events: Iterable[dict[str, Any]]) -> tuple[dict[str, Run], list[Fault]
     # where the machine watch, a process that runs no provider code, stalled too (a provider's call that
     # kept the worker's interpreter waiting stalls that worker alone); inside a freeze the nemesis
     # injected, the injected fault judges it (a short freeze keeps its bound).
+    # Only the part the machine watch covered too counts (give or take a tick of either watch).
     injected = [f for f in faults if f.kind in FREEZES]
     for pid, start, end, cpu in stalls:
-        seen = any(begun < end and ended > start for begun, ended in machine)
-        if seen and not any(pid in f.pids and f.start - JITTER <= end and f.end + JITTER >= start for f in injected):
-            faults.append(Fault(STALL, start, end, f"worker pid {pid}", [pid], f"not run by the machine (cpu {cpu} s)"))
+        if any(pid in f.pids and f.start - JITTER <= end and f.end + JITTER >= start for f in injected):
+            continue
+        for begun, ended in machine:
+            shared = (max(start, begun - STALL_TICK), min(end, ended + STALL_TICK))
+            if shared[1] > shared[0]:
+                detail = f"not run by the machine (cpu {cpu} s in its {end - start:.2f} s)"
+                faults.append(Fault(STALL, *shared, f"worker pid {pid}", [pid], detail))
     faults.sort(key=lambda f: f.start)
     # A run with no outcome died with its process: its holds end with the SIGKILL (or the kill
     # of a worker the runner had to stop); failing that, with the process's last event.
@@ -436,7 +443,11 @@ def _check_overlaps(
                 if runs[older.run].outcome == "completed":
                     completed_older += 1
                     violations.append(f"overlap with a completed older holder {where}: {pair}")
-                causes = [f for f in faults if _affected(f, older) and f.start <= start]
+                causes = [
+                    f
+                    for f in faults
+                    if _affected(f, older) and f.start <= start and (f.kind != STALL or start <= f.end + JITTER)
+                ]  # (an injected freeze is judged by its bound alone; a stall also ends its reach at its end)
                 if not causes:
                     violations.append(f"unexplained overlap {where}: {pair}; no fault before it affected the older")
                     continue
@@ -465,7 +476,11 @@ def check(
     """Check a campaign's history (events), the register's writes (seq, key, run, token,
     accepted, at) and what the runner found left at the end."""
     events = list(events)
-    runs, faults = build(events)
+    runs, every_fault = build(events)
+    # A stall shorter than half the lease cannot have cost a lock (the server ends a session idle for
+    # the lease, and the heartbeat speaks every third of it): the rules about losses ignore it; rule 13
+    # (a session kept idle) takes every stall off the idle time it judges.
+    faults = [f for f in every_fault if f.kind != STALL or f.end - f.start >= STALL_LOSS_FACTOR * lease]
     violations: list[str] = [f"left behind: {item}" for item in leftovers]
     reported_success = 0
 
@@ -582,7 +597,7 @@ def check(
     reported_success += len(own_fault_violations)
 
     # 13. no worker session idle, holding nothing, past the bound while the workers ran
-    idle_violations, watch = _idle_sessions(events, faults, lease)
+    idle_violations, watch = _idle_sessions(events, every_fault, lease)
     violations += idle_violations
 
     # 14. a key believed held is held on the server
@@ -607,6 +622,13 @@ def check(
     for run in runs.values():
         outcomes[run.kind][run.outcome or "killed"] += 1
     fault_counts = {kind: sum(1 for f in faults if f.kind == kind) for kind in REPORTED_KINDS}
+    machine_events = [e for e in events if e.get("watch") == "machine"]
+    stalls = {
+        "machine_watch": any(e["event"] == "watching" for e in machine_events),
+        "machine": sum(1 for e in machine_events if e["event"] == "stall"),
+        "workers": sum(1 for e in events if e["event"] == "stall" and e.get("watch") != "machine"),
+        "judged": fault_counts[STALL],  # shared with the machine's, outside injected freezes, long enough
+    }
     figures = {
         "runs": len(runs),
         "holds": sum(len(run.holds) for run in runs.values()),
@@ -614,6 +636,7 @@ def check(
         "refused_writes": sum(1 for w in register_writes if not w[4]),
         "outcomes": {kind: dict(counts) for kind, counts in sorted(outcomes.items())},
         "faults": fault_counts,
+        "stalls": stalls,
         "stale_writes_accepted": stale_accepted,
         "lost_holds_reported_as_success": reported_success,
         "periods_recorded": sum(len(recorded) for recorded in records.values()),
@@ -887,16 +910,24 @@ def _judge_skips(
 
     def freed_late(hold: Hold, released_by: float, run: Run) -> bool:
         # A holder cut off while it held (or released) its key gives it up at its heartbeat's deadline,
-        # or cannot send its unlock; the server keeps its session, and the key, until its own timeout,
-        # by the release bound after the cut (rule 9 looks there): a try until then meets the key, a
-        # look after the server let go finds nobody.
+        # or cannot send its unlock; the server keeps its session, and the key, until its own timeout:
+        # not before 2L/3 after the cut (its last statement came at most L/3 before it), by the release
+        # bound after it (rule 9 looks there). A try until then meets the key, a look after the server
+        # let go finds nobody. Not a skip of a worker in the same cut (its own try failing there is an
+        # error reported as a skip), nor after a server fault that had already ended the hold's session
+        # (a scope's or a deferred operator's hold moves between sessions: one taken after that fault).
         assert run.ended is not None
         return any(
             hold.pid in f.pids
-            and hold.acquired - JITTER <= f.start <= released_by + JITTER
-            and f.start <= run.ended
+            and run.pid not in f.pids
+            and hold.acquired - JITTER <= f.start <= released_by
+            and run.ended >= f.start + 2 * lease / 3 - JITTER
             and run.start <= f.start + release_bound(lease) + JITTER
-            and not any(f.start <= start and start + SERVER_FAULT_SLACK < run.start for start in server)
+            and not any(
+                (f.start if hold.kind in ("scope", "deferred") else hold.acquired) <= start
+                and start + SERVER_FAULT_SLACK < run.start
+                for start in server
+            )
             for f in cuts
         )
 
@@ -1042,12 +1073,11 @@ def _idle_sessions(events: Sequence[dict[str, Any]], faults: Sequence[Fault], le
             continue
         worker = int(match.group(1))
         since = e["t"] - e["idle"]
-        excused = any(
-            fault.kind in PROCESS_FAULTS
-            and set(fault.pids) & pids_of[worker]
-            and fault.start - JITTER <= e["t"]
-            and fault.end + JITTER >= since
-            for fault in faults
+        mine = [fault for fault in faults if set(fault.pids) & pids_of[worker]]
+        stalled = sum(max(0.0, min(f.end, e["t"]) - max(f.start, since)) for f in mine if f.kind == STALL)
+        excused = e["idle"] - stalled <= bound or any(
+            fault.kind in WORKER_FAULTS and fault.start - JITTER <= e["t"] and fault.end + JITTER >= since
+            for fault in mine
         )
         if excused:
             longest_excused = max(longest_excused, e["idle"])

@@ -54,6 +54,13 @@ def _newer_rows(report: dict[str, Any]) -> list[str]:
             f"(goal 0; a frozen or cut-off worker's excepted) | {watch['looks']} "
             f"({watch['failed']} failed): {sum(1 for v in report['violations'] if v.startswith('connection kept'))} |"
         )
+    stalls = report.get("stalls")
+    if stalls:
+        rows.append(
+            "| stalls the machine watch recorded / stalls the workers recorded / judged as a worker's freeze "
+            f"(shared with the machine's, not injected, half a lease or longer) | {stalls['machine']} / "
+            f"{stalls['workers']} / {stalls['judged']} |"
+        )
     return rows
 
 

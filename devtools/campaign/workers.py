@@ -1179,6 +1179,7 @@ def machine_watch_main(history_path: Path, stop_file: Path) -> None:
     provider's call that kept a worker's whole interpreter waiting would stall that worker alone.
     """
     history = HistoryWriter(history_path, pid=os.getpid(), watch="machine")
+    history.emit("watching")  # the report says whether it ran (a watch that never ran excuses nothing)
     stop = threading.Event()
     watch = threading.Thread(target=watch_stalls, args=(history, stop), name="stall-watch", daemon=True)
     watch.start()

@@ -57,6 +57,7 @@ def test_a_short_campaign_keeps_every_promise() -> None:
     # The newer rules had something to judge: the live session watch looked, skips were judged, and
     # shared holds took part (a watch that never looked would pass rule 13 whatever leaked).
     assert figures["session_watch"]["looks"] >= 10, figures["session_watch"]
+    assert figures["stalls"]["machine_watch"], figures["stalls"]  # the machine watch ran (a worker's stall needs it)
     assert figures["skips"]["judged"] >= 1 and figures["shared_holds"] >= 1, (figures["skips"], figures["shared_holds"])
     # The deferred kind's triggerer's part ran the real GuardedTrigger (not only the hold hub), and on
     # Airflow 3.3+ a task was cleared mid-hold (its trigger cancelled for a user's action).

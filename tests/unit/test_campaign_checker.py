@@ -680,3 +680,47 @@ def test_a_workers_own_stall_is_judged_as_a_freeze_of_that_worker_and_no_other()
     assert report.figures["faults"]["stall"] == 0
     alone = check([*overlap, *_stall(1, 10.0, 16.0, machine=False)], [], lease=LEASE)  # the machine ran meanwhile:
     assert alone.violations and alone.figures["faults"]["stall"] == 0  # its interpreter was kept waiting
+
+
+def test_a_cut_off_holder_explains_only_a_look_after_the_server_could_have_let_it_go() -> None:
+    """The allowance for a cut-off holder (review of 9448b88): not a look before the server could end
+    its session (2L/3 after the cut: the holder is named then), not a skipper cut off with it (its
+    own try failing is the error rule 11 looks for), not a hold released before the cut (its unlock
+    reached the server), not a one-session hold a restart had ended before the cut."""
+    cut = _fault("netcut", 18.0, 30.0, [1])
+    holder = _run("a", 1, "k", 17.0, 20.0, "lost", lost=True)
+    assert check([*holder, cut, *_skip("s", 3, ["k"], 21.5, 21.52)], [], lease=LEASE).passed
+    failed = _run("a", 1, "k", 17.0, 20.0, "failed")  # (a hold its run lost explains a skip it overlaps anyway)
+    assert check([*failed, cut, *_skip("s", 3, ["k"], 21.5, 21.52)], [], lease=LEASE).passed
+    assert check([*failed, cut, *_skip("s", 3, ["k"], 18.1, 18.12)], [], lease=LEASE).violations  # early look
+    both = _fault("netcut", 18.0, 30.0, [1, 3])
+    assert check([*failed, both, *_skip("s", 3, ["k"], 21.5, 21.52)], [], lease=LEASE).violations  # cut too
+    released = _run("a", 1, "k", 15.0, 17.5, "completed")
+    assert check([*released, cut, *_skip("s", 3, ["k"], 21.5, 21.52)], [], lease=LEASE).violations
+    restart = _fault("restart-fast", 17.5, 17.8, [])  # ended the guard's session before the cut
+    assert check([*failed, restart, cut, *_skip("s", 3, ["k"], 21.5, 21.52)], [], lease=LEASE).violations
+
+
+def test_a_stall_counts_only_where_the_machine_stalled_too_and_only_while_it_could_cost_a_lock() -> None:
+    """Review of d4488f5: a worker's long stall that the machine watch shared for a moment only is
+    judged by that moment (a stall shorter than half the lease costs no lock); a long stall does not
+    explain an overlap that began well after it."""
+    overlap = [*_run("a", 1, "k", 9, 21, "lost", lost=True), *_run("b", 2, "k", 13, 22, "completed")]
+    own = {"t": 20.0, "event": "stall", "start": 10.0, "end": 20.0, "pid": 1, "worker": 1, "cpu": 0.0}
+    brief = {"t": 20.05, "event": "stall", "start": 19.5, "end": 20.05, "pid": 99, "watch": "machine"}
+    assert check([*overlap, own, brief], [], lease=LEASE).violations
+    later = [*_run("a", 1, "k", 4, 42, "lost", lost=True), *_run("b", 2, "k", 40, 41.5, "completed")]
+    assert check([*later, *_stall(1, 5.0, 7.5)], [], lease=LEASE).violations  # the stall was long over
+
+
+def test_a_session_idle_through_a_stall_is_judged_by_its_idle_time_less_the_stall() -> None:
+    """Rule 13: a worker cannot close a session while the machine does not run it: the stall is taken
+    off the idle time, and nothing more."""
+    spawn = {"t": 1.0, "event": "spawn", "worker": 1, "pid": 1}
+
+    def idle(seconds: float) -> dict[str, Any]:
+        return {"t": 20.0, "event": "idle-session", "idle": seconds, "application_name": "campaign w1", "backend": 5}
+
+    assert check([spawn, idle(2.9)], [], lease=LEASE).violations  # bound 0.8 L = 2.4 s
+    assert check([spawn, idle(2.9), *_stall(1, 18.0, 18.8)], [], lease=LEASE).passed
+    assert check([spawn, idle(2.9), *_stall(1, 18.0, 18.3)], [], lease=LEASE).violations
