@@ -421,26 +421,39 @@ def issue_fencing_token(
 
 def _refuse_a_sequence_set_back(conn: psycopg.Connection[Any], key: LockKey, drawn: int) -> None:
     """A token not recorded because the key's newest token is ahead of the sequence (set back by hand,
-    or restored without the table) fails the run with what to run, not as lost: every later try would
-    fail the same way.
+    or restored without the table) or because the sequence hands numbers out of order (``CACHE`` > 1:
+    each session draws from a range of its own) fails the run with what to run, not as lost: every
+    later try would fail the same way.
 
     A holder that lost the key to a later one that drew after it is told apart: that one's token is
     at most the sequence's last value (the sequence hands numbers out once), a token set by hand past
-    it is not.
+    it is not. A last value the server does not say (``is_called`` false: restarted just now) proves
+    nothing: the run is reported lost, as before.
     """
-    last = "coalesce(pg_sequence_last_value('pglock.fencing_token_seq'), 0)"
-    ahead = _run(
+    found = _run(
         conn,
         "fencing",
-        f"SELECT token, {last} FROM pglock.fencing_tokens"
-        " WHERE objsubid = %(objsubid)s AND classid = %(classid)s AND objid = %(objid)s"
-        f" AND token > {last}",
+        "SELECT tokens.token, pg_sequence_last_value(seq.seqrelid), seq.seqcache FROM pg_sequence AS seq"
+        " LEFT JOIN pglock.fencing_tokens AS tokens ON tokens.objsubid = %(objsubid)s"
+        " AND tokens.classid = %(classid)s AND tokens.objid = %(objid)s"
+        " WHERE seq.seqrelid = 'pglock.fencing_token_seq'::regclass",
         _coordinates(key),
     ).fetchone()
-    if ahead is not None:
+    if found is None or found[0] is None or found[0] <= drawn:
+        return
+    newest, last, cache = found
+    if cache > 1:
         raise LockConfigurationError(
-            f"the newest fencing token of {key.describe()} in pglock.fencing_tokens is {ahead[0]}, ahead of the "
-            f"sequence pglock.fencing_token_seq (last value {ahead[1]}; this run drew {drawn}): the sequence was "
+            f"the newest fencing token of {key.describe()} is {newest} and this run drew {drawn}: the sequence "
+            f"pglock.fencing_token_seq has CACHE {cache}, so each session draws from a range of its own and "
+            "tokens do not follow the order of the holds. Run, as the schema's owner: ALTER SEQUENCE "
+            "pglock.fencing_token_seq CACHE 1; then SELECT setval('pglock.fencing_token_seq', (SELECT max(token) "
+            "FROM pglock.fencing_tokens)). The work did not run"
+        )
+    if last is not None and newest > last:
+        raise LockConfigurationError(
+            f"the newest fencing token of {key.describe()} in pglock.fencing_tokens is {newest}, ahead of the "
+            f"sequence pglock.fencing_token_seq (last value {last}; this run drew {drawn}): the sequence was "
             "set back (setval, ALTER SEQUENCE ... RESTART, or restored without the table), so no token can be "
             "issued for this key until it is past that. Run, as the schema's owner: SELECT setval("
             "'pglock.fencing_token_seq', (SELECT max(token) FROM pglock.fencing_tokens)). The work did not run"

@@ -254,12 +254,29 @@ def test_a_recorded_token_never_goes_down(hook: AdvisoryLockHook, installed: Any
         assert ledger.issue_fencing_token(held.connection, held.key, "holder", shared=held.shared) == newest + 1
 
 
+def test_a_sequence_that_hands_numbers_out_of_order_is_named(hook: AdvisoryLockHook, installed: Any) -> None:
+    """CACHE > 1: each session draws from a range of its own, so a later hold may draw a smaller
+    number than an earlier one's; the record refuses it, and the run is told why (review of 04e59e8)."""
+    installed.execute("ALTER SEQUENCE pglock.fencing_token_seq CACHE 10")
+    with held_lock(hook, "fenced-cache") as held:
+        assert held is not None
+        early = ledger.issue_fencing_token(held.connection, held.key, "holder", shared=held.shared)
+        assert early is not None
+    installed.execute("SELECT setval('pglock.fencing_token_seq', (SELECT max(token) FROM pglock.fencing_tokens))")
+    installed.execute("UPDATE pglock.fencing_tokens SET token = token + 50 WHERE key_name = 'fenced-cache'")
+    with held_lock(hook, "fenced-cache") as held, pytest.raises(LockConfigurationError, match="has CACHE 10"):
+        assert held is not None
+        ledger.issue_fencing_token(held.connection, held.key, "holder", shared=held.shared)
+
+
+@pytest.mark.parametrize("restarted", [False, True], ids=["sequence-as-is", "sequence-restarted-meanwhile"])
 def test_a_newer_token_recorded_after_this_draw_is_not_read_as_the_sequence_set_back(
-    hook: AdvisoryLockHook, installed: Any
+    hook: AdvisoryLockHook, installed: Any, restarted: bool
 ) -> None:
     """A later holder (this one lost the key) that drew after this draw and recorded first: its token
     is at most the sequence's last value, so this holder records nothing and is not told to reset
-    the sequence (the guard reports its lock lost)."""
+    the sequence (the guard reports its lock lost). Nor when the sequence was restarted forward
+    meanwhile, which leaves its last value unsaid (review of 04e59e8)."""
     with held_lock(hook, "fenced-race") as held:
         assert held is not None
         first = ledger.issue_fencing_token(held.connection, held.key, "holder", shared=held.shared)
@@ -279,6 +296,8 @@ def test_a_newer_token_recorded_after_this_draw_is_not_read_as_the_sequence_set_
                 " WHERE key_name = 'fenced-race' RETURNING token"
             )
             newer = later.execute("SELECT token FROM pglock.fencing_tokens WHERE key_name = 'fenced-race'").fetchone()
+            if restarted:
+                later.execute("ALTER SEQUENCE pglock.fencing_token_seq RESTART WITH 1000000")
             later.commit()
             waiting.join(30)
         assert issued == [None], issued
