@@ -66,9 +66,11 @@ Each of these is a failure of the run (:attr:`Report.violations`):
     (:func:`_record_may_be_lost`).
 
 A worker records its own stalls (``stall`` events: the machine did not run it for a while, which
-the nemesis did not inject): each is judged as a freeze of that worker (a ``sigstop-long`` of that
-length) where the machine watch, a process of its own, recorded a stall at the same time, except
-inside a freeze the nemesis injected into it, which judges it.
+the nemesis did not inject). The part of one that the machine watch (a process of its own that runs
+no provider code) stalled through too is judged as a freeze of that worker (a ``sigstop-long`` of
+that length) if it lasted half a lease or more, and explains only an overlap that began by its end;
+one inside a freeze the nemesis injected into that worker is judged by that fault. Rule 13 takes
+every such stall off the idle time it judges.
 
 Two holds taken ``shared=True`` (readers, unfenced) may overlap: rules 3, 4 and 8 judge only pairs
 of which at least one is exclusive.
@@ -847,8 +849,10 @@ def _judge_skips(
     without waiting and ended without working on it (failed, lost, refused, killed) explains a skip it
     overlaps, as a run rule's refusal does, unless a fault of the server or of its own process
     overlapped it. A hold whose process was cut off while it held or released the key explains a skip
-    whose try came by the release bound after the cut (the server keeps a cut-off session until its own
-    timeout, however early the holder gave the key up). A skip whose worker-side look failed
+    of a worker outside the cut whose try came by the release bound after the cut and whose look came
+    2L/3 after it or later (the server keeps a cut-off session until its own timeout, however early
+    the holder gave the key up), unless a server fault had ended that session before. A skip whose
+    worker-side look failed
     (``unlooked``) is judged as one that named nobody (a failed look happens when the server is away,
     when errors do too); its violation says so.
     """
