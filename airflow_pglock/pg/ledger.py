@@ -31,7 +31,7 @@ from typing import Any
 import psycopg
 
 from airflow_pglock.display import printable
-from airflow_pglock.exceptions import LockConfigurationError, LockConnectionError
+from airflow_pglock.exceptions import LockConfigurationError, LockConnectionError, PgLockError
 from airflow_pglock.identity import TaskIdentity
 from airflow_pglock.keys import LockKey
 from airflow_pglock.pg.sql import execute_contained, held_condition, held_params
@@ -428,17 +428,20 @@ def _refuse_a_sequence_set_back(conn: psycopg.Connection[Any], key: LockKey, dra
     A holder that lost the key to a later one that drew after it is told apart: that one's token is
     at most the sequence's last value (the sequence hands numbers out once), a token set by hand past
     it is not. A last value the server does not say (``is_called`` false: restarted just now) proves
-    nothing: the run is reported lost, as before.
+    nothing, nor does a look that fails (the session ended meanwhile): the run is reported lost, as before.
     """
-    found = _run(
-        conn,
-        "fencing",
-        "SELECT tokens.token, pg_sequence_last_value(seq.seqrelid), seq.seqcache FROM pg_sequence AS seq"
-        " LEFT JOIN pglock.fencing_tokens AS tokens ON tokens.objsubid = %(objsubid)s"
-        " AND tokens.classid = %(classid)s AND tokens.objid = %(objid)s"
-        " WHERE seq.seqrelid = 'pglock.fencing_token_seq'::regclass",
-        _coordinates(key),
-    ).fetchone()
+    try:
+        found = _run(
+            conn,
+            "fencing",
+            "SELECT tokens.token, pg_sequence_last_value(seq.seqrelid), seq.seqcache FROM pg_sequence AS seq"
+            " LEFT JOIN pglock.fencing_tokens AS tokens ON tokens.objsubid = %(objsubid)s"
+            " AND tokens.classid = %(classid)s AND tokens.objid = %(objid)s"
+            " WHERE seq.seqrelid = 'pglock.fencing_token_seq'::regclass",
+            _coordinates(key),
+        ).fetchone()
+    except (psycopg.Error, PgLockError):
+        return
     if found is None or found[0] is None or found[0] <= drawn:
         return
     newest, last, cache = found
