@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from devtools.campaign.history import read_events
 from devtools.campaign.workers import STALL_MIN
 
@@ -31,9 +33,9 @@ if busy:  # its own work, in one C call that keeps the interpreter from the watc
     began = time.process_time()
     sum(range(1_000_000))
     per_million = max(time.process_time() - began, 1e-4)
-    began = time.monotonic()
+    began, cpu = time.monotonic(), time.process_time()
     sum(range(int(busy / per_million * 1_000_000)))
-    history.emit("busy", seconds=time.monotonic() - began)
+    history.emit("busy", seconds=time.monotonic() - began, cpu=time.process_time() - cpu)
 time.sleep(0.3)
 stop.set()
 watch.join()
@@ -70,7 +72,16 @@ def test_a_process_the_machine_did_not_run_records_its_stall(tmp_path: Path) -> 
 
 def test_a_process_busy_with_its_own_work_records_no_stall(tmp_path: Path) -> None:
     """Its watch thread waits for the interpreter while the main thread works: it wakes late, but the
-    process ran (the CPU it used says so)."""
-    assert _watched(tmp_path, busy=3 * STALL_MIN, freeze=None) == []
-    busy = next(e for e in read_events(tmp_path) if e["event"] == "busy")
+    process ran (the CPU it used says so). A try in which the loaded machine hardly ran the process
+    (under half of the call's time) is a stall indeed, and is tried again."""
+    for attempt in range(3):
+        directory = tmp_path / str(attempt)
+        directory.mkdir()
+        stalls = _watched(directory, busy=3 * STALL_MIN, freeze=None)
+        busy = next(e for e in read_events(directory) if e["event"] == "busy")
+        if busy["cpu"] >= 0.5 * busy["seconds"]:
+            break
+    else:
+        pytest.skip(f"the machine ran the busy process for under half of its call three times: {busy}")
+    assert stalls == [], (stalls, busy)
     assert busy["seconds"] > 2 * STALL_MIN, busy  # the watch was kept waiting that long
