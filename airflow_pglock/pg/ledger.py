@@ -415,11 +415,11 @@ def issue_fencing_token(
             "same token could be issued again): not handed to the work"
         )
     if row is None:
-        _refuse_a_sequence_set_back(conn, key, drawn[0])
+        _refuse_a_sequence_out_of_order(conn, key, drawn[0])
     return row
 
 
-def _refuse_a_sequence_set_back(conn: psycopg.Connection[Any], key: LockKey, drawn: int) -> None:
+def _refuse_a_sequence_out_of_order(conn: psycopg.Connection[Any], key: LockKey, drawn: int) -> None:
     """A token not recorded because the key's newest token is ahead of the sequence (set back by hand,
     or restored without the table) or because the sequence hands numbers out of order (``CACHE`` > 1:
     each session draws from a range of its own) fails the run with what to run, not as lost: every

@@ -95,6 +95,7 @@ import random
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -1054,14 +1055,10 @@ class Worker:
 
     def loop(self) -> None:
         self.history.emit("spawn")
-        stop = threading.Event()
-        watch = threading.Thread(target=watch_stalls, args=(self.history, stop), name="stall-watch", daemon=True)
-        watch.start()
-        while not self.config.stop_file.exists():
-            self.one_run()
-            time.sleep(self.rng.uniform(0.0, 0.3))
-        stop.set()
-        watch.join()
+        with stalls_watched(self.history):
+            while not self.config.stop_file.exists():
+                self.one_run()
+                time.sleep(self.rng.uniform(0.0, 0.3))
         if self._register is not None:
             self._register.close()
         self.history.emit("stopped")
@@ -1171,6 +1168,19 @@ def watch_stalls(history: HistoryWriter, stop: threading.Event) -> None:
             history.emit("stall", start=now - late - STALL_TICK, end=now, cpu=round(used, 4))
 
 
+@contextlib.contextmanager
+def stalls_watched(history: HistoryWriter) -> Iterator[None]:
+    """:func:`watch_stalls` in a thread of its own while the block runs."""
+    stop = threading.Event()
+    watch = threading.Thread(target=watch_stalls, args=(history, stop), name="stall-watch", daemon=True)
+    watch.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        watch.join()
+
+
 def machine_watch_main(history_path: Path, stop_file: Path) -> None:
     """The body of the campaign's machine watch: a process of its own that only watches its stalls.
 
@@ -1180,13 +1190,9 @@ def machine_watch_main(history_path: Path, stop_file: Path) -> None:
     """
     history = HistoryWriter(history_path, pid=os.getpid(), watch="machine")
     history.emit("watching")  # the report says whether it ran (a watch that never ran excuses nothing)
-    stop = threading.Event()
-    watch = threading.Thread(target=watch_stalls, args=(history, stop), name="stall-watch", daemon=True)
-    watch.start()
-    while not stop_file.exists():
-        time.sleep(0.5)
-    stop.set()
-    watch.join()
+    with stalls_watched(history):
+        while not stop_file.exists():
+            time.sleep(0.5)
     history.close()
 
 
