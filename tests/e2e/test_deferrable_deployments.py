@@ -341,7 +341,12 @@ Sample = tuple[Any, list[str], Row | None]  # database clock, who holds the key,
 
 
 class Sampler(threading.Thread):
-    """Samples, every 0.1 s, who holds ``key`` (pg_locks) and its lease row, on the database clock."""
+    """Samples, every 0.1 s, who holds ``key`` (pg_locks) and its lease row, on the database clock.
+
+    The last sample begins after :meth:`stop` was called: a test that stops it once the tasks are
+    over reads the key as they left it (a sample begun before could precede a resumed worker's
+    release, which comes just before its success).
+    """
 
     def __init__(self, lock_uri: str, key: str) -> None:
         super().__init__(daemon=True)
@@ -353,12 +358,15 @@ class Sampler(threading.Thread):
     def run(self) -> None:
         try:
             with psycopg.connect(self.lock_uri, autocommit=True, application_name="e2e sampler") as conn:
-                while not self._stop_event.is_set():
+                while True:
+                    last = self._stop_event.is_set()
                     row = conn.execute("SELECT clock_timestamp()").fetchone()
                     assert row is not None
                     holders = [name for _, name in _holding(conn, self.key)]
                     self.samples.append((row[0], holders, _row(conn, self.key)))
-                    time.sleep(0.1)
+                    if last:
+                        return
+                    self._stop_event.wait(0.1)
         except BaseException as error:
             self.error = error
 
@@ -367,6 +375,18 @@ class Sampler(threading.Thread):
         self.join(timeout=10)
         assert self.error is None, f"the sampler of {self.key} failed: {self.error!r}"
         return self.samples
+
+
+def _timeline(samples: list[Sample]) -> str:
+    """The samples where something changed (holders, row holder, task_now, liveness): one line each."""
+    lines: list[str] = []
+    last: Any = object()
+    for at, holders, row in samples:
+        seen = (tuple(holders), None if row is None else (row.holder, row.task_now, row.live, row.lease_until))
+        if seen != last:
+            lines.append(f"{at.isoformat(timespec='milliseconds')} holders={holders} row={seen[1]}")
+            last = seen
+    return "\n".join(lines)
 
 
 def _check_one_hold(samples: list[Sample], winner: Deployment, dag_id: str, task_id: str) -> None:
@@ -389,7 +409,9 @@ def _check_one_hold(samples: list[Sample], winner: Deployment, dag_id: str, task
     assert rows.pop()[1] == f"deployment-{winner.name}: {dag_id} {RUN_ID}"
     task_nows = {row.task_now for _, _, row in samples if row is not None}
     assert f"{dag_id}.{task_id} {RUN_ID}{DEFERRED_SUFFIX}" in task_nows, task_nows
-    assert samples[-1][1] == [] and samples[-1][2] is None, f"{task_id}: held after the end: {samples[-1]}"
+    assert samples[-1][1] == [] and samples[-1][2] is None, (
+        f"{task_id}: held after the end: {samples[-1]}\n{_timeline(samples)}"
+    )
 
 
 def _race_states(setup: Setup, dag_id: str, task_id: str) -> list[str]:
@@ -430,7 +452,11 @@ def test_two_deployments_race_and_one_holds_each_key_through_its_deferral(setup:
     for task_id, (trigger, key) in races.items():
         assert _race_states(setup, dag_id, task_id) == ["skipped", "success"], _diagnosis(setup, dag_id)
         winner, loser = sorted(setup.both, key=lambda d: _states(d, dag_id)[task_id] != "success")
-        _check_one_hold(samples[task_id], winner, dag_id, task_id)
+        print(f"e2e deferrable race {task_id}, the key's timeline:\n{_timeline(samples[task_id])}")
+        try:
+            _check_one_hold(samples[task_id], winner, dag_id, task_id)
+        except AssertionError as failed:
+            raise AssertionError(f"{failed}\n{_diagnosis(setup, dag_id)}") from None
         winner_log, loser_log = _task_log(winner, dag_id, task_id), _task_log(loser, dag_id, task_id)
         described = LockKey.from_name(key).describe()
         refusal = [line for line in loser_log.splitlines() if f"busy: {described} is held by" in line]
