@@ -18,6 +18,8 @@ import pytest
 
 from tests.e2e import loop_check
 
+CALLBACK_SECONDS = 0.05  # the probe records a callback longer than this (PGLOCK_LOOP_PROBE_CALLBACK_MS)
+
 SCRIPT = """
 import asyncio, time
 
@@ -50,8 +52,15 @@ def _run_probed(tmp_path: Path) -> list[loop_check.Record]:
 
 def test_the_probe_names_the_blocking_trigger_and_its_stall(tmp_path: Path) -> None:
     records = _run_probed(tmp_path)
-    slow = [r for r in records if r["kind"] == "slow_callback"]
-    assert [r["group"] for r in slow] == ["trigger ours_dag/wait"], slow
+    # On a loaded machine any step may end late while the OS ran other processes (its run-queue
+    # wait, recorded) or the collector ran: what remains is the step's own time.
+    slow = [
+        r
+        for r in records
+        if r["kind"] == "slow_callback"
+        and float(r["wall"]) - float(r["gc"]) - float(r["cpu_wait"]) > CALLBACK_SECONDS  # type: ignore[arg-type]
+    ]
+    assert [r["group"] for r in slow] == ["trigger ours_dag/wait"], records
     assert float(slow[0]["wall"]) >= 0.3 and float(slow[0]["cpu"]) < 0.1  # type: ignore[arg-type]  # a wait, not work
     stalls = [r for r in records if r["kind"] == "stall"]
     assert stalls and max(float(r["wall"]) for r in stalls) >= 0.3, records  # type: ignore[arg-type]
