@@ -50,16 +50,16 @@ def _run_probed(tmp_path: Path) -> list[loop_check.Record]:
     return loop_check.read(out)
 
 
+def _own_time(record: loop_check.Record) -> float:
+    """A slow callback's wall time less its collections and its wait for a core."""
+    return float(record["wall"]) - float(record["gc"]) - float(record["cpu_wait"])  # type: ignore[arg-type]
+
+
 def test_the_probe_names_the_blocking_trigger_and_its_stall(tmp_path: Path) -> None:
     records = _run_probed(tmp_path)
     # On a loaded machine any step may end late while the OS ran other processes (its run-queue
     # wait, recorded) or the collector ran: what remains is the step's own time.
-    slow = [
-        r
-        for r in records
-        if r["kind"] == "slow_callback"
-        and float(r["wall"]) - float(r["gc"]) - float(r["cpu_wait"]) > CALLBACK_SECONDS  # type: ignore[arg-type]
-    ]
+    slow = [r for r in records if r["kind"] == "slow_callback" and _own_time(r) > CALLBACK_SECONDS]
     assert [r["group"] for r in slow] == ["trigger ours_dag/wait"], records
     assert float(slow[0]["wall"]) >= 0.3 and float(slow[0]["cpu"]) < 0.1  # type: ignore[arg-type]  # a wait, not work
     stalls = [r for r in records if r["kind"] == "stall"]
