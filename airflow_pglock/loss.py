@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from airflow_pglock import forks
 
 # Errors with which the server ends a session (its locks end with it).
-SESSION_ENDED_STATES = frozenset({"57P01", "57P02", "57P03", "57P05", "25P03"})
+SESSION_ENDED_STATES = frozenset({"57P01", "57P02", "57P03", "57P05", "25P03", "25P04"})
 
 TERMINATED = "the session was terminated (pg_terminate_backend() or a server shutdown)"
 
@@ -122,6 +122,14 @@ def session_end_reason(sqlstate: str, detail: str, error_name: str, lease: float
             f"the server ended the session after the lease ({lease:g} s) idle in its transaction "
             "(idle_in_transaction_session_timeout): this process was frozen, stalled or cut off for longer "
             "than the lease",
+            False,
+        )
+    if sqlstate == "25P04":
+        return (
+            f"the server ended the session at its transaction_timeout ({detail}; PostgreSQL 17+): a transaction "
+            "on the lock's session outlasted it. A transaction-mode lock's transaction lasts as long as the work: "
+            "lift transaction_timeout for the lock's role or database (ALTER ROLE ... SET transaction_timeout = 0) "
+            "or use mode='session'",
             False,
         )
     return f"the connection to the lock database broke ({error_name}: {detail})", True

