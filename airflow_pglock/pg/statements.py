@@ -24,7 +24,15 @@ from airflow_pglock.exceptions import LockConfigurationError
 from airflow_pglock.holder import EXCLUSIVE_MODE, SHARED_MODE
 from airflow_pglock.keys import LockKey
 from airflow_pglock.pg import wakeups
-from airflow_pglock.pg.sql import HORIZON_LIVE, call, call_text, held_condition, held_params, lock_function
+from airflow_pglock.pg.sql import (
+    HORIZON_LIVE,
+    LIFT_TRANSACTION_TIMEOUT,
+    call,
+    call_text,
+    held_condition,
+    held_params,
+    lock_function,
+)
 from airflow_pglock.policy import lock_timeout_ms, longest_wait_text, wait_timeout_problem
 from airflow_pglock.server_rules import Scope
 
@@ -66,16 +74,6 @@ def try_lock(
     return bool(row and row[0])
 
 
-#: The first ``server_version_num`` with ``transaction_timeout``.
-TRANSACTION_TIMEOUT_VERSION = 170000
-
-
-def lifts_transaction_timeout(conn: psycopg.Connection[Any], scope: Scope) -> bool:
-    """Whether a wait on ``conn`` lifts ``transaction_timeout`` (session scope, PostgreSQL 17+; the
-    version as the handshake said: no round trip)."""
-    return scope == "session" and conn.info.server_version >= TRANSACTION_TIMEOUT_VERSION
-
-
 def wait_lock(
     conn: psycopg.Connection[Any],
     key: LockKey,
@@ -96,9 +94,9 @@ def wait_lock(
     # for the role cannot turn "still busy" into an error. Both are SET LOCAL: in session
     # scope they end with the short transaction (the session lock outlives its commit); in
     # transaction scope they are put back afterwards. In session scope the transaction is the
-    # wait's own, so a shorter transaction_timeout (PostgreSQL 17+; it ends the session) is
-    # lifted too; a transaction-scope lock ends with its transaction, whatever bounds that.
-    lifted = ", set_config('transaction_timeout', '0', true)" if lifts_transaction_timeout(conn, scope) else ""
+    # wait's own, so a shorter transaction_timeout is lifted too (in the same statement); a
+    # transaction-scope lock ends with its transaction, whatever bounds that.
+    lifted = f", {LIFT_TRANSACTION_TIMEOUT}" if scope == "session" else ""
     previous = None
     if scope == "transaction":
         previous = conn.execute(

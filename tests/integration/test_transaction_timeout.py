@@ -10,14 +10,19 @@ PostgreSQL 18 when the usual server is older) sets it to 2 s for everyone:
   (``lock_timeout``): it lifts the shorter ``transaction_timeout`` as it lifts ``statement_timeout``,
   so "still busy" stays a busy key, and a key freed within the wait is taken (before, the server
   ended the session at 2 s and the task failed with ``TransactionTimeout``);
+- a lock scope's write runs in a transaction of its own on the lock's session, bounded by its own
+  tries of the scope horizon's lock: it lifts ``transaction_timeout`` too;
 - a transaction-mode lock lives in a transaction that lasts as long as the work: the server ends
-  it at the timeout, and the run is reported lost, naming ``transaction_timeout`` and what to do.
+  it at the timeout, and the run is reported lost, naming ``transaction_timeout`` and what to do
+  (while the work's connection is idle; a statement of the work running then gets the server's
+  error itself, and the task fails with it).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,7 +33,10 @@ from airflow_pglock.exceptions import LockBusyError, LockLostError
 from airflow_pglock.guard import LockGuard
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 from airflow_pglock.keys import LockKey
+from airflow_pglock.pg import schema
+from airflow_pglock.pg.scopes import HORIZON_LOCK_KEY
 from airflow_pglock.policy import LockPolicy
+from airflow_pglock.scope_rules import ScopeRole
 from devtools.pgcluster import Cluster, bin_dir_at_least
 from tests.helpers import advisory_locks_left
 
@@ -113,6 +121,39 @@ def test_a_lock_sessions_wait_lifts_it_too(cluster: Cluster, admin: Any) -> None
     with hook.lock_session() as session, session.lock(key, timeout=30) as held:
         assert held is not None
     holder.join()
+
+
+def test_a_lock_scope_write_waiting_for_the_horizon_past_transaction_timeout_keeps_its_session(
+    cluster: Cluster, admin: Any
+) -> None:
+    """A scope's write waits (up to HORIZON_WAIT_SECONDS) for the scope horizon's lock, which
+    another writer holds while its commit waits (for a synchronous standby, say): it runs in a
+    transaction of its own on the lock's session, which lifts the shorter transaction_timeout
+    (before, the server ended the session at 2 s, and the key with it)."""
+    schema.migrate(admin)  # airflow-pglock init-db: pglock.scopes and its horizon
+    done = threading.Event()
+
+    def keep_the_horizon() -> None:
+        with psycopg.connect(cluster.dsn, autocommit=True) as other, other.transaction():
+            other.execute("SELECT set_config('transaction_timeout', '0', true)")
+            other.execute("SELECT pg_advisory_xact_lock(%s)", [HORIZON_LOCK_KEY.int64])
+            done.set()
+            time.sleep(LONGER)
+
+    writer = threading.Thread(target=keep_the_horizon, daemon=True)
+    writer.start()
+    assert done.wait(10), "the other writer did not take the horizon's lock"
+    hook = AdvisoryLockHook(dsn=cluster.dsn)
+    role = ScopeRole(kind="enter", holder=uuid.uuid4().hex, run="tt: a scope", task="setup", lease=30.0)
+    started = time.monotonic()
+    try:
+        with LockGuard(hook.database, LockKey.from_name("tt/scope"), LockPolicy(), scope=role) as handle:
+            waited = time.monotonic() - started
+            assert handle.lost is None
+    finally:
+        writer.join()
+        admin.execute("DELETE FROM pglock.scopes")
+    assert waited > TIMEOUT, f"the scope was taken after {waited:.1f} s, while the horizon's lock was busy"
 
 
 def test_a_transaction_lock_past_transaction_timeout_is_reported_lost_naming_it(cluster: Cluster, admin: Any) -> None:
