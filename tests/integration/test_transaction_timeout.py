@@ -20,6 +20,7 @@ PostgreSQL 18 when the usual server is older) sets it to 2 s for everyone:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -68,13 +69,20 @@ def admin(cluster: Cluster) -> Iterator[psycopg.Connection[Any]]:
         assert advisory_locks_left(conn) == 0, "a lock was left behind"
 
 
-def _held_for(dsn: str, key: LockKey, seconds: float) -> threading.Thread:
-    """Another session holds ``key`` (a session lock, autocommit: no transaction) for ``seconds``; started."""
+def _held_for(dsn: str, key: LockKey, seconds: float, *, in_a_transaction: bool = False) -> threading.Thread:
+    """Another session holds ``key`` for ``seconds``; started. A session lock (autocommit: no
+    transaction), or ``in_a_transaction`` a transaction lock (its transaction_timeout lifted), as
+    a writer holds the scope horizon's lock while its commit waits."""
     taken = threading.Event()
 
     def hold() -> None:
-        with psycopg.connect(dsn, autocommit=True) as other:
-            other.execute("SELECT pg_advisory_lock(%s)", [key.int64])
+        with (
+            psycopg.connect(dsn, autocommit=True) as other,
+            other.transaction() if in_a_transaction else contextlib.nullcontext(),
+        ):
+            if in_a_transaction:
+                other.execute("SELECT set_config('transaction_timeout', '0', true)")
+            other.execute(f"SELECT pg_advisory{'_xact' if in_a_transaction else ''}_lock(%s)", [key.int64])
             taken.set()
             time.sleep(seconds)
 
@@ -131,18 +139,7 @@ def test_a_lock_scope_write_waiting_for_the_horizon_past_transaction_timeout_kee
     transaction of its own on the lock's session, which lifts the shorter transaction_timeout
     (before, the server ended the session at 2 s, and the key with it)."""
     schema.migrate(admin)  # airflow-pglock init-db: pglock.scopes and its horizon
-    done = threading.Event()
-
-    def keep_the_horizon() -> None:
-        with psycopg.connect(cluster.dsn, autocommit=True) as other, other.transaction():
-            other.execute("SELECT set_config('transaction_timeout', '0', true)")
-            other.execute("SELECT pg_advisory_xact_lock(%s)", [HORIZON_LOCK_KEY.int64])
-            done.set()
-            time.sleep(LONGER)
-
-    writer = threading.Thread(target=keep_the_horizon, daemon=True)
-    writer.start()
-    assert done.wait(10), "the other writer did not take the horizon's lock"
+    writer = _held_for(cluster.dsn, HORIZON_LOCK_KEY, LONGER, in_a_transaction=True)
     hook = AdvisoryLockHook(dsn=cluster.dsn)
     role = ScopeRole(kind="enter", holder=uuid.uuid4().hex, run="tt: a scope", task="setup", lease=30.0)
     started = time.monotonic()
