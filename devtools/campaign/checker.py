@@ -89,9 +89,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from airflow_pglock.keys import LockKey
 from devtools.campaign.nemesis import FAULT_KINDS, WORKER_FAULTS, release_bound
 from devtools.campaign.watch import idle_bound
-from devtools.campaign.workers import SCOPE_LEASE_FACTOR, STALL_TICK
+from devtools.campaign.workers import PAIR_KEY, PAIR_NUMBERS, SCOPE_LEASE_FACTOR, STALL_TICK
 
 #: What every bound allows for: scheduling and the spacing of the history's events (a
 #: process writes its ``lost`` or ``done`` line a moment after it acted on it).
@@ -237,6 +238,7 @@ class Fault:
     kept: list[str] | None = None  # a long freeze or cut: its workers' advisory locks at the release bound
     waiter: bool = False  # sigstop-waiter: its target was found waiting for a key
     terminated: bool | None = None  # terminate: whether it signalled the backend (None: not said)
+    waited: tuple[str, ...] = ()  # sigstop-waiter: the pg_locks coordinates (classid/objid/objsubid) it waited for
 
 
 def _spread(values: Sequence[float]) -> dict[str, float | int | None]:
@@ -286,6 +288,7 @@ def build(events: Iterable[dict[str, Any]]) -> tuple[dict[str, Run], list[Fault]
                     e.get("kept"),
                     e.get("waiter", False),
                     e.get("terminated"),
+                    tuple(e.get("waited") or ()),
                 )
             )
             continue
@@ -819,6 +822,13 @@ def _family(key: str, hold: Hold) -> bool:
     return hold.key == key or hold.key.startswith(f"{key}#slot")
 
 
+def pg_locks_of(label: str) -> str:
+    """The ``pg_locks`` coordinates (``classid/objid/objsubid``) of a key the history names by ``label``:
+    the pair key's numbers, else the name's (the numeric key is taken by its name's number)."""
+    key = LockKey.from_pair(*PAIR_NUMBERS) if label == PAIR_KEY else LockKey.from_name(label)
+    return "/".join(str(number) for number in key.pg_locks)
+
+
 def _judge_skips(
     runs: dict[str, Run], by_key: dict[str, list[Hold]], faults: Sequence[Fault], lease: float
 ) -> dict[str, Any]:
@@ -970,6 +980,24 @@ def _judge_skips(
             and not any(hold.acquired <= start and start + SERVER_FAULT_SLACK < run.start for start in server)
         )  # (a server fault after the run began may have come between its try, which met the hold, and its look)
 
+    waiters = [f for f in faults if f.kind == "sigstop-waiter" and f.waited]
+
+    def granted_while_frozen(run: Run, key: str) -> bool:
+        # A waiter frozen while it waited may be granted the key during the freeze, with no event (it
+        # is frozen): its session holds the key, idle in its wait's transaction, until the server ends
+        # that a lease after the grant (if before the thaw; after it, the waiter goes on and records
+        # its hold). A try until then meets the key, a look after names nobody: a skip of that key,
+        # by another worker, whose try came by the thaw and whose look came a lease after the freeze
+        # began or later.
+        assert run.ended is not None
+        return any(
+            pg_locks_of(key) in f.waited
+            and run.pid not in f.pids
+            and run.start <= f.end + JITTER
+            and run.ended >= f.start + lease - JITTER
+            for f in waiters
+        )
+
     def unworked_explains(run: Run, key: str) -> bool:
         assert run.ended is not None
         return any(
@@ -1001,7 +1029,11 @@ def _judge_skips(
             if done_period is not None and recorded.get((key, done_period), math.inf) <= run.ended + JITTER:
                 counts["named"] += 1
                 continue
-            if any(explains(hold, run, key) for hold in holds) or unworked_explains(run, key):
+            if (
+                any(explains(hold, run, key) for hold in holds)
+                or unworked_explains(run, key)
+                or granted_while_frozen(run, key)
+            ):
                 counts["explained"] += 1
                 continue
             unexplained.append(key)

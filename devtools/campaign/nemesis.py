@@ -84,6 +84,8 @@ class Injected:
     kept: list[str] | None = None
     began: float | None = None  # when the fault itself began, after a search for its target (default: the call)
     waiter: bool | None = None  # sigstop-waiter: whether its target was found waiting for a key
+    #: sigstop-waiter: the ``pg_locks`` coordinates (``classid/objid/objsubid``) of the keys its target waited for
+    waited: list[str] | None = None
     terminated: bool | None = None  # terminate: whether pg_terminate_backend() signalled the backend
 
 
@@ -146,6 +148,8 @@ class Nemesis:
         looked: dict[str, Any] = {} if done.kept is None else {"kept": done.kept}
         if done.waiter is not None:
             looked["waiter"] = done.waiter
+        if done.waited is not None:
+            looked["waited"] = done.waited
         if done.terminated is not None:
             looked["terminated"] = done.terminated
         self.history.emit(
@@ -190,24 +194,31 @@ class Nemesis:
         return self._freeze((1.5, 2.5))
 
     def _sigstop_waiter(self) -> Injected:
-        waiter = self._waiter()
+        found = self._waiter()
+        waiter, waited = found if found is not None else (None, None)
         note = ", a waiter" if waiter is not None else ", no worker waited: any one"
-        return replace(self._freeze((2.0, 2.5), waiter, note), waiter=waiter is not None)
+        return replace(self._freeze((2.0, 2.5), waiter, note), waiter=waiter is not None, waited=waited)
 
-    def _waiter(self) -> Target | None:
-        """A live worker whose session waits for a busy key, found within :data:`WAITER_SEARCH_SECONDS`."""
+    def _waiter(self) -> tuple[Target, list[str]] | None:
+        """A live worker whose session waits for a busy key, found within :data:`WAITER_SEARCH_SECONDS`,
+        and the ``pg_locks`` coordinates of what it waits for (it may be granted that while frozen: the
+        history then has no event of it, and the checker's rule 11 needs the key)."""
         query = (
-            "SELECT DISTINCT a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
-            " WHERE l.locktype = 'advisory' AND NOT l.granted"
+            "SELECT a.application_name, l.classid, l.objid, l.objsubid FROM pg_locks l"
+            " JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' AND NOT l.granted"
         )
         deadline = time.monotonic() + WAITER_SEARCH_SECONDS
         with contextlib.suppress(psycopg.Error), psycopg.connect(self.pair.primary_dsn(), autocommit=True) as conn:
             while time.monotonic() < deadline:
-                names = [row[0] for row in conn.execute(query).fetchall()]
-                waiting = {int(m.group(1)) for m in map(_WORKER_SESSION.match, names) if m is not None}
+                waiting: dict[int, set[str]] = {}
+                for name, classid, objid, objsubid in conn.execute(query).fetchall():
+                    matched = _WORKER_SESSION.match(name or "")
+                    if matched is not None:
+                        waiting.setdefault(int(matched.group(1)), set()).add(f"{classid}/{objid}/{objsubid}")
                 found = [target for target in self.targets() if target.index in waiting]
                 if found:
-                    return self.rng.choice(found)
+                    target = self.rng.choice(found)
+                    return target, sorted(waiting[target.index])
                 time.sleep(0.05)
         return None
 

@@ -34,7 +34,7 @@ from devtools.campaign.history import HistoryWriter, read_events
 from devtools.campaign.nemesis import Nemesis, Target
 from devtools.campaign.servers import FailoverPair, Register
 from devtools.campaign.watch import SessionWatch
-from devtools.campaign.workers import KINDS, WorkerConfig, machine_watch_main, worker_main
+from devtools.campaign.workers import KINDS, PAIR_KEY, WorkerConfig, machine_watch_main, worker_main
 from devtools.netns import NetNamespace, NetNamespaceUnavailableError
 
 HOT_KEYS = ("campaign/hot/0", "campaign/hot/1", "campaign/hot/2")
@@ -43,9 +43,6 @@ POOL, POOL_SLOTS = "campaign/pool", 2
 #: single-key statements): the history names it by this label. Only kinds without a fencing token
 #: and outside scopes take it (a scope's row holds named keys only, by design).
 NUMERIC_KEY = "campaign/numeric"
-#: The (int32, int32) pair key's label (its numbers: :data:`~devtools.campaign.workers.PAIR_NUMBERS`), taken by
-#: the guard kinds and ``hook-lock`` now and then.
-PAIR_KEY = "campaign/pair"
 #: The key the guard kinds take now and then with ``once_per`` and ``min_interval`` (and ``hook-lock`` without).
 RULES_KEY = "campaign/rules"
 #: Indices of the campaign's namespaces (devtools/netns.py leaves 231..250 to explicit users).

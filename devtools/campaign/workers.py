@@ -137,6 +137,8 @@ SIZE_ERA = 5.0
 #: The hot (int32, int32) pair key's numbers (the two-int32 key space, apart from every int64 key), taken
 #: now and then by the guard kinds and ``hook-lock``; the history names it by ``WorkerConfig.pair_key``.
 PAIR_NUMBERS = (20261202, 7)
+#: The pair key's label in the history (taken by the guard kinds and ``hook-lock`` now and then).
+PAIR_KEY = "campaign/pair"
 #: The share of a guard kind's runs on the pair key, and (of the others) on the rules key.
 PAIR_SHARE = 0.15
 RULES_SHARE = 0.25

@@ -132,6 +132,7 @@ def test_the_nemesis_freezes_a_waiter_and_finds_its_key_freed_by_the_release_bou
         history.close()
         (fault,) = [json.loads(line) for line in (tmp_path / "nemesis.jsonl").read_text().splitlines()]
         assert fault["kind"] == "sigstop-waiter" and fault["waiter"] is True, fault
+        assert fault["waited"] == ["/".join(map(str, LockKey.from_name(key).pg_locks))], fault  # what it waited for
         assert fault["end"] - fault["start"] >= release_bound(LEASE), fault
         assert fault["kept"] == [], f"the frozen waiter's session kept the key past the release bound: {fault}"
         process.join(30)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from devtools.campaign.checker import JITTER, check, overlap_bound
+from devtools.campaign.checker import JITTER, check, overlap_bound, pg_locks_of
 from devtools.campaign.nemesis import release_bound
 
 LEASE = 3.0
@@ -724,3 +724,32 @@ def test_a_session_idle_through_a_stall_is_judged_by_its_idle_time_less_the_stal
     assert check([spawn, idle(2.9)], [], lease=LEASE).violations  # bound 0.8 L = 2.4 s
     assert check([spawn, idle(2.9), *_stall(1, 18.0, 18.8)], [], lease=LEASE).passed
     assert check([spawn, idle(2.9), *_stall(1, 18.0, 18.3)], [], lease=LEASE).violations
+
+
+def test_a_waiter_frozen_and_granted_the_key_explains_a_skip_of_that_key_after_the_server_could_end_it() -> None:
+    """Rule 11 (a 12-minute campaign, seed 20261214): a waiter frozen while it waited was granted the key
+    during the freeze (no event: it was frozen); its session held the key, idle in its wait's
+    transaction, until the server ended that a lease later. Another's try met the key, its look after
+    that named nobody. The nemesis records what the waiter waited for: such a freeze explains a skip of
+    that key only, by another worker, tried by the thaw and looked at a lease after the freeze began or
+    later."""
+    frozen = {**_fault("sigstop-waiter", 10.0, 17.0, [1]), "waiter": True, "waited": [pg_locks_of("k")]}
+    assert check([frozen, *_skip("s", 3, ["k"], 14.0, 14.1)], [], lease=LEASE).passed
+    assert check([*_skip("s", 3, ["k"], 14.0, 14.1)], [], lease=LEASE).violations  # no freeze
+    assert check([frozen, *_skip("s", 3, ["j"], 14.0, 14.1)], [], lease=LEASE).violations  # another key
+    assert check([frozen, *_skip("s", 1, ["k"], 14.0, 14.1)], [], lease=LEASE).violations  # the frozen one's own
+    early = 10.0 + LEASE - 2 * JITTER  # the server could not have ended it yet: the look names the waiter
+    assert check([frozen, *_skip("s", 3, ["k"], early - 0.1, early)], [], lease=LEASE).violations
+    thawed = 17.0 + JITTER + 0.1  # tried after the thaw: a grant then was recorded (the waiter went on)
+    assert check([frozen, *_skip("s", 3, ["k"], thawed, thawed + 0.1)], [], lease=LEASE).violations
+    unknown = {**_fault("sigstop-waiter", 10.0, 17.0, [1]), "waiter": True}  # what it waited for not recorded
+    assert check([unknown, *_skip("s", 3, ["k"], 14.0, 14.1)], [], lease=LEASE).violations
+
+
+def test_the_pair_key_and_the_numeric_key_have_the_coordinates_pg_locks_shows() -> None:
+    from airflow_pglock.keys import LockKey
+    from devtools.campaign.workers import PAIR_KEY, PAIR_NUMBERS
+
+    assert pg_locks_of(PAIR_KEY) == "/".join(map(str, LockKey.from_pair(*PAIR_NUMBERS).pg_locks))
+    number = LockKey.from_name("campaign/numeric").int64  # the numeric key: taken by its name's number
+    assert pg_locks_of("campaign/numeric") == "/".join(map(str, LockKey.from_int(number).pg_locks))
