@@ -956,8 +956,14 @@ def _judge_skips(
         if hold.kind in ("scope", "deferred"):
             if hold.end + JITTER >= run.start:  # held throughout, its sessions changing (tasks, hand-overs)
                 return True
-            return hold.end + JITTER + row_lease >= run.start and any(
-                abs(at - run.ended) <= JITTER for at in row_named.get(hold.key, ())
+            # Its row may have held the key at the try, a lease after the hold's end; the look named the
+            # row if it was still live then (another refusal about then read it), or came late, once the
+            # row had lapsed, after a fault of the server that began during the run (the worker's look
+            # waited out a connect to the old primary: found by the campaign, seed 20261215).
+            row_live_at_try = hold.acquired - JITTER <= run.start <= hold.end + JITTER + row_lease
+            return row_live_at_try and (
+                any(abs(at - run.ended) <= JITTER for at in row_named.get(hold.key, ()))
+                or any(run.start - SERVER_FAULT_SLACK <= start <= run.ended for start in server)
             )
         if any(run.start - SERVER_FAULT_SLACK <= start <= run.ended for start in server) and (
             hold.acquired - JITTER <= run.start and released_by >= run.start - JITTER

@@ -10,6 +10,7 @@ from typing import Any
 
 from devtools.campaign.checker import JITTER, check, overlap_bound, pg_locks_of
 from devtools.campaign.nemesis import release_bound
+from devtools.campaign.workers import SCOPE_LEASE_FACTOR
 
 LEASE = 3.0
 
@@ -753,3 +754,20 @@ def test_the_pair_key_and_the_numeric_key_have_the_coordinates_pg_locks_shows() 
     assert pg_locks_of(PAIR_KEY) == "/".join(map(str, LockKey.from_pair(*PAIR_NUMBERS).pg_locks))
     number = LockKey.from_name("campaign/numeric").int64  # the numeric key: taken by its name's number
     assert pg_locks_of("campaign/numeric") == "/".join(map(str, LockKey.from_int(number).pg_locks))
+
+
+def test_a_deferred_holds_row_explains_a_late_look_after_a_server_fault_only_if_live_at_the_try() -> None:
+    """Rule 11 (a 12-minute campaign, seed 20261215): ``hook.lock()`` met a key that a deferred
+    operator's row held (the product's refusal named it), then the worker's own look waited out a
+    connect to the frozen old primary of a failover, and found the row lapsed. A scope's or deferred
+    operator's row explains such a skip when it could be live at the try and a fault of the server
+    began during the run; not without that fault, nor for a try after the row's lease."""
+    holder = _run("a", 1, "k", 10.0, 12.0, "completed")
+    holder[0]["kind"] = "deferred"
+    row_end = 12.0 + SCOPE_LEASE_FACTOR * LEASE  # its row's lease after its end
+    failover = _fault("failover-frozen", 14.5, 20.0, [])
+    assert check([*holder, failover, *_skip("s", 3, ["k"], 14.0, row_end + 2)], [], lease=LEASE).passed
+    assert check([*holder, *_skip("s", 3, ["k"], 14.0, row_end + 2)], [], lease=LEASE).violations  # no fault
+    late = row_end + JITTER + 0.5  # tried once the row had lapsed
+    later = _fault("failover-frozen", late + 0.2, late + 5, [])
+    assert check([*holder, later, *_skip("s", 3, ["k"], late, late + 3)], [], lease=LEASE).violations
