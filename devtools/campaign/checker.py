@@ -861,7 +861,12 @@ def _judge_skips(
     overlapped it. A hold whose process was cut off while it held or released the key explains a skip
     of a worker outside the cut whose try came by the release bound after the cut and whose look came
     2L/3 after it or later (the server keeps a cut-off session until its own timeout, however early
-    the holder gave the key up), unless a server fault had ended that session before. A skip whose
+    the holder gave the key up), unless a server fault had ended that session before. A waiter frozen
+    while it waited explains a skip of the key it waited for (the nemesis records it) by a worker
+    outside the freeze, tried by the thaw and looked at a lease after the freeze began or later (the
+    server may grant it the key during the freeze, and ends its idle wait's transaction a lease
+    later). A scope's or deferred operator's row that could be live at the try explains a skip whose
+    look came late, after a fault of the server that began during the run. A skip whose
     worker-side look failed
     (``unlooked``) is judged as one that named nobody (a failed look happens when the server is away,
     when errors do too); its violation says so.
