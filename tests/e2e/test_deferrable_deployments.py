@@ -409,9 +409,7 @@ def _check_one_hold(samples: list[Sample], winner: Deployment, dag_id: str, task
     assert rows.pop()[1] == f"deployment-{winner.name}: {dag_id} {RUN_ID}"
     task_nows = {row.task_now for _, _, row in samples if row is not None}
     assert f"{dag_id}.{task_id} {RUN_ID}{DEFERRED_SUFFIX}" in task_nows, task_nows
-    assert samples[-1][1] == [] and samples[-1][2] is None, (
-        f"{task_id}: held after the end: {samples[-1]}\n{_timeline(samples)}"
-    )
+    assert samples[-1][1] == [] and samples[-1][2] is None, f"{task_id}: held after the end: {samples[-1]}"
 
 
 def _race_states(setup: Setup, dag_id: str, task_id: str) -> list[str]:
@@ -452,7 +450,7 @@ def test_two_deployments_race_and_one_holds_each_key_through_its_deferral(setup:
     for task_id, (trigger, key) in races.items():
         assert _race_states(setup, dag_id, task_id) == ["skipped", "success"], _diagnosis(setup, dag_id)
         winner, loser = sorted(setup.both, key=lambda d: _states(d, dag_id)[task_id] != "success")
-        print(f"e2e deferrable race {task_id}, the key's timeline:\n{_timeline(samples[task_id])}")
+        print(f"e2e deferrable race {task_id}, the key's timeline:\n{_timeline(samples[task_id])}")  # on failure too
         try:
             _check_one_hold(samples[task_id], winner, dag_id, task_id)
         except AssertionError as failed:
