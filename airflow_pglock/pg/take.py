@@ -8,8 +8,9 @@ the :class:`~airflow_pglock.pg.held.HeldLock`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -265,15 +266,19 @@ def take(
         slot = None if answer.taken is None else int(answer.taken) - 1
         if slot is None and timeout is not None:
             tried = list(range(slots)) if candidates is None else list(candidates)
-            position = wait_slot(conn, [pool[index] for index in tried], timeout, scope=scope)
+            with _cut_off_by_transaction_timeout(key, timeout, scope):
+                position = wait_slot(conn, [pool[index] for index in tried], timeout, scope=scope)
             slot = None if position is None else tried[position]
         if slot is None:
             give_back_all(conn, scope)  # the pool's markers: the close alone frees them only once the backend exits
             return None
         held_key = pool[slot]
     elif not answer.taken:
-        if timeout is None or not wait_lock(conn, key, timeout, shared=shared, scope=scope):
+        if timeout is None:
             return None
+        with _cut_off_by_transaction_timeout(key, timeout, scope):
+            if not wait_lock(conn, key, timeout, shared=shared, scope=scope):
+                return None
         if is_named_key(key) and pool_in_use(conn, key):  # a pool of the name began during the wait
             refusal = pool_conflict_error(conn, key, 1, ("pool", 0, 0))
             give_back_all(conn, scope)  # the key it waited for
@@ -292,3 +297,22 @@ def take(
         markers=pool_markers(key, slots) if scope == "session" else (),
         slot=pool.index(held_key) + 1 if slots > 1 else None,
     )
+
+
+@contextlib.contextmanager
+def _cut_off_by_transaction_timeout(key: LockKey, timeout: float, scope: Scope) -> Iterator[None]:
+    """A transaction lock waits inside the transaction it is to be held in, which the server's
+    ``transaction_timeout`` (PostgreSQL 17+) bounds, and ends with its session: a setting to fix,
+    named, rather than the driver's bare error. (A session lock's wait lifts it for itself.)"""
+    try:
+        yield
+    except psycopg.errors.TransactionTimeout as error:
+        if scope != "transaction":
+            raise
+        raise LockConfigurationError(
+            f"the wait for {key.describe()} was cut off by the server's transaction_timeout (PostgreSQL 17+), "
+            f"before its own timeout of {timeout:g} s: a mode='transaction' lock waits inside the transaction it "
+            "is held in, and the server ends the session when that transaction outlasts transaction_timeout. "
+            "Wait less than transaction_timeout (wait_timeout), lift it for the lock's role or database "
+            "(ALTER ROLE ... SET transaction_timeout = 0), or use mode='session', whose wait lifts it for itself"
+        ) from error

@@ -15,7 +15,9 @@ PostgreSQL 18 when the usual server is older) sets it to 2 s for everyone:
 - a transaction-mode lock lives in a transaction that lasts as long as the work: the server ends
   it at the timeout, and the run is reported lost, naming ``transaction_timeout`` and what to do
   (while the work's connection is idle; a statement of the work running then gets the server's
-  error itself, and the task fails with it).
+  error itself, and the task fails with it);
+- a transaction-mode lock waits for a busy key inside that transaction: a wait cut off at the
+  timeout is a setting to fix, named as such (before, the driver's bare ``TransactionTimeout``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from airflow_pglock.exceptions import LockBusyError, LockLostError
+from airflow_pglock.exceptions import LockBusyError, LockConfigurationError, LockLostError
 from airflow_pglock.guard import LockGuard
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 from airflow_pglock.keys import LockKey
@@ -160,3 +162,44 @@ def test_a_transaction_lock_past_transaction_timeout_is_reported_lost_naming_it(
     with pytest.raises(LockLostError) as lost, guard:
         time.sleep(LONGER)
     assert "transaction_timeout" in str(lost.value) and "mode='session'" in str(lost.value), lost.value
+
+
+def test_a_transaction_locks_wait_cut_off_by_transaction_timeout_fails_naming_it(cluster: Cluster, admin: Any) -> None:
+    """A transaction lock waits inside the transaction it is to be held in: the server ends the
+    session at transaction_timeout, a setting to fix (before, the driver's bare TransactionTimeout)."""
+    key = LockKey.from_name("tt/transaction-wait")
+    holder = _held_for(cluster.dsn, key, LONGER)
+    hook = AdvisoryLockHook(dsn=cluster.dsn)
+    try:
+        guard = LockGuard(hook.database, key, LockPolicy(mode="transaction", on_busy="wait", wait_timeout=30))
+        with pytest.raises(LockConfigurationError) as refused, guard:
+            pytest.fail("the key was held by another session past transaction_timeout")
+    finally:
+        holder.join()
+    message = str(refused.value)
+    assert "'tt/transaction-wait'" in message and "transaction_timeout" in message and "30 s" in message, message
+    assert isinstance(refused.value.__cause__, psycopg.errors.TransactionTimeout)
+    assert not guard.took_the_lock
+
+
+def test_a_transaction_pools_wait_cut_off_by_transaction_timeout_fails_naming_it(cluster: Cluster, admin: Any) -> None:
+    key = LockKey.from_name("tt/transaction-pool")
+    hook = AdvisoryLockHook(dsn=cluster.dsn)
+    taken = threading.Barrier(3, timeout=10)
+
+    def hold_a_slot() -> None:
+        with LockGuard(hook.database, key, LockPolicy(slots=2)):
+            taken.wait()
+            time.sleep(LONGER)
+
+    holders = [threading.Thread(target=hold_a_slot, daemon=True) for _ in range(2)]
+    for holder in holders:
+        holder.start()
+    taken.wait()
+    try:
+        policy = LockPolicy(mode="transaction", on_busy="wait", wait_timeout=30, slots=2)
+        with pytest.raises(LockConfigurationError, match="transaction_timeout"), LockGuard(hook.database, key, policy):
+            pytest.fail("both slots were held by other sessions past transaction_timeout")
+    finally:
+        for holder in holders:
+            holder.join()
