@@ -416,26 +416,27 @@ class LockGuard:
             if token is not None:
                 self.fencing_token = token
             if self.scope.kind == "leave" and not self._records_completion:
-                self._say_what_the_teardown_found()
+                self._say_what_the_teardown_found(held.key)
             break
         return held
 
-    def _say_what_the_teardown_found(self) -> None:
+    def _say_what_the_teardown_found(self, key: LockKey) -> None:
         """A teardown that found its scope gone or lapsed freed nothing: its log says so (it ends
-        well: the scope is free either way, and the tasks of the scope checked it as they ran)."""
+        well: the scope is free either way, and the tasks of the scope checked it as they ran).
+        ``key``: the key whose row it checked (a pool's slot, not the pool: slot 1, maybe another's)."""
         row = self.scope_row
         if row is None:
             self.log.warning(
                 "pglock: the lock scope of %s (holder %s) was already gone when it was to be freed: it had been "
                 "freed, or had lapsed and been taken by another run",
-                self.key.describe(),
+                key.describe(),
                 self.scope.holder,
             )
         elif not row.live:
             self.log.warning(
                 "pglock: the lock scope of %s had lapsed before its teardown (lease until %s, database clock); "
                 "its row is deleted",
-                self.key.describe(),
+                key.describe(),
                 row.lease_until.isoformat(timespec="seconds"),
             )
 

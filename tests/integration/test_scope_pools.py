@@ -130,6 +130,39 @@ def test_a_pool_guard_that_waits_takes_a_slot_once_a_scope_frees_it(hook: Any, s
         assert _rows(scopes_db) == {"scopes/pool": first}
 
 
+@pytest.mark.parametrize("found", ["gone", "lapsed"])
+def test_a_teardown_that_finds_its_slots_scope_gone_or_lapsed_names_that_slot(
+    hook: Any, scopes_db: Any, caplog: Any, found: str
+) -> None:
+    """The teardown re-checks the row of the slot its setup took: a warning about what it found
+    names that slot, not the pool's key (slot 1, whose row is another scope's here)."""
+    first, second = uuid.uuid4().hex, uuid.uuid4().hex
+    _enter(hook, first)
+    assert _enter(hook, second) == 2
+    if found == "gone":
+        scopes_db.execute("DELETE FROM pglock.scopes WHERE holder = %s", [second])
+    else:
+        scopes_db.execute(
+            "UPDATE pglock.scopes SET lease_until = clock_timestamp() - interval '1 second' WHERE holder = %s",
+            [second],
+        )
+    quiet = logging.getLogger("pglock-test-pool-teardown")
+    with (
+        caplog.at_level(logging.WARNING, logger=quiet.name),
+        LockGuard(hook.database, POOL, _policy(), scope=_role("leave", second, slot=2), logger=quiet),
+    ):
+        pass
+    [line] = [
+        record.getMessage()
+        for record in caplog.records
+        if "before its teardown" in record.getMessage() or "was already gone" in record.getMessage()
+    ]
+    assert slot_keys(POOL, SLOTS)[1].describe() in line, line
+    assert POOL.describe() not in line, line
+    assert _rows(scopes_db) == {"scopes/pool": first}, "slot 1 is the other scope's, untouched"
+    assert advisory_locks_left(scopes_db) == 0
+
+
 def test_a_running_task_of_a_pool_scope_holds_the_pools_size_markers(hook: Any, scopes_db: Any) -> None:
     holder = uuid.uuid4().hex
     _enter(hook, holder)
