@@ -420,10 +420,11 @@ def issue_fencing_token(
 
 
 def _refuse_a_sequence_out_of_order(conn: psycopg.Connection[Any], key: LockKey, drawn: int) -> None:
-    """A token not recorded because the key's newest token is ahead of the sequence (set back by hand,
-    or restored without the table) or because the sequence hands numbers out of order (``CACHE`` > 1:
-    each session draws from a range of its own) fails the run with what to run, not as lost: every
-    later try would fail the same way.
+    """A token not recorded because the key's newest token is ahead of the sequence (the key's row set
+    ahead by hand, the sequence set back, or restored without the table) or because the sequence hands
+    numbers out of order (``CACHE`` > 1: each session draws from a range of its own) fails the run with
+    what to run, not as lost: every later try would fail the same way. A row at the sequence's maximum
+    is mended by deleting it only (a setval to it would leave no number for any key).
 
     A holder that lost the key to a later one that drew after it is told apart: that one's token is
     at most the sequence's last value (the sequence hands numbers out once), a token set by hand past
@@ -434,7 +435,8 @@ def _refuse_a_sequence_out_of_order(conn: psycopg.Connection[Any], key: LockKey,
         found = _run(
             conn,
             "fencing",
-            "SELECT tokens.token, pg_sequence_last_value(seq.seqrelid), seq.seqcache FROM pg_sequence AS seq"
+            "SELECT tokens.token, pg_sequence_last_value(seq.seqrelid), seq.seqcache, seq.seqmax"
+            " FROM pg_sequence AS seq"
             " LEFT JOIN pglock.fencing_tokens AS tokens ON tokens.objsubid = %(objsubid)s"
             " AND tokens.classid = %(classid)s AND tokens.objid = %(objid)s"
             " WHERE seq.seqrelid = 'pglock.fencing_token_seq'::regclass",
@@ -444,7 +446,7 @@ def _refuse_a_sequence_out_of_order(conn: psycopg.Connection[Any], key: LockKey,
         return
     if found is None or found[0] is None or found[0] <= drawn:
         return
-    newest, last, cache = found
+    newest, last, cache, maximum = found
     if cache > 1:
         raise LockConfigurationError(
             f"the newest fencing token of {key.describe()} is {newest} and this run drew {drawn}: the sequence "
@@ -456,11 +458,29 @@ def _refuse_a_sequence_out_of_order(conn: psycopg.Connection[Any], key: LockKey,
     if last is not None and newest > last:
         raise LockConfigurationError(
             f"the newest fencing token of {key.describe()} in pglock.fencing_tokens is {newest}, ahead of the "
-            f"sequence pglock.fencing_token_seq (last value {last}; this run drew {drawn}): the sequence was "
-            "set back (setval, ALTER SEQUENCE ... RESTART, or restored without the table), so no token can be "
-            "issued for this key until it is past that. Run, as the schema's owner: SELECT setval("
-            "'pglock.fencing_token_seq', (SELECT max(token) FROM pglock.fencing_tokens)). The work did not run"
+            f"sequence pglock.fencing_token_seq (last value {last}; this run drew {drawn}): the key's row was set "
+            "ahead by hand (an UPDATE of pglock.fencing_tokens), or the sequence was set back (setval, ALTER "
+            "SEQUENCE ... RESTART, or restored without the table), so no token can be issued for this key until "
+            f"the sequence is past the row. The work did not run. {_ahead_remedy(key, newest, maximum)}"
         )
+
+
+def _ahead_remedy(key: LockKey, newest: int, maximum: int) -> str:
+    """What the schema's owner runs when ``key``'s row is ahead of the sequence (whose maximum is ``maximum``)."""
+    where = " AND ".join(f"{column} = {value}" for column, value in _coordinates(key).items())
+    delete = f"DELETE FROM pglock.fencing_tokens WHERE {where};"
+    if newest >= maximum:
+        return (
+            f"No token can follow {newest}: it is at the sequence's maximum ({maximum}), and a setval to it "
+            "would leave no number for any key. As the schema's owner, if no holder was ever given it (a row "
+            f"set by hand), delete the row (the next run records the sequence's next token): {delete}"
+        )
+    return (
+        "As the schema's owner: if tokens up to it were issued (the sequence was set back), move the sequence "
+        "past every recorded token: SELECT setval('pglock.fencing_token_seq', (SELECT max(token) FROM "
+        f"pglock.fencing_tokens)). If the row was set ahead by hand and no holder was ever given {newest}, delete "
+        f"it instead (the next run records the sequence's next token): {delete}"
+    )
 
 
 #: The longest a fencing token's commit waits for the synchronous standby before the run fails

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from typing import Any
@@ -267,6 +268,59 @@ def test_a_sequence_that_hands_numbers_out_of_order_is_named(hook: AdvisoryLockH
     with held_lock(hook, "fenced-cache") as held, pytest.raises(LockConfigurationError, match="has CACHE 10"):
         assert held is not None
         ledger.issue_fencing_token(held.connection, held.key, "holder", shared=held.shared)
+
+
+@pytest.mark.parametrize("mode", ["session", "transaction"])
+@pytest.mark.parametrize("ahead", [10**9, None], ids=["far-ahead", "at-the-sequence-maximum"])
+def test_a_token_row_set_ahead_by_hand_fails_the_run_naming_the_row_and_a_remedy_that_works(
+    hook: AdvisoryLockHook, installed: Any, mode: str, ahead: int | None
+) -> None:
+    """A key's row in pglock.fencing_tokens set far ahead of the sequence by hand (an UPDATE; the
+    trigger lets a token go up only): every fenced run of the key fails, as a configuration error
+    (not as lost) naming the key, the row's token and the sequence's last value, and what to run.
+    The remedy it names must work: at the sequence's maximum the setval it named before exhausted
+    the sequence (every fenced run of every key then failed in nextval); deleting the row (never
+    handed to a holder) does not (review -69)."""
+    from airflow_pglock.guard import LockGuard
+    from airflow_pglock.policy import LockPolicy
+    from airflow_pglock.run_rules import RunRules
+
+    key = LockKey.from_name(f"fenced-ahead-{mode}")
+
+    def fenced_run() -> int | None:
+        with LockGuard(hook.database, key, LockPolicy(mode=mode), rules=RunRules(fencing=True)) as handle:
+            return handle.fencing_token
+
+    first = fenced_run()
+    assert first is not None
+    row = installed.execute(
+        "UPDATE pglock.fencing_tokens SET token = %s WHERE key_name = %s RETURNING token",
+        (first + ahead if ahead is not None else 2**63 - 1, key.name),
+    ).fetchone()[0]
+    worked = False
+    with (
+        pytest.raises(LockConfigurationError) as refused,
+        LockGuard(hook.database, key, LockPolicy(mode=mode), rules=RunRules(fencing=True)),
+    ):
+        worked = True
+    assert not worked
+    message = str(refused.value)
+    last = installed.execute("SELECT last_value FROM pglock.fencing_token_seq").fetchone()[0]
+    assert key.describe() in message and f"is {row}, ahead of the sequence" in message, message
+    assert f"last value {last}" in message and "set ahead by hand" in message, message
+    assert "lost" not in message, message
+    delete = re.search(r"DELETE FROM pglock\.fencing_tokens WHERE [^;]*;", message)
+    assert delete is not None, message
+    setval = "SELECT setval('pglock.fencing_token_seq', (SELECT max(token) FROM pglock.fencing_tokens))"
+    if ahead is None:  # no number is left past it: only the delete mends it
+        assert setval not in message, message
+        installed.execute(delete.group(0))
+        assert fenced_run() == last + 1
+    else:
+        assert setval in message, message
+        installed.execute(setval)
+        assert fenced_run() == row + 1
+    assert installed.execute("SELECT pglock.current_fencing_token(%s::text)", (key.name,)).fetchone()[0] > first
 
 
 @pytest.mark.parametrize("restarted", [False, True], ids=["sequence-as-is", "sequence-restarted-meanwhile"])
