@@ -264,8 +264,11 @@ def _run_scope_task(
     except LockConfigurationError as error:
         fail_for_configuration(lock_spec, error, task.log)
 
+    held: list[str] = []  # the key the scope's row is of, as logs name it: with its tenant, a pool's slot
+
     def done(handle: LockHandle) -> dict[str, Any]:
         nonlocal role
+        held.append(handle.key.describe())
         entered = {"holder": role.holder, "token": handle.fencing_token, "period": rendered.get("once_per")}
         if handle.slot is not None:  # a scope over a pool: the slot its tasks and teardown re-enter
             entered["slot"] = handle.slot
@@ -282,10 +285,11 @@ def _run_scope_task(
         if kind == "enter" and not _refused(error):  # it may have taken the scope (a skip too: on_error="skip")
             _free_after_failed_setup(spec, role, context, rendered, task.log)
         raise
+    described = held[-1] if held else rendered.get("key")
     if kind == "enter":
-        task.log.info("pglock: took the lock scope of %s (holder %s)", rendered.get("key"), role.holder)
+        task.log.info("pglock: took the lock scope of %s (holder %s)", described, role.holder)
         return result
-    task.log.info("pglock: the lock scope of %s is no longer held by holder %s", rendered.get("key"), role.holder)
+    task.log.info("pglock: the lock scope of %s is no longer held by holder %s", described, role.holder)
     return None
 
 

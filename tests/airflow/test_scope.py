@@ -661,6 +661,10 @@ def test_a_scope_over_a_pool_takes_a_free_slot_its_tasks_reenter_and_skips_when_
     assert result.state("publish.a") == result.state("publish.b") == "success"
     assert result.state("publish.pglock_scope_exit") == "success"
     assert [row[0] for row in _scope_rows(scopes_db)] == [other], "the teardown freed slot 2, not the other's slot"
+    first = "".join(capfd.readouterr()) + caplog.text
+    # Their lines name the slot the scope held, not the pool's key (its slot 1: the other's scope).
+    assert "pglock: took the lock scope of key 'scope-key#slot2' (int64 " in first, first[-5000:]
+    assert "pglock: the lock scope of key 'scope-key#slot2' (int64 " in first, first[-5000:]
     slot_2 = slot_keys(KEY, 2)[1]
     scopes_db.execute("SELECT pg_advisory_lock(%s)", [slot_2.int64])
     try:

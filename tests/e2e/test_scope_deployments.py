@@ -397,7 +397,7 @@ def test_a_deferring_setup_waits_in_the_triggerer(deployments: dict[str, Deploym
     assert "pglock deferred" in setup_log, setup_log[-5000:]
     assert f"is held by the lock scope of deployment-A: {HOLD} {RUN_ID}" in setup_log, setup_log[-5000:]
     assert "pglock waiting" in setup_log, "the trigger's lines (from B's triggerer)\n" + setup_log[-5000:]
-    assert "pglock: took the lock scope of e2e/deferred" in setup_log, setup_log[-5000:]
+    assert "pglock: took the lock scope of key 'e2e/deferred' (int64 " in setup_log, setup_log[-5000:]
     assert b_states["deferred.pglock_scope_enter"][1] == 1, b_states
     # It took the scope once A's teardown freed it; its task ran after A's last scope task.
     a_exit_start, _ = _task_times(a, HOLD, "held.pglock_scope_exit")
