@@ -514,6 +514,14 @@ def _held_around(key: LockKey, shared: bool) -> str | None:
     for enclosing, pool in reversed(_HELD_AROUND.get()):
         if enclosing.shared and shared:
             continue
+def held_around() -> tuple[LockHandle, ...]:
+    """The locks that the guards around the work running in this context hold (however far out, or
+    the task's lock scope), innermost first; empty outside guarded work, and in a thread the work
+    starts (a thread starts with an empty context). For a sensor, whose own task may hold the key it
+    waits for."""
+    return tuple(handle for handle, _ in reversed(_HELD_AROUND.get()))
+
+
         if pool is not None and key.numbers == pool.numbers:
             return (
                 f"the name of the pool whose slot {enclosing.slot} its lock scope or an enclosing guard of the same "

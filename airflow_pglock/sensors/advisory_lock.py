@@ -29,9 +29,9 @@ from airflow_pglock.exceptions import (
     UnsafeSetupError,
 )
 from airflow_pglock.hooks import DEFAULT_CONN_ID
-from airflow_pglock.keys import LockKey
+from airflow_pglock.keys import LockKey, slot_keys
 from airflow_pglock.options import KeySpec, LockOptions, LockSpec, declared
-from airflow_pglock.task_guard import resolve_key
+from airflow_pglock.task_guard import held_around, resolve_key
 
 if TYPE_CHECKING:  # the hook, psycopg and the trigger load when the sensor runs, not when a DAG is parsed
     from airflow_pglock.holder import LockHolder
@@ -165,6 +165,7 @@ class AdvisoryLockSensor(BaseSensorOperator):
     def execute(self, context: Context) -> Any:
         try:
             key = self.lock_key()
+            self._refuse_own_hold(key)  # guarded by that key (or in its lock scope): it would wait for itself
         except (InvalidLockKeyError, LockConfigurationError) as error:
             # Outside poke(): a bad key fails the task, soft_fail or not (soft_fail is for timeouts).
             raise AirflowFailException(f"{type(error).__name__}: {error}") from error
@@ -178,6 +179,35 @@ class AdvisoryLockSensor(BaseSensorOperator):
             if self._last_holders is None or "timed out" not in str(skip):
                 raise
             raise AirflowSkipException(self._timeout_message(key, skip) + " (soft_fail=True)") from skip
+
+    def _refuse_own_hold(self, key: LockKey) -> None:
+        """Fail at once when the sensor's own task holds a key the sensor reads: ``guarded()`` around
+        the sensor, or the lock scope it is a task of, on the key it waits for (or on a slot of the
+        pool it waits for). Every check would count the task's own hold (deferred: the triggerer's
+        hold of it) as another's: a key the task holds is never free before the sensor ends, so it
+        would wait until its timeout (a pool: its own slot counts as one in use). A shared hold is no
+        holder to a shared sensor (spared)."""
+        around = held_around()
+        if not around:
+            return
+        read = {slot.numbers for slot in slot_keys(key, self.slots)}
+        for handle in around:
+            if (handle.shared and self.shared) or handle.key.numbers not in read:
+                continue
+            if self.slots == 1:
+                waits, until = f"waits for {key.describe()}, which", ", until its timeout"
+            else:
+                pool, slot = key.describe(), handle.key.describe()
+                waits = f"waits for a free slot of the pool {pool} ({self.slots} slots), whose slot {slot}"
+                until = " (its own slot as one in use)"
+            since = handle.acquired_at.isoformat(timespec="seconds")
+            raise AirflowFailException(
+                f"AdvisoryLockSensor {self.task_id!r} {waits} its own task already holds (its guard's session, pid "
+                f"{handle.backend_pid}, since {since}{', shared' if handle.shared else ''}): guarded() around the "
+                "sensor, or the lock scope it is a task of, holds that key while the sensor runs, so every check "
+                f"would count the sensor's own task as a holder{until}. Wait for the key in a task before the guarded "
+                "one (or before the scope), or guard the sensor with another key"
+            )
 
     def _timeout_message(self, key: LockKey, error: BaseException) -> str:
         return f"{key.describe()} is still held by {self._last_holders} after the sensor's timeout: {error}"

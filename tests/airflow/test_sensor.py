@@ -580,3 +580,93 @@ def test_never_fail_skips_an_error_in_poke_mode_only(unreachable_conn: str) -> N
         sensor(mode="poke").execute(context)
     with pytest.raises(LockConnectionError, match="cannot connect to the lock database"):
         sensor(deferrable=True).execute(context)
+
+
+# ------------------------------------------------- a sensor guarded by its own key
+
+SELF_GUARDED_DAG = """
+import functools
+
+import pendulum
+from airflow.sdk import dag, chain
+
+from airflow_pglock.operators.advisory_lock import guarded
+from airflow_pglock.operators.scope import advisory_lock_scope
+from airflow_pglock.sensors.advisory_lock import AdvisoryLockSensor
+
+CONN = "pglock_test"
+
+
+def plain_sensor(task_id, key, **options):
+    return AdvisoryLockSensor(task_id=task_id, key=key, postgres_conn_id=CONN, poke_interval=0.2, timeout=4,
+                              retries=0, **options)
+
+
+@dag(dag_id="self_guarded_sensors", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False)
+def self_guarded_sensors():
+    sensor = functools.partial(plain_sensor, trigger_rule="all_done")
+    tasks = [
+        guarded(sensor("guarded_poke", "self/poke"), key="self/poke", postgres_conn_id=CONN),
+        guarded(sensor("guarded_reschedule", "self/reschedule", mode="reschedule"), key="self/reschedule",
+                postgres_conn_id=CONN),
+        guarded(sensor("guarded_deferred", "self/deferred", deferrable=True), key="self/deferred",
+                postgres_conn_id=CONN),
+        guarded(sensor("guarded_templated", "{{ 'self/' ~ 'poke' }}"), key="self/poke", postgres_conn_id=CONN),
+        guarded(sensor("shared_guard_exclusive_sensor", "self/shared"), key="self/shared", shared=True,
+                postgres_conn_id=CONN),
+        guarded(sensor("guarded_pool_slot", "self/pool", slots=2), key="self/pool", slots=2, postgres_conn_id=CONN),
+        # Controls: another key, and a shared sensor under a shared guard (its own hold is no exclusive one).
+        guarded(sensor("guarded_other_key", "self/other"), key="self/poke", postgres_conn_id=CONN),
+        guarded(sensor("shared_guard_shared_sensor", "self/shared", shared=True), key="self/shared", shared=True,
+                postgres_conn_id=CONN),
+    ]
+    chain(*tasks)
+    with advisory_lock_scope("publish", key="self/scope", postgres_conn_id=CONN):  # not chained: a setup's rules
+        plain_sensor("wait_own_scope", "{{ 'self/scope' }}")
+
+
+self_guarded_sensors_dag = self_guarded_sensors()
+"""
+
+
+def test_a_sensor_guarded_by_its_own_key_fails_at_once_instead_of_waiting_for_itself(
+    airflow_db: Any, scopes_db: Any, capfd: Any, caplog: Any
+) -> None:
+    """A sensor run under a guard of the key it waits for (``guarded(sensor, key=...)`` in any mode,
+    or inside a lock scope on that key) found the key held by its own task at every check, the
+    triggerer's hold of its own deferral too, and waited until its timeout (review -74). It now
+    fails at its first check, naming the key and its own hold; a sensor of another key, or a shared
+    sensor under a shared guard (only exclusive holders make it wait), still runs."""
+    started = time.monotonic()
+    result = run_dag(SELF_GUARDED_DAG, "self_guarded_sensors")
+    log = "".join(capfd.readouterr()) + caplog.text
+    refused = (
+        "guarded_poke",
+        "guarded_reschedule",
+        "guarded_deferred",
+        "guarded_templated",
+        "shared_guard_exclusive_sensor",
+        "publish.wait_own_scope",
+    )
+    for task_id in refused:
+        assert result.state(task_id) == "failed", (task_id, log[-5000:])
+        shared = ", shared" if task_id == "shared_guard_exclusive_sensor" else ""
+        assert re.search(
+            rf"AdvisoryLockSensor '{re.escape(task_id)}' waits for key '[^']+' \(int64 -?\d+\), which its own task "
+            rf"already holds \(its guard's session, pid \d+, since \S+{shared}\): ",
+            log,
+        ), (task_id, log[-5000:])
+    pool = re.escape(LockKey.from_name("self/pool").describe())
+    assert re.search(
+        rf"AdvisoryLockSensor 'guarded_pool_slot' waits for a free slot of the pool {pool} \(2 slots\), whose slot "
+        rf"{pool} its own task already holds \(its guard's session, pid \d+, since \S+\): ",
+        log,
+    ), log[-5000:]
+    assert result.state("guarded_pool_slot") == "failed"
+    assert "still held by" not in log, "a sensor waited for its own key until its timeout"
+    assert result.state("guarded_other_key") == "success"
+    assert result.state("shared_guard_shared_sensor") == "success"
+    assert result.state("publish.pglock_scope_exit") == "success"
+    assert time.monotonic() - started < 60
+    assert scopes_db.execute("SELECT count(*) FROM pglock.scopes").fetchone() == (0,)
+    assert advisory_locks(scopes_db) == []
