@@ -24,6 +24,7 @@ __all__ = [
     "LockLostInterrupt",
     "PgLockError",
     "ScopeHorizonBusyError",
+    "StandbyServerError",
     "UnknownLockOptionError",
     "UnsafeSetupError",
 ]
@@ -47,6 +48,14 @@ class UnknownLockOptionError(LockConfigurationError, TypeError):
 
 class UnsafeSetupError(PgLockError):
     """The database set-up cannot give mutual exclusion (standby, pooler, not PostgreSQL)."""
+
+
+class StandbyServerError(UnsafeSetupError):
+    """The lock database answered as a standby in recovery: advisory locks are not replicated, so
+    it holds none of the primary's locks. Often a moment of a failover (an address that still
+    leads to the demoted server, or to a standby not yet promoted), so a guarded task fails with
+    it and Airflow's retries apply, as for a database that cannot be reached; the other unsafe
+    set-ups fail without a retry."""
 
 
 class LockConnectionError(PgLockError):

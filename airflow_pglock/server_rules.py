@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from airflow_pglock.exceptions import UnsafeSetupError
+from airflow_pglock.exceptions import StandbyServerError, UnsafeSetupError
 from airflow_pglock.liveness import IDLE_SESSION_TIMEOUT_VERSION
 
 Scope = Literal["session", "transaction"]
@@ -86,7 +86,8 @@ class Violation:
     fix: str
 
     def error(self) -> UnsafeSetupError:
-        return UnsafeSetupError(f"{self.problem}; {self.fix}")
+        unsafe = StandbyServerError if self.check == "recovery" else UnsafeSetupError
+        return unsafe(f"{self.problem}; {self.fix}")
 
 
 Rule = Callable[[ServerInfo, Scope, "str | None"], "Violation | None"]

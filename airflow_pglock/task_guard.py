@@ -43,6 +43,7 @@ from airflow_pglock.exceptions import (
     LockConnectionError,
     LockLostError,
     PgLockError,
+    StandbyServerError,
     UnsafeSetupError,
 )
 from airflow_pglock.identity import TaskIdentity
@@ -370,13 +371,15 @@ def run_guarded(
         raise _guard_skip(f"skipped: {busy}") from busy
     except LockLostError:
         raise
+    except StandbyServerError as error:  # often a failover under way: retried, as a database that is down
+        _skip_if_asked_before_the_lock(spec, error, logger, taken=nested or (guard is not None and guard.took_the_lock))
+        raise
     except (InvalidLockKeyError, LockConfigurationError, UnsafeSetupError) as error:
         if nested or (guard is not None and guard.took_the_lock):  # after the lock was taken: never a skip
             raise AirflowFailException(f"{type(error).__name__}: {error}") from error
         fail_for_configuration(spec, error, logger)
     except (PgLockError, psycopg.OperationalError) as error:
-        if not nested and (guard is None or not guard.took_the_lock):  # not taken: the database's fault
-            _skip_if_asked(spec, error, logger)
+        _skip_if_asked_before_the_lock(spec, error, logger, taken=nested or (guard is not None and guard.took_the_lock))
         raise
 
 
@@ -446,6 +449,12 @@ def fail_for_configuration(spec: LockSpec, error: BaseException, logger: Any) ->
     raise AirflowFailException(f"{type(error).__name__}: {error}") from error
 
 
+def _skip_if_asked_before_the_lock(spec: LockSpec, error: BaseException, logger: Any, *, taken: bool) -> None:
+    """The lock database's fault before anything was taken (nor any work run): ``on_error`` applies."""
+    if not taken:
+        _skip_if_asked(spec, error, logger)
+
+
 def _skip_if_asked(spec: LockSpec, error: BaseException, logger: Any) -> None:
     if spec.policy.on_error == "skip":
         logger.warning(
@@ -505,6 +514,14 @@ def hand_over_lock(python_callable: Callable[..., T]) -> Callable[..., T]:
     return with_lock
 
 
+def held_around() -> tuple[LockHandle, ...]:
+    """The locks that the guards around the work running in this context hold (however far out, or
+    the task's lock scope), innermost first; empty outside guarded work, and in a thread the work
+    starts (a thread starts with an empty context). For a sensor, whose own task may hold the key it
+    waits for."""
+    return tuple(handle for handle, _ in reversed(_HELD_AROUND.get()))
+
+
 def _held_around(key: LockKey, shared: bool) -> str | None:
     """Why a guard of ``key`` inside guarded work (or a lock scope's task) cannot run, or None: a
     guard around it, however far out, holds the very key (always busy), or a slot of the pool of
@@ -514,14 +531,6 @@ def _held_around(key: LockKey, shared: bool) -> str | None:
     for enclosing, pool in reversed(_HELD_AROUND.get()):
         if enclosing.shared and shared:
             continue
-def held_around() -> tuple[LockHandle, ...]:
-    """The locks that the guards around the work running in this context hold (however far out, or
-    the task's lock scope), innermost first; empty outside guarded work, and in a thread the work
-    starts (a thread starts with an empty context). For a sensor, whose own task may hold the key it
-    waits for."""
-    return tuple(handle for handle, _ in reversed(_HELD_AROUND.get()))
-
-
         if pool is not None and key.numbers == pool.numbers:
             return (
                 f"the name of the pool whose slot {enclosing.slot} its lock scope or an enclosing guard of the same "

@@ -14,7 +14,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from airflow_pglock.exceptions import UnsafeSetupError
+from airflow_pglock.exceptions import StandbyServerError
 from airflow_pglock.holder import EXCLUSIVE_MODE, SHARED_MODE
 from airflow_pglock.keys import LockKey
 from airflow_pglock.liveness import Liveness
@@ -179,9 +179,9 @@ IN_RECOVERY = "SELECT pg_is_in_recovery()"
 
 
 def refuse_a_standby(info: psycopg.ConnectionInfo, in_recovery: bool) -> None:
-    """Raise :class:`~airflow_pglock.exceptions.UnsafeSetupError` when the server is in recovery."""
+    """Raise :class:`~airflow_pglock.exceptions.StandbyServerError` when the server is in recovery."""
     if in_recovery:
-        raise UnsafeSetupError(
+        raise StandbyServerError(
             f"the lock database {info.dbname!r} at {info.host}:{info.port} is a standby in recovery: advisory "
             "locks are not replicated, so it shows none of the primary's holders and every key would look free; "
             "point the connection at the primary (with several hosts: target_session_attrs=read-write)"

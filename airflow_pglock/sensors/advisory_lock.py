@@ -26,6 +26,7 @@ from airflow_pglock.exceptions import (
     LockConfigurationError,
     LockConnectionError,
     PgLockError,
+    StandbyServerError,
     UnsafeSetupError,
 )
 from airflow_pglock.hooks import DEFAULT_CONN_ID
@@ -40,7 +41,8 @@ if TYPE_CHECKING:  # the hook, psycopg and the trigger load when the sensor runs
 SENSOR_OPTIONS = ("key", "tenant", "shared", "postgres_conn_id", "slots")
 
 _ERRORS: dict[str, type[Exception]] = {
-    cls.__name__: cls for cls in (LockConfigurationError, LockConnectionError, UnsafeSetupError, InvalidLockKeyError)
+    cls.__name__: cls
+    for cls in (LockConfigurationError, LockConnectionError, UnsafeSetupError, StandbyServerError, InvalidLockKeyError)
 }
 
 

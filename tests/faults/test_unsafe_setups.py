@@ -27,7 +27,7 @@ from devtools.holder import EXIT_LOST, Holder, HolderConfig
 from devtools.pgbouncer import PgBouncer, PgBouncerUnavailableError
 from devtools.standby import start_standby
 from tests.faults.conftest import FAULT_DATABASE, FaultServer, lock_holder_pids, wait_until_released
-from tests.helpers import wait_until_no_sessions
+from tests.helpers import run_dag, wait_until_no_sessions
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
@@ -341,3 +341,50 @@ def test_transaction_mode_sub_keys_end_with_the_works_own_commit_through_a_trans
         assert guard.outcome == "lost"
     for key in (sub_key, batch_key):
         assert not _sub_key_held(fault_admin, key), f"{key.describe()} stayed held by a pooled server session"
+
+
+STANDBY_DAG = """
+import datetime as dt
+
+import pendulum
+from airflow.sdk import dag, task
+
+
+@dag(dag_id="on_a_standby", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False,
+     default_args={"retries": 1, "retry_delay": dt.timedelta(0)})
+def on_a_standby():
+    @task.advisory_lock(postgres_conn_id="pglock_standby", key="standby-task")
+    def retried():
+        raise AssertionError("must not run")
+
+    @task.advisory_lock(postgres_conn_id="pglock_standby", key="standby-task", on_error="skip")
+    def skipped():
+        raise AssertionError("must not run")
+
+    retried()
+    skipped()
+
+
+on_a_standby_dag = on_a_standby()
+"""
+
+
+def test_a_guarded_task_on_a_standby_fails_and_is_retried(
+    fault_server: FaultServer, airflow_db: Any, admin: Any, capfd: Any
+) -> None:
+    """A standby is often a moment of a failover (an address that still leads to the demoted
+    server, or to a standby not yet promoted): the task fails with the reason and Airflow's retries
+    apply, as for a lock database that cannot be reached (before, it failed without a retry, as a
+    setting to fix); on_error="skip" skips it."""
+    standby = start_standby(fault_server.cluster)
+    os.environ["AIRFLOW_CONN_PGLOCK_STANDBY"] = standby.dsn_for(FAULT_DATABASE)
+    try:
+        result = run_dag(STANDBY_DAG, "on_a_standby")
+    finally:
+        os.environ.pop("AIRFLOW_CONN_PGLOCK_STANDBY", None)
+        standby.destroy()
+    log = "".join(capfd.readouterr())
+    assert result.states == {("retried", -1): "failed", ("skipped", -1): "skipped"}, result.states
+    assert result.tries[("retried", -1)] == 2, "a standby was not retried"
+    assert "StandbyServerError" in log and "standby in recovery" in log
+    assert "on_error='skip'" in log
