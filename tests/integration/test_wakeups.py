@@ -742,3 +742,24 @@ def test_a_deferred_operators_hold_waits_for_the_workers_own_supervisor_wait(sup
 class _NullLog:
     def info(self, *args: Any) -> None:
         pass
+
+
+def test_one_release_wakes_every_trigger_waiting_on_the_key(
+    airflow_db: Any, holder_hook: AdvisoryLockHook, admin: Any
+) -> None:
+    """No queue: every deferred task waiting on a key is woken by its release (docs/concepts.md,
+    on_busy="defer"); one of them takes it, the others try, wait defer_after and defer again."""
+    key = LockKey.from_name("wakeups/herd")
+    held = holder_hook.acquire(key, application_name="announcer")
+    assert held is not None
+
+    async def run() -> list[dict[str, Any]]:
+        waiting = [asyncio.create_task(_first_payload(_trigger(key))) for _ in range(5)]
+        await asyncio.to_thread(_hub_ready, admin)
+        await asyncio.sleep(0.5)
+        assert not any(task.done() for task in waiting), "a trigger fired while the key was held"
+        await asyncio.to_thread(held.release)
+        return list(await asyncio.wait_for(asyncio.gather(*waiting), FIRE_WITHIN))
+
+    events = asyncio.run(run())
+    assert [event["status"] for event in events] == [FREE] * 5, events
