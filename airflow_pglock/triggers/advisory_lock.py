@@ -233,7 +233,10 @@ class AdvisoryLockTrigger(BaseTrigger):
                         self.resume_hold,
                     )
                     await asyncio.sleep(held_back)
-                    free = not await self._taken_again()  # then waits again (the hold is over: at most once)
+                    # Taken again meanwhile? The loop registers the key anew and the hub reads it at
+                    # once, on its one connection (holds that end together open no connection each);
+                    # the hold is over, so a free read fires, and a held one waits on.
+                    free = False
             if free:
                 yield TriggerEvent({"status": FREE, "message": f"{key} is free", "deadline": self.deadline})
                 return
@@ -248,16 +251,6 @@ class AdvisoryLockTrigger(BaseTrigger):
             await _log(self.log.error, "pglock trigger: %s", message)
             event = {"status": ERROR, "error_type": type(error).__name__, "message": message, "deadline": self.deadline}
             yield TriggerEvent(event)
-
-    async def _taken_again(self) -> bool:
-        """After the wake-up's hold: whether the key (a pool: every slot) was taken again meanwhile.
-        A look that fails says nothing: True, so the trigger waits again and the hub's next read
-        (from a connection that answers) decides, or its error ends the wait."""
-        try:
-            return await self._holders_text() is not None
-        except Exception as error:
-            await _log(self.log.warning, "pglock: could not look at %s again after the hold: %s", self.key, error)
-            return True
 
     async def _holders_text(self) -> str | None:
         """Who holds the key now (for the deadline's message), on a short connection of its own;

@@ -628,6 +628,48 @@ def test_a_key_taken_again_during_the_wake_ups_hold_is_waited_for_again(
     assert event["status"] == FREE, event
 
 
+def test_many_wake_ups_held_back_look_again_through_the_hubs_connection(
+    airflow_db: Any, holder_hook: AdvisoryLockHook, admin: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Keys freed during their triggers' holds (a batch of tasks deferred a moment before their keys
+    were released): at the end of each hold the trigger looks again whether its key was taken, and
+    that look goes through the hub's one connection, not a connection of its own each (before: 20
+    connects at once, a burst that can take the lock database's last connection slots)."""
+    import psycopg
+
+    keys = [LockKey.from_name(f"wakeups/held-back-burst/{n}") for n in range(20)]
+    held = [holder_hook.acquire(key, application_name="announcer") for key in keys]
+    assert all(lock is not None for lock in held)
+    real = psycopg.AsyncConnection.connect.__func__  # type: ignore[attr-defined]
+    connects: list[str] = []
+
+    async def counted(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        connects.append(str(kwargs.get("application_name") or args))
+        return await real(cls, *args, **kwargs)
+
+    monkeypatch.setattr(psycopg.AsyncConnection, "connect", classmethod(counted))
+
+    async def run() -> tuple[list[dict[str, Any]], list[str]]:
+        triggers = [
+            AdvisoryLockTrigger.for_key(
+                key, postgres_conn_id=TEST_CONN_ID, poll_interval=LONG, deadline=None, resume_hold=2
+            )
+            for key in keys
+        ]
+        waiting = [asyncio.create_task(_first_payload(trigger)) for trigger in triggers]
+        await asyncio.to_thread(_hub_ready, admin)
+        before = len(connects)
+        for lock in held:
+            await asyncio.to_thread(lock.release)  # type: ignore[union-attr]
+        events = list(await asyncio.wait_for(asyncio.gather(*waiting), FIRE_WITHIN))
+        return events, connects[before:]
+
+    events, opened = asyncio.run(run())
+    assert [event["status"] for event in events] == [FREE] * len(keys), events
+    # The hub's own connection may close while every trigger sits in its hold, and open again for their looks.
+    assert opened in ([], [HUB]), f"{len(opened)} connections opened to look again after the holds: {opened[:3]}"
+
+
 def test_the_resume_hold_outlasts_the_late_report_of_a_deferring_process() -> None:
     """apache/airflow#72716: the executor reports the process that deferred once the task's supervisor
     noticed its exit, which may take ``[workers] min_heartbeat_interval`` (the supervisor's longest wait),
