@@ -183,33 +183,29 @@ class AdvisoryLockSensor(BaseSensorOperator):
             raise AirflowSkipException(self._timeout_message(key, skip) + " (soft_fail=True)") from skip
 
     def _refuse_own_hold(self, key: LockKey) -> None:
-        """Fail at once when the sensor's own task holds a key the sensor reads: ``guarded()`` around
-        the sensor, or the lock scope it is a task of, on the key it waits for (or on a slot of the
-        pool it waits for). Every check would count the task's own hold (deferred: the triggerer's
-        hold of it) as another's: a key the task holds is never free before the sensor ends, so it
-        would wait until its timeout (a pool: its own slot counts as one in use). A shared hold is no
-        holder to a shared sensor (spared)."""
-        around = held_around()
+        """Fail at once when the sensor's own task holds every key the sensor reads: ``guarded()``
+        around the sensor, or the lock scope it is a task of, on the key it waits for. Every check
+        would count the task's own hold (deferred: the triggerer's hold of it) as another's, and a key
+        the task holds is never free before the sensor ends: it would wait until its timeout. A pool
+        sensor whose task holds one of its slots may still find another free (it counts its own as one
+        in use), and a shared hold is no holder to a shared sensor: both run."""
+        around = [handle for handle in held_around() if not (handle.shared and self.shared)]
         if not around:
             return
         read = {slot.numbers for slot in slot_keys(key, self.slots)}
-        for handle in around:
-            if (handle.shared and self.shared) or handle.key.numbers not in read:
-                continue
-            if self.slots == 1:
-                waits, until = f"waits for {key.describe()}, which", ", until its timeout"
-            else:
-                pool, slot = key.describe(), handle.key.describe()
-                waits = f"waits for a free slot of the pool {pool} ({self.slots} slots), whose slot {slot}"
-                until = " (its own slot as one in use)"
-            since = handle.acquired_at.isoformat(timespec="seconds")
-            raise AirflowFailException(
-                f"AdvisoryLockSensor {self.task_id!r} {waits} its own task already holds (its guard's session, pid "
-                f"{handle.backend_pid}, since {since}{', shared' if handle.shared else ''}): guarded() around the "
-                "sensor, or the lock scope it is a task of, holds that key while the sensor runs, so every check "
-                f"would count the sensor's own task as a holder{until}. Wait for the key in a task before the guarded "
-                "one (or before the scope), or guard the sensor with another key"
-            )
+        own = [handle for handle in around if handle.key.numbers in read]
+        if not own or {handle.key.numbers for handle in own} != read:
+            return
+        handle = own[0]
+        since = handle.acquired_at.isoformat(timespec="seconds")
+        waits = f"waits for {key.describe()}" if self.slots == 1 else f"waits for a slot of the pool {key.describe()}"
+        raise AirflowFailException(
+            f"AdvisoryLockSensor {self.task_id!r} {waits}, which its own task already holds (its guard's session, "
+            f"pid {handle.backend_pid}, since {since}{', shared' if handle.shared else ''}): guarded() around the "
+            "sensor, or the lock scope it is a task of, holds that key while the sensor runs, so every check "
+            "would count the sensor's own task as a holder, until its timeout. Wait for the key in a task before "
+            "the guarded one (or before the scope), or guard the sensor with another key"
+        )
 
     def _timeout_message(self, key: LockKey, error: BaseException) -> str:
         return f"{key.describe()} is still held by {self._last_holders} after the sensor's timeout: {error}"

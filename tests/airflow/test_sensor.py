@@ -656,13 +656,8 @@ def test_a_sensor_guarded_by_its_own_key_fails_at_once_instead_of_waiting_for_it
             rf"already holds \(its guard's session, pid \d+, since \S+{shared}\): ",
             log,
         ), (task_id, log[-5000:])
-    pool = re.escape(LockKey.from_name("self/pool").describe())
-    assert re.search(
-        rf"AdvisoryLockSensor 'guarded_pool_slot' waits for a free slot of the pool {pool} \(2 slots\), whose slot "
-        rf"{pool} its own task already holds \(its guard's session, pid \d+, since \S+\): ",
-        log,
-    ), log[-5000:]
-    assert result.state("guarded_pool_slot") == "failed"
+    # A pool sensor whose task holds one slot of the pool may find another free: it runs.
+    assert result.state("guarded_pool_slot") == "success"
     assert "still held by" not in log, "a sensor waited for its own key until its timeout"
     assert result.state("guarded_other_key") == "success"
     assert result.state("shared_guard_shared_sensor") == "success"
