@@ -21,6 +21,7 @@ from airflow_pglock.keys import LockKey
 from airflow_pglock.pg.held import HeldLock
 from airflow_pglock.pg.key_names import record_key_name, record_key_name_statement, registry_schema_present
 from airflow_pglock.pg.release import AT_RELEASE_LOCK_TIMEOUT, BOUND_ERRORS, WriteAtRelease
+from airflow_pglock.pg.sql import inline
 
 log = logging.getLogger("airflow_pglock")
 
@@ -69,7 +70,7 @@ def record_acquisition(
 
     statement, params = record_key_name_statement(key, application_name, slots)
     held.at_release = WriteAtRelease(
-        statement=psycopg.ClientCursor(held.connection).mogrify(statement, params),
+        statement=inline(held.connection, statement, params),
         done=lambda rows: report([row[0] for row in rows]),
         failed=failed,
     )

@@ -22,7 +22,7 @@ from psycopg import sql
 from airflow_pglock.keys import LockKey
 from airflow_pglock.pg import wakeups
 from airflow_pglock.pg.probe import results_before
-from airflow_pglock.pg.sql import IN_TRANSACTION, call_text, held_condition, held_params, lock_function
+from airflow_pglock.pg.sql import IN_TRANSACTION, call_text, held_condition, held_params, inline, lock_function
 from airflow_pglock.server_rules import Scope
 
 log = logging.getLogger("airflow_pglock")
@@ -123,7 +123,7 @@ def commit_if_held(
     else:
         condition, params = held_condition(None, ("%s", "%s", "%s", "%s"), None), held_params(key, shared)
     # Several statements in one simple query take no parameters: psycopg binds them client-side.
-    statements = [psycopg.ClientCursor(conn).mogrify(_CHECK.format(condition=condition), params)]
+    statements = [inline(conn, _CHECK.format(condition=condition), params)]
     if at_release is not None:
         statements += [_SAVEPOINT, BOUND_WRITE, at_release.statement, UNBOUND_WRITE, f"RELEASE {_SAVEPOINT}"]
     try:
@@ -204,7 +204,7 @@ def unlock(
     if at_release is None:
         row = (conn if cursor is None else cursor).execute(statement, params).fetchone()
         return bool(row and row[0])
-    bound = psycopg.ClientCursor(conn).mogrify(statement, params)
+    bound = inline(conn, statement, params)
     # BEGIN, unlock, COMMIT | BEGIN, bound, write, COMMIT: the server skips the rest of the query at an error.
     results = _results_of(conn, f"BEGIN; {bound}; COMMIT; BEGIN; {BOUND_WRITE_ALONE}; {at_release.statement}; COMMIT")
     encoding = conn.info.encoding
@@ -280,7 +280,7 @@ def unlock_within(
     ``timeout`` s for the answer: for a holder that gives up before its work, whose skip a stalled
     server must not hold up. False as :func:`roll_back_within`; the caller closes the connection."""
     statement, params = _unlock_statement(key, shared, markers)
-    bound = psycopg.ClientCursor(conn).mogrify(statement, params)
+    bound = inline(conn, statement, params)
     return _answered_within(conn, bound.encode(conn.info.encoding), psycopg.pq.ExecStatus.TUPLES_OK, timeout)
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import psycopg
 from psycopg import sql
+from psycopg.adapt import Dumper
 
 from airflow_pglock.exceptions import StandbyServerError
 from airflow_pglock.holder import EXCLUSIVE_MODE, SHARED_MODE
@@ -31,6 +32,26 @@ LIFT_TRANSACTION_TIMEOUT = (
     "CASE WHEN current_setting('transaction_timeout', true) IS NOT NULL"
     " THEN set_config('transaction_timeout', '0', true) END"
 )
+
+
+class _IntLiteral(Dumper):
+    """An integer inlined into a statement: a negative one in parentheses, so that a cast after it
+    casts the number (``-2147483648::integer`` is ``-(2147483648::integer)``, out of range)."""
+
+    def dump(self, obj: int) -> bytes:
+        return str(obj).encode()
+
+    def quote(self, obj: int) -> bytes:
+        text = self.dump(obj)
+        return b"(" + text + b")" if obj < 0 else text
+
+
+def inline(conn: psycopg.Connection[Any], statement: str | sql.Composable, params: Any) -> str:
+    """``statement`` with its parameters bound client-side, for several statements sent in one
+    simple query (which takes no parameters)."""
+    cursor = psycopg.ClientCursor(conn)
+    cursor.adapters.register_dumper(int, _IntLiteral)
+    return cursor.mogrify(statement, params)  # type: ignore[arg-type]  # static SQL from this package
 
 
 def execute_contained(conn: psycopg.Connection[Any], statement: str, params: dict[str, Any], savepoint: str) -> Any:

@@ -33,7 +33,7 @@ from airflow_pglock.pg.pools import (
     pool_params,
 )
 from airflow_pglock.pg.release import give_back_all, unlock
-from airflow_pglock.pg.sql import key_params, liveness_statement, lock_function, named_call_text
+from airflow_pglock.pg.sql import inline, key_params, liveness_statement, lock_function, named_call_text
 from airflow_pglock.pg.statements import first_free, wait_lock, wait_slot
 from airflow_pglock.server_rules import Scope, ServerInfo
 
@@ -169,7 +169,7 @@ def first_try(
         row = conn.execute(statement, params).fetchone()
     else:
         # Several statements in one simple query take no parameters: psycopg binds them client-side.
-        inlined = psycopg.ClientCursor(conn).mogrify(statement, params)
+        inlined = inline(conn, statement, params)
         cursor = conn.execute(sql.Composed([opening, sql.SQL(inlined)]))
         while cursor.nextset():  # the try's row is the last result
             pass

@@ -120,3 +120,30 @@ def test_the_registry_stores_the_longest_names_a_key_or_pool_may_have(registry_d
     assert names == {longest, last_slot.name}
     with pytest.raises(InvalidLockKeyError, match=f"at most {MAX_KEY_NAME_BYTES}"):
         LockKey.from_name(_incompressible(MAX_KEY_NAME_BYTES + 1, seed=3))
+
+
+EXTREME_KEYS = [
+    LockKey.from_int(-(2**63)),
+    LockKey.from_int(2**63 - 1),
+    LockKey.from_pair(0, -(2**31)),
+    LockKey.from_pair(-(2**31), 5),
+    LockKey.from_pair(-(2**31), -(2**31)),
+]
+
+
+@pytest.mark.parametrize("mode", ["session", "transaction"])
+@pytest.mark.parametrize("key", EXTREME_KEYS, ids=[key.describe() for key in EXTREME_KEYS])
+def test_the_smallest_and_largest_explicit_keys_lock_in_every_mode(
+    hook: AdvisoryLockHook, admin: Any, key: LockKey, mode: str
+) -> None:
+    """Was: a transaction lock on -2**63, or on a pair with -2**31 in it, failed with "integer out of
+    range": its statements travel inlined, and `-2147483648::integer` is `-(2147483648::integer)`."""
+    classid, objid, objsubid = key.pg_locks
+    seen = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = %s AND objid = %s AND objsubid = %s"
+    policy = LockPolicy(mode=mode)  # type: ignore[arg-type]
+    with LockGuard(hook.database, key, policy, application_name="pglock-tests extreme keys") as handle:
+        assert handle.key == key
+        assert admin.execute(seen, [classid, objid, objsubid]).fetchone() == (1,)
+        with held_lock(hook, key) as other:
+            assert other is None, f"{key.describe()} was taken twice"
+    assert advisory_locks(admin) == []
