@@ -477,9 +477,10 @@ def _ahead_remedy(key: LockKey, newest: int, maximum: int) -> str:
         )
     return (
         "As the schema's owner: if tokens up to it were issued (the sequence was set back), move the sequence "
-        "past every recorded token: SELECT setval('pglock.fencing_token_seq', (SELECT max(token) FROM "
-        f"pglock.fencing_tokens)). If the row was set ahead by hand and no holder was ever given {newest}, delete "
-        f"it instead (the next run records the sequence's next token): {delete}"
+        "past every recorded token below its maximum (a row at the maximum, any key's, is mended by its own "
+        "DELETE): SELECT setval('pglock.fencing_token_seq', (SELECT max(token) FROM pglock.fencing_tokens WHERE "
+        f"token < {maximum})). If the row was set ahead by hand and no holder was ever given {newest}, delete it "
+        f"instead (the next run records the sequence's next token): {delete}"
     )
 
 

@@ -247,9 +247,10 @@ def test_a_recorded_token_never_goes_down(hook: AdvisoryLockHook, installed: Any
             ledger.issue_fencing_token(held.connection, held.key, "holder", shared=held.shared, xact_id=held.xact_id)
         message = str(refused.value)
         assert f"is {newest}, ahead of the sequence" in message and "this run drew 1" in message, message
-        assert "SELECT setval('pglock.fencing_token_seq', (SELECT max(token) FROM pglock.fencing_tokens))" in message
+        setval = _named_setval(message)
+        assert setval is not None, message
     assert installed.execute("SELECT pglock.current_fencing_token('fenced-down')").fetchone()[0] == newest
-    installed.execute("SELECT setval('pglock.fencing_token_seq', (SELECT max(token) FROM pglock.fencing_tokens))")
+    installed.execute(setval)
     with held_lock(hook, "fenced-down") as held:  # the remedy it names
         assert held is not None
         assert ledger.issue_fencing_token(held.connection, held.key, "holder", shared=held.shared) == newest + 1
@@ -311,13 +312,13 @@ def test_a_token_row_set_ahead_by_hand_fails_the_run_naming_the_row_and_a_remedy
     assert "lost" not in message, message
     delete = re.search(r"DELETE FROM pglock\.fencing_tokens WHERE [^;]*;", message)
     assert delete is not None, message
-    setval = "SELECT setval('pglock.fencing_token_seq', (SELECT max(token) FROM pglock.fencing_tokens))"
+    setval = _named_setval(message)
     if ahead is None:  # no number is left past it: only the delete mends it
-        assert setval not in message, message
+        assert setval is None, message
         installed.execute(delete.group(0))
         assert fenced_run() == last + 1
     else:
-        assert setval in message, message
+        assert setval is not None, message
         installed.execute(setval)
         assert fenced_run() == row + 1
     assert installed.execute("SELECT pglock.current_fencing_token(%s::text)", (key.name,)).fetchone()[0] > first
@@ -471,3 +472,36 @@ def test_a_role_that_may_not_record_a_completion_fails_before_the_work(
         installed.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", [role])
         installed.execute(f"DROP OWNED BY {role}")
         installed.execute(f"DROP ROLE {role}")
+
+
+def _named_setval(message: str) -> str | None:
+    """The setval a refusal's message names, if any."""
+    found = re.search(r"SELECT setval\('pglock\.fencing_token_seq', \(SELECT max\(token\) FROM [^;]*?\)\)", message)
+    return None if found is None else found.group(0)
+
+
+def test_the_setval_a_refusal_names_leaves_numbers_when_another_keys_row_is_at_the_maximum(
+    hook: AdvisoryLockHook, installed: Any
+) -> None:
+    """Key A's row set to the sequence's maximum by hand, key B's far ahead: the setval B's refusal
+    names moves the sequence past B's row, not to A's maximum, which would leave no number for any
+    key (review -84: every fenced run of every key then failed in nextval)."""
+    from airflow_pglock.guard import LockGuard
+    from airflow_pglock.policy import LockPolicy
+    from airflow_pglock.run_rules import RunRules
+
+    def fenced_run(name: str) -> int | None:
+        with LockGuard(hook.database, LockKey.from_name(name), LockPolicy(), rules=RunRules(fencing=True)) as handle:
+            return handle.fencing_token
+
+    assert fenced_run("fenced-max-a") is not None and fenced_run("fenced-max-b") is not None
+    update = "UPDATE pglock.fencing_tokens SET token = %s WHERE key_name = %s"
+    installed.execute(update, (2**63 - 1, "fenced-max-a"))
+    installed.execute(update, (10**12, "fenced-max-b"))
+    with pytest.raises(LockConfigurationError) as refused:
+        fenced_run("fenced-max-b")
+    setval = _named_setval(str(refused.value))
+    assert setval is not None, refused.value
+    installed.execute(setval)
+    assert fenced_run("fenced-max-b") == 10**12 + 1
+    assert fenced_run("fenced-max-c") == 10**12 + 2
