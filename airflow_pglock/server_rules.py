@@ -208,7 +208,9 @@ def session_lock_behind_pooler(info: ServerInfo, scope: Scope, pool_mode: str | 
 
 
 #: Every rule, in the order a lock connection checks them.
-RULES: tuple[Rule, ...] = (not_postgresql, too_old, no_idle_session_timeout, hot_standby, session_lock_behind_pooler)
+#: A standby last: the others are settings to fix, and a lock fails with the first (a standby's
+#: error is retried, often a failover under way).
+RULES: tuple[Rule, ...] = (not_postgresql, too_old, no_idle_session_timeout, session_lock_behind_pooler, hot_standby)
 #: The rules the handshake alone can judge (checked before any statement runs).
 HANDSHAKE_RULES: tuple[Rule, ...] = (not_postgresql, too_old, no_idle_session_timeout)
 

@@ -279,7 +279,8 @@ def take(
         with _cut_off_by_transaction_timeout(key, timeout, scope):
             if not wait_lock(conn, key, timeout, shared=shared, scope=scope):
                 return None
-        if is_named_key(key) and pool_in_use(conn, key):  # a pool of the name began during the wait
+            pooled = is_named_key(key) and pool_in_use(conn, key)  # a pool of the name began during the wait
+        if pooled:
             refusal = pool_conflict_error(conn, key, 1, ("pool", 0, 0))
             give_back_all(conn, scope)  # the key it waited for
             raise refusal

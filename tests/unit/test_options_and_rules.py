@@ -77,6 +77,21 @@ def test_each_rule_is_one_message_for_the_hook_and_doctor(
     assert str(error.value) == f"{violation.problem}; {violation.fix}"
 
 
+def test_a_standby_is_retried_and_comes_after_the_settings_to_fix() -> None:
+    """A standby is a StandbyServerError (a failover under way, often: retried); a standby that is
+    also behind a transaction pooler fails with the pooler, which no retry mends."""
+    from airflow_pglock.exceptions import StandbyServerError
+
+    standby = dataclasses.replace(PRIMARY, in_recovery=True)
+    with pytest.raises(StandbyServerError):
+        check_server(standby, "session", None)
+    pooled_standby = dataclasses.replace(standby, reported_pid=99)
+    assert [v.check for v in violations(pooled_standby, "session", None)] == ["pooler", "recovery"]
+    with pytest.raises(UnsafeSetupError, match="connection pooler is in between") as error:
+        check_server(pooled_standby, "session", None)
+    assert not isinstance(error.value, StandbyServerError)
+
+
 def test_rules_pass_a_primary_and_what_is_safe() -> None:
     assert len(RULES) == 5
     assert violations(PRIMARY, "session", None) == []
