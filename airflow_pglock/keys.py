@@ -116,14 +116,14 @@ class LockKey:
     def from_int(cls, value: int, name: str | None = None) -> LockKey:
         """An explicit int64 key, used unchanged."""
         _check_int("int64 lock key", value, INT64_MIN, INT64_MAX)
-        return cls(name=name, numbers=(value,))
+        return cls(name=name, numbers=(int(value),))  # an int subclass (an IntEnum member) as its number
 
     @classmethod
     def from_pair(cls, first: int, second: int, name: str | None = None) -> LockKey:
         """An explicit (int32, int32) key, used unchanged."""
         _check_int("first int32 of the lock key pair", first, INT32_MIN, INT32_MAX)
         _check_int("second int32 of the lock key pair", second, INT32_MIN, INT32_MAX)
-        return cls(name=name, numbers=(first, second))
+        return cls(name=name, numbers=(int(first), int(second)))
 
     @classmethod
     def coerce(cls, value: Any) -> LockKey:

@@ -419,6 +419,13 @@ def issue_fencing_token(
     return row
 
 
+#: Moves the sequence past every recorded token below its maximum: a setval to the maximum itself
+#: would leave no number for any key.
+_SETVAL = (
+    "SELECT setval('pglock.fencing_token_seq', (SELECT max(token) FROM pglock.fencing_tokens WHERE token < {maximum}))"
+)
+
+
 def _refuse_a_sequence_out_of_order(conn: psycopg.Connection[Any], key: LockKey, drawn: int) -> None:
     """A token not recorded because the key's newest token is ahead of the sequence (the key's row set
     ahead by hand, the sequence set back, or restored without the table) or because the sequence hands
@@ -452,8 +459,8 @@ def _refuse_a_sequence_out_of_order(conn: psycopg.Connection[Any], key: LockKey,
             f"the newest fencing token of {key.describe()} is {newest} and this run drew {drawn}: the sequence "
             f"pglock.fencing_token_seq has CACHE {cache}, so each session draws from a range of its own and "
             "tokens do not follow the order of the holds. Run, as the schema's owner: ALTER SEQUENCE "
-            "pglock.fencing_token_seq CACHE 1; then SELECT setval('pglock.fencing_token_seq', (SELECT max(token) "
-            "FROM pglock.fencing_tokens)). The work did not run"
+            f"pglock.fencing_token_seq CACHE 1; then {_SETVAL.format(maximum=maximum)} (a row at the sequence's "
+            "maximum, any key's, is mended by deleting it, if no holder was ever given it). The work did not run"
         )
     if last is not None and newest > last:
         raise LockConfigurationError(
@@ -478,9 +485,8 @@ def _ahead_remedy(key: LockKey, newest: int, maximum: int) -> str:
     return (
         "As the schema's owner: if tokens up to it were issued (the sequence was set back), move the sequence "
         "past every recorded token below its maximum (a row at the maximum, any key's, is mended by its own "
-        "DELETE): SELECT setval('pglock.fencing_token_seq', (SELECT max(token) FROM pglock.fencing_tokens WHERE "
-        f"token < {maximum})). If the row was set ahead by hand and no holder was ever given {newest}, delete it "
-        f"instead (the next run records the sequence's next token): {delete}"
+        f"DELETE): {_SETVAL.format(maximum=maximum)}. If the row was set ahead by hand and no holder was ever "
+        f"given {newest}, delete it instead (the next run records the sequence's next token): {delete}"
     )
 
 

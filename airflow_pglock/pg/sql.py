@@ -39,7 +39,7 @@ class _IntLiteral(Dumper):
     casts the number (``-2147483648::integer`` is ``-(2147483648::integer)``, out of range)."""
 
     def dump(self, obj: int) -> bytes:
-        return str(obj).encode()
+        return str(int(obj)).encode()  # an int subclass (an IntEnum member) by its number, not its name
 
     def quote(self, obj: int) -> bytes:
         text = self.dump(obj)

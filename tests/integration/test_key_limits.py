@@ -4,6 +4,7 @@ key-name registry can always store."""
 
 from __future__ import annotations
 
+import enum
 import logging
 import random
 from collections.abc import Iterator
@@ -122,7 +123,14 @@ def test_the_registry_stores_the_longest_names_a_key_or_pool_may_have(registry_d
         LockKey.from_name(_incompressible(MAX_KEY_NAME_BYTES + 1, seed=3))
 
 
+class _Shard(int, enum.Enum):  # an int-valued enum as a key: LockKey takes any int
+    PLUS = 7
+    MINUS = -7
+
+
 EXTREME_KEYS = [
+    LockKey.from_int(_Shard.PLUS),
+    LockKey.from_pair(_Shard.MINUS, _Shard.PLUS),
     LockKey.from_int(-(2**63)),
     LockKey.from_int(2**63 - 1),
     LockKey.from_pair(0, -(2**31)),
@@ -137,10 +145,12 @@ def test_the_smallest_and_largest_explicit_keys_lock_in_every_mode(
     hook: AdvisoryLockHook, admin: Any, key: LockKey, mode: str
 ) -> None:
     """Was: a transaction lock on -2**63, or on a pair with -2**31 in it, failed with "integer out of
-    range": its statements travel inlined, and `-2147483648::integer` is `-(2147483648::integer)`."""
+    range": its statements travel inlined, and `-2147483648::integer` is `-(2147483648::integer)`. An
+    int-valued enum's member is inlined by its number, not its name (review -85)."""
     classid, objid, objsubid = key.pg_locks
     seen = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = %s AND objid = %s AND objsubid = %s"
     policy = LockPolicy(mode=mode)  # type: ignore[arg-type]
+    assert "_Shard" not in key.describe()  # an enum member is its number in the key
     with LockGuard(hook.database, key, policy, application_name="pglock-tests extreme keys") as handle:
         assert handle.key == key
         assert admin.execute(seen, [classid, objid, objsubid]).fetchone() == (1,)

@@ -266,9 +266,11 @@ def test_a_sequence_that_hands_numbers_out_of_order_is_named(hook: AdvisoryLockH
         assert early is not None
     installed.execute("SELECT setval('pglock.fencing_token_seq', (SELECT max(token) FROM pglock.fencing_tokens))")
     installed.execute("UPDATE pglock.fencing_tokens SET token = token + 50 WHERE key_name = 'fenced-cache'")
-    with held_lock(hook, "fenced-cache") as held, pytest.raises(LockConfigurationError, match="has CACHE 10"):
+    with held_lock(hook, "fenced-cache") as held, pytest.raises(LockConfigurationError, match="has CACHE 10") as cached:
         assert held is not None
         ledger.issue_fencing_token(held.connection, held.key, "holder", shared=held.shared)
+    # The setval it names leaves out a row at the sequence's maximum (review -85).
+    assert f"WHERE token < {2**63 - 1}))" in (_named_setval(str(cached.value)) or ""), cached.value
 
 
 @pytest.mark.parametrize("mode", ["session", "transaction"])
