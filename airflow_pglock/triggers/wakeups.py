@@ -260,9 +260,12 @@ class WakeupHub:
             self.pending.clear()
             if keys:
                 every_key = keys == set(self.waiters)
+                # Only the waiters registered before the read began: one that registers during it (its
+                # key is in pending again) waits for a read of its own, which may find the key taken.
+                readers = {coordinates: list(self.waiters.get(coordinates, ())) for coordinates in keys}
                 held = await wakeups.aheld(conn, keys)
                 for count, coordinates in enumerate(keys, 1):
-                    for waiter in list(self.waiters.get(coordinates, ())):
+                    for waiter in readers[coordinates]:
                         waiter.settle(held.get(coordinates))
                     if count % WAKE_BATCH == 0:
                         await asyncio.sleep(0)  # the woken triggers run WAKE_BATCH to a turn of the loop

@@ -670,6 +670,67 @@ def test_many_wake_ups_held_back_look_again_through_the_hubs_connection(
     assert opened in ([], [HUB]), f"{len(opened)} connections opened to look again after the holds: {opened[:3]}"
 
 
+def test_a_trigger_that_registers_while_its_key_is_read_waits_for_a_read_of_its_own(
+    dsn: str, airflow_db: Any, holder_hook: AdvisoryLockHook, admin: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read of the key began while it was free; a foreign session took it and another trigger
+    registered before the read's answer came: that answer is the earlier trigger's, and the later one
+    waits for a read made after it registered (before: both fired "free" while the key was held;
+    review -85). The wake-up hold's look again after its end registers the same way."""
+    import psycopg
+
+    from airflow_pglock.triggers import wakeups as hubs
+
+    key = LockKey.from_name("wakeups/registered-mid-read")
+    held = holder_hook.acquire(key, application_name="announcer")
+    assert held is not None
+    real = wakeups.aheld
+    slow = {"armed": False}
+
+    async def spy(conn: Any, keys: Any) -> Any:
+        answer = await real(conn, keys)
+        if slow["armed"] and key.pg_locks in keys:  # the release's read: free; hold its answer back
+            slow["armed"] = False
+            hub = hubs.hub_for(
+                TEST_CONN_ID,
+                AdvisoryLockTrigger.for_key(
+                    key, postgres_conn_id=TEST_CONN_ID, poll_interval=LONG, deadline=None
+                ).connect_timeout,
+            )
+            limit = time.monotonic() + FIRE_WITHIN
+            while len(hub.waiters.get(key.pg_locks, ())) < 2:  # until the second trigger registered
+                assert time.monotonic() < limit, "the second trigger never registered"
+                await asyncio.sleep(0.01)
+        return answer
+
+    monkeypatch.setattr(wakeups, "aheld", spy)
+    foreign = psycopg.connect(dsn, autocommit=True)
+
+    async def scenario() -> tuple[dict[str, Any], bool, dict[str, Any]]:
+        first = asyncio.create_task(_first_payload(_trigger(key)))
+        await asyncio.to_thread(_hub_ready, admin)
+        slow["armed"] = True
+        await asyncio.to_thread(held.release)  # announced: the hub reads the key, free
+        while slow["armed"]:
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(foreign.execute, "SELECT pg_advisory_lock(%s)", [key.int64])  # not announced
+        second = asyncio.create_task(_first_payload(_trigger(key)))
+        first_event = await asyncio.wait_for(first, FIRE_WITHIN)  # registered before the read: free was true
+        await asyncio.sleep(1.0)
+        fired_while_held = second.done()
+        await asyncio.to_thread(foreign.execute, "SELECT pg_advisory_unlock(%s)", [key.int64])
+        await asyncio.to_thread(_notify, admin, wakeups.payload(key))
+        return first_event, fired_while_held, await asyncio.wait_for(second, FIRE_WITHIN)
+
+    try:
+        first_event, fired_while_held, second_event = asyncio.run(scenario())
+    finally:
+        foreign.close()
+    assert first_event["status"] == FREE, first_event
+    assert not fired_while_held, "a trigger fired free on a read made before it registered, while the key was held"
+    assert second_event["status"] == FREE, second_event
+
+
 def test_the_resume_hold_outlasts_the_late_report_of_a_deferring_process() -> None:
     """apache/airflow#72716: the executor reports the process that deferred once the task's supervisor
     noticed its exit, which may take ``[workers] min_heartbeat_interval`` (the supervisor's longest wait),
