@@ -666,8 +666,10 @@ def test_many_wake_ups_held_back_look_again_through_the_hubs_connection(
 
     events, opened = asyncio.run(run())
     assert [event["status"] for event in events] == [FREE] * len(keys), events
-    # The hub's own connection may close while every trigger sits in its hold, and open again for their looks.
-    assert opened in ([], [HUB]), f"{len(opened)} connections opened to look again after the holds: {opened[:3]}"
+    # No look of its own; the hub's connection may close while every trigger sits in its hold, and open
+    # again for their looks (more than once only if the holds end further apart than a read takes).
+    assert set(opened) <= {HUB}, f"{len(opened)} connections opened to look again after the holds: {opened[:3]}"
+    assert len(opened) <= 3, f"the hub reconnected {len(opened)} times for 20 looks"
 
 
 def test_a_trigger_that_registers_while_its_key_is_read_waits_for_a_read_of_its_own(
