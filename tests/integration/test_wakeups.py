@@ -5,7 +5,10 @@ foreign release at the next poll."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,7 +19,8 @@ from airflow_pglock.keys import LockKey
 from airflow_pglock.pg import statements, wakeups
 from airflow_pglock.pg.release import unlock
 from airflow_pglock.triggers.advisory_lock import FREE, AdvisoryLockTrigger
-from tests.helpers import TEST_CONN_ID, allow_connections
+from devtools.relay import Relay
+from tests.helpers import TEST_CONN_ID, allow_connections, relayed
 
 WAITERS = 200
 
@@ -628,109 +632,124 @@ def test_a_key_taken_again_during_the_wake_ups_hold_is_waited_for_again(
     assert event["status"] == FREE, event
 
 
+RELAYED_CONN_ID = "pglock_relayed"
+
+
+@contextlib.contextmanager
+def _through_a_relay(dsn: str) -> Iterator[Relay]:
+    """A relay in front of the test database (it counts the connections through it, and can hold
+    each chunk a while: :attr:`Relay.delay`), and the Airflow connection RELAYED_CONN_ID through it."""
+    import psycopg
+
+    with relayed(dsn) as (relay, through):
+        params = psycopg.conninfo.conninfo_to_dict(through)
+        variable = f"AIRFLOW_CONN_{RELAYED_CONN_ID.upper()}"
+        os.environ[variable] = (
+            f"postgresql://{params.get('user') or 'postgres'}@127.0.0.1:{relay.port}/{params['dbname']}"
+        )
+        try:
+            yield relay
+        finally:
+            os.environ.pop(variable, None)
+
+
 def test_many_wake_ups_held_back_look_again_through_the_hubs_connection(
-    airflow_db: Any, holder_hook: AdvisoryLockHook, admin: Any, monkeypatch: pytest.MonkeyPatch
+    dsn: str, airflow_db: Any, holder_hook: AdvisoryLockHook, admin: Any
 ) -> None:
     """Keys freed during their triggers' holds (a batch of tasks deferred a moment before their keys
     were released): at the end of each hold the trigger looks again whether its key was taken, and
     that look goes through the hub's one connection, not a connection of its own each (before: 20
     connects at once, a burst that can take the lock database's last connection slots)."""
-    import psycopg
-
     keys = [LockKey.from_name(f"wakeups/held-back-burst/{n}") for n in range(20)]
     held = [holder_hook.acquire(key, application_name="announcer") for key in keys]
     assert all(lock is not None for lock in held)
-    real = psycopg.AsyncConnection.connect.__func__  # type: ignore[attr-defined]
-    connects: list[str] = []
 
-    async def counted(cls: Any, *args: Any, **kwargs: Any) -> Any:
-        connects.append(str(kwargs.get("application_name") or args))
-        return await real(cls, *args, **kwargs)
-
-    monkeypatch.setattr(psycopg.AsyncConnection, "connect", classmethod(counted))
-
-    async def run() -> tuple[list[dict[str, Any]], list[str]]:
+    async def run(relay: Relay) -> tuple[list[dict[str, Any]], int]:
         triggers = [
             AdvisoryLockTrigger.for_key(
-                key, postgres_conn_id=TEST_CONN_ID, poll_interval=LONG, deadline=None, resume_hold=2
+                key, postgres_conn_id=RELAYED_CONN_ID, poll_interval=LONG, deadline=None, resume_hold=2
             )
             for key in keys
         ]
         waiting = [asyncio.create_task(_first_payload(trigger)) for trigger in triggers]
         await asyncio.to_thread(_hub_ready, admin)
-        before = len(connects)
+        relay.reset()
         for lock in held:
             await asyncio.to_thread(lock.release)  # type: ignore[union-attr]
         events = list(await asyncio.wait_for(asyncio.gather(*waiting), FIRE_WITHIN))
-        return events, connects[before:]
+        return events, relay.connections
 
-    events, opened = asyncio.run(run())
+    with _through_a_relay(dsn) as relay:
+        events, opened = asyncio.run(run(relay))
     assert [event["status"] for event in events] == [FREE] * len(keys), events
-    # No look of its own; the hub's connection may close while every trigger sits in its hold, and open
-    # again for their looks (more than once only if the holds end further apart than a read takes).
-    assert set(opened) <= {HUB}, f"{len(opened)} connections opened to look again after the holds: {opened[:3]}"
-    assert len(opened) <= 3, f"the hub reconnected {len(opened)} times for 20 looks"
+    # The hub's connection may close while every trigger sits in its hold, and open again for their
+    # looks (more than once only if the holds end further apart than a read takes).
+    assert opened <= 3, f"{opened} connections opened to look again after 20 holds"
 
 
 def test_a_trigger_that_registers_while_its_key_is_read_waits_for_a_read_of_its_own(
-    dsn: str, airflow_db: Any, holder_hook: AdvisoryLockHook, admin: Any, monkeypatch: pytest.MonkeyPatch
+    dsn: str, airflow_db: Any, holder_hook: AdvisoryLockHook, admin: Any
 ) -> None:
     """A read of the key began while it was free; a foreign session took it and another trigger
-    registered before the read's answer came: that answer is the earlier trigger's, and the later one
-    waits for a read made after it registered (before: both fired "free" while the key was held;
-    review -85). The wake-up hold's look again after its end registers the same way."""
+    registered before the read's answer came (a slow link): that answer is the earlier trigger's,
+    and the later one waits for a read made after it registered (before: both fired "free" while
+    the key was held; review -85). The wake-up hold's look again after its end registers the same way."""
     import psycopg
-
-    from airflow_pglock.triggers import wakeups as hubs
 
     key = LockKey.from_name("wakeups/registered-mid-read")
     held = holder_hook.acquire(key, application_name="announcer")
     assert held is not None
-    real = wakeups.aheld
-    slow = {"armed": False}
-
-    async def spy(conn: Any, keys: Any) -> Any:
-        answer = await real(conn, keys)
-        if slow["armed"] and key.pg_locks in keys:  # the release's read: free; hold its answer back
-            slow["armed"] = False
-            hub = hubs.hub_for(
-                TEST_CONN_ID,
-                AdvisoryLockTrigger.for_key(
-                    key, postgres_conn_id=TEST_CONN_ID, poll_interval=LONG, deadline=None
-                ).connect_timeout,
-            )
-            limit = time.monotonic() + FIRE_WITHIN
-            while len(hub.waiters.get(key.pg_locks, ())) < 2:  # until the second trigger registered
-                assert time.monotonic() < limit, "the second trigger never registered"
-                await asyncio.sleep(0.01)
-        return answer
-
-    monkeypatch.setattr(wakeups, "aheld", spy)
     foreign = psycopg.connect(dsn, autocommit=True)
 
-    async def scenario() -> tuple[dict[str, Any], bool, dict[str, Any]]:
-        first = asyncio.create_task(_first_payload(_trigger(key)))
-        await asyncio.to_thread(_hub_ready, admin)
-        slow["armed"] = True
-        await asyncio.to_thread(held.release)  # announced: the hub reads the key, free
-        while slow["armed"]:
-            await asyncio.sleep(0.01)
+    def trigger() -> AdvisoryLockTrigger:
+        return AdvisoryLockTrigger.for_key(
+            key, postgres_conn_id=RELAYED_CONN_ID, poll_interval=LONG, deadline=None, resume_hold=0
+        )
+
+    async def scenario(relay: Relay) -> tuple[dict[str, Any], bool, dict[str, Any]]:
+        first = asyncio.create_task(_first_payload(trigger()))
+        hub = await asyncio.to_thread(_hub_ready, admin)
+        relay.delay = SLOW_LINK  # each chunk to and from the hub now waits this long on its way
+        released = admin.execute("SELECT clock_timestamp()").fetchone()[0]
+        await asyncio.to_thread(held.release)  # announced: the hub hears it, and reads the key
+        await asyncio.to_thread(_read_by_the_server, admin, hub, released)  # free; its answer on its way
         await asyncio.to_thread(foreign.execute, "SELECT pg_advisory_lock(%s)", [key.int64])  # not announced
-        second = asyncio.create_task(_first_payload(_trigger(key)))
+        second = asyncio.create_task(_first_payload(trigger()))
         first_event = await asyncio.wait_for(first, FIRE_WITHIN)  # registered before the read: free was true
-        await asyncio.sleep(1.0)
+        relay.delay = 0.0
+        await asyncio.sleep(1.0)  # the second trigger's own read: the key is held
         fired_while_held = second.done()
         await asyncio.to_thread(foreign.execute, "SELECT pg_advisory_unlock(%s)", [key.int64])
         await asyncio.to_thread(_notify, admin, wakeups.payload(key))
         return first_event, fired_while_held, await asyncio.wait_for(second, FIRE_WITHIN)
 
     try:
-        first_event, fired_while_held, second_event = asyncio.run(scenario())
+        with _through_a_relay(dsn) as relay:
+            first_event, fired_while_held, second_event = asyncio.run(scenario(relay))
     finally:
         foreign.close()
     assert first_event["status"] == FREE, first_event
     assert not fired_while_held, "a trigger fired free on a read made before it registered, while the key was held"
     assert second_event["status"] == FREE, second_event
+
+
+#: Seconds each chunk between the hub and the server waits in the relay: the window in which the
+#: server has answered a read and the hub has not yet received the answer.
+SLOW_LINK = 2.0
+
+
+def _read_by_the_server(conn: Any, pid: int, since: Any) -> None:
+    """Wait until session ``pid`` has run a read of pg_locks that ended after ``since`` (server clock)."""
+    limit = time.monotonic() + FIRE_WITHIN
+    while time.monotonic() < limit:
+        row = conn.execute(
+            "SELECT 1 FROM pg_stat_activity WHERE pid = %s AND state = 'idle' AND query LIKE %s AND state_change > %s",
+            [pid, "%pg_locks%", since],
+        ).fetchone()
+        if row:
+            return
+        time.sleep(0.01)
+    raise AssertionError("the hub never read the released key")
 
 
 def test_the_resume_hold_outlasts_the_late_report_of_a_deferring_process() -> None:
