@@ -79,15 +79,16 @@ class Violation:
     :param check: the ``doctor`` check it belongs to (``server``, ``recovery``, ``pooler``).
     :param problem: what is wrong.
     :param fix: what to do about it.
+    :param raises: the error a lock connection fails with (a standby's is retried: a failover under way).
     """
 
     check: str
     problem: str
     fix: str
+    raises: type[UnsafeSetupError] = UnsafeSetupError
 
     def error(self) -> UnsafeSetupError:
-        unsafe = StandbyServerError if self.check == "recovery" else UnsafeSetupError
-        return unsafe(f"{self.problem}; {self.fix}")
+        return self.raises(f"{self.problem}; {self.fix}")
 
 
 Rule = Callable[[ServerInfo, Scope, "str | None"], "Violation | None"]
@@ -183,6 +184,7 @@ def hot_standby(info: ServerInfo, scope: Scope, pool_mode: str | None) -> Violat
         "replicated, so a lock taken there excludes nobody",
         "point the connection at the primary; with several hosts use the libpq option "
         "target_session_attrs=read-write (connection extra) so a failover lands on the new primary",
+        StandbyServerError,
     )
 
 

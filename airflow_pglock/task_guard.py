@@ -266,6 +266,11 @@ def run_guarded(
     # Called by another guarded task's work (a function under @advisory_lock called from it):
     # part of that task has run, so nothing here may skip it; a refusal fails it instead.
     nested = _IN_WORK.get()
+
+    def lock_taken() -> bool:
+        """Whether this run took the lock (or is part of a guarded work that did): never a skip then."""
+        return nested or (guard is not None and guard.took_the_lock)
+
     if policy.on_busy == "defer":
         deadline = time.time() + float(policy.wait_timeout or 0) if deadline is None else float(deadline)
         remaining = deadline - time.time()
@@ -372,14 +377,16 @@ def run_guarded(
     except LockLostError:
         raise
     except StandbyServerError as error:  # often a failover under way: retried, as a database that is down
-        _skip_if_asked_before_the_lock(spec, error, logger, taken=nested or (guard is not None and guard.took_the_lock))
+        if not lock_taken():
+            _skip_if_asked(spec, error, logger)
         raise
     except (InvalidLockKeyError, LockConfigurationError, UnsafeSetupError) as error:
-        if nested or (guard is not None and guard.took_the_lock):  # after the lock was taken: never a skip
+        if lock_taken():  # after the lock was taken: never a skip
             raise AirflowFailException(f"{type(error).__name__}: {error}") from error
         fail_for_configuration(spec, error, logger)
     except (PgLockError, psycopg.OperationalError) as error:
-        _skip_if_asked_before_the_lock(spec, error, logger, taken=nested or (guard is not None and guard.took_the_lock))
+        if not lock_taken():  # not taken: the database's fault
+            _skip_if_asked(spec, error, logger)
         raise
 
 
@@ -447,12 +454,6 @@ def fail_for_configuration(spec: LockSpec, error: BaseException, logger: Any) ->
     """A setting to fix (bad key, connection, unsafe set-up): fail without retrying (or skip if asked)."""
     _skip_if_asked(spec, error, logger)
     raise AirflowFailException(f"{type(error).__name__}: {error}") from error
-
-
-def _skip_if_asked_before_the_lock(spec: LockSpec, error: BaseException, logger: Any, *, taken: bool) -> None:
-    """The lock database's fault before anything was taken (nor any work run): ``on_error`` applies."""
-    if not taken:
-        _skip_if_asked(spec, error, logger)
 
 
 def _skip_if_asked(spec: LockSpec, error: BaseException, logger: Any) -> None:
