@@ -379,7 +379,10 @@ def issue_fencing_token(
     # then, and that commit would wait with no bound): the record's commit below comes later in the
     # WAL, so the standby that confirms it has the draw too.
     draw = "SELECT nextval('pglock.fencing_token_seq'), set_config('synchronous_commit', 'local', true)"
-    drawn = _run(conn, "fencing", draw, {}).fetchone()
+    try:
+        drawn = _run(conn, "fencing", draw, {}).fetchone()
+    except psycopg.errors.SequenceGeneratorLimitExceeded:
+        raise _used_up(conn, key) from None
     assert drawn is not None
     warnings: list[str] = []
 
@@ -470,6 +473,33 @@ def _refuse_a_sequence_out_of_order(conn: psycopg.Connection[Any], key: LockKey,
             "SEQUENCE ... RESTART, or restored without the table), so no token can be issued for this key until "
             f"the sequence is past the row. The work did not run. {_ahead_remedy(key, newest, maximum)}"
         )
+
+
+def _used_up(conn: psycopg.Connection[Any], key: LockKey) -> LockConfigurationError:
+    """The sequence at its maximum (set there by hand): no key can draw a token until it is set back."""
+    try:
+        found = _run(
+            conn,
+            "fencing",
+            "SELECT seq.seqmax, (SELECT max(token) FROM pglock.fencing_tokens WHERE token < seq.seqmax)"
+            " FROM pg_sequence AS seq WHERE seq.seqrelid = 'pglock.fencing_token_seq'::regclass",
+            {},
+        ).fetchone()
+    except (psycopg.Error, PgLockError):
+        found = None
+    maximum = "its maximum" if found is None else f"its maximum ({found[0]})"
+    if found is None:
+        remedy = "set it back past every recorded token below its maximum"
+    elif found[1] is None:  # no recorded token below the maximum: nothing to stay ahead of
+        remedy = "ALTER SEQUENCE pglock.fencing_token_seq RESTART"
+    else:
+        remedy = _SETVAL.format(maximum=found[0])
+    return LockConfigurationError(
+        f"no fencing token can be issued for {key.describe()}: the sequence pglock.fencing_token_seq reached "
+        f"{maximum} (a setval to it, or ALTER SEQUENCE ... RESTART/MAXVALUE, by hand), so every fenced run of "
+        f"every key fails. The work did not run. As the schema's owner: {remedy} (a row of "
+        "pglock.fencing_tokens at the maximum, any key's, is mended by deleting it, if no holder was ever given it)"
+    )
 
 
 def _ahead_remedy(key: LockKey, newest: int, maximum: int) -> str:

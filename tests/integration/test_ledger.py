@@ -507,3 +507,43 @@ def test_the_setval_a_refusal_names_leaves_numbers_when_another_keys_row_is_at_t
     installed.execute(setval)
     assert fenced_run("fenced-max-b") == 10**12 + 1
     assert fenced_run("fenced-max-c") == 10**12 + 2
+
+
+@pytest.mark.parametrize("mode", ["session", "transaction"])
+@pytest.mark.parametrize("recorded", [True, False], ids=["tokens-recorded", "no-token-recorded"])
+def test_a_used_up_fencing_sequence_fails_the_run_naming_the_sequence_and_a_remedy_that_works(
+    hook: AdvisoryLockHook, installed: Any, admin: Any, mode: str, recorded: bool
+) -> None:
+    """The sequence at its maximum (a setval to it by hand, as an older refusal's remedy named):
+    nextval can give no number, so every fenced run of every key fails. It fails as a configuration
+    error naming the sequence, its maximum and what mends it (a setval past the recorded tokens, or
+    a restart when none is recorded), not as the driver's bare SequenceGeneratorLimitExceeded; the
+    work does not run and nothing is left held."""
+    from airflow_pglock.guard import LockGuard
+    from airflow_pglock.policy import LockPolicy
+    from airflow_pglock.run_rules import RunRules
+
+    key = LockKey.from_name(f"fenced-used-up-{mode}")
+
+    def fenced_run() -> int | None:
+        with LockGuard(hook.database, key, LockPolicy(mode=mode), rules=RunRules(fencing=True)) as handle:
+            return handle.fencing_token
+
+    first = fenced_run() if recorded else 0
+    assert first is not None
+    installed.execute("SELECT setval('pglock.fencing_token_seq', 9223372036854775807)")
+    worked = False
+    with (
+        pytest.raises(LockConfigurationError) as refused,
+        LockGuard(hook.database, key, LockPolicy(mode=mode), rules=RunRules(fencing=True)),
+    ):
+        worked = True
+    assert not worked
+    message = str(refused.value)
+    assert "pglock.fencing_token_seq" in message and "9223372036854775807" in message, message
+    assert key.describe() in message and "lost" not in message, message
+    assert admin.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'").fetchone()[0] == 0
+    remedy = _named_setval(message) if recorded else "ALTER SEQUENCE pglock.fencing_token_seq RESTART"
+    assert remedy is not None and remedy in message, message
+    installed.execute(remedy)
+    assert fenced_run() == first + 1
