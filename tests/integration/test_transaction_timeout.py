@@ -17,12 +17,14 @@ PostgreSQL 18 when the usual server is older) sets it to 2 s for everyone:
   (while the work's connection is idle; a statement of the work running then gets the server's
   error itself, and the task fails with it);
 - a transaction-mode lock waits for a busy key inside that transaction: a wait cut off at the
-  timeout is a setting to fix, named as such (before, the driver's bare ``TransactionTimeout``).
+  timeout is a setting to fix, named as such (before, the driver's bare ``TransactionTimeout``);
+  a guarded task fails then without a retry, or skips with ``on_error="skip"`` (a real Airflow run).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 import uuid
@@ -203,3 +205,52 @@ def test_a_transaction_pools_wait_cut_off_by_transaction_timeout_fails_naming_it
     finally:
         for holder in holders:
             holder.join()
+
+
+CUT_OFF_DAG = """
+import datetime as dt
+
+import pendulum
+from airflow.sdk import dag, task
+
+
+@dag(dag_id="tt_cut_off", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False,
+     default_args={"retries": 1, "retry_delay": dt.timedelta(0)})
+def tt_cut_off():
+    @task.advisory_lock(postgres_conn_id="pglock_tt", key="tt/task-wait", mode="transaction", on_busy="wait",
+                        wait_timeout=30)
+    def failed():
+        raise AssertionError("must not run: the key was held throughout")
+
+    @task.advisory_lock(postgres_conn_id="pglock_tt", key="tt/task-wait", mode="transaction", on_busy="wait",
+                        wait_timeout=30, on_error="skip")
+    def skipped():
+        raise AssertionError("must not run: the key was held throughout")
+
+    failed()
+    skipped()
+
+
+tt_cut_off_dag = tt_cut_off()
+"""
+
+
+def test_a_guarded_tasks_transaction_wait_cut_off_fails_without_a_retry_or_skips_if_asked(
+    cluster: Cluster, admin: Any, airflow_db: Any, capfd: Any
+) -> None:
+    """The same cut-off through a task: a setting to fix, so the task fails without Airflow's retry
+    (retries=1 here), naming transaction_timeout; on_error="skip" skips it, with the warning."""
+    from tests.helpers import run_dag
+
+    with psycopg.connect(cluster.dsn, autocommit=True) as holder:
+        holder.execute("SELECT pg_advisory_lock(%s)", [LockKey.from_name("tt/task-wait").int64])
+        os.environ["AIRFLOW_CONN_PGLOCK_TT"] = cluster.dsn
+        try:
+            result = run_dag(CUT_OFF_DAG, "tt_cut_off")
+        finally:
+            os.environ.pop("AIRFLOW_CONN_PGLOCK_TT", None)
+    log = "".join(capfd.readouterr())
+    assert result.states == {("failed", -1): "failed", ("skipped", -1): "skipped"}, result.states
+    assert result.tries[("failed", -1)] == 1, "a setting to fix was retried"
+    assert "transaction_timeout" in log and "LockConfigurationError" in log, log[-3000:]
+    assert "on_error='skip'" in log
