@@ -36,7 +36,13 @@ from typing import Any, Literal, TypeVar
 
 import psycopg
 
-from airflow_pglock.exceptions import LockConfigurationError, PgLockError, ScopeHorizonBusyError, UnsafeSetupError
+from airflow_pglock.exceptions import (
+    LockConfigurationError,
+    PgLockError,
+    ScopeHorizonBusyError,
+    StandbyServerError,
+    UnsafeSetupError,
+)
 from airflow_pglock.hooks.advisory_lock import AdvisoryLockHook
 from airflow_pglock.identity import DEFERRED_HOLDS_APPLICATION_NAME
 from airflow_pglock.keys import LockKey
@@ -317,7 +323,14 @@ class HoldHub:
         try:
             await self._in_thread(self._open_and_keep_session)
         except (PgLockError, psycopg.Error, OSError) as error:
-            if not self._connected_once and isinstance(error, LockConfigurationError | UnsafeSetupError):
+            # A standby is often a failover under way: waited for, as a database that is down (each
+            # hold is lost at its lease all the same).
+            fixed_only_by_hand = not isinstance(error, StandbyServerError)
+            if (
+                not self._connected_once
+                and isinstance(error, LockConfigurationError | UnsafeSetupError)
+                and fixed_only_by_hand
+            ):
                 for hold in list(self.holds):  # a setting to fix: waiting for it would not help
                     hold.lose(f"the triggerer cannot hold the key: {type(error).__name__}: {error}")
                 return False

@@ -388,3 +388,53 @@ def test_a_guarded_task_on_a_standby_fails_and_is_retried(
     assert result.tries[("retried", -1)] == 2, "a standby was not retried"
     assert "StandbyServerError" in log and "standby in recovery" in log
     assert "on_error='skip'" in log
+
+
+@pytest.mark.parametrize("promoted", [True, False], ids=["promoted-within-the-lease", "never-promoted"])
+def test_the_triggerers_hold_hub_on_a_standby_waits_for_a_promotion_within_the_lease(
+    fault_server: FaultServer, fault_admin: Any, promoted: bool
+) -> None:
+    """A deferred task's hold, taken up by the triggerer's hold hub whose first connection finds a
+    standby (a failover under way): the hub waits, as the wake-ups do, and takes the key on the
+    promoted server, whose replicated row still holds it (before, the hold was given up at once, as
+    a setting to fix, and the deferred task was failed). Never promoted, the hold is lost at its
+    lease, as for a lock database that cannot be reached."""
+    import asyncio
+    import uuid
+
+    from airflow_pglock.pg import schema
+    from airflow_pglock.scope_rules import HandOver, ScopeRole
+    from airflow_pglock.triggers.holds import DeferredHold, HoldHub
+
+    key = LockKey.from_name(f"standby-hold-{promoted}")
+    schema.migrate(fault_admin)  # on the primary; the standby's base backup copies it
+    holder = uuid.uuid4().hex
+    role = ScopeRole(holder=holder, run="dep: dag run", task="op", lease=120.0, hands_over=True)
+    LockGuard(AdvisoryLockHook(dsn=fault_server.dsn).database, key, LockPolicy(), scope=role).run(
+        lambda handle: HandOver(None)
+    )
+    standby = start_standby(fault_server.cluster)
+    lease = 30.0 if promoted else 4.0
+    try:
+        on_standby = AdvisoryLockHook(dsn=standby.dsn_for(FAULT_DATABASE))
+        hub = HoldHub(lambda: on_standby.open_lock_session(application_name="pglock-test-hub"))
+        hold = DeferredHold(key, holder, "dep.op run", lease)
+
+        async def body() -> None:
+            async with hub.holding(hold):
+                await asyncio.sleep(3)
+                assert hold.state == "taking", f"the hub gave the hold up on a standby: {hold.reason}"
+                if promoted:
+                    with psycopg.connect(standby.dsn_for(FAULT_DATABASE), autocommit=True) as conn:
+                        conn.execute("SELECT pg_promote()")
+                await asyncio.wait_for(hold.settled.wait(), lease + 30)
+                if promoted:
+                    assert hold.state == "held", hold.reason
+                    assert await hub.end(hold)
+                else:
+                    assert hold.state == "lost" and "within the lease" in str(hold.reason), hold.reason
+
+        asyncio.run(body())
+    finally:
+        standby.destroy()
+        fault_admin.execute("DROP SCHEMA IF EXISTS pglock CASCADE")
