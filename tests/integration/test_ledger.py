@@ -273,6 +273,22 @@ def test_a_sequence_that_hands_numbers_out_of_order_is_named(hook: AdvisoryLockH
     assert f"WHERE token < {2**63 - 1}))" in (_named_setval(str(cached.value)) or ""), cached.value
 
 
+def _refused_fenced_run(hook: AdvisoryLockHook, key: LockKey, mode: str) -> str:
+    """The message of a fenced run refused as a configuration error; the work did not run."""
+    from airflow_pglock.guard import LockGuard
+    from airflow_pglock.policy import LockPolicy
+    from airflow_pglock.run_rules import RunRules
+
+    worked = False
+    with (
+        pytest.raises(LockConfigurationError) as refused,
+        LockGuard(hook.database, key, LockPolicy(mode=mode), rules=RunRules(fencing=True)),
+    ):
+        worked = True
+    assert not worked
+    return str(refused.value)
+
+
 @pytest.mark.parametrize("mode", ["session", "transaction"])
 @pytest.mark.parametrize("ahead", [10**9, None], ids=["far-ahead", "at-the-sequence-maximum"])
 def test_a_token_row_set_ahead_by_hand_fails_the_run_naming_the_row_and_a_remedy_that_works(
@@ -300,14 +316,7 @@ def test_a_token_row_set_ahead_by_hand_fails_the_run_naming_the_row_and_a_remedy
         "UPDATE pglock.fencing_tokens SET token = %s WHERE key_name = %s RETURNING token",
         (first + ahead if ahead is not None else 2**63 - 1, key.name),
     ).fetchone()[0]
-    worked = False
-    with (
-        pytest.raises(LockConfigurationError) as refused,
-        LockGuard(hook.database, key, LockPolicy(mode=mode), rules=RunRules(fencing=True)),
-    ):
-        worked = True
-    assert not worked
-    message = str(refused.value)
+    message = _refused_fenced_run(hook, key, mode)
     last = installed.execute("SELECT last_value FROM pglock.fencing_token_seq").fetchone()[0]
     assert key.describe() in message and f"is {row}, ahead of the sequence" in message, message
     assert f"last value {last}" in message and "set ahead by hand" in message, message
@@ -532,14 +541,7 @@ def test_a_used_up_fencing_sequence_fails_the_run_naming_the_sequence_and_a_reme
     first = fenced_run() if recorded else 0
     assert first is not None
     installed.execute("SELECT setval('pglock.fencing_token_seq', 9223372036854775807)")
-    worked = False
-    with (
-        pytest.raises(LockConfigurationError) as refused,
-        LockGuard(hook.database, key, LockPolicy(mode=mode), rules=RunRules(fencing=True)),
-    ):
-        worked = True
-    assert not worked
-    message = str(refused.value)
+    message = _refused_fenced_run(hook, key, mode)
     assert "pglock.fencing_token_seq" in message and "9223372036854775807" in message, message
     assert key.describe() in message and "lost" not in message, message
     assert admin.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'").fetchone()[0] == 0
