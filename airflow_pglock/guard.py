@@ -90,21 +90,30 @@ def busy_error(
     queued for it, which PostgreSQL serves first (a shared try fails behind them even when only
     shared holders hold the key)."""
     key, slots = pool[0], len(pool)
+    waited = f" after waiting {timeout:g} s" if timeout is not None else ""
+    # Explaining who holds the key never turns the busy key into a failure: whatever goes wrong
+    # reading or describing the holders (the server, the driver reading a value, a bug), the key
+    # is still busy, held by a holder it cannot name.
     try:
         holders = database.holders(pool)
-    except (PgLockError, psycopg.Error) as error:
-        logger.warning("pglock could not read the holders of %s: %s", key.describe(), error)
-        holders = []
-    now = dt.datetime.now(dt.timezone.utc)
-    who = describe_holders(holders, now, nobody="a session that released it since")
-    queued = [holder for holder in blocking_holders(holders, shared) if not holder.granted] if shared else []
-    if queued:
-        who += " and waited for by an exclusive request queued ahead of this shared one: " + "; ".join(
-            holder.describe(now) for holder in queued
-        )
-    waited = f" after waiting {timeout:g} s" if timeout is not None else ""
+        now = dt.datetime.now(dt.timezone.utc)
+        who = describe_holders(holders, now, nobody="a session that released it since")
+        queued = [holder for holder in blocking_holders(holders, shared) if not holder.granted] if shared else []
+        if queued:
+            who += " and waited for by an exclusive request queued ahead of this shared one: " + "; ".join(
+                holder.describe(now) for holder in queued
+            )
+    except Exception as error:
+        logger.warning("pglock could not read the holders of %s: %s: %s", key.describe(), type(error).__name__, error)
+        holders, who = [], f"an unknown holder (its holders could not be read: {type(error).__name__})"
     if slots == 1:
-        deferred = _deferred_holder(database, key, holders, logger)
+        try:
+            deferred = _deferred_holder(database, key, holders, logger)
+        except Exception as error:  # the holder's session is named all the same
+            logger.warning(
+                "pglock could not read the deferred holder of %s: %s: %s", key.describe(), type(error).__name__, error
+            )
+            deferred = None
         if deferred is not None:  # the triggerer's session holds it: its row names the task
             who = f"{deferred.describe()}: the triggerer's session {who}"
         return LockBusyError(f"{key.describe()} is held by {who}{waited}", key, holders)

@@ -68,12 +68,43 @@ def record_acquisition(
         else:
             report(error)
 
-    statement, params = record_key_name_statement(key, application_name, slots)
-    held.at_release = WriteAtRelease(
-        statement=inline(held.connection, statement, params),
-        done=lambda rows: report([row[0] for row in rows]),
-        failed=failed,
-    )
+    try:  # binding the name client-side can fail too (a client encoding that cannot hold it)
+        statement, params = record_key_name_statement(key, application_name, slots)
+        write = inline(held.connection, statement, params)
+        encoding = _encoding_not_holding(held.connection, write)
+    except Exception as error:  # the registry is optional: never fail a task that holds its lock
+        report(error)
+        return
+    if encoding is not None:
+        # Not sent: the server converts a whole message before it runs any of it, so the unlock or
+        # the COMMIT sent with this write would fail with it.
+        logger.warning(
+            "pglock does not record the name of %s in the key-name registry: the lock database's encoding (%s) "
+            "cannot hold it. The lock is held and the task goes on",
+            key.describe(),
+            encoding,
+        )
+        return
+    held.at_release = WriteAtRelease(statement=write, done=lambda rows: report([row[0] for row in rows]), failed=failed)
+
+
+def _encoding_not_holding(conn: psycopg.Connection[Any], text: str) -> str | None:
+    """The server's encoding when it cannot hold ``text`` (a ``LATIN1`` database and a name in
+    Japanese), else None. ASCII fits every server encoding; one Python has no codec for holds ASCII only."""
+    if text.isascii():
+        return None
+    encoding = conn.info.parameter_status("server_encoding") or "UTF8"  # reported in the handshake
+    if encoding in ("UTF8", "SQL_ASCII"):  # SQL_ASCII stores the client's bytes as they come
+        return None
+    try:
+        # PostgreSQL's encoding names to Python's codecs: psycopg's table (a private module, so it may
+        # move in a later psycopg: then only ASCII names are recorded on such a server).
+        from psycopg._encodings import pg2pyenc
+
+        text.encode(pg2pyenc(encoding.encode()))
+    except (ImportError, psycopg.NotSupportedError, UnicodeEncodeError, LookupError):
+        return encoding
+    return None
 
 
 def _report(key: LockKey, outcome: list[str] | BaseException, logger: logging.Logger | Any) -> None:

@@ -92,6 +92,9 @@ class LockDatabase:
         self._application_name = application_name
         self._default_application_name: str | None = None
         self._last_settings: ConnectionSettings | None = None
+        #: The server (or a pooler not declared) refused the provider's start-up options once: its
+        #: later connections go without them, at no refused attempt each.
+        self._startup_options_refused = False
 
     @classmethod
     def from_dsn(cls, dsn: str, **options: Any) -> LockDatabase:
@@ -139,23 +142,66 @@ class LockDatabase:
 
         :param application_name: names the holder in ``pg_stat_activity``.
         :param settings: where to connect (default: :meth:`resolve_settings`).
-        :param server_settings: server settings to send in the start-up packet.
+        :param server_settings: server settings to send in the start-up packet (left out when
+            the server or a pooler refuses them: :meth:`_connect` says whether they went).
         """
+        return self._connect(application_name, settings, server_settings=server_settings)[0]
+
+    def _connect(
+        self,
+        application_name: str | None,
+        settings: ConnectionSettings | None,
+        *,
+        server_settings: Mapping[str, str] | None = None,
+    ) -> tuple[psycopg.Connection[Any], bool]:
+        """:meth:`connect`, and whether ``server_settings`` went in the start-up packet."""
         check_application_name(application_name)  # before any I/O
         settings = settings or self.resolve_settings()
         self._last_settings = settings  # for side_connection(), see there
-        opened = _open(
+        name = application_name or self.default_application_name()
+        opened, sent = self._open_trying(
             settings,
-            settings.session_params(
-                application_name or self.default_application_name(),
-                self.liveness,
-                self.connect_timeout,
-                server_settings=server_settings,
+            server_settings,
+            lambda options, extra: settings.session_params(
+                name, self.liveness, self.connect_timeout, server_settings=extra, startup_options=options
             ),
         )
         if isinstance(opened, _NotConnected):
             self._raise_connect_error(opened)  # from here: no frame of the error holds the password
-        return opened
+        return opened, sent
+
+    def _startup_tries(
+        self, settings: ConnectionSettings, server_settings: Mapping[str, str] | None
+    ) -> list[tuple[bool, Mapping[str, str] | None]]:
+        """The start-up options to connect with, in order, each try after a refusal of the one before:
+        (the provider's own settings :data:`~airflow_pglock.pg.settings.READABLE_SERVER_SETTINGS`,
+        ``server_settings``). A server older than a setting refuses only ``server_settings``; a
+        pooler (PgBouncer without ``ignore_startup_parameters = options``) refuses any ``options``.
+        """
+        if settings.pool_mode is not None or self._startup_options_refused:
+            return [(False, None)]  # nothing the caller asked for goes: it sets it by a statement then
+        tries: list[tuple[bool, Mapping[str, str] | None]] = [(True, server_settings or None)]
+        if server_settings:
+            tries.append((True, None))
+        tries.append((False, None))
+        return tries
+
+    def _open_trying(
+        self,
+        settings: ConnectionSettings,
+        server_settings: Mapping[str, str] | None,
+        params: Callable[[bool, Mapping[str, str] | None], dict[str, Any]],
+    ) -> tuple[psycopg.Connection[Any] | _NotConnected, bool]:
+        """:func:`_open` with the :meth:`_startup_tries` in turn (the libpq parameters of each by
+        ``params``); and whether ``server_settings`` went in the start-up packet."""
+        *earlier, last = self._startup_tries(settings, server_settings)
+        for options, extra in earlier:
+            opened = _open(settings, params(options, extra))
+            if not _refused_for_options(opened):
+                return opened, extra is not None
+        if earlier:  # refused for any start-up options: a pooler not declared, most likely
+            self._startup_options_refused = True
+        return _open(settings, params(*last)), last[1] is not None
 
     async def aconnect(
         self, settings: ConnectionSettings, application_name: str | None = None
@@ -166,12 +212,20 @@ class LockDatabase:
             (reading an Airflow connection, or an IAM token, is blocking I/O).
         :param application_name: names the session in ``pg_stat_activity``.
         """
-        opened = await _aopen(
-            settings,
-            settings.session_params(
-                application_name or self.default_application_name(), self.liveness, self.connect_timeout
-            ),
-        )
+        name = application_name or self.default_application_name()
+        *earlier, last = self._startup_tries(settings, None)
+        for options, _ in earlier:
+            opened = await _aopen(
+                settings, settings.session_params(name, self.liveness, self.connect_timeout, startup_options=options)
+            )
+            if not _refused_for_options(opened):
+                break
+        else:
+            if earlier:  # refused for any start-up options (see _open_trying)
+                self._startup_options_refused = True
+            opened = await _aopen(
+                settings, settings.session_params(name, self.liveness, self.connect_timeout, startup_options=last[0])
+            )
         if isinstance(opened, _NotConnected):
             self._raise_connect_error(opened)
         return opened
@@ -186,10 +240,13 @@ class LockDatabase:
         Airflow is not thread-safe).
         """
         settings = self._last_settings or self.resolve_settings()
-        opened = _open(
+        opened, _ = self._open_trying(
             settings,
-            {
-                **settings.session_params(application_name, self.liveness, self.connect_timeout),
+            None,
+            lambda options, _: {
+                **settings.session_params(
+                    application_name, self.liveness, self.connect_timeout, startup_options=options
+                ),
                 "connect_timeout": connect_timeout,
             },
         )
@@ -230,9 +287,10 @@ class LockDatabase:
             with self.side_connection() as conn:
                 asked_at = loss.held_clock()
                 row = conn.execute(
-                    "SELECT pg_postmaster_start_time(),"
-                    " extract(epoch FROM clock_timestamp() - pg_postmaster_start_time()),"
-                    " host(inet_server_addr()), inet_server_port(), pg_is_in_recovery()"
+                    "SELECT pg_catalog.pg_postmaster_start_time(),"
+                    " extract(epoch FROM pg_catalog.clock_timestamp() - pg_catalog.pg_postmaster_start_time()),"
+                    " pg_catalog.host(pg_catalog.inet_server_addr()),"
+                    " pg_catalog.inet_server_port(), pg_catalog.pg_is_in_recovery()"
                 ).fetchone()
                 seen_at = loss.held_clock()
                 reached = server_from_handshake(conn).server
@@ -288,13 +346,9 @@ class LockDatabase:
         startup = None
         if scope == "session" and settings.pool_mode is None:
             startup = self.liveness.server_settings(transaction=False)
-        try:
-            conn = self.connect(application_name, settings, server_settings=startup)
-        except LockConnectionError as error:
-            if startup is None or not connection_settings.refused_startup_options(error):
-                raise
+        conn, sent = self._connect(application_name, settings, server_settings=startup)
+        if startup is not None and not sent:  # refused (now or before): set by a statement below
             startup = None
-            conn = self.connect(application_name, settings)
             # Most likely a pooler: ask before a session setting could reach a pooled server session.
             inspect = True
         try:
@@ -410,6 +464,11 @@ class _NotConnected:
 
     error: psycopg.Error
     where: str
+
+
+def _refused_for_options(opened: psycopg.Connection[Any] | psycopg.AsyncConnection[Any] | _NotConnected) -> bool:
+    """Whether a connection attempt failed because the server or a pooler refused its start-up ``options``."""
+    return isinstance(opened, _NotConnected) and connection_settings.refused_startup_options(opened.error)
 
 
 def _without_frames(error: psycopg.Error) -> psycopg.Error:

@@ -32,7 +32,8 @@ def _query(
     elif keys is not None:  # the slots of a pool
         only_key = sql.SQL(
             " AND (l.classid, l.objid, l.objsubid) IN (SELECT c::oid, o::oid, s::int2"
-            " FROM unnest(%(classids)s::bigint[], %(objids)s::bigint[], %(objsubids)s::int[]) AS k(c, o, s))"
+            " FROM ROWS FROM (pg_catalog.unnest(%(classids)s::bigint[]),"
+            " pg_catalog.unnest(%(objids)s::bigint[]), pg_catalog.unnest(%(objsubids)s::int[])) AS k(c, o, s))"
         )
         coordinates = [key.pg_locks for key in keys]
         params.update(
@@ -43,17 +44,18 @@ def _query(
     # At least one row (all NULL but the server's facts when no lock matches): the standby check travels
     # with the read of pg_locks, in one statement (two behind a pooler could reach two different servers).
     query = sql.SQL(
-        "SELECT h.*, r.standby, current_database(), clock_timestamp()"
-        " FROM (SELECT pg_is_in_recovery() AS standby) r LEFT JOIN LATERAL ("
+        "SELECT h.*, r.standby, pg_catalog.current_database(), pg_catalog.clock_timestamp()"
+        " FROM (SELECT pg_catalog.pg_is_in_recovery() AS standby) r LEFT JOIN LATERAL ("
         "SELECT d.datname, l.classid::bigint AS classid, l.objid::bigint AS objid, l.objsubid::int AS objsubid,"
-        " l.pid, l.granted, l.mode, a.application_name, host(a.client_addr), a.client_port, a.backend_start,"
+        " l.pid, l.granted, l.mode, a.application_name, pg_catalog.host(a.client_addr), a.client_port, a.backend_start,"
         " {wait_start} AS waitstart, a.xact_start, a.usename, a.state, a.backend_type,"
-        " count(*) FILTER (WHERE NOT l.granted) OVER (PARTITION BY l.database, l.classid, l.objid, l.objsubid),"
-        " CASE WHEN l.granted OR l.pid IS NULL THEN ARRAY[]::int[] ELSE pg_blocking_pids(l.pid) END"
+        " pg_catalog.count(*) FILTER (WHERE NOT l.granted) OVER (PARTITION BY l.database,"
+        " l.classid, l.objid, l.objsubid),"
+        " CASE WHEN l.granted OR l.pid IS NULL THEN ARRAY[]::int[] ELSE pg_catalog.pg_blocking_pids(l.pid) END"
         " FROM pg_catalog.pg_locks l"
         " JOIN pg_catalog.pg_database d ON d.oid = l.database"
         " LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid"
-        " WHERE l.locktype = 'advisory' AND (%(all)s OR d.datname = current_database()){only_key}"
+        " WHERE l.locktype = 'advisory' AND (%(all)s OR d.datname = pg_catalog.current_database()){only_key}"
         ") h ON true"
         " ORDER BY h.datname, h.classid, h.objid, h.objsubid, h.granted DESC, h.waitstart NULLS FIRST, h.pid"
     ).format(wait_start=wait_start, only_key=only_key)

@@ -29,8 +29,8 @@ def key_statements(key: LockKey) -> dict[str, str]:
     classid, objid, objsubid = key.pg_locks
     return {
         "key": key.sql,
-        "try_lock": f"SELECT pg_try_advisory_lock({key.sql})",
-        "unlock": f"SELECT pg_advisory_unlock({key.sql})",
+        "try_lock": f"SELECT pg_catalog.pg_try_advisory_lock({key.sql})",
+        "unlock": f"SELECT pg_catalog.pg_advisory_unlock({key.sql})",
         "holders": f"SELECT pid, granted, mode FROM pg_catalog.pg_locks WHERE {advisory_here()}"
         f" AND classid = {classid} AND objid = {objid} AND objsubid = {objsubid}",
     }
@@ -82,14 +82,15 @@ def server_facts(conn: psycopg.Connection[Any], settings: Sequence[str] = ()) ->
     """
     row = conn.execute(
         "SELECT current_user, coalesce((SELECT rolsuper FROM pg_catalog.pg_roles WHERE rolname = current_user), false),"
-        " pg_has_role('pg_read_all_stats', 'USAGE'),"
-        " current_setting('max_locks_per_transaction')::int, current_setting('max_connections')::int,"
-        " current_setting('max_prepared_transactions')::int,"
-        " (SELECT count(*) FROM pg_catalog.pg_locks WHERE NOT fastpath),"
-        " (SELECT count(*) FROM pg_catalog.pg_locks WHERE locktype = 'advisory'),"
-        " current_setting('application_name'),"
-        " (SELECT count(*) FROM pg_catalog.pg_stat_activity WHERE backend_type = 'client backend'),"
-        " current_setting('superuser_reserved_connections')::int"
+        " pg_catalog.pg_has_role('pg_read_all_stats', 'USAGE'),"
+        " pg_catalog.current_setting('max_locks_per_transaction')::int,"
+        " pg_catalog.current_setting('max_connections')::int,"
+        " pg_catalog.current_setting('max_prepared_transactions')::int,"
+        " (SELECT pg_catalog.count(*) FROM pg_catalog.pg_locks WHERE NOT fastpath),"
+        " (SELECT pg_catalog.count(*) FROM pg_catalog.pg_locks WHERE locktype = 'advisory'),"
+        " pg_catalog.current_setting('application_name'),"
+        " (SELECT pg_catalog.count(*) FROM pg_catalog.pg_stat_activity WHERE backend_type = 'client backend'),"
+        " pg_catalog.current_setting('superuser_reserved_connections')::int"
     ).fetchone()
     assert row is not None
     in_force = {
@@ -118,5 +119,5 @@ def probe_advisory_lock(conn: psycopg.Connection[Any]) -> tuple[bool, float]:
     """Try a transaction-level lock on :data:`PROBE_KEY` and roll back; (taken, seconds)."""
     started = time.perf_counter()
     with conn.transaction(force_rollback=True):
-        row = conn.execute("SELECT pg_try_advisory_xact_lock(%s::bigint)", PROBE_KEY.numbers).fetchone()
+        row = conn.execute("SELECT pg_catalog.pg_try_advisory_xact_lock(%s::bigint)", PROBE_KEY.numbers).fetchone()
     return bool(row and row[0]), time.perf_counter() - started

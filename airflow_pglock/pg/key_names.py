@@ -44,11 +44,11 @@ SCOPES_LIVE = "present+scopes-live"
 #: naming a table (a statement naming a missing one fails as a whole): the horizon is read by
 #: the sequence's oid, not MVCC, after the statement took its lock (it is a later column).
 REGISTRY_STATE = sql.SQL(
-    "CASE WHEN to_regnamespace({schema}) IS NULL THEN {absent}"
+    "CASE WHEN pg_catalog.to_regnamespace({schema}) IS NULL THEN {absent}"
     # No USAGE on the schema: its tables are out of reach (to_regclass would fail). No scope can
     # be live then: a scope is taken only where PUBLIC may read the scopes (pg/scopes.py).
-    " WHEN NOT has_schema_privilege(to_regnamespace({schema}), 'USAGE') THEN {present}"
-    " WHEN to_regclass({horizon}) IS NULL THEN {present}"
+    " WHEN NOT pg_catalog.has_schema_privilege(pg_catalog.to_regnamespace({schema}), 'USAGE') THEN {present}"
+    " WHEN pg_catalog.to_regclass({horizon}) IS NULL THEN {present}"
     " WHEN {horizon_live} THEN {live} ELSE {idle} END"
 ).format(
     schema=sql.Literal(SCHEMA),
@@ -195,7 +195,7 @@ def registered_names(
     # The slots column by way of the row's JSON: the same query reads a registry of any version.
     query = sql.SQL(
         "SELECT classid, objid, objsubid, name, first_recorded_at, first_recorded_by,"
-        " (to_jsonb(r) ->> 'slots')::integer FROM {} r"
+        " (pg_catalog.to_jsonb(r) ->> 'slots')::integer FROM {} r"
     ).format(_registry_table())
     params: list[Any] = []
     if coordinates is not None:
@@ -203,7 +203,8 @@ def registered_names(
             return []
         query = query + sql.SQL(
             " WHERE (r.classid, r.objid, r.objsubid) IN"
-            " (SELECT * FROM unnest(%s::bigint[], %s::bigint[], %s::smallint[]))"
+            " (SELECT * FROM ROWS FROM (pg_catalog.unnest(%s::bigint[]),"
+            " pg_catalog.unnest(%s::bigint[]), pg_catalog.unnest(%s::smallint[])))"
         )
         params = [[c[0] for c in coordinates], [c[1] for c in coordinates], [c[2] for c in coordinates]]
     query = query + sql.SQL(" ORDER BY classid, objid, objsubid, name")
@@ -218,7 +219,7 @@ def registry_collisions(conn: psycopg.Connection[Any]) -> list[list[RegisteredNa
         sql.SQL(
             "SELECT classid, objid, objsubid, name, first_recorded_at, first_recorded_by FROM {t}"
             " WHERE (classid, objid, objsubid) IN (SELECT classid, objid, objsubid FROM {t}"
-            " GROUP BY classid, objid, objsubid HAVING count(*) > 1)"
+            " GROUP BY classid, objid, objsubid HAVING pg_catalog.count(*) > 1)"
             " ORDER BY classid, objid, objsubid, name"
         ).format(t=_registry_table())
     ).fetchall()
@@ -235,10 +236,11 @@ def registry_privileges(conn: psycopg.Connection[Any]) -> dict[str, bool] | None
         return None
     row = conn.execute(
         # By oid: resolving the name 'pglock.key_names' would itself need USAGE on the schema.
-        "SELECT has_schema_privilege(n.oid, 'USAGE'), has_table_privilege(c.oid, 'SELECT'),"
-        " has_table_privilege(c.oid, 'INSERT'),"
+        "SELECT pg_catalog.has_schema_privilege(n.oid, 'USAGE'), pg_catalog.has_table_privilege(c.oid, 'SELECT'),"
+        " pg_catalog.has_table_privilege(c.oid, 'INSERT'),"
         " CASE WHEN EXISTS (SELECT 1 FROM pg_catalog.pg_attribute a WHERE a.attrelid = c.oid"
-        " AND a.attname = 'slots' AND NOT a.attisdropped) THEN has_column_privilege(c.oid, 'slots', 'UPDATE') END"
+        " AND a.attname = 'slots' AND NOT a.attisdropped) THEN"
+        " pg_catalog.has_column_privilege(c.oid, 'slots', 'UPDATE') END"
         " FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
         " WHERE n.nspname = %s AND c.relname = %s",
         [SCHEMA, REGISTRY_TABLE],

@@ -222,7 +222,7 @@ def _coordinates(key: LockKey) -> dict[str, Any]:
 
 
 _COMPLETION_COLUMNS = (
-    "period, completed_at, extract(epoch FROM clock_timestamp() - completed_at)::float8,"
+    "period, completed_at, extract(epoch FROM pg_catalog.clock_timestamp() - completed_at)::float8,"
     " dag_id, task_id, run_id, map_index, fencing_token"
 )
 
@@ -246,13 +246,25 @@ def _run(conn: psycopg.Connection[Any], feature: str, statement: str, params: di
 _UPDATED = ("completed_at", "key_name", "dag_id", "task_id", "run_id", "map_index", "fencing_token")
 _INSERTED = ("objsubid", "classid", "objid", "period", *_UPDATED)
 _MAY_RECORD = " AND ".join(
-    [f"has_column_privilege('pglock.completions', '{column}', 'INSERT')" for column in _INSERTED]
-    + [f"has_column_privilege('pglock.completions', '{column}', 'UPDATE')" for column in _UPDATED]
+    [f"pg_catalog.has_column_privilege('pglock.completions', '{column}', 'INSERT')" for column in _INSERTED]
+    + [f"pg_catalog.has_column_privilege('pglock.completions', '{column}', 'UPDATE')" for column in _UPDATED]
 )
 
 
+#: Read-only by default (``default_transaction_read_only``, a role's or a database's): the record
+#: would fail after the work as surely as a missing grant.
+_READ_ONLY = "pg_catalog.current_setting('transaction_read_only') = 'on'"
+
+
 def _found_if_recordable(feature: str, row: Any) -> Completion | None:
-    may_record, *found = row
+    may_record, read_only, *found = row
+    if read_only:
+        raise LockConfigurationError(
+            f"{feature}: this session's transactions are read-only (default_transaction_read_only = on, for the "
+            "role or the database), so the run would do its work and then fail to record it (each retry doing the "
+            "work again): set default_transaction_read_only = off for the lock's role (ALTER ROLE ... SET "
+            "default_transaction_read_only = off), or remove it from the database"
+        )
     if not may_record:
         raise LockConfigurationError(
             f"{feature}: this role may read pglock.completions but not INSERT and UPDATE it, so the run would do "
@@ -270,7 +282,7 @@ def completion_for_period(conn: psycopg.Connection[Any], key: LockKey, period: s
     cursor = _run(
         conn,
         "once_per",
-        f"SELECT {_MAY_RECORD}, found.* FROM (SELECT 1) AS one LEFT JOIN LATERAL"
+        f"SELECT {_MAY_RECORD}, {_READ_ONLY}, found.* FROM (SELECT 1) AS one LEFT JOIN LATERAL"
         f" (SELECT {_COMPLETION_COLUMNS} FROM pglock.completions WHERE objsubid = %(objsubid)s"
         " AND classid = %(classid)s AND objid = %(objid)s AND period = %(period)s) AS found ON true",
         {**_coordinates(key), "period": period},
@@ -286,7 +298,7 @@ def last_completion(conn: psycopg.Connection[Any], key: LockKey) -> Completion |
     cursor = _run(
         conn,
         "min_interval",
-        f"SELECT {_MAY_RECORD}, found.* FROM (SELECT 1) AS one LEFT JOIN LATERAL"
+        f"SELECT {_MAY_RECORD}, {_READ_ONLY}, found.* FROM (SELECT 1) AS one LEFT JOIN LATERAL"
         f" (SELECT {_COMPLETION_COLUMNS} FROM pglock.completions WHERE objsubid = %(objsubid)s"
         " AND classid = %(classid)s AND objid = %(objid)s ORDER BY completed_at DESC LIMIT 1) AS found ON true",
         _coordinates(key),
@@ -322,7 +334,7 @@ def record_completion(
         "once_per / min_interval",
         "INSERT INTO pglock.completions (objsubid, classid, objid, key_name, period, completed_at,"
         " dag_id, task_id, run_id, map_index, fencing_token)"
-        " SELECT %(objsubid)s, %(classid)s, %(objid)s, %(name)s, %(period)s, clock_timestamp(),"
+        " SELECT %(objsubid)s, %(classid)s, %(objid)s, %(name)s, %(period)s, pg_catalog.clock_timestamp(),"
         " %(dag_id)s, %(task_id)s, %(run_id)s, %(map_index)s, %(token)s"
         f" WHERE {condition}"
         " ON CONFLICT (objsubid, classid, objid, period) DO UPDATE SET completed_at = excluded.completed_at,"
@@ -378,7 +390,10 @@ def issue_fencing_token(
     # The draw commits without waiting for a synchronous standby (nextval writes to the WAL now and
     # then, and that commit would wait with no bound): the record's commit below comes later in the
     # WAL, so the standby that confirms it has the draw too.
-    draw = "SELECT nextval('pglock.fencing_token_seq'), set_config('synchronous_commit', 'local', true)"
+    draw = (
+        "SELECT pg_catalog.nextval('pglock.fencing_token_seq'),"
+        " pg_catalog.set_config('synchronous_commit', 'local', true)"
+    )
     try:
         drawn = _run(conn, "fencing", draw, {}).fetchone()
     except psycopg.errors.SequenceGeneratorLimitExceeded:
@@ -425,7 +440,8 @@ def issue_fencing_token(
 #: Moves the sequence past every recorded token below its maximum: a setval to the maximum itself
 #: would leave no number for any key.
 _SETVAL = (
-    "SELECT setval('pglock.fencing_token_seq', (SELECT max(token) FROM pglock.fencing_tokens WHERE token < {maximum}))"
+    "SELECT pg_catalog.setval('pglock.fencing_token_seq', (SELECT pg_catalog.max(token) FROM"
+    " pglock.fencing_tokens WHERE token < {maximum}))"
 )
 
 
@@ -445,7 +461,7 @@ def _refuse_a_sequence_out_of_order(conn: psycopg.Connection[Any], key: LockKey,
         found = _run(
             conn,
             "fencing",
-            "SELECT tokens.token, pg_sequence_last_value(seq.seqrelid), seq.seqcache, seq.seqmax"
+            "SELECT tokens.token, pg_catalog.pg_sequence_last_value(seq.seqrelid), seq.seqcache, seq.seqmax"
             " FROM pg_sequence AS seq"
             " LEFT JOIN pglock.fencing_tokens AS tokens ON tokens.objsubid = %(objsubid)s"
             " AND tokens.classid = %(classid)s AND tokens.objid = %(objid)s"
@@ -481,7 +497,7 @@ def _used_up(conn: psycopg.Connection[Any], key: LockKey) -> LockConfigurationEr
         found = _run(
             conn,
             "fencing",
-            "SELECT seq.seqmax, (SELECT max(token) FROM pglock.fencing_tokens WHERE token < seq.seqmax)"
+            "SELECT seq.seqmax, (SELECT pg_catalog.max(token) FROM pglock.fencing_tokens WHERE token < seq.seqmax)"
             " FROM pg_sequence AS seq WHERE seq.seqrelid = 'pglock.fencing_token_seq'::regclass",
             {},
         ).fetchone()
@@ -579,9 +595,9 @@ def _record_token(
         conn,
         "fencing",
         "INSERT INTO pglock.fencing_tokens (objsubid, classid, objid, key_name, token, issued_at, issued_to)"
-        " SELECT %(objsubid)s, %(classid)s, %(objid)s, %(name)s, %(token)s, clock_timestamp(), %(issued_to)s"
-        " FROM (SELECT set_config('synchronous_commit', 'on', true),"
-        " set_config('client_min_messages', 'warning', true)) AS durable"
+        " SELECT %(objsubid)s, %(classid)s, %(objid)s, %(name)s, %(token)s, pg_catalog.clock_timestamp(), %(issued_to)s"
+        " FROM (SELECT pg_catalog.set_config('synchronous_commit', 'on', true),"
+        " pg_catalog.set_config('client_min_messages', 'warning', true)) AS durable"
         f" WHERE {condition}"
         " ON CONFLICT (objsubid, classid, objid) DO UPDATE SET token = excluded.token,"
         " key_name = excluded.key_name, issued_at = excluded.issued_at, issued_to = excluded.issued_to"
@@ -618,12 +634,13 @@ def fencing_replication(conn: psycopg.Connection[Any]) -> FencingReplication | N
     """What replication protects the fencing tokens; None when no token was ever issued (or the
     ledger is not installed, or this role may not read it)."""
     try:
-        row = conn.execute("SELECT to_regclass('pglock.fencing_tokens') IS NOT NULL").fetchone()
+        row = conn.execute("SELECT pg_catalog.to_regclass('pglock.fencing_tokens') IS NOT NULL").fetchone()
         if not row or not row[0]:
             return None
         row = conn.execute(
-            "SELECT EXISTS (SELECT 1 FROM pglock.fencing_tokens), current_setting('synchronous_standby_names'),"
-            " (SELECT count(*) FROM pg_catalog.pg_stat_replication WHERE sync_state IN ('sync', 'quorum'))"
+            "SELECT EXISTS (SELECT 1 FROM pglock.fencing_tokens),"
+            " pg_catalog.current_setting('synchronous_standby_names'),"
+            " (SELECT pg_catalog.count(*) FROM pg_catalog.pg_stat_replication WHERE sync_state IN ('sync', 'quorum'))"
         ).fetchone()
     except psycopg.errors.InsufficientPrivilege:  # a role without USAGE on the schema: not its business
         return None

@@ -56,10 +56,14 @@ _POOL_SEEN = (
     " AND objsubid = 1 AND classid::bigint = %(marker_class)s AND objid::bigint = 0 AND " + advisory_here() + ")"
 )
 _NO_POOL = (
-    "CASE WHEN pg_try_advisory_lock(%(presence)s::bigint) THEN pg_advisory_unlock(%(presence)s::bigint)"
+    "CASE WHEN pg_catalog.pg_try_advisory_lock(%(presence)s::bigint) THEN"
+    " pg_catalog.pg_advisory_unlock(%(presence)s::bigint)"
     " ELSE NOT " + _POOL_SEEN + " END"
 )
-_MARKER_FREE = "CASE WHEN pg_try_advisory_lock(%(presence)s::bigint) THEN pg_advisory_unlock(%(presence)s::bigint) END"
+_MARKER_FREE = (
+    "CASE WHEN pg_catalog.pg_try_advisory_lock(%(presence)s::bigint) THEN"
+    " pg_catalog.pg_advisory_unlock(%(presence)s::bigint) END"
+)
 PLAIN_CHECK = (
     "CASE WHEN {attempt} THEN (CASE WHEN " + _MARKER_FREE + " THEN 1 ELSE 2 END)"
     " ELSE (CASE WHEN " + _MARKER_FREE + " THEN 0 ELSE -2 END) END"

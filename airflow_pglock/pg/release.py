@@ -40,20 +40,20 @@ AT_RELEASE_STATEMENT_TIMEOUT = "1s"
 # they replace are kept in the transaction's own placeholders and put back after the write; a
 # write that fails is rolled back to its savepoint, which puts them back too.
 BOUND_WRITE = (
-    "SELECT set_config('pglock.lock_timeout_before', current_setting('lock_timeout'), true),"
-    " set_config('pglock.statement_timeout_before', current_setting('statement_timeout'), true),"
-    f" set_config('lock_timeout', '{AT_RELEASE_LOCK_TIMEOUT}', true),"
-    f" set_config('statement_timeout', '{AT_RELEASE_STATEMENT_TIMEOUT}', true)"
+    "SELECT pg_catalog.set_config('pglock.lock_timeout_before', pg_catalog.current_setting('lock_timeout'), true),"
+    " pg_catalog.set_config('pglock.statement_timeout_before', pg_catalog.current_setting('statement_timeout'), true),"
+    f" pg_catalog.set_config('lock_timeout', '{AT_RELEASE_LOCK_TIMEOUT}', true),"
+    f" pg_catalog.set_config('statement_timeout', '{AT_RELEASE_STATEMENT_TIMEOUT}', true)"
 )
 # A write at release in a transaction of its own (session scope) also commits without waiting
 # for a WAL flush or a synchronous standby: the row only names a key, a later hold writes it
 # again, and under synchronous replication whose standby does not answer the commit would wait
 # for ever (statement_timeout does not end that wait), and the task with it, after its unlock.
 # Never in the work's transaction (transaction scope): its commit is the work's.
-BOUND_WRITE_ALONE = BOUND_WRITE + ", set_config('synchronous_commit', 'off', true)"
+BOUND_WRITE_ALONE = BOUND_WRITE + ", pg_catalog.set_config('synchronous_commit', 'off', true)"
 UNBOUND_WRITE = (
-    "SELECT set_config('lock_timeout', current_setting('pglock.lock_timeout_before'), true),"
-    " set_config('statement_timeout', current_setting('pglock.statement_timeout_before'), true)"
+    "SELECT pg_catalog.set_config('lock_timeout', pg_catalog.current_setting('pglock.lock_timeout_before'), true),"
+    " pg_catalog.set_config('statement_timeout', pg_catalog.current_setting('pglock.statement_timeout_before'), true)"
 )
 #: The errors of a write that hit its bound (a skipped write, not a refused one).
 BOUND_ERRORS: tuple[type[psycopg.Error], ...] = (psycopg.errors.LockNotAvailable, psycopg.errors.QueryCanceled)
@@ -160,14 +160,14 @@ def _back_to_savepoint(conn: psycopg.Connection[Any]) -> bool:
 def _announced_unlock(function: str, pair: bool) -> str:
     # Text, built once per form: a lock session releases keys in a tight loop. The channel is
     # this package's constant, a plain name.
-    return f"{call_text(function, pair)}, pg_notify('{wakeups.RELEASED_CHANNEL}', %s)"
+    return f"{call_text(function, pair)}, pg_catalog.pg_notify('{wakeups.RELEASED_CHANNEL}', %s)"
 
 
 def _unlock_statement(key: LockKey, shared: bool, markers: tuple[LockKey, ...]) -> tuple[str, list[Any]]:
     statement = _announced_unlock(lock_function("unlock", shared=shared), key.is_pair)
     params: list[Any] = [*key.numbers, wakeups.payload(key)]
     for marker in markers:  # a pool's slot: its markers go with it
-        statement += ", pg_advisory_unlock_shared(%s::bigint)"
+        statement += ", pg_catalog.pg_advisory_unlock_shared(%s::bigint)"
         params.append(marker.int64)
     return statement, params
 
@@ -293,7 +293,9 @@ def give_back_all(conn: psycopg.Connection[Any], scope: Scope, timeout: float = 
     :func:`roll_back_within`; False when it could not be done (the close frees them then)."""
     if scope == "transaction":
         return roll_back_within(conn, timeout)
-    return _answered_within(conn, b"SELECT pg_advisory_unlock_all()", psycopg.pq.ExecStatus.TUPLES_OK, timeout)
+    return _answered_within(
+        conn, b"SELECT pg_catalog.pg_advisory_unlock_all()", psycopg.pq.ExecStatus.TUPLES_OK, timeout
+    )
 
 
 def _answered_within(

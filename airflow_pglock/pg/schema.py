@@ -189,8 +189,9 @@ def table_exists(conn: psycopg.Connection[Any], table: str) -> bool:
     # answer NULL only when the role lacks USAGE on the schema (to_regclass() would raise
     # then); the catalog, readable by everyone, tells in that case.
     row = conn.execute(
-        "SELECT CASE WHEN n IS NULL THEN false WHEN has_schema_privilege(n, 'USAGE')"
-        " THEN to_regclass(format('%%I.%%I', %s::text, %s::text)) IS NOT NULL END FROM to_regnamespace(%s) AS n",
+        "SELECT CASE WHEN n IS NULL THEN false WHEN pg_catalog.has_schema_privilege(n, 'USAGE')"
+        " THEN pg_catalog.to_regclass(pg_catalog.format('%%I.%%I', %s::text, %s::text)) IS NOT"
+        " NULL END FROM pg_catalog.to_regnamespace(%s) AS n",
         [SCHEMA, table, SCHEMA],
     ).fetchone()
     if row is not None and row[0] is not None:
@@ -223,15 +224,16 @@ def migrate(conn: psycopg.Connection[Any], migrations: Sequence[Migration] = MIG
     """
     _check_migrations(migrations)
     with conn.transaction():
-        conn.execute("SELECT pg_advisory_xact_lock(%s::bigint)", MIGRATION_LOCK_KEY.numbers)
+        conn.execute("SELECT pg_catalog.pg_advisory_xact_lock(%s::bigint)", MIGRATION_LOCK_KEY.numbers)
         conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(SCHEMA)))
         conn.execute(
             sql.SQL(
                 "CREATE TABLE IF NOT EXISTS {} (version integer PRIMARY KEY, description text NOT NULL,"
-                " applied_at timestamptz NOT NULL DEFAULT now(), applied_by text NOT NULL DEFAULT current_user)"
+                " applied_at timestamptz NOT NULL DEFAULT pg_catalog.now(), applied_by text NOT"
+                " NULL DEFAULT current_user)"
             ).format(_version_table())
         )
-        row = conn.execute(sql.SQL("SELECT max(version) FROM {}").format(_version_table())).fetchone()
+        row = conn.execute(sql.SQL("SELECT pg_catalog.max(version) FROM {}").format(_version_table())).fetchone()
         before: int | None = row[0] if row else None
         pending = [m for m in migrations if m.version > (before or 0)]
         for migration in pending:
@@ -251,7 +253,7 @@ def missing_roles(conn: psycopg.Connection[Any], roles: list[str]) -> list[str]:
     if not roles:
         return []
     rows = conn.execute(
-        "SELECT name FROM unnest(%s::text[]) WITH ORDINALITY AS given(name, n) "
+        "SELECT name FROM pg_catalog.unnest(%s::text[]) WITH ORDINALITY AS given(name, n) "
         "WHERE NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = given.name) ORDER BY n",
         [roles],
     ).fetchall()

@@ -85,7 +85,8 @@ HORIZON_WAIT_SECONDS = 10.0
 # The session's lock_timeout and statement_timeout in ms (0: none), which bound the tries as they
 # would bound a wait on the server.
 _TIMEOUTS_MS = ", ".join(
-    f"extract(epoch FROM current_setting('{name}')::interval) * 1000" for name in ("lock_timeout", "statement_timeout")
+    f"extract(epoch FROM pg_catalog.current_setting('{name}')::interval) * 1000"
+    for name in ("lock_timeout", "statement_timeout")
 )
 
 
@@ -149,16 +150,16 @@ def is_deferred_hold(task_now: str | None) -> bool:
 
 
 _COLUMNS = (
-    "holder, run, task_now, token, lease_until, lease_until > clock_timestamp(),"
-    " extract(epoch FROM lease_until - clock_timestamp())::float8"
+    "holder, run, task_now, token, lease_until, lease_until > pg_catalog.clock_timestamp(),"
+    " extract(epoch FROM lease_until - pg_catalog.clock_timestamp())::float8"
 )
 _WHERE = "objsubid = %(objsubid)s AND classid = %(classid)s AND objid = %(objid)s"
 
 
 _PUBLIC_MAY_READ = (
-    "has_schema_privilege('public', 'pglock', 'USAGE')"
-    " AND has_table_privilege('public', 'pglock.scopes', 'SELECT')"
-    " AND has_sequence_privilege('public', 'pglock.scope_horizon', 'SELECT')"
+    "pg_catalog.has_schema_privilege('public', 'pglock', 'USAGE')"
+    " AND pg_catalog.has_table_privilege('public', 'pglock.scopes', 'SELECT')"
+    " AND pg_catalog.has_sequence_privilege('public', 'pglock.scope_horizon', 'SELECT')"
 )
 
 
@@ -211,8 +212,9 @@ def live_scopes_of(conn: psycopg.Connection[Any], keys: list[LockKey]) -> dict[L
     try:
         cursor = conn.execute(
             f"SELECT objsubid, classid, objid, {_COLUMNS} FROM pglock.scopes WHERE (objsubid, classid, objid) IN"
-            " (SELECT * FROM unnest(%(objsubid)s::smallint[], %(classid)s::bigint[], %(objid)s::bigint[]))"
-            " AND lease_until > clock_timestamp()",
+            " (SELECT * FROM ROWS FROM (pg_catalog.unnest(%(objsubid)s::smallint[]),"
+            " pg_catalog.unnest(%(classid)s::bigint[]), pg_catalog.unnest(%(objid)s::bigint[])))"
+            " AND lease_until > pg_catalog.clock_timestamp()",
             _coordinate_arrays(keys),
         )
     except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName):
@@ -268,14 +270,14 @@ def enter(
             "INSERT INTO pglock.scopes AS s (objsubid, classid, objid, key_name, holder, run, task_now, token,"
             " acquired_at, lease_until)"
             " VALUES (%(objsubid)s, %(classid)s, %(objid)s, %(name)s, %(holder)s, %(run)s, %(task)s, NULL,"
-            " clock_timestamp(), clock_timestamp() + make_interval(secs => %(lease)s))"
+            " pg_catalog.clock_timestamp(), pg_catalog.clock_timestamp() + pg_catalog.make_interval(secs => %(lease)s))"
             " ON CONFLICT (objsubid, classid, objid) DO UPDATE SET key_name = excluded.key_name,"
             " holder = excluded.holder, run = excluded.run, task_now = excluded.task_now,"
             " token = CASE WHEN s.holder = excluded.holder THEN s.token END,"
             " acquired_at = CASE WHEN s.holder = excluded.holder THEN s.acquired_at ELSE excluded.acquired_at END,"
             " lease_until = excluded.lease_until"
-            " WHERE s.holder = excluded.holder OR s.lease_until <= clock_timestamp()"
-            " OR left(s.holder, length(%(lineage)s::text)) = %(lineage)s::text"
+            " WHERE s.holder = excluded.holder OR s.lease_until <= pg_catalog.clock_timestamp()"
+            " OR pg_catalog.left(s.holder, pg_catalog.length(%(lineage)s::text)) = %(lineage)s::text"
             f" RETURNING {_COLUMNS}",
             {
                 **_coordinates(key),
@@ -320,12 +322,13 @@ def rejoin(
         throughout, so nobody could take the scope meanwhile, and renews it lapsed or not.
     :returns: the renewed row; None when ``holder`` has no (live) row: the scope is lost.
     """
-    live = " AND lease_until > clock_timestamp()" if require_live else ""
+    live = " AND lease_until > pg_catalog.clock_timestamp()" if require_live else ""
     with _with_its_horizon(conn):
         cursor = _run(
             conn,
             "UPDATE pglock.scopes SET task_now = %(task)s,"
-            " lease_until = greatest(lease_until, clock_timestamp() + make_interval(secs => %(lease)s))"
+            " lease_until = greatest(lease_until, pg_catalog.clock_timestamp() +"
+            " pg_catalog.make_interval(secs => %(lease)s))"
             f" WHERE {_WHERE} AND holder = %(holder)s{live}"
             f" RETURNING {_COLUMNS}",
             {**_coordinates(key), "holder": holder, "task": task, "lease": lease_seconds},
@@ -403,8 +406,9 @@ def raise_horizon(conn: psycopg.Connection[Any], lease_until: dt.datetime) -> No
     is released), under the horizon's lock."""
     _under_horizon_lock(
         conn,
-        "setval('pglock.scope_horizon', greatest(coalesce(pg_sequence_last_value('pglock.scope_horizon'), 0),"
-        " ceil(extract(epoch FROM %(until)s::timestamptz))::bigint))",
+        "pg_catalog.setval('pglock.scope_horizon',"
+        " greatest(coalesce(pg_catalog.pg_sequence_last_value('pglock.scope_horizon'), 0),"
+        " pg_catalog.ceil(extract(epoch FROM %(until)s::timestamptz))::bigint))",
         {"until": lease_until},
     )
 
@@ -419,8 +423,9 @@ def lower_horizon(conn: psycopg.Connection[Any]) -> None:
         _under_horizon_lock(conn, "NULL", {})
         _run(
             conn,
-            "SELECT setval('pglock.scope_horizon', coalesce(max(ceil(extract(epoch FROM lease_until)))::bigint, 0))"
-            " FROM pglock.scopes WHERE lease_until > clock_timestamp()",
+            "SELECT pg_catalog.setval('pglock.scope_horizon',"
+            " coalesce(pg_catalog.max(pg_catalog.ceil(extract(epoch FROM lease_until)))::bigint, 0))"
+            " FROM pglock.scopes WHERE lease_until > pg_catalog.clock_timestamp()",
             {},
         )
 
@@ -439,7 +444,7 @@ def _under_horizon_lock(conn: psycopg.Connection[Any], when_locked: str, params:
     """
     statement = (
         f"SELECT locked, CASE WHEN locked THEN {when_locked} END, {_TIMEOUTS_MS}"
-        " FROM (SELECT pg_try_advisory_xact_lock(%(lock)s) AS locked OFFSET 0) AS serialized"
+        " FROM (SELECT pg_catalog.pg_try_advisory_xact_lock(%(lock)s) AS locked OFFSET 0) AS serialized"
     )
     params = {**params, "lock": HORIZON_LOCK_KEY.int64}
     pause = HORIZON_FIRST_PAUSE_SECONDS
@@ -474,8 +479,9 @@ def live_among(conn: psycopg.Connection[Any], keys: list[LockKey]) -> set[tuple[
     cursor = _run(
         conn,
         "SELECT objsubid, classid, objid FROM pglock.scopes WHERE (objsubid, classid, objid) IN"
-        " (SELECT * FROM unnest(%(objsubid)s::smallint[], %(classid)s::bigint[], %(objid)s::bigint[]))"
-        " AND lease_until > clock_timestamp()",
+        " (SELECT * FROM ROWS FROM (pg_catalog.unnest(%(objsubid)s::smallint[]),"
+        " pg_catalog.unnest(%(classid)s::bigint[]), pg_catalog.unnest(%(objid)s::bigint[])))"
+        " AND lease_until > pg_catalog.clock_timestamp()",
         _coordinate_arrays(keys),
     )
     found = {(row[0], row[1], row[2]) for row in cursor.fetchall()}
@@ -487,7 +493,7 @@ def live_scopes(conn: psycopg.Connection[Any]) -> list[tuple[LockKey, ScopeRow]]
     cursor = _run(
         conn,
         f"SELECT objsubid, classid, objid, key_name, {_COLUMNS} FROM pglock.scopes"
-        " WHERE lease_until > clock_timestamp() ORDER BY acquired_at",
+        " WHERE lease_until > pg_catalog.clock_timestamp() ORDER BY acquired_at",
         {},
     )
     found = []
@@ -513,15 +519,15 @@ class ScopeAccess:
 
 def scope_access(conn: psycopg.Connection[Any]) -> ScopeAccess | None:
     """The lock scopes' grants and how many are live; None before init-db version 5."""
-    installed = conn.execute("SELECT to_regclass('pglock.scopes') IS NOT NULL").fetchone()
+    installed = conn.execute("SELECT pg_catalog.to_regclass('pglock.scopes') IS NOT NULL").fetchone()
     if not (installed and installed[0]):
         return None
     row = conn.execute(
         f"SELECT ({_PUBLIC_MAY_READ}),"
-        " has_table_privilege('pglock.scopes', 'INSERT, UPDATE, DELETE')"
-        " AND has_sequence_privilege('pglock.scope_horizon', 'UPDATE'),"
-        " CASE WHEN has_table_privilege('pglock.scopes', 'SELECT')"
-        " THEN (SELECT count(*) FROM pglock.scopes WHERE lease_until > clock_timestamp()) END"
+        " pg_catalog.has_table_privilege('pglock.scopes', 'INSERT, UPDATE, DELETE')"
+        " AND pg_catalog.has_sequence_privilege('pglock.scope_horizon', 'UPDATE'),"
+        " CASE WHEN pg_catalog.has_table_privilege('pglock.scopes', 'SELECT')"
+        " THEN (SELECT pg_catalog.count(*) FROM pglock.scopes WHERE lease_until > pg_catalog.clock_timestamp()) END"
     ).fetchone()
     assert row is not None
     return ScopeAccess(public_read=bool(row[0]), role_write=bool(row[1]), live=int(row[2] or 0))

@@ -37,9 +37,11 @@ def inspect_server(conn: psycopg.Connection[Any]) -> ServerInfo:
     """Read what is at the other end of a lock connection, in one round trip."""
     try:
         row = conn.execute(
-            "SELECT pg_backend_pid(), current_setting('server_version_num')::int, version(),"
-            " current_database(), host(inet_server_addr()), inet_server_port(), pg_is_in_recovery(),"
-            " pg_postmaster_start_time()"
+            "SELECT pg_catalog.pg_backend_pid(),"
+            " pg_catalog.current_setting('server_version_num')::int, pg_catalog.version(),"
+            " pg_catalog.current_database(), pg_catalog.host(pg_catalog.inet_server_addr()),"
+            " pg_catalog.inet_server_port(), pg_catalog.pg_is_in_recovery(),"
+            " pg_catalog.pg_postmaster_start_time()"
         ).fetchone()
     except NOT_POSTGRES_ERRORS as error:
         raise not_postgresql(conn, error) from None

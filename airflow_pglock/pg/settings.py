@@ -23,6 +23,18 @@ from airflow_pglock.liveness import Liveness
 #: ``ignore_startup_parameters = options``, or a server older than a setting (PostgreSQL 12/13).
 STARTUP_OPTIONS_REFUSED = ("unsupported startup parameter", "unrecognized configuration parameter")
 
+#: Server settings every connection of the provider sends in its start-up packet (libpq ``options``),
+#: where they win over a role's or database's own (``ALTER ROLE/DATABASE ... SET``): timestamps and
+#: intervals in the styles psycopg reads (it cannot read ``DateStyle = 'SQL, DMY'``, ``Postgres`` or
+#: ``German``, nor another ``IntervalStyle``), and errors that end a statement, not the session
+#: (``exit_on_error = on`` would end it at a wait that runs out, which is a busy key).
+READABLE_SERVER_SETTINGS = {"DateStyle": "ISO", "IntervalStyle": "postgres", "exit_on_error": "off"}
+#: libpq's ``client_encoding`` of every connection of the provider: text comes back as ``str``
+#: whatever the database's or the role's encoding (``SQL_ASCII`` gives bytes), and a name the
+#: database's encoding cannot hold is refused by the server (a ``psycopg.Error``), not by the
+#: client's encoder. A pooler accepts it (PgBouncer tracks ``client_encoding``), unlike ``options``.
+CLIENT_ENCODING = "UTF8"
+
 _URI_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")
 _KEYWORD_PASSWORD = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
 
@@ -102,26 +114,38 @@ class ConnectionSettings:
         connect_timeout: int,
         *,
         server_settings: Mapping[str, str] | None = None,
+        startup_options: bool = True,
     ) -> dict[str, Any]:
-        """The libpq parameters of one lock session: these, plus its name and liveness settings.
+        """The libpq parameters of one connection of the provider: these, plus its name, liveness
+        settings, ``client_encoding`` (:data:`CLIENT_ENCODING`) and, in the start-up packet,
+        :data:`READABLE_SERVER_SETTINGS`.
 
         :param application_name: names the holder in ``pg_stat_activity``.
         :param liveness: the lease's client-side settings (keepalives, ``tcp_user_timeout``).
         :param connect_timeout: used when the connection sets none of its own.
         :param server_settings: server settings to send in the start-up packet (libpq
             ``options``, after the connection's own, so they win): no statement needed.
+        :param startup_options: False: no server setting of the provider's in the start-up packet
+            (the server or a pooler refused them); the connection's own ``options`` still go. None
+            go either when the connection declares a pooler (``pool_mode``), which would refuse
+            them or, configured to ignore them, drop them silently.
         """
         params = dict(self.params)
         params.setdefault("connect_timeout", connect_timeout)
         # The lease's keepalive settings win over the connection's extras: they bound how long
         # a dead peer goes unnoticed, and a looser extra would silently break that bound.
         params.update(liveness.client_settings())
+        # So does the encoding: the provider reads text as str (an extra's would do for the work on
+        # `lock.connection`, but not for the provider's own reads; the work gets str in UTF-8).
+        params["client_encoding"] = CLIENT_ENCODING
         if application_name:
             params["application_name"] = application_name
         else:  # never anonymous: `locks` shows the provider, the program and its pid
             params.setdefault("application_name", hook_application_name())
-        if server_settings:
-            ours = " ".join(f"-c {name}={value}" for name, value in server_settings.items())
+        if startup_options and self.pool_mode is None:
+            ours = " ".join(
+                f"-c {name}={value}" for name, value in {**READABLE_SERVER_SETTINGS, **(server_settings or {})}.items()
+            )
             params["options"] = f"{params['options']} {ours}" if params.get("options") else ours
         return params
 

@@ -29,8 +29,8 @@ TRANSACTION_TIMEOUT_VERSION = 170000
 #: this package's own on a session lock's connection, each bounded by its own timeouts: a
 #: transaction-mode lock's transaction keeps whatever bounds it.
 LIFT_TRANSACTION_TIMEOUT = (
-    "CASE WHEN current_setting('transaction_timeout', true) IS NOT NULL"
-    " THEN set_config('transaction_timeout', '0', true) END"
+    "CASE WHEN pg_catalog.current_setting('transaction_timeout', true) IS NOT NULL"
+    " THEN pg_catalog.set_config('transaction_timeout', '0', true) END"
 )
 
 
@@ -71,7 +71,7 @@ def advisory_here(alias: str = "") -> str:
     """
     return (
         f"{alias}locktype = 'advisory'"
-        f" AND {alias}database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())"
+        f" AND {alias}database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database())"
     )
 
 
@@ -83,10 +83,11 @@ HELD_CONDITION = (
 # ...and, for a transaction lock, that the session is still in the transaction that took it
 # (a COMMIT then BEGIN on the lock's connection ends the lock; the key may even be taken
 # again in the new transaction, which is not the lock the guard holds).
-IN_TRANSACTION = "txid_current_if_assigned() IS NOT DISTINCT FROM {0}::bigint"
+IN_TRANSACTION = "pg_catalog.txid_current_if_assigned() IS NOT DISTINCT FROM {0}::bigint"
 # The same seen from another session: the holder's current top-level transaction id (32 bits).
 SIDE_IN_TRANSACTION = (
-    "(SELECT backend_xid::text::bigint FROM pg_catalog.pg_stat_activity WHERE pid = {0}) = mod({1}::bigint, 4294967296)"
+    "(SELECT backend_xid::text::bigint FROM pg_catalog.pg_stat_activity WHERE pid = {0}) ="
+    " pg_catalog.mod({1}::bigint, 4294967296)"
 )
 
 
@@ -95,7 +96,7 @@ def held_condition(pid: str | None, placeholders: tuple[str, str, str, str], xac
     placeholders for the key's ``pg_locks`` coordinates and mode; ``pid`` None: the session that
     runs the statement, else another session (its transaction as ``pg_stat_activity`` shows it)."""
     if pid is None:
-        condition = HELD_CONDITION.format("pg_backend_pid()", *placeholders)
+        condition = HELD_CONDITION.format("pg_catalog.pg_backend_pid()", *placeholders)
         return condition + (" AND " + IN_TRANSACTION.format(xact) if xact is not None else "")
     condition = HELD_CONDITION.format(pid, *placeholders)
     return condition + (" AND " + SIDE_IN_TRANSACTION.format(pid, xact) if xact is not None else "")
@@ -117,6 +118,13 @@ NOT_POSTGRES_ERRORS: tuple[type[psycopg.Error], ...] = (
 )
 
 
+def catalog_function(name: str) -> sql.Identifier:
+    """A built-in function by its schema: a function of that name elsewhere on the search_path (an
+    exact match of the arguments' types in ``public``, or a schema put ahead of ``pg_catalog``) would
+    otherwise be called instead."""
+    return sql.Identifier("pg_catalog", name)
+
+
 def lock_function(base: str, *, shared: bool = False, scope: Scope = "session") -> str:
     """The advisory lock function: ``base`` is ``try`` (``pg_try_advisory_lock``), ``wait``
     (``pg_advisory_lock``) or ``unlock``; its transaction-level and shared forms as asked."""
@@ -129,7 +137,9 @@ def lock_function(base: str, *, shared: bool = False, scope: Scope = "session") 
 # the conversion of a text query, and would render a composed one anew at each execution of a
 # tight loop. :func:`call` wraps the same text for statements composed around it.
 _CALL_TEXTS = {
-    (function, pair): f'SELECT "{function}"(' + ("%s::integer, %s::integer" if pair else "%s::bigint") + ")"
+    (function, pair): f'SELECT "pg_catalog"."{function}"('
+    + ("%s::integer, %s::integer" if pair else "%s::bigint")
+    + ")"
     for function in {
         lock_function(base, shared=shared, scope=scope)
         for base in ("try", "wait", "unlock")
@@ -154,8 +164,8 @@ def call_text(function: str, pair: bool) -> str:
 def named_call_text(function: str, pair: bool) -> sql.Composed:
     """``function(<key>)`` with named parameters ``k1`` (and ``k2`` for a pair): :func:`key_params`."""
     if pair:
-        return sql.SQL("{}(%(k1)s::integer, %(k2)s::integer)").format(sql.Identifier(function))
-    return sql.SQL("{}(%(k1)s::bigint)").format(sql.Identifier(function))
+        return sql.SQL("{}(%(k1)s::integer, %(k2)s::integer)").format(catalog_function(function))
+    return sql.SQL("{}(%(k1)s::bigint)").format(catalog_function(function))
 
 
 def key_params(key: LockKey) -> dict[str, Any]:
@@ -179,7 +189,7 @@ def liveness_statement(
     session = not local if session_lock is None else session_lock
     settings = liveness.server_settings(transaction=not session, server_version_num=server_version_num)
     selects = sql.SQL(", ").join(
-        sql.SQL("set_config({}, {}, {})").format(sql.Literal(name), sql.Literal(value), sql.Literal(local))
+        sql.SQL("pg_catalog.set_config({}, {}, {})").format(sql.Literal(name), sql.Literal(value), sql.Literal(local))
         for name, value in settings.items()
     )
     return sql.SQL("SELECT {}").format(selects)
@@ -190,13 +200,16 @@ def liveness_statement(
 #: Compared with the transaction's start (``now()``, never later than the read: it errs towards a
 #: read of the rows), as timestamps: ``extract(epoch ...)`` and a numeric comparison cost a fresh
 #: backend 0.4 ms more to plan (measured), paid by every lock statement of a named key.
-HORIZON_LIVE = "to_timestamp(coalesce(pg_sequence_last_value(to_regclass('pglock.scope_horizon')), 0)) >= now()"
+HORIZON_LIVE = (
+    "pg_catalog.to_timestamp(coalesce(pg_catalog.pg_sequence_last_value(pg_catalog.to_regclass('pglock.scope_horizon')),"
+    " 0)) >= pg_catalog.now()"
+)
 
 
 # Asked when a read of pg_locks finds a key free (the answer a standby must not give: it holds none
 # of the primary's locks), so a busy key costs no round trip more; and by the wake-ups' connection
 # as it connects (a standby cannot LISTEN).
-IN_RECOVERY = "SELECT pg_is_in_recovery()"
+IN_RECOVERY = "SELECT pg_catalog.pg_is_in_recovery()"
 
 
 def refuse_a_standby(info: psycopg.ConnectionInfo, in_recovery: bool) -> None:

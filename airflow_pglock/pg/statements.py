@@ -29,6 +29,7 @@ from airflow_pglock.pg.sql import (
     LIFT_TRANSACTION_TIMEOUT,
     call,
     call_text,
+    catalog_function,
     held_condition,
     held_params,
     lock_function,
@@ -100,18 +101,20 @@ def wait_lock(
     previous = None
     if scope == "transaction":
         previous = conn.execute(
-            "SELECT current_setting('lock_timeout'), current_setting('statement_timeout')"
+            "SELECT pg_catalog.current_setting('lock_timeout'), pg_catalog.current_setting('statement_timeout')"
         ).fetchone()
     try:
         with conn.transaction(savepoint_name="pglock_wait" if scope == "transaction" else None):
             conn.execute(
-                f"SELECT set_config('lock_timeout', %s, true), set_config('statement_timeout', '0', true){lifted}",
+                f"SELECT pg_catalog.set_config('lock_timeout', %s, true),"
+                f" pg_catalog.set_config('statement_timeout', '0', true){lifted}",
                 [timeout_ms],
             )
             conn.execute(statement, key.numbers)
         if previous is not None:
             conn.execute(
-                "SELECT set_config('lock_timeout', %s, true), set_config('statement_timeout', %s, true)",
+                "SELECT pg_catalog.set_config('lock_timeout', %s, true),"
+                " pg_catalog.set_config('statement_timeout', %s, true)",
                 list(previous),
             )
     except psycopg.errors.LockNotAvailable:
@@ -132,9 +135,9 @@ def first_free(function: str) -> sql.Composed:
         " SELECT 1, {f}((%(slots)s::bigint[])[1])"
         " UNION ALL"
         " SELECT n + 1, {f}((%(slots)s::bigint[])[n + 1]) FROM attempt"
-        " WHERE NOT taken AND n < cardinality(%(slots)s::bigint[])"
+        " WHERE NOT taken AND n < pg_catalog.cardinality(%(slots)s::bigint[])"
         ") SELECT n FROM attempt WHERE taken"
-    ).format(f=sql.Identifier(function))
+    ).format(f=catalog_function(function))
 
 
 def try_slot(conn: psycopg.Connection[Any], slots: list[LockKey], *, scope: Scope = "session") -> int | None:
@@ -179,10 +182,12 @@ def _each_key(function: str, more: sql.Composable = _NO_MORE) -> sql.Composed:
     each row's read after its key's call)."""
     call = sql.SQL(
         "SELECT CASE WHEN k.whole IS NOT NULL THEN {f}(k.whole) ELSE {f}(k.first, k.second) END{more}"
-        " FROM unnest(%s::bigint[], %s::integer[], %s::integer[]) WITH ORDINALITY AS k(whole, first, second, n)"
+        " FROM ROWS FROM (pg_catalog.unnest(%s::bigint[]), pg_catalog.unnest(%s::integer[]),"
+        " pg_catalog.unnest(%s::integer[])) WITH ORDINALITY AS"
+        " k(whole, first, second, n)"
         " ORDER BY k.n"
     )
-    return call.format(f=sql.Identifier(function), more=more)
+    return call.format(f=catalog_function(function), more=more)
 
 
 def _for_each_key(conn: psycopg.Connection[Any], function: str, keys: list[LockKey]) -> list[bool]:
@@ -208,7 +213,7 @@ def try_lock_many(
 
 def scopes_installed(conn: psycopg.Connection[Any]) -> bool:
     """Whether the lock scopes' tables are in this database (init-db version 5)."""
-    row = conn.execute("SELECT to_regclass('pglock.scope_horizon') IS NOT NULL").fetchone()
+    row = conn.execute("SELECT pg_catalog.to_regclass('pglock.scope_horizon') IS NOT NULL").fetchone()
     return bool(row and row[0])
 
 
@@ -237,10 +242,13 @@ def try_lock_seeing_scopes(
 # ends them) and the positions of those this session still holds in one mode, in one row whatever
 # happens. The session's locks are read once (a hashed subplan), not once per key.
 _GIVEN_BACK = (
-    f"SELECT (SELECT count(pg_notify('{wakeups.RELEASED_CHANNEL}', p)) FROM unnest(%s::text[]) AS p),"
-    " ARRAY(SELECT k.n FROM unnest(%s::bigint[], %s::bigint[], %s::integer[]) WITH ORDINALITY AS k(c, o, s, n)"
+    f"SELECT (SELECT pg_catalog.count(pg_catalog.pg_notify('{wakeups.RELEASED_CHANNEL}', p))"
+    f" FROM pg_catalog.unnest(%s::text[]) AS p),"
+    " ARRAY(SELECT k.n FROM ROWS FROM (pg_catalog.unnest(%s::bigint[]),"
+    " pg_catalog.unnest(%s::bigint[]), pg_catalog.unnest(%s::integer[])) WITH"
+    " ORDINALITY AS k(c, o, s, n)"
     " WHERE (k.c, k.o, k.s) IN (SELECT classid::bigint, objid::bigint, objsubid::integer FROM pg_locks"
-    " WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted AND mode = %s))"
+    " WHERE locktype = 'advisory' AND pid = pg_catalog.pg_backend_pid() AND granted AND mode = %s))"
 )
 
 
@@ -270,7 +278,7 @@ def unlock_many(conn: psycopg.Connection[Any], keys: list[LockKey], *, shared: b
 # which a batch that ran out of shared memory has just filled.
 _OWN_LOCKS = (
     "SELECT classid::bigint, objid::bigint, objsubid::integer FROM pg_locks"
-    " WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted AND mode = %s"
+    " WHERE locktype = 'advisory' AND pid = pg_catalog.pg_backend_pid() AND granted AND mode = %s"
 )
 
 
@@ -298,15 +306,15 @@ def _statement_timeout_lifted(conn: psycopg.Connection[Any]) -> Iterator[None]:
     # connection between these statements (a heartbeat's probe), and an error of theirs
     # would abort the transaction. The fenced subquery reads the old value before the change.
     row = conn.execute(
-        "SELECT previous, set_config('statement_timeout', '0', false)"
-        " FROM (SELECT current_setting('statement_timeout') AS previous OFFSET 0) AS setting"
+        "SELECT previous, pg_catalog.set_config('statement_timeout', '0', false)"
+        " FROM (SELECT pg_catalog.current_setting('statement_timeout') AS previous OFFSET 0) AS setting"
     ).fetchone()
     try:
         yield
     finally:
         usable = not conn.closed and conn.info.transaction_status != psycopg.pq.TransactionStatus.INERROR
         if row is not None and usable:  # in a failed transaction, its rollback puts the value back
-            conn.execute("SELECT set_config('statement_timeout', %s, false)", [row[0]])
+            conn.execute("SELECT pg_catalog.set_config('statement_timeout', %s, false)", [row[0]])
 
 
 def session_alive_seen_from_aside(conn: psycopg.Connection[Any], pid: int) -> bool:
@@ -333,7 +341,7 @@ def commit(conn: psycopg.Connection[Any]) -> None:
 def transaction_status(conn: psycopg.Connection[Any], xact_id: int) -> str | None:
     """``txid_status(xact_id)`` on ``conn``: ``committed``, ``aborted``, ``in progress``, or None
     (too old to tell)."""
-    row = conn.execute("SELECT txid_status(%s::bigint)", [xact_id]).fetchone()
+    row = conn.execute("SELECT pg_catalog.txid_status(%s::bigint)", [xact_id]).fetchone()
     return None if row is None else row[0]
 
 

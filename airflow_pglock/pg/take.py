@@ -33,7 +33,14 @@ from airflow_pglock.pg.pools import (
     pool_params,
 )
 from airflow_pglock.pg.release import give_back_all, unlock
-from airflow_pglock.pg.sql import inline, key_params, liveness_statement, lock_function, named_call_text
+from airflow_pglock.pg.sql import (
+    catalog_function,
+    inline,
+    key_params,
+    liveness_statement,
+    lock_function,
+    named_call_text,
+)
 from airflow_pglock.pg.statements import first_free, wait_lock, wait_slot
 from airflow_pglock.server_rules import Scope, ServerInfo
 
@@ -43,9 +50,13 @@ from airflow_pglock.server_rules import Scope, ServerInfo
 # server_rules.py need besides the handshake, so no statement of its own inspects the server.
 # The server's start time is not asked: a loss is told from a restart by the server's uptime
 # (loss.refine_with_server_start).
-_WHERE_A_LOCK_EXCLUDES = "NOT pg_is_in_recovery() AND (pg_backend_pid() = %(reported_pid)s OR %(pooled)s)"
+_WHERE_A_LOCK_EXCLUDES = (
+    "NOT pg_catalog.pg_is_in_recovery() AND (pg_catalog.pg_backend_pid() = %(reported_pid)s OR %(pooled)s)"
+)
 _FIRST_TRY = (
-    "SELECT CASE WHEN " + _WHERE_A_LOCK_EXCLUDES + " THEN {attempt} END, pg_backend_pid(), pg_is_in_recovery()"
+    "SELECT CASE WHEN "
+    + _WHERE_A_LOCK_EXCLUDES
+    + " THEN {attempt} END, pg_catalog.pg_backend_pid(), pg_catalog.pg_is_in_recovery()"
     "{registry}{conflict}{xact}{source}"
 )
 
@@ -104,7 +115,7 @@ def _first_try_statement(shape: _Shape) -> sql.Composed:
         # The check runs in a subquery of the FROM, so before the target list that tries a slot.
         slot_try = first_free(shape.function)
         attempt: sql.Composable = sql.SQL("CASE WHEN pool.conflict IS NULL THEN ({}) END").format(slot_try)
-        marker_try = sql.Identifier(lock_function("try", shared=True, scope=shape.scope))
+        marker_try = catalog_function(lock_function("try", shared=True, scope=shape.scope))
         check = sql.SQL(POOL_CHECK).format(shared_try=marker_try, max_slots=sql.Literal(MAX_SLOTS))
         conflict = sql.SQL(", pool.conflict")
         source = sql.SQL(" FROM (SELECT CASE WHEN {} THEN {} END AS conflict OFFSET 0) AS pool").format(
@@ -118,7 +129,7 @@ def _first_try_statement(shape: _Shape) -> sql.Composed:
     # A standby cannot assign a transaction id; the rules refuse it from the row's answers.
     xact = sql.SQL("")
     if shape.opens_transaction:
-        xact = sql.SQL(", CASE WHEN NOT pg_is_in_recovery() THEN txid_current() END")
+        xact = sql.SQL(", CASE WHEN NOT pg_catalog.pg_is_in_recovery() THEN pg_catalog.txid_current() END")
     return sql.SQL(_FIRST_TRY).format(attempt=attempt, registry=registry, conflict=conflict, xact=xact, source=source)
 
 

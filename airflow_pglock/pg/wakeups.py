@@ -79,10 +79,11 @@ async def aheld(conn: psycopg.AsyncConnection[Any], keys: Collection[Coordinates
     classids, objids, objsubids = (list(column) for column in zip(*keys, strict=True))
     # Whether the server is a standby travels with the read (a row of NULLs when no key is held).
     cursor = await conn.execute(
-        "SELECT h.*, r.standby FROM (SELECT pg_is_in_recovery() AS standby) r LEFT JOIN LATERAL ("
-        "SELECT l.classid::bigint, l.objid::bigint, l.objsubid::int, bool_or(l.mode = %s)"
+        "SELECT h.*, r.standby FROM (SELECT pg_catalog.pg_is_in_recovery() AS standby) r LEFT JOIN LATERAL ("
+        "SELECT l.classid::bigint, l.objid::bigint, l.objsubid::int, pg_catalog.bool_or(l.mode = %s)"
         " FROM pg_catalog.pg_locks l"
-        " JOIN unnest(%s::bigint[], %s::bigint[], %s::int[]) AS k(classid, objid, objsubid)"
+        " JOIN ROWS FROM (pg_catalog.unnest(%s::bigint[]), pg_catalog.unnest(%s::bigint[]),"
+        " pg_catalog.unnest(%s::int[])) AS k(classid, objid, objsubid)"
         " ON l.classid::bigint = k.classid AND l.objid::bigint = k.objid AND l.objsubid::int = k.objsubid"
         " WHERE (l.granted OR l.mode = %s) AND " + advisory_here("l.") + " GROUP BY 1, 2, 3) h ON true",
         [EXCLUSIVE_MODE, classids, objids, objsubids, EXCLUSIVE_MODE],

@@ -487,7 +487,10 @@ def test_a_role_that_may_not_record_a_completion_fails_before_the_work(
 
 def _named_setval(message: str) -> str | None:
     """The setval a refusal's message names, if any."""
-    found = re.search(r"SELECT setval\('pglock\.fencing_token_seq', \(SELECT max\(token\) FROM [^;]*?\)\)", message)
+    found = re.search(
+        r"SELECT pg_catalog\.setval\('pglock\.fencing_token_seq', \(SELECT pg_catalog\.max\(token\) FROM [^;]*?\)\)",
+        message,
+    )
     return None if found is None else found.group(0)
 
 
@@ -549,3 +552,25 @@ def test_a_used_up_fencing_sequence_fails_the_run_naming_the_sequence_and_a_reme
     assert remedy is not None and remedy in message, message
     installed.execute(remedy)
     assert fenced_run() == first + 1
+
+
+@pytest.mark.parametrize("mode", ["session", "transaction"])
+@pytest.mark.parametrize("rule", ["once_per", "min_interval"])
+def test_a_read_only_default_fails_before_the_work_not_after_it(dsn: str, installed: Any, mode: str, rule: str) -> None:
+    """Transactions read-only by default (default_transaction_read_only, for the role or the database;
+    set here through the connection's options, which rank above both): the record after the work
+    would fail, and each retry would do the work again. The check before the work says so (review -86:
+    it looked at the grants only, and the work ran on every try)."""
+    from airflow_pglock.guard import LockGuard
+    from airflow_pglock.policy import LockPolicy
+    from airflow_pglock.run_rules import RunRules
+
+    read_only = AdvisoryLockHook(dsn=f"{dsn} options='-c default_transaction_read_only=on'")
+    rules = RunRules(period="2026-12-07") if rule == "once_per" else RunRules(min_interval=60.0)
+    worked = []
+    with pytest.raises(LockConfigurationError, match="default_transaction_read_only") as refused:
+        LockGuard(read_only.database, LockKey.from_name(f"read-only/{rule}"), LockPolicy(mode=mode), rules=rules).run(
+            lambda handle: worked.append(True)
+        )
+    assert worked == [], "the work ran, and its record was then refused"
+    assert rule in str(refused.value)

@@ -38,7 +38,13 @@ HANG = 30.0
 
 @pytest.fixture(scope="module")
 def standby_down() -> Iterator[Cluster]:
-    cluster = Cluster({"synchronous_commit": "on", "synchronous_standby_names": "'pglock_never_connects'"})
+    cluster = Cluster(
+        {
+            "synchronous_commit": "on",
+            "synchronous_standby_names": "'pglock_never_connects'",
+            "track_activity_query_size": "8192",  # the waiting statements are read by their text
+        }
+    )
     try:
         cluster.init().start()
         yield cluster

@@ -16,6 +16,6 @@ def test_every_call_as_text_is_its_composed_form() -> None:
     ):
         function = lock_function(base, shared=shared, scope=scope)  # type: ignore[arg-type]
         casts = [sql.SQL("%s::integer")] * 2 if pair else [sql.SQL("%s::bigint")]
-        composed = sql.SQL("SELECT {}({})").format(sql.Identifier(function), sql.SQL(", ").join(casts))
+        composed = sql.SQL("SELECT {}({})").format(sql.Identifier("pg_catalog", function), sql.SQL(", ").join(casts))
         key = LockKey.from_pair(1, 2) if pair else LockKey.from_int(5)
         assert call_text(function, pair) == composed.as_string(None) == call(function, key).as_string(None)
