@@ -47,6 +47,7 @@ if AIRFLOW_V_3_PLUS:
             AirflowRescheduleException,
             AirflowSensorTimeout,
             AirflowSkipException,
+            AirflowTaskTimeout,
             DownstreamTasksSkipped,
             TaskDeferred,
         )
@@ -57,6 +58,7 @@ if AIRFLOW_V_3_PLUS:
             AirflowRescheduleException,
             AirflowSensorTimeout,
             AirflowSkipException,
+            AirflowTaskTimeout,
             DownstreamTasksSkipped,
             TaskDeferred,
         )
@@ -72,6 +74,7 @@ else:  # Airflow 2.x
         AirflowRescheduleException,
         AirflowSensorTimeout,
         AirflowSkipException,
+        AirflowTaskTimeout,
         TaskDeferred,
     )
 
@@ -321,6 +324,7 @@ __all__ = [
     "AirflowRescheduleException",
     "AirflowSensorTimeout",
     "AirflowSkipException",
+    "AirflowTaskTimeout",
     "BaseHook",
     "BaseOperator",
     "BaseSensorOperator",

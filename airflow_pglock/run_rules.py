@@ -14,12 +14,26 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from airflow_pglock.exceptions import AlreadyDoneError, LockConfigurationError, LockLostError, PgLockError
+from airflow_pglock.exceptions import (
+    AlreadyDoneError,
+    DoneByEarlierTryError,
+    LockConfigurationError,
+    LockLostError,
+    PgLockError,
+)
 from airflow_pglock.identity import TaskIdentity
+from airflow_pglock.keys import MAX_KEY_NAME_BYTES
 
 if TYPE_CHECKING:  # the ledger (SQL, psycopg) loads when a rule runs, not when a DAG is parsed
     from airflow_pglock.pg.database import LockDatabase
     from airflow_pglock.pg.held import HeldLock
+    from airflow_pglock.pg.ledger import Completion
+
+#: The longest ``once_per`` period, in UTF-8 bytes: the key names' limit. The period is part of the
+#: primary key of ``pglock.completions`` (a btree: index rows of at most 2704 bytes with PostgreSQL's
+#: default 8 kB pages); a longer one let the work run, then failed its record at every try (each
+#: retry doing the work again).
+MAX_PERIOD_BYTES = MAX_KEY_NAME_BYTES
 
 
 @dataclass(frozen=True)
@@ -29,15 +43,18 @@ class RunRules:
     :param period: the rendered ``once_per`` value (e.g. the data interval start), or None.
     :param min_interval: seconds; skip while the key's last completion is more recent.
     :param fencing: issue a fencing token for each acquisition.
+    :param task_instance: the Airflow task instance this run is a try of, or None: a completion
+        that an earlier try of it recorded fails the run (:class:`DoneByEarlierTryError`) instead
+        of skipping it as already done.
     """
 
     period: str | None = None
     min_interval: float | None = None
     fencing: bool = False
+    task_instance: TaskIdentity | None = None
 
     def __post_init__(self) -> None:
-        if self.period is not None and (not isinstance(self.period, str) or not self.period.strip()):
-            raise LockConfigurationError(f"once_per must render to a non-empty period, got {self.period!r}")
+        check_period(self.period)
         if self.min_interval is not None and (
             isinstance(self.min_interval, bool)
             or not isinstance(self.min_interval, int | float)
@@ -57,6 +74,39 @@ class RunRules:
     @property
     def records_completion(self) -> bool:
         return self.period is not None or self.min_interval is not None
+
+
+def check_period(period: Any) -> None:
+    """Refuse a ``once_per`` period the ledger cannot store (before any connection): not non-empty
+    text, a NUL (PostgreSQL text cannot hold one), a lone surrogate (no UTF-8 form), or longer than
+    :data:`MAX_PERIOD_BYTES`."""
+    if period is None:
+        return
+    if not isinstance(period, str) or not period.strip():
+        raise LockConfigurationError(f"once_per must render to a non-empty period, got {period!r}")
+    if "\x00" in period:
+        raise LockConfigurationError(
+            f"once_per must render to a period without NUL characters (PostgreSQL text cannot hold them, so the "
+            f"period could be neither looked up nor recorded), got {_shortened(period)}"
+        )
+    try:
+        encoded = period.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise LockConfigurationError(
+            f"once_per must render to UTF-8 text, got {_shortened(period)} with {period[error.start]!r} at position "
+            f"{error.start} (a lone surrogate, e.g. from bytes decoded with errors='surrogateescape')"
+        ) from None
+    if len(encoded) > MAX_PERIOD_BYTES:
+        raise LockConfigurationError(
+            f"once_per rendered to a period of {len(encoded)} bytes in UTF-8; a period is at most {MAX_PERIOD_BYTES} "
+            "bytes, as a key name (it is part of the primary key of pglock.completions: a longer one would let the "
+            f"work run, then fail its record at every try), got {_shortened(period)}. Render a short period that "
+            "names it, e.g. '{{ ds }}'"
+        )
+
+
+def _shortened(text: str) -> str:
+    return repr(text) if len(text) <= 80 else f"{text[:60]!r}... ({len(text)} characters)"
 
 
 def seconds(value: float | dt.timedelta | None, option: str) -> float | None:
@@ -82,6 +132,9 @@ def check_before_work(
 ) -> int | None:
     """Skip (AlreadyDoneError) if the period is done or the key too fresh; else issue a token if asked.
 
+    Fails (DoneByEarlierTryError) instead of skipping when that completion was recorded by an
+    earlier try of ``rules.task_instance``: the run's own work is done, and it failed after that.
+
     Raises LockLostError when the token could not be issued because the lock was not held
     any more (e.g. the holder stalled past the lease before it): the work must not run.
     """
@@ -92,6 +145,7 @@ def check_before_work(
         done = ledger.completion_for_period(conn, held.key, rules.period)
         held.answered()
         if done is not None:
+            _refuse_earlier_try(rules, held, done, f"did the work for period {rules.period!r}", "once_per")
             raise AlreadyDoneError(
                 f"{held.key.describe()} already done for period {rules.period!r} {done.describe()} (once_per)",
                 held.key,
@@ -108,6 +162,9 @@ def check_before_work(
                 "(or correct its completed_at) to run the task again"
             )
         if latest is not None and latest.age_seconds < rules.min_interval:
+            _refuse_earlier_try(
+                rules, held, latest, "did the work", f"less than min_interval={rules.min_interval:g} s ago"
+            )
             raise AlreadyDoneError(
                 f"{held.key.describe()} completed {latest.age_seconds:.1f} s ago, less than "
                 f"min_interval={rules.min_interval:g} s: {latest.describe()} (database clock)",
@@ -138,6 +195,30 @@ def check_before_work(
             held.answered()
         return token
     return None
+
+
+def _refuse_earlier_try(rules: RunRules, held: HeldLock, done: Completion, what: str, rule: str) -> None:
+    """Fail (:class:`DoneByEarlierTryError`) when ``done`` was recorded by an earlier try of this task
+    instance: that try did the work, then failed after the record (or the task was cleared). A skip
+    "already done" would skip its downstream tasks, which never got its result, without a word."""
+    ti = rules.task_instance
+    if ti is None or (done.dag_id, done.task_id, done.run_id, done.map_index) != (
+        ti.dag_id,
+        ti.task_id,
+        ti.run_id,
+        ti.map_index,
+    ):
+        return
+    raise DoneByEarlierTryError(
+        f"{held.key.describe()}: an earlier try of this task instance {what} and recorded it "
+        f"{done.describe()} ({rule}); the task failed after that (its return value could not be stored as an "
+        "XCom, its execution_timeout ran out, ...), or it was cleared. The work is not run again, and this try "
+        "fails instead of skipping as already done, which would skip its downstream tasks without its result: "
+        "mark the task instance success if they need nothing from it, or delete the completion to do the work "
+        "again (docs/once-per-period.md#running-a-period-again)",
+        held.key,
+        done,
+    )
 
 
 def _lost_after_fencing(held: HeldLock) -> LockLostError:

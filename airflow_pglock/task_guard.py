@@ -37,6 +37,7 @@ from airflow_pglock.compat import (
 )
 from airflow_pglock.exceptions import (
     AlreadyDoneError,
+    DoneByEarlierTryError,
     InvalidLockKeyError,
     LockBusyError,
     LockConfigurationError,
@@ -333,7 +334,10 @@ def run_guarded(
         if isinstance(once_per, str) and not once_per.strip():
             raise LockConfigurationError(f"once_per of task {identity.task_id!r} rendered to an empty period")
         rules = RunRules(
-            period=None if once_per is None else str(once_per), min_interval=spec.min_interval, fencing=spec.fencing
+            period=None if once_per is None else str(once_per),
+            min_interval=spec.min_interval,
+            fencing=spec.fencing,
+            task_instance=identity,  # a completion its own earlier try recorded fails it, never skips it
         )
         guard = LockGuard(
             spec.hook().database,
@@ -376,6 +380,8 @@ def run_guarded(
         raise _guard_skip(f"skipped: {busy}") from busy
     except LockLostError:
         raise
+    except DoneByEarlierTryError as error:  # its own work is done, then the task failed: no retry mends that
+        raise AirflowFailException(str(error)) from error
     except StandbyServerError as error:  # often a failover under way: retried, as a database that is down
         if not lock_taken():
             _skip_if_asked(spec, error, logger)
@@ -592,15 +598,46 @@ def render_lock_options(spec: LockSpec, context: Mapping[str, Any]) -> dict[str,
 
 
 def check_rendered(spec: LockSpec, rendered: Mapping[str, Any], task_id: str) -> None:
-    """Refuse an option the DAG author gave that rendered to None (a native template whose param or
-    XCom is None): left out, the key would be the task's own (no exclusion across DAGs), the tenant
-    dropped (every tenant one key: busy runs skip) or once_per off (the work runs again)."""
+    """Refuse an option the DAG author gave whose template rendered a None value: left out, the key
+    would be the task's own (no exclusion across DAGs), the tenant dropped (every tenant one key: busy
+    runs skip) or once_per off (the work runs again); as the text 'None' (Airflow's default
+    templating), the key would be 'None' (shared by every DAG whose value is missing), every tenant
+    'None', the period 'None' (done once, then skipped for ever)."""
     for option, written in spec.templated.items():
-        if written is not None and rendered.get(option) is None:
-            raise LockConfigurationError(
-                f"the {option} template {written!r} of task {task_id!r} rendered to None (a native template, "
-                f"render_template_as_native_obj=True, whose value is None?); give it a value, or leave {option} out"
-            )
+        refuse_rendered_none(option, written, rendered.get(option), task_id)
+
+
+#: What each templated option should render to, for the message that refuses a None value.
+_EXPECTED = {"key": "a key name", "tenant": "a tenant", "once_per": "a period"}
+
+
+def refuse_rendered_none(option: str, written: Any, value: Any, task_id: str, *, optional: bool = True) -> None:
+    """Refuse (LockConfigurationError, before any connection) the option ``written`` whose rendered
+    ``value`` is None, or the text ``'None'`` of a template (``written`` contains ``{{``): a param,
+    an XCom or a variable whose value is None, which Airflow's default templating writes as 'None'.
+    A name 'None' written without a template is kept.
+
+    :param option: the option's name, as the DAG author wrote it (``key``, ``tenant``, ``once_per``).
+    :param written: the option as written (None: not given, nothing to check).
+    :param value: the option as rendered.
+    :param task_id: the task, for the message.
+    :param optional: whether the option may be left out (the message's advice).
+    """
+    if written is None:
+        return
+    leave = f", or leave {option} out" if optional else ""
+    if value is None:
+        raise LockConfigurationError(
+            f"the {option} template {written!r} of task {task_id!r} rendered to None (a native template, "
+            f"render_template_as_native_obj=True, whose value is None?); give it a value{leave}"
+        )
+    if isinstance(written, str) and "{{" in written and isinstance(value, str) and value.strip() == "None":
+        raise LockConfigurationError(
+            f"the {option} template {written!r} of task {task_id!r} rendered to the text 'None' where "
+            f"{_EXPECTED.get(option, 'a value')} was expected: the value it names is None (a param, XCom or "
+            f"variable without a value), which Airflow's templating writes as 'None'; give it a value{leave}. "
+            "(A key or tenant named 'None' is written without a template)"
+        )
 
 
 def guard_callable(python_callable: Callable[..., T], spec: LockSpec) -> Callable[..., T]:

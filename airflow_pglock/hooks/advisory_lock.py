@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 import datetime as dt
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
@@ -188,12 +188,15 @@ class AdvisoryLockHook(BaseHook):
                 raise
             yield None
             return
-        try:
+
+        def end(error: BaseException | None) -> None:  # a lost lock raises LockLostError from the error
+            if error is None:
+                guard.__exit__(None, None, None)
+            else:
+                guard.__exit__(type(error), error, error.__traceback__)
+
+        with _ended_by(end):
             yield handle
-        except BaseException as error:
-            guard.__exit__(type(error), error, error.__traceback__)
-            raise
-        guard.__exit__(None, None, None)
 
     @contextlib.contextmanager
     def lock_session(self, *, application_name: str | None = None) -> Iterator[LockSession]:
@@ -204,20 +207,24 @@ class AdvisoryLockHook(BaseHook):
         heartbeat stops and the connection closes, releasing every key. A session lost during
         the block (found by the heartbeat, by the watch on its socket, or by the final
         release: the session ended, or a key was no longer held) raises
-        :class:`~airflow_pglock.exceptions.LockLostError` at its end, when the block itself
-        did not raise: a lost session is never a success.
+        :class:`~airflow_pglock.exceptions.LockLostError` at its end, as :meth:`lock` does: also
+        when the block raised (a skip, an error decided after the loss), from that error. A lost
+        session is never a success, nor a skip.
 
         :param application_name: names the session in ``pg_stat_activity``.
         """
         session = self.open_lock_session(application_name=application_name)
         info = session.server
-        try:
-            yield session
-        finally:
+
+        def end(error: BaseException | None) -> None:
             session.close()  # its release checks every key: it may find the session lost
-        lost = session.lost
-        if lost is not None:
-            raise LockLostError(f"the lock session was lost: {lost}", LockKey.from_int(info.backend_pid), lost)
+            lost = session.lost
+            if lost is not None:
+                key = LockKey.from_int(info.backend_pid)
+                raise LockLostError(f"the lock session was lost: {lost}", key, lost) from error
+
+        with _ended_by(end):
+            yield session
 
     def open_lock_session(self, *, application_name: str | None = None) -> LockSession:
         """A lock session that outlives a ``with`` block (the triggerer's holds): its owner calls
@@ -339,3 +346,17 @@ class AdvisoryLockHook(BaseHook):
         keys = slot_keys(LockKey.coerce(key), slots)
         async with await self.aconnect(INSPECT_APPLICATION_NAME) as conn:
             return await aread_holders(conn, *keys)
+
+
+@contextlib.contextmanager
+def _ended_by(end: Callable[[BaseException | None], None]) -> Iterator[None]:
+    """Around the ``with`` block of :meth:`AdvisoryLockHook.lock` and :meth:`~AdvisoryLockHook.lock_session`:
+    ``end`` is called once, however the block ends, with what it raised (None: nothing). A lock found
+    lost there raises :class:`~airflow_pglock.exceptions.LockLostError` from the block's error (a lost
+    lock is never a success, nor a skip); else the block's own error goes on."""
+    try:
+        yield
+    except BaseException as error:
+        end(error)
+        raise
+    end(None)

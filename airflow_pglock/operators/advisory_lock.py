@@ -16,11 +16,12 @@ inside :func:`~airflow_pglock.task_guard.run_guarded`. So
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
@@ -29,6 +30,7 @@ from airflow_pglock.compat import (
     HAS_LOCK_SCOPE,
     KILLS_CLEARED_TRIGGERS,
     TRIGGER_FAILED,
+    AirflowTaskTimeout,
     BaseOperator,
     Context,
     MappedOperator,
@@ -288,7 +290,7 @@ class OperatorGuard:
 
     def _run_deferrable(self, task: BaseOperator, call: Any, handle: LockHandle | None = None) -> Any:
         try:
-            with unholdable_endings_refused(task, handle.key if handle else None):
+            with stopped_under_the_key(task, handle), unholdable_endings_refused(task, handle.key if handle else None):
                 return call()
         except TaskDeferred as deferral:
             if self.deferral_lease is None:
@@ -344,6 +346,63 @@ class OperatorGuard:
         raise TaskDeferred(trigger=trigger, method_name=DEFERRED_RESUME_METHOD, kwargs=kwargs, timeout=deferral.timeout)
 
 
+#: The ends that come to the operator from outside while it runs under the key: Airflow's
+#: execution timeout, and the signals Python turns into exceptions (SIGINT; a SIGTERM handler
+#: that exits). Airflow calls ``on_kill()`` after a timeout only once the exception has left the
+#: guard, that is after the release: the external job would run on with the key free.
+INTERRUPTIONS: tuple[type[BaseException], ...] = (AirflowTaskTimeout, KeyboardInterrupt, SystemExit)
+
+
+@contextlib.contextmanager
+def stopped_under_the_key(task: BaseOperator, handle: LockHandle | None) -> Iterator[None]:
+    """Around an operator's own method under a guard: interrupted (:data:`INTERRUPTIONS`), call its
+    ``on_kill()`` while the key is still held, so that its external job (a pod, a remote run, a
+    child process) is stopped before another holder can start; then let the interruption go on.
+    Airflow's own ``on_kill()`` call after a timeout is then skipped once (the job is stopped)."""
+    _OnKillDone.forget(task)  # an earlier execution's, never Airflow's call after this one
+    try:
+        yield
+    except INTERRUPTIONS as interrupted:
+        why = f"{type(interrupted).__name__} ({interrupted})" if str(interrupted) else type(interrupted).__name__
+        held = handle.key.describe() if handle is not None else "its key"
+        task.log.warning(
+            "pglock: %s interrupted task %s: its on_kill() runs while it still holds %s", why, task.task_id, held
+        )
+        stop_external_work(task, why)
+        setattr(task, "on_kill", _OnKillDone(task, why))  # noqa: B010 (mypy: a method cannot be assigned)
+        raise
+
+
+class _OnKillDone:
+    """Stands in for the operator's ``on_kill()`` once the guard called it under the key: the next
+    call (Airflow's, after its timeout) is skipped, and the operator's own method is back after it."""
+
+    def __init__(self, task: BaseOperator, why: str) -> None:
+        self.task = task
+        self.why = why
+        self.own = vars(task).get("on_kill")  # an on_kill set on the instance itself, if any
+
+    def __call__(self) -> None:
+        self.restore()
+        self.task.log.info(
+            "pglock: on_kill() of task %s ran already, under its key, after %s", self.task.task_id, self.why
+        )
+
+    def restore(self) -> None:
+        if vars(self.task).get("on_kill") is not self:
+            return
+        if self.own is None:
+            delattr(self.task, "on_kill")
+        else:
+            setattr(self.task, "on_kill", self.own)  # noqa: B010
+
+    @staticmethod
+    def forget(task: BaseOperator) -> None:
+        done = vars(task).get("on_kill")
+        if isinstance(done, _OnKillDone):
+            done.restore()
+
+
 def deferral_refused(task: BaseOperator, handle: LockHandle | None, why: str | None) -> str:
     held = f" by {handle.key.describe()}" if handle is not None else ""
     return (
@@ -392,8 +451,10 @@ def guarded(
     Options (:class:`~airflow_pglock.options.LockOptions`), outcome lines and Airflow
     outcomes are those of ``@task.advisory_lock``: busy -> skipped (``on_busy``), lock
     database error -> failed (``on_error``), lock lost mid-run -> the operator's
-    ``on_kill()`` is called and the task fails (``on_lost``). ``key``, ``tenant`` and
-    ``once_per`` are Jinja templates rendered at run time.
+    ``on_kill()`` is called and the task fails (``on_lost``). An execution timeout (or
+    Ctrl-C) calls ``on_kill()`` while the key is still held, before the release (Airflow's own
+    call after the timeout comes after it: :func:`stopped_under_the_key`). ``key``, ``tenant``
+    and ``once_per`` are Jinja templates rendered at run time.
 
     A deferrable operator (Airflow 3) keeps its hold while it is deferred: the triggerer holds
     the key while the operator's trigger waits, and the task re-enters the hold before its

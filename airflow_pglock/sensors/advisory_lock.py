@@ -32,7 +32,7 @@ from airflow_pglock.exceptions import (
 from airflow_pglock.hooks import DEFAULT_CONN_ID
 from airflow_pglock.keys import LockKey, slot_keys
 from airflow_pglock.options import KeySpec, LockOptions, LockSpec, declared
-from airflow_pglock.task_guard import held_around, resolve_key
+from airflow_pglock.task_guard import held_around, refuse_rendered_none, resolve_key
 
 if TYPE_CHECKING:  # the hook, psycopg and the trigger load when the sensor runs, not when a DAG is parsed
     from airflow_pglock.holder import LockHolder
@@ -91,6 +91,9 @@ class AdvisoryLockSensor(BaseSensorOperator):
         LockSpec.from_options(options, declaration=LockOptions, caller=type(self).__name__)  # checks them
         self.key = key
         self.tenant = tenant
+        #: key and tenant as written: Airflow renders the template fields in place
+        self._written_key = key
+        self._written_tenant = tenant
         self.shared = shared
         self.postgres_conn_id = postgres_conn_id
         self.slots = slots
@@ -112,8 +115,10 @@ class AdvisoryLockSensor(BaseSensorOperator):
     def lock_key(self) -> LockKey:
         """The key of this task instance, from the rendered ``key`` and ``tenant``."""
         if self._lock_key is None:
-            if self.key is None:
-                raise InvalidLockKeyError(f"the key template of task {self.task_id!r} rendered to None")
+            # a template whose value is None (rendered None, or the text 'None'): the sensor would
+            # watch the key 'None' (or the key without its tenant), free, instead of the intended one
+            refuse_rendered_none("key", self._written_key, self.key, self.task_id, optional=False)
+            refuse_rendered_none("tenant", self._written_tenant, self.tenant, self.task_id)
             self._lock_key = resolve_key(self.key, self.tenant, self.dag_id, self.task_id)
         return self._lock_key
 

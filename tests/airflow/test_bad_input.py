@@ -146,6 +146,53 @@ def bad_native_keys():
 bad_native_keys_dag = bad_native_keys()
 """
 
+NONE_TEXT_DAG = """
+import pendulum
+from airflow.providers.standard.operators.empty import EmptyOperator
+from airflow.sdk import dag, task
+
+from airflow_pglock.decorators.advisory_lock import advisory_lock
+from airflow_pglock.operators.advisory_lock import guarded
+
+
+# Airflow's default (non-native) templating writes a None value as the text 'None'.
+@dag(dag_id="none_text_templates", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False,
+     params={"nothing": None})
+def none_text_templates():
+    @task.advisory_lock(postgres_conn_id="pglock_test", key="{{ params.nothing }}")
+    def key_none():
+        print("RAN key_none")  # the task succeeds if it runs (key 'None'): the test sees it
+
+    @task.advisory_lock(postgres_conn_id="pglock_test", key="job", tenant="{{ params.nothing }}")
+    def tenant_none():
+        print("RAN tenant_none")  # the task succeeds if it runs (key 'job/None')
+
+    @task.advisory_lock(postgres_conn_id="pglock_test", key="once", once_per="{{ params.nothing }}")
+    def once_per_none():
+        print("RAN once_per_none")  # the task succeeds if it runs (period 'None', then skipped for ever)
+
+    @task
+    @advisory_lock(postgres_conn_id="pglock_test", key="shared-name", tenant="{{ params.nothing }}")
+    def composable_tenant_none():
+        print("RAN composable_tenant_none")
+
+    guarded(EmptyOperator(task_id="guarded_key_none"), postgres_conn_id="pglock_test", key="{{ params.nothing }}")
+
+    # A key named 'None' written without a template is a name like any other.
+    @task.advisory_lock(postgres_conn_id="pglock_test", key="None")
+    def literal_none():
+        print("RAN literal_none")
+
+    key_none()
+    tenant_none()
+    once_per_none()
+    composable_tenant_none()
+    literal_none()
+
+
+none_text_templates_dag = none_text_templates()
+"""
+
 TENANT_DAG = """
 import datetime as dt
 
@@ -278,6 +325,36 @@ def test_bad_native_keys_fail_naming_the_value(airflow_db: Any, admin: Any, capf
     assert advisory_locks(admin) == []
 
 
+def test_templates_rendering_a_none_value_as_the_text_none_fail_naming_the_option(
+    airflow_db: Any, scopes_db: Any, capfd: Any
+) -> None:
+    """Key 'None' (one key for every DAG whose value is missing), tenant 'None' (every tenant one key),
+    period 'None' (done once, then skipped for ever): each refused before connecting, no retry."""
+    result = run_dag(NONE_TEXT_DAG, "none_text_templates")
+    log = "".join(capfd.readouterr())
+    refused = ["key_none", "tenant_none", "once_per_none", "composable_tenant_none", "guarded_key_none"]
+    assert {task: result.state(task) for task in refused} == dict.fromkeys(refused, "failed"), result.states
+    assert result.state("literal_none") == "success"
+    assert "RAN literal_none" in log
+    for option, task_id in [
+        ("key", "key_none"),
+        ("tenant", "tenant_none"),
+        ("once_per", "once_per_none"),
+        ("tenant", "composable_tenant_none"),
+        ("key", "guarded_key_none"),
+    ]:
+        assert (
+            f"the {option} template '{{{{ params.nothing }}}}' of task {task_id!r} rendered to the text 'None'" in log
+        ), task_id
+        assert f"RAN {task_id}" not in log, task_id
+    assert "where a period was expected" in log and "where a tenant was expected" in log
+    assert "where a key name was expected" in log
+    assert result.tries is not None and result.tries[("key_none", -1)] == 1, "a setting to fix is not retried"
+    # Refused before any connection: nothing recorded, nothing held.
+    assert scopes_db.execute("SELECT count(*) FROM pglock.completions").fetchone()[0] == 0
+    assert advisory_locks(scopes_db) == []
+
+
 @pytest.mark.parametrize(
     ("options", "fragment"),
     [
@@ -315,6 +392,10 @@ def test_bad_native_keys_fail_naming_the_value(airflow_db: Any, admin: Any, capf
         ({"key": "a\x00b"}, "lock key name must not contain NUL characters, got 'a\\x00b'"),
         ({"key": "k", "tenant": "a\x00b"}, "lock key name must not contain NUL characters, got 'a\\x00b'"),
         ({"tenant_arg": "lock"}, "tenant_arg='lock' names the argument that receives the lock handle"),
+        # review -87: periods the ledger cannot store, refused when written literally too
+        ({"once_per": "p" * 2049}, "once_per rendered to a period of 2049 bytes in UTF-8; a period is at most 2048"),
+        ({"once_per": "2026\x0012"}, "once_per must render to a period without NUL characters"),
+        ({"once_per": "a\udc80b"}, "once_per must render to UTF-8 text, got 'a\\udc80b'"),
     ],
 )
 def test_bad_options_are_refused_when_the_dag_is_parsed(options: dict[str, Any], fragment: str) -> None:

@@ -345,3 +345,55 @@ def test_a_task_cleared_while_deferred_takes_over_its_own_row(airflow_db: Any, s
     assert holders() == [first], "the cleared try took its own row over"
     with pytest.raises(Exception, match="held by the deferred task"):  # another run's task is still refused
         operator.execute({**context_of(1, 0), "dag_run": types.SimpleNamespace(start_date=started + dt.timedelta(1))})
+
+
+@pytest.mark.parametrize("interruption", ["AirflowTaskTimeout", "KeyboardInterrupt"])
+def test_a_resumed_method_interrupted_is_stopped_while_its_key_is_held(
+    airflow_db: Any, scopes_db: Any, interruption: str
+) -> None:
+    """Review rev87 F3, the resume: an execution timeout (or Ctrl-C) in the operator's resume method,
+    which runs under the re-entered hold: its on_kill() runs before the key is let go, once (the
+    task runner's own call after a timeout, made as Airflow makes it, does not call it again)."""
+    from airflow_pglock.compat import AirflowTaskTimeout, TaskDeferred
+    from airflow_pglock.keys import LockKey
+    from airflow_pglock.operators.advisory_lock import guarded
+    from airflow_pglock.triggers.guarded import HELD
+
+    classid, objid, objsubid = LockKey.from_name("defer/interrupted").pg_locks
+
+    def holders() -> list[int]:  # read from a connection of its own
+        query = (
+            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted AND classid::bigint = %s"
+            " AND objid::bigint = %s AND objsubid = %s"
+        )
+        return [row[0] for row in scopes_db.execute(query, [classid, objid, objsubid]).fetchall()]
+
+    seen: list[list[int]] = []  # who held the key at each on_kill() call
+    resumed_by: list[list[int]] = []  # who held it while the resume method ran: the task's own session
+    deferring = _deferring("t", on_kill=lambda: seen.append(holders()))
+
+    def done(self: Any, context: Any, event: Any = None) -> None:
+        resumed_by.append(holders())
+        raise AirflowTaskTimeout("Timeout, PID: 1") if interruption == "AirflowTaskTimeout" else KeyboardInterrupt()
+
+    type(deferring).done = done  # type: ignore[attr-defined]
+    operator = guarded(deferring, key="defer/interrupted", deferral_lease=600, postgres_conn_id="pglock_test")
+    context = _context_of(operator)
+    with pytest.raises(TaskDeferred) as deferred:
+        operator.execute(context)  # the hand-over: the row carries the hold to the resume
+    event = {"pglock": HELD, "event": None}
+    with pytest.raises(BaseException) as interrupted:  # as Airflow runs it: on_kill() after a timeout
+        try:
+            operator.resume_execution(deferred.value.method_name, {**deferred.value.kwargs, "event": event}, context)
+        except AirflowTaskTimeout:
+            operator.on_kill()
+            raise
+    assert type(interrupted.value).__name__ == interruption
+    assert len(resumed_by) == 1 and len(resumed_by[0]) == 1, resumed_by
+    assert seen == resumed_by, "on_kill() once, while the resumed task still held the key"
+    assert scopes_db.execute("SELECT count(*) FROM pglock.scopes").fetchone()[0] == 0, "the row is freed"
+    if interruption == "KeyboardInterrupt":  # Airflow calls nothing then: a later call (a SIGTERM's) is the one skipped
+        operator.on_kill()
+        assert len(seen) == 1
+    operator.on_kill()  # then the operator's own on_kill() is back
+    assert len(seen) == 2

@@ -167,3 +167,128 @@ def test_two_deployments_same_period_seconds_apart_run_once(dsn: str, ledger_db:
     assert "already done for period '2026-11-30'" in b and "by daily_report/build_report" in b
     rows = ledger_db.execute("SELECT period, dag_id FROM pglock.completions WHERE key_name = 'daily-report'").fetchall()
     assert rows == [("2026-11-30", "daily_report")]
+
+
+PERIOD_DAG = """
+import datetime as dt
+import hashlib
+
+import pendulum
+from airflow.sdk import dag, task
+
+# A period that does not compress: past the btree's index row limit even stored compressed.
+LONG = "".join(hashlib.sha256(str(i).encode()).hexdigest() for i in range(200))
+
+
+@dag(dag_id="bad_periods", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False,
+     params={"nul": "2026\\x0012", "long": LONG},
+     default_args={"retries": 1, "retry_delay": dt.timedelta(0)})
+def bad_periods():
+    @task.advisory_lock(postgres_conn_id="pglock_test", key="period-nul", once_per="{{ params.nul }}")
+    def nul():
+        print("WORK RAN nul")
+
+    @task.advisory_lock(postgres_conn_id="pglock_test", key="period-long", once_per="{{ params.long }}")
+    def long():
+        print("WORK RAN long")
+
+    nul()
+    long()
+
+
+bad_periods_dag = bad_periods()
+"""
+
+
+def test_a_period_the_ledger_cannot_store_fails_before_the_work_naming_once_per(
+    airflow_db: Any, ledger_db: Any, capfd: Any
+) -> None:
+    """A period past the key names' limit let the work run, then failed its record ("index row
+    requires ... bytes") at every try, each retry doing the work again; a NUL failed with the driver's
+    DataError. Both are now settings to fix: refused before any connection, naming once_per, no retry
+    (review -87)."""
+    from airflow_pglock.keys import MAX_KEY_NAME_BYTES
+    from airflow_pglock.run_rules import MAX_PERIOD_BYTES
+
+    assert MAX_PERIOD_BYTES == MAX_KEY_NAME_BYTES == 2048, "a period is held to the key names' limit"
+    schema.migrate(ledger_db)
+    result = run_dag(PERIOD_DAG, "bad_periods")
+    log = "".join(capfd.readouterr())
+    assert result.states == {("nul", -1): "failed", ("long", -1): "failed"}
+    assert result.tries == {("nul", -1): 1, ("long", -1): 1}, "a setting to fix was retried"
+    assert "WORK RAN" not in log, "the work ran with a period that cannot be recorded"
+    assert "once_per must render to a period without NUL characters" in log and "'2026\\x0012'" in log
+    assert "once_per rendered to a period of 12800 bytes in UTF-8; a period is at most 2048 bytes" in log
+    assert "... (12800 characters)" in log, "the value is shown shortened"
+    assert "DataError" not in log and "index row" not in log
+    assert ledger_db.execute("SELECT count(*) FROM pglock.completions").fetchone()[0] == 0
+    assert advisory_locks(ledger_db) == []
+
+
+ONCE_RETRY_DAG = """
+import datetime as dt
+
+import pendulum
+from airflow.sdk import dag, task
+
+
+@dag(dag_id="once_then_fail", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False,
+     params={"period": "2026-12-01"}, default_args={"retries": 1, "retry_delay": dt.timedelta(0)})
+def once_then_fail():
+    # The work succeeds and its completion is recorded; then Airflow cannot store its return value
+    # as an XCom and fails the try.
+    @task.advisory_lock(postgres_conn_id="pglock_test", key="once-then-fail", once_per="{{ params.period }}")
+    def produce():
+        print("WORK RAN produce")
+        return map(str, [1, 2])
+
+    @task.advisory_lock(postgres_conn_id="pglock_test", key="fresh-then-fail", min_interval=3600)
+    def refresh():
+        print("WORK RAN refresh")
+        return map(str, [1, 2])
+
+    @task
+    def consume(value):
+        print("DOWNSTREAM GOT", value)
+
+    consume(produce())
+    consume.override(task_id="consume_refresh")(refresh())
+
+
+once_then_fail_dag = once_then_fail()
+"""
+
+
+def test_a_retry_after_its_own_recorded_completion_fails_instead_of_skipping_downstream(
+    airflow_db: Any, ledger_db: Any, capfd: Any
+) -> None:
+    """Try 1 did the work and recorded it, then failed (its XCom); try 2 skipped as "already done"
+    and its downstream tasks were skipped without a word. A completion an earlier try of the same
+    task instance recorded now fails the retry, saying so; another run still skips (review -87)."""
+    schema.migrate(ledger_db)
+    first = run_dag(ONCE_RETRY_DAG, "once_then_fail")
+    log = "".join(capfd.readouterr())
+    assert first.state("produce") == "failed" and first.state("refresh") == "failed", first.states
+    assert first.tries is not None and first.tries[("produce", -1)] == 2, "the retry ran"
+    assert first.state("consume") == "upstream_failed" and first.state("consume_refresh") == "upstream_failed"
+    assert log.count("WORK RAN produce") == 1 and log.count("WORK RAN refresh") == 1, "the work ran once"
+    assert (
+        "an earlier try of this task instance did the work for period '2026-12-01' and recorded it at " in log
+        and f"by once_then_fail/produce run {first.run_id} (once_per); the task failed after that" in log
+    ), log[-5000:]
+    assert (
+        "an earlier try of this task instance did the work and recorded it at " in log
+        and f"by once_then_fail/refresh run {first.run_id} (less than min_interval=3600 s ago)" in log
+    ), log[-5000:]
+    assert "pglock outcome=failed key 'once-then-fail'" in log and "DoneByEarlierTryError" in log
+    assert "already done for period" not in log and "DOWNSTREAM GOT" not in log
+    rows = ledger_db.execute("SELECT key_name, period, run_id FROM pglock.completions ORDER BY 1").fetchall()
+    assert rows == [("fresh-then-fail", "", first.run_id), ("once-then-fail", "2026-12-01", first.run_id)]
+
+    # Another run (another task instance) finds the period done by the first one: a skip, as before.
+    second = run_dag(ONCE_RETRY_DAG, "once_then_fail")
+    log = "".join(capfd.readouterr())
+    assert second.state("produce") == "skipped" and second.state("refresh") == "skipped", second.states
+    assert "already done for period '2026-12-01'" in log and "less than min_interval=3600 s" in log
+    assert "WORK RAN" not in log
+    assert advisory_locks(ledger_db) == []

@@ -329,3 +329,94 @@ def test_run_rules_reach_guarded_operators_and_the_composable_decorator(
     assert "already done for period '2026-11-30'" in log and "less than min_interval=3600 s" in log
     assert tokens()["rules/fenced"] > first_tokens["rules/fenced"]
     assert advisory_locks_once_exited(ledger) == []  # a skip after the take gives the key back
+
+
+INTERRUPTED_DAG = '''
+import datetime as dt
+import json
+import os
+import signal
+import time
+
+import pendulum
+import psycopg
+from airflow.sdk import BaseOperator, dag
+
+from airflow_pglock.operators.advisory_lock import guarded
+
+# Who holds the named key now, read from a connection of its own (the design's key formula in SQL).
+HOLDERS = """
+SELECT l.pid
+  FROM pg_locks l, (SELECT ('x' || left(encode(sha256(convert_to(%s, 'UTF8')), 'hex'), 16))::bit(64)::bigint) AS k(n)
+ WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+   AND l.classid::bigint = (k.n >> 32) & 4294967295 AND l.objid::bigint = k.n & 4294967295
+"""
+
+
+class ExternalJob(BaseOperator):
+    """Starts an external job and waits for it; its on_kill() cancels it. Records who holds its key."""
+
+    template_fields = ("out",)
+
+    def __init__(self, *, out, key, ending, **kwargs):
+        super().__init__(**kwargs)
+        self.out, self.key, self.ending = out, key, ending
+
+    def _record(self, event):
+        with psycopg.connect(os.environ["AIRFLOW_CONN_PGLOCK_TEST"], autocommit=True) as conn:
+            holders = [row[0] for row in conn.execute(HOLDERS, [self.key]).fetchall()]
+        with open(os.path.join(self.out, "records.jsonl"), "a") as record:
+            record.write(json.dumps({"event": event, "holders": holders}) + "\\n")
+
+    def execute(self, context):
+        self._record("started")
+        if self.ending == "sigint":
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C: Python raises KeyboardInterrupt here
+        time.sleep(60)
+
+    def on_kill(self):
+        self._record("on_kill")
+
+
+@dag(dag_id="operator_ENDING", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False,
+     params={"out": ""})
+def operator_interrupted():
+    guarded(ExternalJob(task_id="job", out="{{ params.out }}", key="job/ENDING", ending="ENDING",
+                        execution_timeout=dt.timedelta(seconds=2)), key="job/ENDING", postgres_conn_id="pglock_test")
+
+
+operator_interrupted_dag = operator_interrupted()
+'''
+
+
+@pytest.mark.parametrize(
+    ("ending", "interruption"), [("timeout", "AirflowTaskTimeout"), ("sigint", "KeyboardInterrupt")]
+)
+def test_an_interrupted_operator_is_stopped_while_its_key_is_held(
+    airflow_db: Any, admin: Any, tmp_path: Path, capfd: Any, caplog: Any, ending: str, interruption: str
+) -> None:
+    """Review rev87 F3: Airflow calls on_kill() after an execution timeout only once the timeout has
+    left the guard, after the release: another holder could start while the external job still ran.
+    The guard calls on_kill() itself while the key is held (also on Ctrl-C), and Airflow's own call
+    after the timeout does not call it a second time."""
+    from airflow_pglock.compat import AIRFLOW_V_3_PLUS
+
+    source = INTERRUPTED_DAG.replace("ENDING", ending)
+    if AIRFLOW_V_3_PLUS:
+        result = run_dag(source, f"operator_{ending}", conf={"out": str(tmp_path)})
+        assert result.states == {("job", -1): "failed"}
+    else:  # Airflow 2's dag.test() raises what is not an Exception (its AirflowTaskTimeout is not)
+        with pytest.raises(BaseException) as raised:
+            run_dag(source, f"operator_{ending}", conf={"out": str(tmp_path)})
+        assert type(raised.value).__name__ == interruption
+    log = "".join(capfd.readouterr()) + caplog.text
+    started, *killed = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    assert started["event"] == "started" and len(started["holders"]) == 1, started
+    # on_kill() ran once, while the task's own lock session still held the key.
+    assert killed == [{"event": "on_kill", "holders": started["holders"]}], killed
+    assert re.search(rf"pglock outcome=failed key 'job/{ending}' .*{interruption}", log), log[-4000:]
+    assert "interrupted task job: its on_kill() runs while it still holds" in log
+    if ending == "timeout":  # Airflow's own call after the timeout found it done
+        assert f"on_kill() of task job ran already, under its key, after {interruption}" in log
+    assert advisory_locks(admin) == []

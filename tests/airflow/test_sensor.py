@@ -666,3 +666,55 @@ def test_a_sensor_guarded_by_its_own_key_fails_at_once_instead_of_waiting_for_it
     assert time.monotonic() - started < 60
     assert scopes_db.execute("SELECT count(*) FROM pglock.scopes").fetchone() == (0,)
     assert advisory_locks(scopes_db) == []
+
+
+NONE_SENSOR_DAG = """
+import pendulum
+from airflow.sdk import dag
+
+from airflow_pglock.sensors.advisory_lock import AdvisoryLockSensor
+
+CONN = "pglock_test"
+
+
+def sensor(task_id, **options):
+    return AdvisoryLockSensor(task_id=task_id, postgres_conn_id=CONN, poke_interval=0.2, timeout=4, retries=0,
+                              trigger_rule="all_done", **options)
+
+
+@dag(dag_id="{dag_id}", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False,
+     render_template_as_native_obj={native}, params={{"key": None, "tenant": None}})
+def none_sensors():
+    sensor("key_none", key="{{{{ params.key }}}}")
+    sensor("tenant_none", key="intended", tenant="{{{{ params.tenant }}}}")
+    if not {native}:  # (native templating reads any string option, even without a template, as Python: None)
+        sensor("literal_none", key="None")  # a key named 'None', written without a template: waited for as any
+
+
+none_sensors_dag = none_sensors()
+"""
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["text", "native"])
+def test_a_sensor_whose_key_or_tenant_template_renders_a_none_value_fails_instead_of_watching_another_key(
+    native: bool, airflow_db: Any, hook: AdvisoryLockHook, admin: Any, capfd: Any
+) -> None:
+    """key="{{ params.key }}" with a None value rendered to the text 'None' (non-native templating):
+    the sensor watched the key 'None', found it free and succeeded while the intended key was held;
+    a tenant rendered None (native) was dropped, and 'None' (text) watched 'intended/None'. Both now
+    fail at once, before any connection, naming the option (review -87)."""
+    dag_id = f"none_sensors_{'native' if native else 'text'}"
+    source = NONE_SENSOR_DAG.format(dag_id=dag_id, native=native)
+    with held_lock(hook, "intended") as held:  # the key the templates meant: held all along
+        assert held is not None
+        result = run_dag(source, dag_id)
+    log = "".join(capfd.readouterr())
+    assert result.state("key_none") == "failed", log[-3000:]
+    assert result.state("tenant_none") == "failed", log[-3000:]
+    assert native or result.state("literal_none") == "success"
+    rendered = "to None" if native else "to the text 'None'"
+    assert f"the key template '{{{{ params.key }}}}' of task 'key_none' rendered {rendered}" in log
+    assert f"the tenant template '{{{{ params.tenant }}}}' of task 'tenant_none' rendered {rendered}" in log
+    assert native or "pglock sensor: key 'None'" in log  # the literal name
+    assert "pglock sensor: key 'intended" not in log and "pglock waiting: key 'intended" not in log
+    assert advisory_locks(admin) == []

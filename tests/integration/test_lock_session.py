@@ -599,3 +599,34 @@ def test_a_key_named_twice_in_one_release_was_held_to_the_end(hook: AdvisoryLock
         (sub,) = session.try_lock_many(["twice-3"])
         assert session.release(sub, "never-taken") is False  # one of them was not held
         assert session.release(sub) is False  # a stale sub-lock: released already
+
+
+@pytest.mark.parametrize("ending", ["skip", "error"])
+def test_a_lost_session_whose_block_raised_fails_with_the_loss(hook: AdvisoryLockHook, admin: Any, ending: str) -> None:
+    """Review rev87 F8: the session is terminated, then the block ends by raising (a skip the work
+    decided after the loss, or any error). As hook.lock(): LockLostError from the block's error,
+    never the skip (the loss unreported) nor the bare error."""
+    from airflow_pglock.compat import AirflowSkipException
+
+    raised: BaseException = AirflowSkipException("nothing new") if ending == "skip" else RuntimeError("work failed")
+    with pytest.raises(LockLostError, match="lock session was lost") as failed, hook.lock_session() as session:
+        subs = session.try_lock_many(["lost-then-raised-1", "lost-then-raised-2"])
+        assert len(subs) == 2
+        _terminate(admin, session.server.backend_pid)
+        deadline = time.monotonic() + 30  # the watch on its socket notices within moments
+        while session.lost is None:
+            assert time.monotonic() < deadline, "the loss was not noticed"
+            time.sleep(0.05)
+        raise raised
+    assert failed.value.__cause__ is raised and "terminated" in failed.value.cause
+    assert advisory_locks(admin) == []
+
+
+def test_a_live_session_whose_block_raised_passes_the_error_on(hook: AdvisoryLockHook, admin: Any) -> None:
+    """The other side of F8: a session that was not lost lets the block's own skip or error go on."""
+    from airflow_pglock.compat import AirflowSkipException
+
+    with pytest.raises(AirflowSkipException, match="nothing new"), hook.lock_session() as session:
+        session.try_lock_many(["live-then-skipped"])
+        raise AirflowSkipException("nothing new")
+    assert advisory_locks(admin) == []
