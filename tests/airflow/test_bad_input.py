@@ -297,6 +297,16 @@ def _outside_airflow_3_0s_own(log: str) -> list[str]:
     return [line for line in log.splitlines() if AIRFLOW_VERSION != (3, 0) or "MaskSecret(value=" not in line]
 
 
+#: The tasks of both None-value DAGs, by the option whose template gives no value.
+NONE_VALUE_TASKS = [
+    ("key", "key_none"),
+    ("tenant", "tenant_none"),
+    ("once_per", "once_per_none"),
+    ("tenant", "composable_tenant_none"),
+    ("key", "guarded_key_none"),
+]
+
+
 def test_bad_native_keys_fail_naming_the_value(airflow_db: Any, admin: Any, capfd: Any) -> None:
     result = run_dag(NATIVE_DAG, "bad_native_keys")
     log = "".join(capfd.readouterr())
@@ -310,13 +320,7 @@ def test_bad_native_keys_fail_naming_the_value(airflow_db: Any, admin: Any, capf
         ("composable_tenant_none", -1): "failed",
         ("guarded_key_none", -1): "failed",
     }
-    for option, task_id in [
-        ("key", "key_none"),
-        ("tenant", "tenant_none"),
-        ("once_per", "once_per_none"),
-        ("tenant", "composable_tenant_none"),
-        ("key", "guarded_key_none"),
-    ]:
+    for option, task_id in NONE_VALUE_TASKS:
         assert f"the {option} template '{{{{ params.nothing }}}}' of task {task_id!r} rendered to None" in log, task_id
     assert "RAN " not in log
     assert str(2**63) in log and "between" in log
@@ -336,13 +340,7 @@ def test_templates_rendering_a_none_value_as_the_text_none_fail_naming_the_optio
     assert {task: result.state(task) for task in refused} == dict.fromkeys(refused, "failed"), result.states
     assert result.state("literal_none") == "success"
     assert "RAN literal_none" in log
-    for option, task_id in [
-        ("key", "key_none"),
-        ("tenant", "tenant_none"),
-        ("once_per", "once_per_none"),
-        ("tenant", "composable_tenant_none"),
-        ("key", "guarded_key_none"),
-    ]:
+    for option, task_id in NONE_VALUE_TASKS:
         assert (
             f"the {option} template '{{{{ params.nothing }}}}' of task {task_id!r} rendered to the text 'None'" in log
         ), task_id

@@ -38,6 +38,7 @@ from airflow_pglock.policy import LockPolicy
 from airflow_pglock.run_rules import RunRules
 from airflow_pglock.scope_rules import ScopeRole
 from tests.helpers import advisory_locks_left
+from tests.ops_helpers import scratch_database
 
 SQL_LAYER = Path(__file__).resolve().parents[2] / "airflow_pglock" / "pg"
 #: The statements init-db runs once (their functions' bodies are the installed schema's, not a lock's).
@@ -110,72 +111,73 @@ def hostile(pg_server: str) -> Iterator[dict[str, str]]:
     for a role (not a superuser) whose search_path puts that schema ahead of pg_catalog; and the
     implicit-cast cases shadowed in public for a second role with the default search_path.
     Yields the DSNs by role."""
-    database = f"pglock_hostile_{uuid.uuid4().hex[:8]}"
-    server = psycopg.conninfo.conninfo_to_dict(pg_server)
-
-    def dsn(user: str) -> str:
-        return psycopg.conninfo.make_conninfo(**{**server, "dbname": database, "user": user})
-
+    roles = (ROLE, f"{ROLE}_default")
     with psycopg.connect(pg_server, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(database)))
-        for role in (ROLE, f"{ROLE}_default"):
+        for role in roles:
             conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(role)))
             conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
     try:
-        with psycopg.connect(dsn(server.get("user", "postgres")), autocommit=True) as admin:
-            schema.migrate(admin)
-            for role in (ROLE, f"{ROLE}_default"):
-                for statement in schema.grant_usage(admin, role):
-                    admin.execute(statement)  # type: ignore[arg-type]  # the provider's own grants
-            admin.execute("CREATE SCHEMA shadow")
-            admin.execute(f"GRANT USAGE ON SCHEMA shadow TO {ROLE}")
-            named = {
-                match.group(1)
-                for _, _, text in _statement_strings()
-                for pattern in (_CALL, _QUALIFIED_CALL)
-                for match in pattern.finditer(text)
-            }
-            named |= {"pg_try_advisory_lock", "pg_try_advisory_xact_lock", "pg_advisory_unlock"}  # composed names
-            called = named & _builtin_functions(admin) - _SYNTAX
-            functions = admin.execute(
-                "SELECT proname, pg_catalog.pg_get_function_arguments(oid), pg_catalog.pg_get_function_result(oid)"
-                " FROM pg_catalog.pg_proc WHERE pronamespace = 'pg_catalog'::regnamespace AND prokind = 'f'"
-                " AND proname = ANY(%s)",
-                [sorted(called)],
-            ).fetchall()
-            shadowed = 0
-            for name, arguments, result in functions:
-                body = f"BEGIN RAISE EXCEPTION 'shadow.{name} was called'; END"
-                try:
-                    with admin.transaction():
-                        admin.execute(
-                            sql.SQL("CREATE FUNCTION shadow.{}({}) RETURNS {} LANGUAGE plpgsql AS {}").format(
-                                sql.Identifier(name), sql.SQL(arguments), sql.SQL(result), sql.Literal(body)
-                            )
-                        )
-                    shadowed += 1
-                except psycopg.Error:
-                    pass  # a type plpgsql cannot take ("any", internal)
-            assert shadowed > 40, f"only {shadowed} functions shadowed"
-            admin.execute(f"ALTER ROLE {ROLE} IN DATABASE {database} SET search_path = shadow, pg_catalog")
-            # PostgreSQL 14 and older let everyone create in public; exact matches of the arguments'
-            # types the provider passed (a bigint to to_timestamp, a literal to setval) won there.
-            admin.execute("GRANT CREATE ON SCHEMA public TO PUBLIC")
-            for signature in ("to_timestamp(bigint)", "setval(text, bigint)", "make_interval(secs integer)"):
-                admin.execute(
-                    f"CREATE FUNCTION public.{signature} RETURNS timestamptz LANGUAGE plpgsql"
-                    f" AS $$ BEGIN RAISE EXCEPTION 'public.{signature} was called'; END $$"
-                )
-        yield {"shadow": dsn(ROLE), "default": dsn(f"{ROLE}_default"), "admin": dsn(server.get("user", "postgres"))}
+        with scratch_database(pg_server, "pglock_hostile") as admin_dsn:
+            database = psycopg.conninfo.conninfo_to_dict(admin_dsn)["dbname"]
+
+            def dsn(user: str) -> str:
+                return psycopg.conninfo.make_conninfo(admin_dsn, user=user)
+
+            _shadow_everything(admin_dsn, str(database))
+            yield {"shadow": dsn(ROLE), "default": dsn(f"{ROLE}_default"), "admin": admin_dsn}
     finally:
         with psycopg.connect(pg_server, autocommit=True) as conn:
-            conn.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
-                [database],
-            )
-            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {}").format(sql.Identifier(database)))
-            for role in (ROLE, f"{ROLE}_default"):
+            for role in roles:
                 conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(role)))
+
+
+def _shadow_everything(admin_dsn: str, database: str) -> None:
+    """Every built-in function the SQL layer names, shadowed by one that raises in a schema ahead of
+    pg_catalog for ROLE; the implicit-cast cases shadowed in public for the default search_path."""
+    with psycopg.connect(admin_dsn, autocommit=True) as admin:
+        schema.migrate(admin)
+        for role in (ROLE, f"{ROLE}_default"):
+            for statement in schema.grant_usage(admin, role):
+                admin.execute(statement)  # type: ignore[arg-type]  # the provider's own grants
+        admin.execute("CREATE SCHEMA shadow")
+        admin.execute(f"GRANT USAGE ON SCHEMA shadow TO {ROLE}")
+        named = {
+            match.group(1)
+            for _, _, text in _statement_strings()
+            for pattern in (_CALL, _QUALIFIED_CALL)
+            for match in pattern.finditer(text)
+        }
+        named |= {"pg_try_advisory_lock", "pg_try_advisory_xact_lock", "pg_advisory_unlock"}  # composed names
+        called = named & _builtin_functions(admin) - _SYNTAX
+        functions = admin.execute(
+            "SELECT proname, pg_catalog.pg_get_function_arguments(oid), pg_catalog.pg_get_function_result(oid)"
+            " FROM pg_catalog.pg_proc WHERE pronamespace = 'pg_catalog'::regnamespace AND prokind = 'f'"
+            " AND proname = ANY(%s)",
+            [sorted(called)],
+        ).fetchall()
+        shadowed = 0
+        for name, arguments, result in functions:
+            body = f"BEGIN RAISE EXCEPTION 'shadow.{name} was called'; END"
+            try:
+                with admin.transaction():
+                    admin.execute(
+                        sql.SQL("CREATE FUNCTION shadow.{}({}) RETURNS {} LANGUAGE plpgsql AS {}").format(
+                            sql.Identifier(name), sql.SQL(arguments), sql.SQL(result), sql.Literal(body)
+                        )
+                    )
+                shadowed += 1
+            except psycopg.Error:
+                pass  # a type plpgsql cannot take ("any", internal)
+        assert shadowed > 40, f"only {shadowed} functions shadowed"
+        admin.execute(f"ALTER ROLE {ROLE} IN DATABASE {database} SET search_path = shadow, pg_catalog")
+        # PostgreSQL 14 and older let everyone create in public; exact matches of the arguments'
+        # types the provider passed (a bigint to to_timestamp, a literal to setval) won there.
+        admin.execute("GRANT CREATE ON SCHEMA public TO PUBLIC")
+        for signature in ("to_timestamp(bigint)", "setval(text, bigint)", "make_interval(secs integer)"):
+            admin.execute(
+                f"CREATE FUNCTION public.{signature} RETURNS timestamptz LANGUAGE plpgsql"
+                f" AS $$ BEGIN RAISE EXCEPTION 'public.{signature} was called'; END $$"
+            )
 
 
 @pytest.mark.parametrize("role", ["shadow-ahead-of-pg_catalog", "default-search_path"])
