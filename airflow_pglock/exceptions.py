@@ -116,15 +116,3 @@ class AlreadyDoneError(PgLockError):
         super().__init__(message)
         self.key = key
         self.completion = completion
-
-
-class DoneByEarlierTryError(PgLockError):
-    """The period (or the ``min_interval`` window) was completed by an earlier try of this very task
-    instance, which then failed after the record (its return value's XCom, its timeout): the work is
-    not run again, and the try fails rather than skip (its downstream tasks would be skipped without
-    its result)."""
-
-    def __init__(self, message: str, key: Any, completion: object) -> None:
-        super().__init__(message)
-        self.key = key
-        self.completion = completion

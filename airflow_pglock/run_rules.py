@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 from airflow_pglock.exceptions import (
     AlreadyDoneError,
-    DoneByEarlierTryError,
     LockConfigurationError,
     LockLostError,
     PgLockError,
@@ -27,7 +26,6 @@ from airflow_pglock.keys import MAX_KEY_NAME_BYTES
 if TYPE_CHECKING:  # the ledger (SQL, psycopg) loads when a rule runs, not when a DAG is parsed
     from airflow_pglock.pg.database import LockDatabase
     from airflow_pglock.pg.held import HeldLock
-    from airflow_pglock.pg.ledger import Completion
 
 #: The longest ``once_per`` period, in UTF-8 bytes: the key names' limit. The period is part of the
 #: primary key of ``pglock.completions`` (a btree: index rows of at most 2704 bytes with PostgreSQL's
@@ -43,15 +41,11 @@ class RunRules:
     :param period: the rendered ``once_per`` value (e.g. the data interval start), or None.
     :param min_interval: seconds; skip while the key's last completion is more recent.
     :param fencing: issue a fencing token for each acquisition.
-    :param task_instance: the Airflow task instance this run is a try of, or None: a completion
-        that an earlier try of it recorded fails the run (:class:`DoneByEarlierTryError`) instead
-        of skipping it as already done.
     """
 
     period: str | None = None
     min_interval: float | None = None
     fencing: bool = False
-    task_instance: TaskIdentity | None = None
 
     def __post_init__(self) -> None:
         check_period(self.period)
@@ -132,9 +126,6 @@ def check_before_work(
 ) -> int | None:
     """Skip (AlreadyDoneError) if the period is done or the key too fresh; else issue a token if asked.
 
-    Fails (DoneByEarlierTryError) instead of skipping when that completion was recorded by an
-    earlier try of ``rules.task_instance``: the run's own work is done, and it failed after that.
-
     Raises LockLostError when the token could not be issued because the lock was not held
     any more (e.g. the holder stalled past the lease before it): the work must not run.
     """
@@ -145,7 +136,6 @@ def check_before_work(
         done = ledger.completion_for_period(conn, held.key, rules.period)
         held.answered()
         if done is not None:
-            _refuse_earlier_try(rules, held, done, f"did the work for period {rules.period!r}", "once_per")
             raise AlreadyDoneError(
                 f"{held.key.describe()} already done for period {rules.period!r} {done.describe()} (once_per)",
                 held.key,
@@ -162,9 +152,6 @@ def check_before_work(
                 "(or correct its completed_at) to run the task again"
             )
         if latest is not None and latest.age_seconds < rules.min_interval:
-            _refuse_earlier_try(
-                rules, held, latest, "did the work", f"less than min_interval={rules.min_interval:g} s ago"
-            )
             raise AlreadyDoneError(
                 f"{held.key.describe()} completed {latest.age_seconds:.1f} s ago, less than "
                 f"min_interval={rules.min_interval:g} s: {latest.describe()} (database clock)",
@@ -195,30 +182,6 @@ def check_before_work(
             held.answered()
         return token
     return None
-
-
-def _refuse_earlier_try(rules: RunRules, held: HeldLock, done: Completion, what: str, rule: str) -> None:
-    """Fail (:class:`DoneByEarlierTryError`) when ``done`` was recorded by an earlier try of this task
-    instance: that try did the work, then failed after the record (or the task was cleared). A skip
-    "already done" would skip its downstream tasks, which never got its result, without a word."""
-    ti = rules.task_instance
-    if ti is None or (done.dag_id, done.task_id, done.run_id, done.map_index) != (
-        ti.dag_id,
-        ti.task_id,
-        ti.run_id,
-        ti.map_index,
-    ):
-        return
-    raise DoneByEarlierTryError(
-        f"{held.key.describe()}: an earlier try of this task instance {what} and recorded it "
-        f"{done.describe()} ({rule}); the task failed after that (its return value could not be stored as an "
-        "XCom, its execution_timeout ran out, ...), or it was cleared. The work is not run again, and this try "
-        "fails instead of skipping as already done, which would skip its downstream tasks without its result: "
-        "mark the task instance success if they need nothing from it, or delete the completion to do the work "
-        "again (docs/once-per-period.md#running-a-period-again)",
-        held.key,
-        done,
-    )
 
 
 def _lost_after_fencing(held: HeldLock) -> LockLostError:

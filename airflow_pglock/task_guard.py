@@ -37,7 +37,6 @@ from airflow_pglock.compat import (
 )
 from airflow_pglock.exceptions import (
     AlreadyDoneError,
-    DoneByEarlierTryError,
     InvalidLockKeyError,
     LockBusyError,
     LockConfigurationError,
@@ -337,7 +336,6 @@ def run_guarded(
             period=None if once_per is None else str(once_per),
             min_interval=spec.min_interval,
             fencing=spec.fencing,
-            task_instance=identity,  # a completion its own earlier try recorded fails it, never skips it
         )
         guard = LockGuard(
             spec.hook().database,
@@ -380,8 +378,6 @@ def run_guarded(
         raise _guard_skip(f"skipped: {busy}") from busy
     except LockLostError:
         raise
-    except DoneByEarlierTryError as error:  # its own work is done, then the task failed: no retry mends that
-        raise AirflowFailException(str(error)) from error
     except StandbyServerError as error:  # often a failover under way: retried, as a database that is down
         if not lock_taken():
             _skip_if_asked(spec, error, logger)

@@ -363,6 +363,8 @@ def stopped_under_the_key(task: BaseOperator, handle: LockHandle | None) -> Iter
     try:
         yield
     except INTERRUPTIONS as interrupted:
+        if isinstance(interrupted, SystemExit) and interrupted.code in (0, None):
+            raise  # a clean exit (Airflow 2 counts it a success): nothing to stop
         why = f"{type(interrupted).__name__} ({interrupted})" if str(interrupted) else type(interrupted).__name__
         held = handle.key.describe() if handle is not None else "its key"
         task.log.warning(

@@ -462,7 +462,7 @@ def _refuse_a_sequence_out_of_order(conn: psycopg.Connection[Any], key: LockKey,
             conn,
             "fencing",
             "SELECT tokens.token, pg_catalog.pg_sequence_last_value(seq.seqrelid), seq.seqcache, seq.seqmax"
-            " FROM pg_sequence AS seq"
+            " FROM pg_catalog.pg_sequence AS seq"
             " LEFT JOIN pglock.fencing_tokens AS tokens ON tokens.objsubid = %(objsubid)s"
             " AND tokens.classid = %(classid)s AND tokens.objid = %(objid)s"
             " WHERE seq.seqrelid = 'pglock.fencing_token_seq'::regclass",
@@ -498,7 +498,7 @@ def _used_up(conn: psycopg.Connection[Any], key: LockKey) -> LockConfigurationEr
             conn,
             "fencing",
             "SELECT seq.seqmax, (SELECT pg_catalog.max(token) FROM pglock.fencing_tokens WHERE token < seq.seqmax)"
-            " FROM pg_sequence AS seq WHERE seq.seqrelid = 'pglock.fencing_token_seq'::regclass",
+            " FROM pg_catalog.pg_sequence AS seq WHERE seq.seqrelid = 'pglock.fencing_token_seq'::regclass",
             {},
         ).fetchone()
     except (psycopg.Error, PgLockError):

@@ -254,7 +254,7 @@ def missing_roles(conn: psycopg.Connection[Any], roles: list[str]) -> list[str]:
         return []
     rows = conn.execute(
         "SELECT name FROM pg_catalog.unnest(%s::text[]) WITH ORDINALITY AS given(name, n) "
-        "WHERE NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = given.name) ORDER BY n",
+        "WHERE NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = given.name) ORDER BY n",
         [roles],
     ).fetchall()
     return [row[0] for row in rows]

@@ -247,7 +247,7 @@ _GIVEN_BACK = (
     " ARRAY(SELECT k.n FROM ROWS FROM (pg_catalog.unnest(%s::bigint[]),"
     " pg_catalog.unnest(%s::bigint[]), pg_catalog.unnest(%s::integer[])) WITH"
     " ORDINALITY AS k(c, o, s, n)"
-    " WHERE (k.c, k.o, k.s) IN (SELECT classid::bigint, objid::bigint, objsubid::integer FROM pg_locks"
+    " WHERE (k.c, k.o, k.s) IN (SELECT classid::bigint, objid::bigint, objsubid::integer FROM pg_catalog.pg_locks"
     " WHERE locktype = 'advisory' AND pid = pg_catalog.pg_backend_pid() AND granted AND mode = %s))"
 )
 
@@ -277,7 +277,7 @@ def unlock_many(conn: psycopg.Connection[Any], keys: list[LockKey], *, shared: b
 # are all in its database, and a shared catalog's lock would need room in the lock table,
 # which a batch that ran out of shared memory has just filled.
 _OWN_LOCKS = (
-    "SELECT classid::bigint, objid::bigint, objsubid::integer FROM pg_locks"
+    "SELECT classid::bigint, objid::bigint, objsubid::integer FROM pg_catalog.pg_locks"
     " WHERE locktype = 'advisory' AND pid = pg_catalog.pg_backend_pid() AND granted AND mode = %s"
 )
 
@@ -320,7 +320,7 @@ def _statement_timeout_lifted(conn: psycopg.Connection[Any]) -> Iterator[None]:
 def session_alive_seen_from_aside(conn: psycopg.Connection[Any], pid: int) -> bool:
     """Whether the session ``pid`` still exists, asked on another session ``conn`` (for a lock
     session whose own connection is busy: its keys can end only with it, or by its unlock)."""
-    row = conn.execute("SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = %s)", [pid]).fetchone()
+    row = conn.execute("SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_stat_activity WHERE pid = %s)", [pid]).fetchone()
     return bool(row and row[0])
 
 

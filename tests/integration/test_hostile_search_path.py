@@ -95,6 +95,19 @@ def test_every_builtin_function_the_sql_layer_calls_is_named_by_its_schema(admin
         if match.group(1) in builtins - _SYNTAX
     ]
     assert unqualified == [], "call these as pg_catalog.<name>(...): " + ", ".join(unqualified)
+    relations = {
+        row[0]
+        for row in admin.execute(
+            "SELECT relname FROM pg_catalog.pg_class WHERE relnamespace = 'pg_catalog'::regnamespace"
+        )
+    }
+    unqualified_relations = [
+        f"{name}:{line}: {match.group(1)}"
+        for name, line, text in _statement_strings()
+        for match in re.finditer(r"\b(?:FROM|JOIN)\s+([a-z_][a-z0-9_]*)\b", text)
+        if match.group(1) in relations
+    ]
+    assert unqualified_relations == [], "name these pg_catalog.<name>: " + ", ".join(unqualified_relations)
     # unnest(a, b, c) is the grammar's shorthand for ROWS FROM (unnest(a), ...): qualified, it is
     # a call of a function that does not exist.
     zipped = [
