@@ -372,6 +372,8 @@ class ExternalJob(BaseOperator):
     def execute(self, context):
         self._record("started")
         if self.ending == "sigint":
+            # Python's own handler: a process started in the background (CI's) inherits SIGINT ignored
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.raise_signal(signal.SIGINT)  # Ctrl-C: Python raises KeyboardInterrupt here
         time.sleep(60)
 
